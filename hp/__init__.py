@@ -1,0 +1,27 @@
+"""hp: named-axis layouts on PyTorch DTensor, JAX-style.
+
+>>> import hp, torch
+>>> mesh = hp.mesh(tp=1)
+>>> x = hp.shard(torch.randn(8, 16), "b h/tp", mesh)
+>>> hp.describe(x)
+'f32[b=8, h=16/tp]'
+"""
+
+from hp.layouts import (
+    Layout,
+    LayoutError,
+    Rules,
+    constrain,
+    describe,
+    from_local,
+    layout,
+    layout_of,
+    rules,
+    shard,
+)
+from hp.mesh import MeshError, mesh
+
+__all__ = [
+    "Layout", "LayoutError", "MeshError", "Rules", "constrain", "describe", "from_local",
+    "layout", "layout_of", "mesh", "rules", "shard",
+]

@@ -1,0 +1,206 @@
+"""The annotate API: put tensors on a mesh by layout, change layouts, read them back.
+
+These are the few calls a user writes by hand, in the spirit of JAX's
+`device_put` / `with_sharding_constraint`: `shard` (a global tensor to a
+DTensor), `constrain` (reshard inside a differentiable program), `from_local`
+(assemble a DTensor from per-rank pieces), `layout_of` and `describe` (read a
+DTensor's layout back, with the dimension names it was given).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+
+from hp.layouts.errors import LayoutError
+from hp.layouts.layout import Layout
+from hp.layouts.parse import layout as parse
+from hp.layouts.placements import bind, from_placements, mesh_axes, to_placements
+from hp.layouts.rules import Rules, resolve
+
+LayoutLike = str | Layout
+RulesLike = Rules | Mapping[str, str | tuple[str, ...] | None] | None
+
+# DTensors carry no dimension names; hp remembers the layout it gave them here.
+_NAMES_ATTR = "_hp_layout"
+
+
+def _prepare(
+    spec: LayoutLike, mesh: DeviceMesh, shape: Sequence[int], rules: RulesLike, uneven: bool
+) -> Layout:
+    bound = bind(resolve(parse(spec), rules), mesh, shape, uneven=uneven)
+    if bound.tier != "device":
+        raise bound.error(
+            f"memory tier '@{bound.tier}' is realised by hp.offload(); "
+            "hp.shard/constrain/from_local place tensors on the device",
+            at=("tier",),
+        )
+    return bound
+
+
+def _tag(x: DTensor, bound: Layout) -> DTensor:
+    setattr(x, _NAMES_ATTR, bound)
+    return x
+
+
+def shard(
+    t: torch.Tensor,
+    spec: LayoutLike,
+    mesh: DeviceMesh,
+    *,
+    rules: RulesLike = None,
+    uneven: bool = False,
+    src: int | None = None,
+) -> DTensor:
+    """Lay the global tensor `t` out on `mesh` as `spec` says.
+
+    Every rank is expected to pass the same `t` (as in JAX's multi-process
+    `device_put`) and keeps its own block of it without communication; pass
+    `src=0` to scatter rank 0's copy instead. A partial layout (`+tp`) keeps
+    `t` on the first rank of each `tp` group and zeros on the others, so the
+    pending sum is `t`.
+
+    >>> import hp, torch
+    >>> mesh = hp.mesh(tp=1)
+    >>> x = hp.shard(torch.ones(4, 6), "b h/tp", mesh)
+    >>> hp.describe(x)
+    'f32[b=4, h=6/tp]'
+    """
+    bound = _prepare(spec, mesh, t.shape, rules, uneven)
+    placements = to_placements(bound, mesh)
+    placed = [Replicate() if isinstance(p, Partial) else p for p in placements]
+    x = distribute_tensor(t, mesh, placed, src_data_rank=src)
+    if tuple(placed) != placements:
+        x = x.redistribute(mesh, placements)
+    return _tag(x, bound)
+
+
+def constrain(
+    x: torch.Tensor,
+    spec: LayoutLike,
+    *,
+    mesh: DeviceMesh | None = None,
+    rules: RulesLike = None,
+    uneven: bool = False,
+) -> DTensor:
+    """Reshard `x` to `spec`, differentiably (like `with_sharding_constraint`).
+
+    A plain tensor is taken as replicated on `mesh` (required then).
+
+    >>> import hp, torch
+    >>> mesh = hp.mesh(tp=1)
+    >>> y = hp.constrain(hp.shard(torch.ones(4, 6), "b h/tp", mesh), "b/tp h")
+    >>> str(hp.layout_of(y))
+    'b/tp h'
+    """
+    if not isinstance(x, DTensor):
+        if mesh is None:
+            raise LayoutError(
+                f"hp.constrain got a plain {type(x).__name__} of shape {tuple(x.shape)}; "
+                "pass mesh= to treat it as replicated, or hp.shard it first"
+            )
+        x = DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    elif mesh is not None and mesh != x.device_mesh:
+        raise LayoutError("hp.constrain cannot move a DTensor to another mesh")
+    bound = _prepare(spec, x.device_mesh, x.shape, rules, uneven)
+    placements = to_placements(bound, x.device_mesh)
+    if tuple(x.placements) != placements:
+        x = x.redistribute(x.device_mesh, placements)
+    else:
+        x = x.view_as(x)  # a fresh node, so tagging never renames the caller's tensor
+    return _tag(x, bound)
+
+
+def from_local(
+    t_local: torch.Tensor,
+    spec: LayoutLike,
+    mesh: DeviceMesh,
+    *,
+    shape: Sequence[int] | None = None,
+    rules: RulesLike = None,
+) -> DTensor:
+    """Assemble a DTensor from each rank's block `t_local`, laid out as `spec`.
+
+    The global shape is each local size times its shard count, unless given
+    as `shape` (needed for uneven shards).
+
+    >>> import hp, torch
+    >>> mesh = hp.mesh(tp=1)
+    >>> hp.describe(hp.from_local(torch.zeros(2, 3), "b h/tp +dp", hp.mesh(dp=1, tp=1)))
+    'f32[b=2, h=3/tp] +dp'
+    """
+    layout = resolve(parse(spec), rules)
+    local = layout.expand(tuple(t_local.shape))
+    sizes = mesh_axes(mesh)
+    counts = [math.prod(sizes.get(a, 1) for a in d.axes) for d in local.dims]
+    implied = tuple(n * c for n, c in zip(t_local.shape, counts))
+    shape = implied if shape is None else tuple(shape)
+    if len(shape) != t_local.dim():
+        raise local.error(
+            f"shape {shape} has {len(shape)} dims but the local tensor has {t_local.dim()}"
+        )
+    for i, (got, full, c) in enumerate(zip(t_local.shape, shape, counts)):
+        if got not in _chunk_sizes(full, c):
+            raise local.error(
+                f"dimension {i}: a local block of {got} cannot be one of {c} shards "
+                f"of a global size {full}",
+                at=("dim", i),
+            )
+    bound = _prepare(layout, mesh, shape, None, uneven=shape != implied)
+    placements = to_placements(bound, mesh)
+    stride = torch.empty(tuple(shape), device="meta").stride()
+    x = DTensor.from_local(
+        t_local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride
+    )
+    return _tag(x, bound)
+
+
+def _chunk_sizes(full: int, count: int) -> set[int]:
+    """Block sizes torch.chunk gives (DTensor's uneven rule), 0 for ranks left empty."""
+    step = -(-full // count) if count else full
+    sizes = {min(step, full - start) for start in range(0, full, step)} if full else set()
+    return sizes | ({0} if full == 0 or -(-full // step) < count else set())
+
+
+def layout_of(x: DTensor) -> Layout:
+    """The layout of a DTensor, with the dim names hp gave it (else sizes).
+
+    >>> import hp, torch
+    >>> x = hp.shard(torch.ones(4, 6), "b h/tp", hp.mesh(tp=1))
+    >>> hp.layout_of(x)
+    Layout('b h/tp')
+    """
+    if not isinstance(x, DTensor):
+        raise LayoutError(f"hp.layout_of needs a DTensor, got {type(x).__name__}")
+    names = getattr(x, _NAMES_ATTR, None)
+    return from_placements(x.placements, x.device_mesh, x.shape, names=names)
+
+
+_DTYPES = {
+    torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
+    torch.uint8: "u8", torch.bool: "bool", torch.complex64: "c64",
+}
+
+
+def describe(x: torch.Tensor) -> str:
+    """A JAX-style one-line summary: dtype, named sizes, mesh axes, partial sums.
+
+    >>> import hp, torch
+    >>> hp.describe(torch.zeros(2, 3, dtype=torch.bfloat16))
+    'bf16[2, 3]'
+    """
+    dtype = _DTYPES.get(x.dtype, str(x.dtype).removeprefix("torch."))
+    if not isinstance(x, DTensor):
+        return f"{dtype}[{', '.join(str(s) for s in x.shape)}]"
+    layout = layout_of(x)
+    dims = []
+    for dim, size in zip(layout.dims, x.shape):
+        label = str(size) if dim.size is not None else f"{dim.name}={size}"
+        dims.append(label + "".join(f"/{a}" for a in dim.axes))
+    marks = "".join(f" +{a}" for a in layout.partial)
+    return f"{dtype}[{', '.join(dims)}]{marks}"
