@@ -1,10 +1,10 @@
 """hp: named-axis layouts on PyTorch DTensor, JAX-style.
 
 >>> import hp, torch
->>> mesh = hp.mesh(tp=1)
->>> x = hp.shard(torch.randn(8, 16), "b h/tp", mesh)
+>>> mesh = hp.mesh(dp=2, tp=4, simulate=True)  # or hp.mesh(dp=2, tp=4) under torchrun
+>>> x = hp.shard(torch.randn(8, 16), "b/dp h/tp", mesh)
 >>> hp.describe(x)
-'f32[b=8, h=16/tp]'
+'f32[b=8/dp, h=16/tp]'
 """
 
 from hp.layouts import (

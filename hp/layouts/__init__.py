@@ -2,7 +2,7 @@
 
 from hp.layouts.annotate import constrain, describe, from_local, layout_of, shard
 from hp.layouts.errors import LayoutError
-from hp.layouts.layout import Dim, Layout
+from hp.layouts.types import Dim, Layout
 from hp.layouts.parse import layout
 from hp.layouts.placements import bind, from_placements, to_placements
 from hp.layouts.rules import Rules, active_rules, rules

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 
 from hp.layouts.errors import LayoutError
-from hp.layouts.layout import ELLIPSIS, Dim, Layout
+from hp.layouts.types import ELLIPSIS, Dim, Layout
 
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|[0-9]+")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -21,7 +21,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hp.layouts.errors import LayoutError
-from hp.layouts.layout import Dim, Layout
+from hp.layouts.types import Dim, Layout
 
 
 def mesh_axes(mesh: DeviceMesh) -> dict[str, int]:
@@ -132,12 +132,9 @@ def from_placements(
         elif not isinstance(p, Replicate):
             raise LayoutError(f"placement {p} on mesh axis '{order[m]}' has no layout notation")
     template = names.dims if names is not None and len(names.dims) == len(shape) else None
-    dims = []
-    for d, size in enumerate(shape):
-        base = template[d] if template else Dim((str(size),))
-        dims.append(Dim(base.factors, (), base.composite))
-    for d, axes in per_dim.items():
-        dims[d] = _order_axes(dims[d], d, axes, placements, mesh)
+    dims = [template[d] if template else Dim((str(size),)) for d, size in enumerate(shape)]
+    for d in range(len(shape)):
+        dims[d] = _order_axes(dims[d], d, per_dim.get(d, []), placements, mesh)
     tier = names.tier if names is not None else "device"
     return Layout(tuple(dims), tuple(partial), tier)
 
@@ -145,8 +142,13 @@ def from_placements(
 def _order_axes(
     dim: Dim, d: int, axes: list[str], placements: Sequence[Placement], mesh: DeviceMesh
 ) -> Dim:
-    """The order of `axes` (major first) that reproduces `placements` on dim d."""
-    for candidate in itertools.permutations(axes):
+    """The order of `axes` (major first) that reproduces `placements` on dim d.
+
+    The order `dim` already has is tried first: size-1 axes make several
+    orders equivalent, and the one the user wrote should win.
+    """
+    recorded = [dim.axes] if sorted(dim.axes) == sorted(axes) else []
+    for candidate in recorded + list(itertools.permutations(axes)):
         trial = Dim(dim.factors, tuple(candidate), dim.composite)
         got = to_placements(_single(trial, d), mesh)
         if all(got[mesh.mesh_dim_names.index(a)] == placements[mesh.mesh_dim_names.index(a)] for a in axes):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from hp.layouts.errors import LayoutError
-from hp.layouts.layout import Layout
+from hp.layouts.types import Layout
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _ACTIVE: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("hp_rules", default=None)

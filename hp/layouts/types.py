@@ -1,4 +1,4 @@
-"""`Layout`: the immutable value that says how each tensor dimension lies on a mesh.
+"""`Layout` and `Dim`: the immutable value that says how each tensor dimension lies on a mesh.
 
 A layout is written in the notation of DESIGN.md (`"b s/cp h/tp +dp @host"`),
 parsed by `hp.layouts.parse`, and printed back here in canonical form. It knows

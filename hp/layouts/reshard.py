@@ -1,0 +1,50 @@
+"""Differentiable redistribution to any layout, including into partial sums.
+
+DTensor's `redistribute` refuses to create `Partial` placements ("internal
+use only"), yet a layout may ask for one (`"b h +tp"`: the value is a pending
+sum over tp). Turning a replicated value into a partial sum is exact without
+communication: the first rank of each group keeps the value, the others hold
+zeros. Its gradient is the incoming gradient on every rank, which this module
+declares by marking the local gradient as a partial sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.distributed._local_tensor import maybe_run_for_local_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
+
+
+def reshard(x: DTensor, placements: Sequence[Placement]) -> DTensor:
+    """`x` redistributed to `placements`; Partial targets are allowed."""
+    placements = tuple(placements)
+    into_partial = [
+        m
+        for m, p in enumerate(placements)
+        if isinstance(p, Partial) and not isinstance(x.placements[m], Partial)
+    ]
+    staging = tuple(Replicate() if m in into_partial else p for m, p in enumerate(placements))
+    if tuple(x.placements) != staging:
+        x = x.redistribute(x.device_mesh, staging)
+    if into_partial:
+        x = _replicate_to_partial(x, into_partial, placements)
+    return x
+
+
+def _replicate_to_partial(x: DTensor, mesh_dims: list[int], placements) -> DTensor:
+    mesh = x.device_mesh
+    grad_placements = [Partial() if m in mesh_dims else p for m, p in enumerate(x.placements)]
+    local = x.to_local(grad_placements=grad_placements)
+    coords = mesh.get_coordinate()
+    keep = _first_of_group(local, [coords[m] for m in mesh_dims])
+    return DTensor.from_local(
+        local * keep, mesh, placements, run_check=False, shape=x.shape, stride=x.stride()
+    )
+
+
+@maybe_run_for_local_tensor  # rank-dependent: runs once per simulated rank
+def _first_of_group(like: torch.Tensor, coords: list[int]) -> torch.Tensor:
+    """1 on the rank whose coordinates on the given mesh dims are all 0, else 0."""
+    return torch.ones((), dtype=like.dtype, device=like.device) * float(all(c == 0 for c in coords))
