@@ -1,0 +1,58 @@
+"""Worker for test_gloo.py: shard / constrain / from_local on a real 4-process gloo world.
+
+Run by torchrun; every check raises on failure, so a non-zero exit is a failed test.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+import hp
+
+
+def main() -> None:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from layout_strategies import expected_block
+
+    mesh = hp.mesh(dp=2, tp=2)
+    rank = torch.distributed.get_rank()
+    assert torch.distributed.get_backend() == "gloo", torch.distributed.get_backend()
+    torch.manual_seed(0)
+    t = torch.randn(8, 12)
+
+    def same_block(x, layout):
+        want = expected_block(t, hp.layout(layout), mesh, rank)
+        assert torch.equal(x.to_local(), want), f"rank {rank}: wrong block for {layout}"
+        assert torch.equal(x.full_tensor(), t), f"rank {rank}: wrong values for {layout}"
+
+    x = hp.shard(t, "b/dp h/tp", mesh)
+    same_block(x, "b/dp h/tp")
+    for target in ["b/tp h/dp", "b h/tp/dp", "b h/dp/tp", "b h +tp", "b/dp h +tp", "b h"]:
+        y = hp.constrain(x, target)
+        same_block(y, target)
+        assert str(hp.layout_of(y)) == target
+
+    # scatter from rank 0: the other ranks' copies must not matter
+    mine = t if rank == 0 else torch.full_like(t, float(rank))
+    same_block(hp.shard(mine, "b h/tp/dp", mesh, src=0), "b h/tp/dp")
+
+    # from_local assembles each rank's own block
+    z = hp.from_local(expected_block(t, hp.layout("b/tp h/dp"), mesh, rank), "b/tp h/dp", mesh)
+    same_block(z, "b/tp h/dp")
+
+    # gradients flow back through a strided reshard and a partial sum
+    w = torch.randn(8, 12)
+    ref = t.clone().requires_grad_()
+    (ref.tanh() * w).sum().backward()
+    leaf = hp.shard(t, "b/dp h/tp", mesh).requires_grad_()
+    y = hp.constrain(hp.constrain(leaf, "b h/tp/dp"), "b h +dp")
+    (y.tanh() * hp.shard(w, "b h", mesh)).sum().backward()
+    torch.testing.assert_close(leaf.grad.full_tensor(), ref.grad)
+    print(f"rank {rank} ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()
