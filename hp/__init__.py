@@ -20,8 +20,13 @@ from hp.layouts import (
     shard,
 )
 from hp.mesh import MeshError, mesh
+from hp.ops import RuleError, rule
+from hp.parallelize import parallelize
+from hp.region import region
 
 __all__ = [
-    "Layout", "LayoutError", "MeshError", "Rules", "constrain", "describe", "from_local",
-    "layout", "layout_of", "mesh", "rules", "shard",
+    "Layout", "LayoutError", "MeshError", "RuleError", "Rules", "constrain", "describe", "from_local",
+    "comm", "layout", "layout_of", "mesh", "parallelize", "region", "rule", "rules", "shard",
 ]
+
+from hp import comm  # noqa: E402  (hp.comm.trace())

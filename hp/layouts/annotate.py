@@ -48,6 +48,12 @@ def _tag(x: DTensor, bound: Layout) -> DTensor:
     return x
 
 
+def keep_names(src: DTensor, dst: DTensor) -> DTensor:
+    """`dst` (e.g. an nn.Parameter wrapping `src`) keeps the dim names hp gave `src`."""
+    names = getattr(src, _NAMES_ATTR, None)
+    return _tag(dst, names) if names is not None else dst
+
+
 def shard(
     t: torch.Tensor,
     spec: LayoutLike,

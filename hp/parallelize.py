@@ -1,0 +1,147 @@
+"""`hp.parallelize`: lay a module's parameters out by a plan of layouts, in place.
+
+A plan maps parameter-name globs to layouts (`{"*.q_proj.weight": "out/tp in"}`,
+first match wins); parameters no entry matches stay replicated, and an entry
+that matches nothing is an error (a typo would otherwise silently replicate).
+Optional `inputs` and `outputs` lay out module arguments and results. The
+module's code is untouched: its forward runs inside `hp.region()`, so the
+plain tensors it makes are taken as replicated and the op rules do the rest.
+
+Parameters on the meta device become sharded meta DTensors: call
+`module.to_empty(device=...)` and initialise or load them, and no rank ever
+holds a whole large weight.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from hp.layouts import Layout, constrain, layout, shard
+from hp.layouts.annotate import keep_names
+from hp.layouts.placements import bind, to_placements
+from hp.layouts.rules import Rules, resolve
+from hp.region import region
+
+Layouts = str | Layout | tuple | Mapping
+
+
+def parallelize(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    plan: Mapping[str, str | Layout],
+    *,
+    inputs: Mapping[str, Layouts] | None = None,
+    outputs: Mapping[str, Layouts] | None = None,
+    rules: Rules | Mapping | None = None,
+) -> nn.Module:
+    """Shard `module`'s parameters by `plan` and run its forward in an hp region.
+
+    >>> import hp, torch
+    >>> mesh = hp.mesh(tp=2, simulate=True)
+    >>> mlp = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    >>> mlp = hp.parallelize(mlp, mesh, {"0.weight": "out/tp in", "0.bias": "out/tp", "2.weight": "out in/tp"})
+    >>> hp.describe(mlp[2].weight), hp.describe(mlp[2].bias)
+    ('f32[out=8, in=32/tp]', 'f32[8]')
+    """
+    used: set[str] = set()
+    replaced: dict[int, nn.Parameter] = {}
+    for name, param in list(module.named_parameters(remove_duplicate=False)):
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        if id(param) not in replaced:
+            spec = _match(plan, name, used, param.dim())
+            placed = _place(param.detach(), spec, mesh, rules)
+            replaced[id(param)] = keep_names(
+                placed, nn.Parameter(placed, requires_grad=param.requires_grad)
+            )
+        setattr(owner, attr, replaced[id(param)])
+    unused = [k for k in plan if k not in used]
+    if unused:
+        raise KeyError(f"hp.parallelize: plan entries {unused} match no parameter of {type(module).__name__}")
+    _layout_io(module, mesh, inputs or {}, outputs or {}, rules)
+    _run_in_region(module)
+    return module
+
+
+def _match(plan, name: str, used: set[str], ndim: int) -> Layout:
+    for pattern, spec in plan.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            used.add(pattern)
+            return layout(spec)
+    return layout("...")
+
+
+def _place(t: torch.Tensor, spec: Layout, mesh: DeviceMesh, rules) -> DTensor:
+    if t.device.type != "meta":
+        return shard(t, spec, mesh, rules=rules)
+    bound = bind(resolve(spec, rules), mesh, t.shape)
+    return distribute_tensor(t, mesh, to_placements(bound, mesh))
+
+
+def _layout_io(module: nn.Module, mesh, inputs, outputs, rules) -> None:
+    for pattern, specs in inputs.items():
+        for target in _modules(module, pattern, "inputs"):
+            target.register_forward_pre_hook(_input_hook(specs, mesh, rules), with_kwargs=True)
+    for pattern, specs in outputs.items():
+        for target in _modules(module, pattern, "outputs"):
+            target.register_forward_hook(_output_hook(specs, mesh, rules))
+
+
+def _modules(module: nn.Module, pattern: str, what: str) -> list[nn.Module]:
+    found = [m for n, m in module.named_modules() if fnmatch.fnmatchcase(n, pattern)]
+    if not found:
+        raise KeyError(f"hp.parallelize: {what} entry '{pattern}' matches no module")
+    return found
+
+
+def _lay(value, spec, mesh, rules):
+    if spec is None or not isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, DTensor):
+        return constrain(value, spec, rules=rules)
+    return shard(value, spec, mesh, rules=rules)
+
+
+def _input_hook(specs, mesh, rules):
+    def hook(mod, args, kwargs):
+        if isinstance(specs, Mapping):
+            kwargs = {k: _lay(v, specs.get(k), mesh, rules) for k, v in kwargs.items()}
+        else:
+            specs_t = specs if isinstance(specs, tuple) else (specs,)
+            args = tuple(_lay(a, s, mesh, rules) for a, s in zip(args, specs_t)) + args[len(specs_t) :]
+        return args, kwargs
+
+    return hook
+
+
+def _output_hook(specs, mesh, rules):
+    def hook(mod, args, out):
+        if isinstance(out, tuple):
+            specs_t = specs if isinstance(specs, tuple) else (specs,)
+            return tuple(_lay(o, s, mesh, rules) for o, s in zip(out, specs_t)) + out[len(specs_t) :]
+        return _lay(out, specs, mesh, rules)
+
+    return hook
+
+
+def _run_in_region(module: nn.Module) -> None:
+    if getattr(module, "_hp_region_hooks", False):
+        return
+    active: list[region] = []
+
+    def enter(mod, args, kwargs):
+        active.append(region())
+        active[-1].__enter__()
+
+    def leave(mod, args, kwargs, out):
+        active.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter, with_kwargs=True, prepend=True)
+    module.register_forward_hook(leave, with_kwargs=True, always_call=True)
+    module._hp_region_hooks = True

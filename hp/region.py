@@ -1,0 +1,92 @@
+"""`hp.region()`: where plain tensors meet DTensors, and algorithmic kernels are chosen.
+
+Model code mixes DTensors with plain tensors it makes itself (RoPE's cos and
+sin, masks, position ids). Inside a region, every torch function that gets
+both treats the plain tensors as replicated on the DTensors' mesh, the way
+JAX treats unannotated arrays. The conversion happens at the torch-function
+level, so autograd records DTensor ops only and the backward pass needs no
+region. A region also routes a few functions to distributed kernels when
+their inputs are laid out for them (cross-entropy on vocab-split logits),
+and turns DTensor's "no sharding strategy" failure into an `hp.RuleError`
+that names the op, the input layouts, the source line and how to add a rule.
+`hp.parallelize` runs a model's forward inside a region.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from hp.layouts import describe
+from hp.ops.cross_entropy import vocab_parallel_cross_entropy
+from hp.ops import residual
+from hp.ops.rule import RuleError
+from hp.source import user_line
+
+# Functions whose DTensor inputs select an algorithm of hp's own (NotImplemented: not applicable).
+KERNELS = {torch.nn.functional.cross_entropy: vocab_parallel_cross_entropy, **residual.KERNELS}
+_NO_STRATEGY = re.compile(r"Operator (\S+) does not have a sharding strategy registered")
+
+
+class region(TorchFunctionMode):
+    """Run model code whose tensors are partly DTensors.
+
+    >>> import hp, torch
+    >>> from torch.distributed._local_tensor import LocalTensorMode
+    >>> mesh = hp.mesh(tp=2, simulate=True)
+    >>> with LocalTensorMode(2), hp.region():
+    ...     x = hp.shard(torch.ones(4, 6), "b h/tp", mesh)
+    ...     y = x * torch.arange(6.0)          # a plain tensor, taken as replicated
+    ...     print(hp.describe(y))
+    f32[4, 6/tp]
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # DTensor opts out of __torch_function__, so `types` never names it: look at the args.
+        flat, spec = tree_flatten((args, kwargs))
+        mesh = next((a.device_mesh for a in flat if isinstance(a, DTensor)), None)
+        if mesh is None:
+            return func(*args, **kwargs)
+        kernel = KERNELS.get(func)
+        if kernel is not None:
+            out = kernel(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        if any(isinstance(a, torch.Tensor) and not isinstance(a, DTensor) for a in flat):
+            args, kwargs = _replicated(flat, spec, mesh)
+        try:
+            return func(*args, **kwargs)
+        except (NotImplementedError, RuntimeError) as e:
+            missing = _NO_STRATEGY.search(str(e))
+            if missing is None:
+                raise
+            raise _no_rule_error(missing.group(1), func, args, kwargs) from None
+
+
+def _replicated(flat, spec, mesh):
+    """The call's arguments with plain tensors as replicated DTensors on `mesh`."""
+    replicate = [Replicate()] * mesh.ndim
+    flat = [
+        DTensor.from_local(a, mesh, replicate, run_check=False)
+        if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
+        else a
+        for a in flat
+    ]
+    return tree_unflatten(flat, spec)
+
+
+def _no_rule_error(op: str, func, args, kwargs) -> RuleError:
+    flat, _ = tree_flatten((args, kwargs))
+    layouts = ", ".join(describe(a) for a in flat if isinstance(a, DTensor))
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", str(func))
+    return RuleError(
+        f"no sharding rule for {op} (called through {name} at {user_line()}) "
+        f"with inputs {layouts}.\n"
+        f"Register one with hp.rule(torch.ops.{op}, \"<dims of each tensor argument> -> "
+        "<dims of each result>\", sum=..., whole=...); see the README, 'Adding a rule'."
+    )
