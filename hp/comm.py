@@ -35,6 +35,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hp.mesh import axis_of_group
 from hp.source import in_backward, user_line
 
 
@@ -70,8 +71,10 @@ def _nbytes(t: torch.Tensor) -> int:
 def _group(ref) -> tuple[str, int]:
     """(mesh axis, size) of a process group given by name or object."""
     pg = _resolve_process_group(ref) if isinstance(ref, str) else ref
-    desc = getattr(pg, "group_desc", "") or ""
-    axis = desc.removeprefix("mesh_") if desc.startswith("mesh_") else "world"
+    axis = axis_of_group(pg.group_name)
+    if axis is None:
+        desc = getattr(pg, "group_desc", "") or ""
+        axis = desc.removeprefix("mesh_") if desc.startswith("mesh_") else "world"
     return axis, pg.size()
 
 

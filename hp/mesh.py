@@ -9,6 +9,7 @@ one process, for planning and counting collectives at scale (use it with
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import re
@@ -20,6 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from hp.device import bind_local_device, detect
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+# process-group name -> mesh axis name, so that collectives can be reported per axis
+_AXIS_OF_GROUP: dict[str, str] = {}
 
 
 class MeshError(ValueError):
@@ -50,7 +53,7 @@ def mesh(
     shape = tuple(n for _, n in named)
     if simulate:
         _init_fake_world(size)
-        return init_device_mesh("cpu", shape, mesh_dim_names=names)
+        return _remember_axes(init_device_mesh("cpu", shape, mesh_dim_names=names))
     device = detect()
     _init_real_world(device, size)
     world = dist.get_world_size()
@@ -59,7 +62,18 @@ def mesh(
             f"hp.mesh({_show(named)}) needs {size} processes but this run has {world}; "
             f"launch with `torchrun --nproc-per-node {size} ...`, or pass simulate=True"
         )
-    return init_device_mesh(device.type, shape, mesh_dim_names=names)
+    return _remember_axes(init_device_mesh(device.type, shape, mesh_dim_names=names))
+
+
+def _remember_axes(m: DeviceMesh) -> DeviceMesh:
+    for i, name in enumerate(m.mesh_dim_names):
+        _AXIS_OF_GROUP[m.get_group(i).group_name] = name
+    return m
+
+
+def axis_of_group(group_name: str) -> str | None:
+    """The mesh axis (of the latest hp.mesh) whose process group is `group_name`."""
+    return _AXIS_OF_GROUP.get(group_name)
 
 
 def _axes(spec, kwargs: dict[str, int]) -> list[tuple[str, int]]:
@@ -120,3 +134,11 @@ def _init_real_world(device, size: int) -> None:
     else:
         # Launched plainly: a one-rank world, so single-process code runs unchanged.
         dist.init_process_group(device.pg_backend, store=dist.HashStore(), rank=0, world_size=1)
+    # A group left alive at interpreter exit can abort a gloo worker ("terminate called
+    # without an active exception"): hp tears down what it set up.
+    atexit.register(_destroy_world)
+
+
+def _destroy_world() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -30,6 +30,7 @@ from hp.source import user_line
 # Functions whose DTensor inputs select an algorithm of hp's own (NotImplemented: not applicable).
 KERNELS = {torch.nn.functional.cross_entropy: vocab_parallel_cross_entropy, **residual.KERNELS}
 _NO_STRATEGY = re.compile(r"Operator (\S+) does not have a sharding strategy registered")
+_PROPAGATION_FAILED = re.compile(r"Sharding propagation failed for ([\w.]+)\(")
 
 
 class region(TorchFunctionMode):
@@ -63,9 +64,12 @@ class region(TorchFunctionMode):
             return func(*args, **kwargs)
         except (NotImplementedError, RuntimeError) as e:
             missing = _NO_STRATEGY.search(str(e))
-            if missing is None:
-                raise
-            raise _no_rule_error(missing.group(1), func, args, kwargs) from None
+            if missing is not None:
+                raise _no_rule_error(missing.group(1), func, args, kwargs) from None
+            failed = _PROPAGATION_FAILED.search(str(e))
+            if failed is not None:
+                raise _layout_error(failed.group(1), str(e), func, args, kwargs) from None
+            raise
 
 
 def _replicated(flat, spec, mesh):
@@ -80,13 +84,27 @@ def _replicated(flat, spec, mesh):
     return tree_unflatten(flat, spec)
 
 
-def _no_rule_error(op: str, func, args, kwargs) -> RuleError:
+def _where(func, args, kwargs) -> tuple[str, str]:
+    """(inputs as layouts, 'called through F at FILE:LINE') for an error message."""
     flat, _ = tree_flatten((args, kwargs))
     layouts = ", ".join(describe(a) for a in flat if isinstance(a, DTensor))
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", str(func))
+    return layouts, f"called through {name} at {user_line()}"
+
+
+def _layout_error(op: str, message: str, func, args, kwargs) -> RuleError:
+    layouts, where = _where(func, args, kwargs)
+    reason = next((line.strip() for line in message.splitlines() if line.strip()), message)
     return RuleError(
-        f"no sharding rule for {op} (called through {name} at {user_line()}) "
-        f"with inputs {layouts}.\n"
+        f"{op} cannot run on inputs {layouts} ({where}): {reason}\n"
+        "Constrain the inputs to a layout this op accepts (hp.constrain), or change the plan."
+    )
+
+
+def _no_rule_error(op: str, func, args, kwargs) -> RuleError:
+    layouts, where = _where(func, args, kwargs)
+    return RuleError(
+        f"no sharding rule for {op} ({where}) with inputs {layouts}.\n"
         f"Register one with hp.rule(torch.ops.{op}, \"<dims of each tensor argument> -> "
         "<dims of each result>\", sum=..., whole=...); see the README, 'Adding a rule'."
     )

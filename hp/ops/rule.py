@@ -52,7 +52,9 @@ class FactorSpec:
         return seen
 
 
-def parse_factors(text: str, sum: str = "", whole: str = "") -> FactorSpec:
+def parse_factors(
+    text: str, sum: str = "", whole: str = "", callable_options: bool = False
+) -> FactorSpec:
     """Parse and check a factor spec.
 
     >>> parse_factors("m k, k n -> m n", sum="k").splittable
@@ -72,7 +74,7 @@ def parse_factors(text: str, sum: str = "", whole: str = "") -> FactorSpec:
                     f"declare it sum='{f}' (split gives partial sums) or whole='{f}'"
                 )
     for f in spec.sum | spec.whole:
-        if not any(f in names for names in inputs):
+        if not any(f in names for names in inputs) and not callable_options:
             raise RuleError(f"rule {text!r}: factor '{f}' of sum=/whole= is in no argument")
     return spec
 
@@ -136,7 +138,7 @@ def rule(
                 raise RuleError(f"hp.rule for {op_schema.op}: tensor keyword '{name}' is not supported")
         text = spec(*specs, **kwargs) if callable(spec) else spec
         keep = whole(*specs, **kwargs) if callable(whole) else whole
-        factors = parse_factors(text, sum, keep)
+        factors = parse_factors(text, sum, keep, callable_options=static)
         n_out = len(op_schema.op._schema.returns)
         mesh = op_schema.get_mesh_from_args()
         return expand_to_full_mesh_op_strategy(
