@@ -20,7 +20,6 @@ import json
 import os
 
 import torch
-from torch.distributed._local_tensor import LocalTensorMode
 
 import hp
 from hp.comm import Trace, ring_bytes
@@ -69,6 +68,43 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
+def run(kind: str, mesh, layers: int = 2, batch: int = 2, seq: int = 32) -> dict:
+    """Parallelize, run forward + backward, compare with one device; the JSON result."""
+    torch.manual_seed(0)
+    reference = tiny_model(kind, layers)
+    model = tiny_model(kind, layers)
+    model.load_state_dict(reference.state_dict())
+    ids = torch.randint(0, reference.config.vocab_size, (batch, seq))
+    labels = ids.clone()
+    labels[:, :3] = -100  # ignored positions must stay ignored
+
+    ref_loss = reference(input_ids=ids, labels=labels).loss
+    ref_loss.backward()
+
+    hp.parallelize(model, mesh, TP_PLAN)
+    per_layer = trace_each(model.model.layers)
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    value = loss.detach().full_tensor().item()
+    grads = {
+        name: rel_err(p.grad.full_tensor(), r.grad)
+        for (name, p), r in zip(model.named_parameters(), reference.parameters())
+    }
+    p, h, tokens = mesh.size(), reference.config.hidden_size, batch * seq
+    forward = [t.select(phase="forward") for t in per_layer]
+    return {
+        "model": kind,
+        "tp": p,
+        "loss": value,
+        "loss_rel_err": abs(value - ref_loss.item()) / abs(ref_loss.item()),
+        "grad_rel_err": max(grads.values()),
+        "fwd_allreduce_per_layer": [sum(r.kind == "all_reduce" for r in f) for f in forward],
+        "fwd_other_collectives_per_layer": [sum(r.kind != "all_reduce" for r in f) for f in forward],
+        "fwd_bytes_per_layer_per_rank": [sum(r.bytes for r in f) for f in forward],
+        "ring_formula_bytes_per_layer_per_rank": 2 * ring_bytes("all_reduce", tokens * h * 4, p),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--simulate", type=int, default=0, help="simulate this many tp ranks in one process")
@@ -80,46 +116,12 @@ def main() -> None:
 
     if args.simulate:
         mesh = hp.mesh(tp=args.simulate, simulate=True)
-        ranks = LocalTensorMode(args.simulate)
+        ranks = hp.simulated(mesh)
     else:
         mesh = hp.mesh(tp=int(os.environ.get("WORLD_SIZE", "1")))
         ranks = contextlib.nullcontext()
-
-    torch.manual_seed(0)
-    reference = tiny_model(args.model, args.layers)
-    model = tiny_model(args.model, args.layers)
-    model.load_state_dict(reference.state_dict())
-    ids = torch.randint(0, reference.config.vocab_size, (args.batch, args.seq))
-    labels = ids.clone()
-    labels[:, :3] = -100  # ignored positions must stay ignored
-
-    ref_loss = reference(input_ids=ids, labels=labels).loss
-    ref_loss.backward()
-
     with ranks:
-        hp.parallelize(model, mesh, TP_PLAN)
-        per_layer = trace_each(model.model.layers)
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        value = loss.detach().full_tensor().item()
-        grads = {
-            name: rel_err(p.grad.full_tensor(), r.grad)
-            for (name, p), r in zip(model.named_parameters(), reference.parameters())
-        }
-
-    p, h, tokens = mesh.size(), reference.config.hidden_size, args.batch * args.seq
-    forward = [t.select(phase="forward") for t in per_layer]
-    result = {
-        "model": args.model,
-        "tp": p,
-        "loss": value,
-        "loss_rel_err": abs(value - ref_loss.item()) / abs(ref_loss.item()),
-        "grad_rel_err": max(grads.values()),
-        "fwd_allreduce_per_layer": [sum(r.kind == "all_reduce" for r in f) for f in forward],
-        "fwd_other_collectives_per_layer": [sum(r.kind != "all_reduce" for r in f) for f in forward],
-        "fwd_bytes_per_layer_per_rank": [sum(r.bytes for r in f) for f in forward],
-        "ring_formula_bytes_per_layer_per_rank": 2 * ring_bytes("all_reduce", tokens * h * 4, p),
-    }
+        result = run(args.model, mesh, args.layers, args.batch, args.seq)
     if torch.distributed.get_rank() == 0:
         print(json.dumps(result))
 

@@ -17,7 +17,6 @@ import json
 import os
 
 import torch
-from torch.distributed._local_tensor import LocalTensorMode
 
 import hp
 
@@ -39,7 +38,7 @@ def main() -> None:
 
     if args.simulate:
         mesh = hp.mesh(tp=args.simulate, simulate=True)
-        ranks = LocalTensorMode(args.simulate)
+        ranks = hp.simulated(mesh)
     else:
         mesh = hp.mesh(tp=int(os.environ.get("WORLD_SIZE", "1")))
         ranks = contextlib.nullcontext()

@@ -19,14 +19,16 @@ from hp.layouts import (
     rules,
     shard,
 )
+from hp.explain import StrictError, explain, strict
 from hp.mesh import MeshError, mesh
 from hp.ops import RuleError, rule
 from hp.parallelize import parallelize
 from hp.region import region
+from hp.simulate import simulated
 
 __all__ = [
-    "Layout", "LayoutError", "MeshError", "RuleError", "Rules", "constrain", "describe", "from_local",
-    "comm", "layout", "layout_of", "mesh", "parallelize", "region", "rule", "rules", "shard",
+    "Layout", "LayoutError", "MeshError", "RuleError", "Rules", "StrictError", "explain", "strict", "constrain", "describe", "from_local",
+    "comm", "layout", "layout_of", "mesh", "parallelize", "region", "rule", "rules", "shard", "simulated",
 ]
 
 from hp import comm  # noqa: E402  (hp.comm.trace())

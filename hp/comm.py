@@ -5,8 +5,8 @@ assert the exact number and bytes of collectives a layout implies. The
 tracer is a dispatch mode that lets DTensor desugar its ops first (it returns
 `NotImplemented` for DTensor ops) and then sees the collectives DTensor
 issues on local tensors. It works on real gloo/nccl/hccl groups, on the
-`fake` backend and under `LocalTensorMode` (enter `trace()` inside the
-`LocalTensorMode`, so that it sees each collective once, not once per rank).
+`fake` backend and under `hp.simulated(mesh)` (LocalTensorMode), in either
+nesting order.
 
 Bytes are those one rank sends under ring algorithms, for a payload of N
 bytes (the full tensor: the input of an all-reduce, reduce-scatter or
@@ -33,9 +33,9 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hp.mesh import axis_of_group
+from hp.simulate import Watching
 from hp.source import in_backward, user_line
 
 
@@ -119,7 +119,7 @@ def _parse(func, args) -> tuple[str, int, object] | None:
     return table[name](args)
 
 
-class Trace(TorchDispatchMode):
+class Trace(Watching):
     """The collectives seen while it was active; enter with `hp.comm.trace()`."""
 
     def __init__(self) -> None:

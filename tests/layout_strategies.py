@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import torch
 from hypothesis import strategies as st
-from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+from torch.distributed._local_tensor import LocalTensor
 
 import hp
 from hp.layouts.types import Dim, Layout
@@ -131,5 +131,5 @@ def local_blocks(x) -> dict[int, torch.Tensor]:
 def simulate(axes):
     """A fake-backend mesh of `axes` ((name, size) pairs) under a LocalTensorMode of its ranks."""
     mesh = hp.mesh(list(axes), simulate=True)
-    with LocalTensorMode(mesh.size()):
+    with hp.simulated(mesh):
         yield mesh

@@ -1,0 +1,143 @@
+"""`hp.explain` and `hp.strict`: what each op did with layouts, and where it communicated.
+
+Both watch a program at the dispatch level. For every op on DTensors they
+note the input layouts, run the op with a collective trace of its own
+(`hp.comm.Trace`) and note the output layouts and the collectives DTensor
+inserted to run it; collectives outside any op (an `hp.constrain`, a kernel
+of hp's own) are noted as explicit. `explain` returns the table; `strict`
+raises as soon as an op redistributes in the forward pass without having
+been asked to, naming the op, its layouts and the source line. (Backward
+communication mirrors the forward choices and is not checked.)
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten
+
+from hp.comm import Collective, Trace
+from hp.layouts import describe
+from hp.simulate import Watching
+from hp.source import in_backward, user_line
+
+
+class StrictError(RuntimeError):
+    """An op redistributed its inputs although no constrain or plan asked for it."""
+
+
+@dataclass
+class OpRecord:
+    op: str
+    inputs: list[str]
+    outputs: list[str]
+    collectives: list[Collective] = field(default_factory=list)
+    implicit: bool = True  # False: explicitly requested (hp.constrain, an hp kernel)
+    phase: str = "forward"
+    source: str = ""
+
+
+class Explanation:
+    """The records of one `hp.explain` run; `str()` prints the per-op table."""
+
+    def __init__(self, records: list[OpRecord], result=None) -> None:
+        self.records = records
+        self.result = result
+
+    def communicating(self) -> list[OpRecord]:
+        return [r for r in self.records if r.collectives]
+
+    def __str__(self) -> str:
+        lines = [f"{'phase':<9}{'op':<44}{'inputs -> outputs':<60}collectives  source"]
+        for r in self.records:
+            comm = ", ".join(f"{c.kind}[{c.axis}] {c.bytes}B" for c in r.collectives) or "-"
+            if r.collectives and not r.implicit:
+                comm += " (explicit)"
+            flow = f"{', '.join(r.inputs)} -> {', '.join(r.outputs)}"
+            lines.append(f"{r.phase:<9}{r.op:<44}{flow:<60}{comm}  {r.source}")
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps([asdict(r) for r in self.records])
+
+
+class _Recorder(Watching):
+    def __init__(self, strict: bool = False) -> None:
+        super().__init__()
+        self.strict = strict
+        self.records: list[OpRecord] = []
+        self._bare = Trace()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat, _ = tree_flatten((args, kwargs))
+        if not any(isinstance(a, DTensor) for a in flat):
+            collective = self._bare.observe(func, args) if isinstance(func, torch._ops.OpOverload) else None
+            if collective is not None:
+                self.records.append(
+                    OpRecord(str(func), [], [], [collective], False, collective.phase, collective.source)
+                )
+            return func(*args, **kwargs)
+        with Trace() as inner:
+            out = func(*args, **kwargs)
+        record = OpRecord(
+            op=str(func),
+            inputs=[describe(a) for a in flat if isinstance(a, DTensor)],
+            outputs=[describe(o) for o in tree_flatten(out)[0] if isinstance(o, DTensor)],
+            collectives=inner.records,
+            phase="backward" if in_backward() else "forward",
+            source=user_line(),
+        )
+        self.records.append(record)
+        if self.strict and record.collectives and record.phase == "forward":
+            moved = ", ".join(f"{c.kind} over {c.axis} ({c.bytes} bytes/rank)" for c in record.collectives)
+            raise StrictError(
+                f"hp.strict: {record.op} at {record.source} redistributed its inputs "
+                f"({moved}) but no hp.constrain or plan asked for it; inputs: "
+                f"{', '.join(record.inputs)}. Add hp.constrain(...) where the layout should change."
+            )
+        return out
+
+
+def explain(fn, *args, **kwargs) -> Explanation:
+    """Run `fn(*args, **kwargs)` and record each DTensor op's layouts and collectives.
+
+    >>> import hp, torch
+    >>> from torch.distributed._local_tensor import LocalTensorMode
+    >>> mesh = hp.mesh(tp=2, simulate=True)
+    >>> with LocalTensorMode(2):
+    ...     x = hp.shard(torch.ones(4, 8), "b h/tp", mesh)
+    ...     w = hp.shard(torch.ones(8, 6), "h/tp f", mesh)
+    ...     report = hp.explain(lambda: (x @ w).sum())
+    >>> [(r.op, r.inputs, r.outputs) for r in report.records][0]
+    ('aten.mm.default', ['f32[b=4, h=8/tp]', 'f32[h=8/tp, f=6]'], ['f32[4, 6] +tp'])
+    """
+    recorder = _Recorder()
+    with recorder:
+        result = fn(*args, **kwargs)
+    return Explanation(recorder.records, result)
+
+
+@contextmanager
+def strict():
+    """Inside, an op that redistributes in forward without being asked raises StrictError.
+
+    >>> import hp, torch
+    >>> from torch.distributed._local_tensor import LocalTensorMode
+    >>> mesh = hp.mesh(tp=2, simulate=True)
+    >>> with LocalTensorMode(2):
+    ...     x = hp.shard(torch.ones(4, 8), "b h/tp", mesh)
+    ...     with hp.strict():
+    ...         y = hp.constrain(x, "b h")      # asked for: fine
+    ...         try:
+    ...             x + hp.shard(torch.ones(4, 8), "b/tp h", mesh)   # not asked for
+    ...         except hp.StrictError as e:
+    ...             print(str(e).split(" at ")[0])
+    hp.strict: aten.add.Tensor
+    """
+    with _Recorder(strict=True) as recorder:
+        yield recorder
