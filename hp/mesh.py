@@ -117,7 +117,16 @@ def _init_fake_world(size: int) -> None:
         if dist.get_world_size() == size:
             return
         dist.destroy_process_group()
+        _forget_old_groups()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+
+
+def _forget_old_groups() -> None:
+    """Drop DTensor's cached decisions: a new mesh equal to an old one has new groups."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _AXIS_OF_GROUP.clear()
 
 
 def _init_real_world(device, size: int) -> None:

@@ -18,17 +18,23 @@ import re
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hp.layouts import describe
 from hp.ops.cross_entropy import vocab_parallel_cross_entropy
+from hp.ops.embedding import vocab_parallel_embedding
 from hp.ops import residual
 from hp.ops.rule import RuleError
 from hp.source import user_line
 
 # Functions whose DTensor inputs select an algorithm of hp's own (NotImplemented: not applicable).
-KERNELS = {torch.nn.functional.cross_entropy: vocab_parallel_cross_entropy, **residual.KERNELS}
+KERNELS = {
+    torch.nn.functional.cross_entropy: vocab_parallel_cross_entropy,
+    torch.nn.functional.embedding: vocab_parallel_embedding,
+    **residual.KERNELS,
+}
 _NO_STRATEGY = re.compile(r"Operator (\S+) does not have a sharding strategy registered")
 _PROPAGATION_FAILED = re.compile(r"Sharding propagation failed for ([\w.]+)\(")
 
@@ -45,6 +51,19 @@ class region(TorchFunctionMode):
     ...     print(hp.describe(y))
     f32[4, 6/tp]
     """
+
+    def __enter__(self):
+        # Decompositions below the torch-function level (SDPA's math path builds its
+        # causal mask as a plain tensor) mix tensors at dispatch: replicate those too.
+        self._dispatch_level = implicit_replication()
+        self._dispatch_level.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._dispatch_level.__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

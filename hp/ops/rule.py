@@ -10,7 +10,8 @@ the results split on it or partial. DTensor expands these to the whole mesh
 and picks the cheapest one for the inputs at hand, redistributing the rest.
 
 Tensor arguments are matched in schema order (optional tensors that are
-None at the call are skipped). A dimension named `_` is never split, and a
+None at the call are skipped); a tensor passed by keyword (an attention
+mask) is not in the spec and makes the op run replicated. A dimension named `_` is never split, and a
 factor whose dimension has size 1 in some argument (broadcast) leaves that
 argument replicated. The spec may be a function of the call's arguments
 (tensors arrive as DTensor specs with `.shape`), for rules that depend on
@@ -27,6 +28,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema, RuntimeSchemaInfo
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+
+
+# Every op hp.rule registered, for the rule harness: op -> (spec, sum, whole)
+REGISTERED: dict = {}
 
 
 class RuleError(ValueError):
@@ -133,23 +138,26 @@ def rule(
     def strategy(op_schema: OpSchema):
         args, kwargs = op_schema.args_schema, op_schema.kwargs_schema
         specs = tuple(_first_spec(a) for a in args)
-        for name, value in kwargs.items():
-            if isinstance(_first_spec(value), DTensorSpec):
-                raise RuleError(f"hp.rule for {op_schema.op}: tensor keyword '{name}' is not supported")
         text = spec(*specs, **kwargs) if callable(spec) else spec
         keep = whole(*specs, **kwargs) if callable(whole) else whole
         factors = parse_factors(text, sum, keep, callable_options=static)
         n_out = len(op_schema.op._schema.returns)
-        mesh = op_schema.get_mesh_from_args()
+        strategies = _single_axis_strategies(factors, specs, n_out)
+        tensor_kwargs = [k for k, v in kwargs.items() if isinstance(_first_spec(v), DTensorSpec)]
+        if tensor_kwargs:
+            # A tensor keyword (an attention mask) has no factors in the rule: it is passed
+            # whole, and only the all-replicated strategy is safe with it.
+            strategies = [strategies[0] + [Replicate()] * len(tensor_kwargs)]
         return expand_to_full_mesh_op_strategy(
-            mesh,
+            op_schema.get_mesh_from_args(),
             op_schema,
-            _single_axis_strategies(factors, specs, n_out),
+            strategies,
             input_index=n_out,
             inplace_op=op_schema.is_inplace_op(),
         )
 
     for overload in ops:
+        REGISTERED[overload] = (spec, sum, whole)
         DTensor._op_dispatcher.sharding_propagator.register_op_strategy(
             overload, strategy, _schema_info(overload, static)
         )

@@ -11,6 +11,7 @@ import sys
 import torch
 
 import hp
+from hp.comm import ring_bytes
 
 
 def main() -> None:
@@ -42,6 +43,13 @@ def main() -> None:
     # from_local assembles each rank's own block
     z = hp.from_local(expected_block(t, hp.layout("b/tp h/dp"), mesh, rank), "b/tp h/dp", mesh)
     same_block(z, "b/tp h/dp")
+
+    # hp.comm.trace() on a real gloo group: one all-reduce over tp with ring bytes
+    partial = hp.shard(t, "b h +tp", mesh)
+    with hp.comm.trace() as trace:
+        same_block(hp.constrain(partial, "b h"), "b h")
+    assert [(r.kind, r.axis) for r in trace.records] == [("all_reduce", "tp")], trace.table()
+    assert trace.bytes() == ring_bytes("all_reduce", t.numel() * 4, 2)
 
     # gradients flow back through a strided reshard and a partial sum
     w = torch.randn(8, 12)
