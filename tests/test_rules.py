@@ -171,7 +171,8 @@ COVERED = {
 
 
 def test_every_registered_rule_is_covered_by_the_harness():
-    assert set(REGISTERED) <= COVERED, set(REGISTERED) - COVERED
+    builtin = {op for op in REGISTERED if op.namespace == "aten"}  # hp's own rules
+    assert builtin and builtin <= COVERED, builtin - COVERED
 
 
 # -- OpInfo samples ------------------------------------------------------------
