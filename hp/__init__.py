@@ -22,12 +22,12 @@ from hp.layouts import (
 from hp.explain import StrictError, explain, strict
 from hp.mesh import MeshError, mesh
 from hp.ops import RuleError, rule
-from hp.parallelize import parallelize
+from hp.parallelize import PlanError, parallelize
 from hp.region import region
 from hp.simulate import simulated
 
 __all__ = [
-    "Layout", "LayoutError", "MeshError", "RuleError", "Rules", "StrictError", "explain", "strict", "constrain", "describe", "from_local",
+    "Layout", "LayoutError", "MeshError", "PlanError", "RuleError", "Rules", "StrictError", "explain", "strict", "constrain", "describe", "from_local",
     "comm", "layout", "layout_of", "mesh", "parallelize", "region", "rule", "rules", "shard", "simulated",
 ]
 

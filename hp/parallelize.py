@@ -22,13 +22,17 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from hp.layouts import Layout, constrain, layout, shard
+from hp.layouts import Layout, LayoutError, constrain, layout, shard
 from hp.layouts.annotate import keep_names
 from hp.layouts.placements import bind, to_placements
 from hp.layouts.rules import Rules, resolve
 from hp.region import region
 
 Layouts = str | Layout | tuple | Mapping
+
+
+class PlanError(ValueError):
+    """A plan entry that matches nothing, or a layout that does not fit its parameter."""
 
 
 def parallelize(
@@ -55,21 +59,24 @@ def parallelize(
         owner_name, _, attr = name.rpartition(".")
         owner = module.get_submodule(owner_name)
         if id(param) not in replaced:
-            spec = _match(plan, name, used, param.dim())
-            placed = _place(param.detach(), spec, mesh, rules)
+            spec = _match(plan, name, used)
+            try:
+                placed = _place(param.detach(), spec, mesh, rules)
+            except LayoutError as e:
+                raise PlanError(f"parameter '{name}' of shape {tuple(param.shape)}: {e}") from None
             replaced[id(param)] = keep_names(
                 placed, nn.Parameter(placed, requires_grad=param.requires_grad)
             )
         setattr(owner, attr, replaced[id(param)])
     unused = [k for k in plan if k not in used]
     if unused:
-        raise KeyError(f"hp.parallelize: plan entries {unused} match no parameter of {type(module).__name__}")
+        raise PlanError(f"hp.parallelize: plan entries {unused} match no parameter of {type(module).__name__}")
     _layout_io(module, mesh, inputs or {}, outputs or {}, rules)
     _run_in_region(module)
     return module
 
 
-def _match(plan, name: str, used: set[str], ndim: int) -> Layout:
+def _match(plan, name: str, used: set[str]) -> Layout:
     for pattern, spec in plan.items():
         if fnmatch.fnmatchcase(name, pattern):
             used.add(pattern)
@@ -96,7 +103,7 @@ def _layout_io(module: nn.Module, mesh, inputs, outputs, rules) -> None:
 def _modules(module: nn.Module, pattern: str, what: str) -> list[nn.Module]:
     found = [m for n, m in module.named_modules() if fnmatch.fnmatchcase(n, pattern)]
     if not found:
-        raise KeyError(f"hp.parallelize: {what} entry '{pattern}' matches no module")
+        raise PlanError(f"hp.parallelize: {what} entry '{pattern}' matches no module")
     return found
 
 

@@ -59,7 +59,31 @@ def main() -> None:
     y = hp.constrain(hp.constrain(leaf, "b h/tp/dp"), "b h +dp")
     (y.tanh() * hp.shard(w, "b h", mesh)).sum().backward()
     torch.testing.assert_close(leaf.grad.full_tensor(), ref.grad)
+
+    check_fully_shard_composes(mesh, rank)
     print(f"rank {rank} ok", flush=True)
+
+
+def check_fully_shard_composes(mesh, rank) -> None:
+    """hp.parallelize over tp, then FSDP2 over dp: same loss and gradients as one device."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(1)
+    make = lambda: torch.nn.Sequential(  # noqa: E731
+        torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8)
+    )
+    reference, model = make(), make()
+    model.load_state_dict(reference.state_dict())
+    batch = torch.randn(8, 8)
+    reference(batch).square().mean().backward()
+
+    hp.parallelize(model, mesh["tp"], {"0.weight": "out/tp in", "0.bias": "out/tp", "2.weight": "out in/tp"})
+    fully_shard(model, mesh=mesh["dp"])
+    assert str(hp.layout_of(model[0].weight)) == "16/tp/dp 8", hp.layout_of(model[0].weight)
+    local = batch.chunk(2)[mesh.get_coordinate()[0]]  # each dp rank its half of the batch
+    model(local).square().mean().backward()
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), r.grad, msg=f"rank {rank}: grad of {name}")
 
 
 if __name__ == "__main__":

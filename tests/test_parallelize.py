@@ -1,0 +1,88 @@
+"""hp.parallelize: plans of parameter globs, inputs and outputs, meta-device models."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import hp
+
+PLAN = {"0.weight": "out/tp in", "0.bias": "out/tp", "2.weight": "out in/tp"}
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+
+
+def test_parallelized_mlp_matches_one_device():
+    reference, model = _mlp(), _mlp()
+    x = torch.randn(4, 8)
+    reference(x).square().mean().backward()
+    mesh = hp.mesh(tp=4, simulate=True)
+    with hp.simulated(mesh):
+        hp.parallelize(model, mesh, PLAN)
+        assert hp.describe(model[0].weight) == "f32[out=32/tp, in=8]"
+        assert hp.describe(model[2].bias) == "f32[8]"  # no entry: replicated
+        with hp.comm.trace() as t:
+            y = model(x)  # a plain input: replicated inside the region
+        assert [r.kind for r in t.records] == []  # partial until someone needs the value
+        loss = hp.constrain(y, "b h").square().mean()
+        loss.backward()
+        for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), r.grad, msg=name)
+
+
+def test_first_matching_entry_wins_and_globs_match_names():
+    mesh = hp.mesh(tp=2, simulate=True)
+    model = hp.parallelize(_mlp(), mesh, {"*.weight": "out/tp in", "*": "..."})
+    assert hp.describe(model[2].weight) == "f32[out=8/tp, in=32]"
+    assert hp.describe(model[0].bias) == "f32[32]"
+
+
+def test_inputs_and_outputs_are_laid_out():
+    mesh = hp.mesh(tp=2, simulate=True)
+    with hp.simulated(mesh):
+        model = hp.parallelize(
+            _mlp(), mesh, PLAN, inputs={"": ("b/tp h",)}, outputs={"0": "b f/tp", "": "b/tp h"}
+        )
+        seen = []
+        model[1].register_forward_hook(lambda m, a, out: seen.append(hp.describe(a[0])))
+        y = model(torch.randn(4, 8))
+        assert seen == ["f32[b=4, f=32/tp]"]  # the output layout of module "0", with its names
+        assert str(hp.layout_of(y)) == "b/tp h"
+
+
+def test_tied_parameters_stay_tied():
+    mesh = hp.mesh(tp=2, simulate=True)
+    emb, head = nn.Embedding(16, 8), nn.Linear(8, 16, bias=False)
+    head.weight = emb.weight
+    model = hp.parallelize(nn.ModuleDict({"emb": emb, "head": head}), mesh, {"emb.weight": "vocab/tp h"})
+    assert model["emb"].weight is model["head"].weight
+    assert hp.describe(model["head"].weight) == "f32[vocab=16/tp, h=8]"
+
+
+def test_meta_models_are_sharded_without_materialising():
+    mesh = hp.mesh(tp=4, simulate=True)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024))
+    hp.parallelize(model, mesh, {"0.weight": "out/tp in", "0.bias": "out/tp", "2.weight": "out in/tp"})
+    assert model[0].weight.device.type == "meta"
+    model.to_empty(device="cpu")
+    assert tuple(model[0].weight.to_local().shape) == (1024, 1024)  # a quarter of 4096 rows
+    assert tuple(model[2].weight.to_local().shape) == (1024, 1024)
+
+
+def test_plan_errors_name_the_parameter_or_entry():
+    mesh = hp.mesh(tp=2, simulate=True)
+    with pytest.raises(hp.PlanError, match=re.escape("plan entries ['*.q_proj.weight'] match no parameter")):
+        hp.parallelize(_mlp(), mesh, {"*.q_proj.weight": "out/tp in"})
+    with pytest.raises(hp.PlanError, match=r"parameter '0.weight' of shape \(32, 8\): .*unknown mesh axis 'cp'"):
+        hp.parallelize(_mlp(), mesh, {"0.weight": "out/cp in"})
+    with pytest.raises(hp.PlanError, match=r"parameter '0.weight' of shape \(32, 8\): layout has 3 dims"):
+        hp.parallelize(_mlp(), mesh, {"0.weight": "a b c"})
+    with pytest.raises(hp.PlanError, match="inputs entry 'nope' matches no module"):
+        hp.parallelize(_mlp(), mesh, {}, inputs={"nope": "b h"})
