@@ -2,36 +2,19 @@
 
 from __future__ import annotations
 
-import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from gloo_launch import assert_finished, clean_env, torchrun
+
 HERE = Path(__file__).parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 def test_shard_constrain_from_local_on_four_gloo_processes():
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-        str(HERE / "workers" / "annotate_gloo.py"),
-    ]
-    run = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run = torchrun(str(HERE / "workers" / "annotate_gloo.py"), 4)
+    assert_finished(run)
     assert sorted(re.findall(r"rank (\d) ok", run.stdout)) == ["0", "1", "2", "3"]
 
 
@@ -57,7 +40,7 @@ print("plain ok")
 
 def test_plain_launch_is_a_one_rank_world_and_sizes_are_checked():
     run = subprocess.run(
-        [sys.executable, "-c", PLAIN_LAUNCH], env=_clean_env(), capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", PLAIN_LAUNCH], env=clean_env(), capture_output=True, text=True, timeout=120
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "plain ok" in run.stdout

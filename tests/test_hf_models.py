@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from gloo_launch import assert_finished, torchrun
 
 import hp
 
@@ -38,17 +35,8 @@ def test_weights_only_tp_matches_hf_with_two_allreduces_per_layer(kind, tp):
 
 
 def test_two_gloo_processes_match_hf():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(port), str(EXAMPLE), "--seq", "16",
-    ]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = torchrun(str(EXAMPLE), 2, "--seq", "16")
+    assert_finished(run)
     r = json.loads(run.stdout.strip().splitlines()[-1])
     assert r["tp"] == 2 and r["loss_rel_err"] < 1e-5 and r["grad_rel_err"] < 1e-5
     assert r["fwd_allreduce_per_layer"] == [2, 2] and r["fwd_other_collectives_per_layer"] == [0, 0]

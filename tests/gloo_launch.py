@@ -1,0 +1,54 @@
+"""Launch a script on N local gloo processes through torch's elastic launcher.
+
+Known upstream problem (torch 2.13 CPU wheel): a process that ran a gloo
+all-gather sometimes aborts *at interpreter exit* with "terminate called
+without an active exception", after its work is done and printed; about 1 in
+10 runs of this five-line script hits it, with no hp involved:
+
+    dist.init_process_group("gloo")
+    out = torch.empty(4, 4)
+    dist.all_gather_into_tensor(out, torch.ones(2, 4))
+    print(out.sum())
+
+So a run counts as clean when it exits 0, or when that exit-time abort is the
+only failure: the callers still check every rank's printed result.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env() -> dict[str, str]:
+    """This environment without a launcher's rank variables, one thread per process."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def torchrun(script: str, nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), script, *args,
+    ]
+    return subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def assert_finished(run: subprocess.CompletedProcess) -> None:
+    """Exit 0, or only the known exit-time abort (see the module docstring)."""
+    if run.returncode == 0:
+        return
+    worker_raised = re.search(r"\[rank\d+\]: Traceback", run.stderr) is not None
+    assert EXIT_ABORT in run.stderr and not worker_raised, run.stdout[-3000:] + run.stderr[-3000:]
