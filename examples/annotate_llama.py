@@ -22,7 +22,8 @@ import os
 import torch
 
 import hp
-from hp.comm import Trace, ring_bytes
+from hp.comm import Trace
+from hp.cost import ring_bytes
 
 # Layouts of nn.Linear weights, which are stored (out, in).
 TP_PLAN = {

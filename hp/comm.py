@@ -8,18 +8,8 @@ issues on local tensors. It works on real gloo/nccl/hccl groups, on the
 `fake` backend and under `hp.simulated(mesh)` (LocalTensorMode), in either
 nesting order.
 
-Bytes are those one rank sends under ring algorithms, for a payload of N
-bytes (the full tensor: the input of an all-reduce, reduce-scatter or
-all-to-all, the output of an all-gather) on a group of p ranks:
-
-    all_reduce      2 (p-1)/p * N     (reduce-scatter then all-gather)
-    all_gather        (p-1)/p * N
-    reduce_scatter    (p-1)/p * N
-    all_to_all        (p-1)/p * N     (what leaves the rank)
-    broadcast                  N      (root's send; pipelined ring)
-    scatter           (p-1)/p * N     (root's send)
-
-Each rank receives as many bytes as it sends in these algorithms.
+Bytes are those one rank sends under ring algorithms (`hp.cost.ring_bytes`,
+whose docstring gives the formulas); each rank receives as many as it sends.
 """
 
 from __future__ import annotations
@@ -34,6 +24,7 @@ import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 
+from hp.cost import ring_bytes
 from hp.mesh import axis_of_group
 from hp.simulate import Watching
 from hp.source import in_backward, user_line
@@ -50,18 +41,6 @@ class Collective:
     bytes: int  # sent (= received) by one rank
     phase: str  # "forward" or "backward"
     source: str
-
-
-def ring_bytes(kind: str, payload_bytes: int, p: int) -> int:
-    """Bytes one rank sends for `kind` on p ranks with payload N (module docstring).
-
-    >>> ring_bytes("all_reduce", 1024, 4)
-    1536
-    """
-    if p <= 1:
-        return 0
-    factor = {"all_reduce": 2 * (p - 1), "broadcast": p}.get(kind, p - 1)
-    return payload_bytes * factor // p
 
 
 def _nbytes(t: torch.Tensor) -> int:

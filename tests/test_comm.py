@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import hp
-from hp.comm import ring_bytes
+from hp.cost import ring_bytes
 
 
 def _moved(src, dst, shape=(8, 4), axes=(("dp", 2), ("tp", 2))):

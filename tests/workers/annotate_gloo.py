@@ -11,7 +11,7 @@ import sys
 import torch
 
 import hp
-from hp.comm import ring_bytes
+from hp.cost import ring_bytes
 
 
 def main() -> None:

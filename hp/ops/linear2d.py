@@ -1,0 +1,118 @@
+"""2D tensor-parallel linear: weight split over two mesh axes, tokens over both.
+
+For `y = x W^T` with the weight laid out `out/o in/i` (o != i) and the input
+`... tokens/o ... in/i`, each rank gathers its tokens over o (all-gather),
+multiplies by its weight block, and scatters the partial sums over i along
+the tokens (reduce-scatter): the output is `... tokens/i ... out/o`, ready
+for a next weight laid out `out2/i in2/o`. Backward mirrors it: gather the
+output gradient over i, scatter the input gradient over o; the weight
+gradient is local because the gathered input is saved (MindSpore-style 2D).
+
+Linears that share an input (q, k, v; gate, up) share its gather: the gather
+is its own autograd step, cached per input tensor, so forward gathers once
+and backward reduce-scatters the summed input gradient once.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+
+def _gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    return funcol.wait_tensor(funcol.all_gather_single(t.contiguous(), dim, group))
+
+
+def _scatter(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    return funcol.wait_tensor(funcol.reduce_scatter_single(t.contiguous(), "sum", dim, group))
+
+
+class _GatherTokens(torch.autograd.Function):
+    """All-gather over a mesh axis forward; reduce-scatter of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, local, dim: int, group):
+        ctx.dim, ctx.group = dim, group
+        return _gather(local, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class _MatmulScatter(torch.autograd.Function):
+    """Local block product, partial sums reduce-scattered over a mesh axis along tokens."""
+
+    @staticmethod
+    def forward(ctx, gathered, weight, bias, dim: int, group):
+        ctx.save_for_backward(gathered, weight)
+        ctx.dim, ctx.group, ctx.has_bias = dim, group, bias is not None
+        out = _scatter(gathered @ weight.t(), dim, group)
+        return out + bias if bias is not None else out
+
+    @staticmethod
+    def backward(ctx, grad):
+        gathered, weight = ctx.saved_tensors
+        grad_all = _gather(grad, ctx.dim, ctx.group)  # every token's output gradient
+        grad_in = grad_all @ weight  # partial over the other axis: its gather's backward sums it
+        flat_grad, flat_in = grad_all.flatten(0, -2), gathered.flatten(0, -2)
+        grad_w = flat_grad.t() @ flat_in
+        grad_b = flat_grad.sum(0) if ctx.has_bias else None
+        return grad_in, grad_w, grad_b, None, None
+
+
+# The gathered input of a tensor, shared by the linears that read it in one forward.
+_GATHERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def linear_2d(input, weight, bias=None):
+    """`F.linear` for the 2D layouts of the module docstring; NotImplemented otherwise."""
+    plan = _plan(input, weight, bias)
+    if plan is None:
+        return NotImplemented
+    mesh, o, i, token_dim = plan
+    key = _GATHERED.get(input)
+    if key is not None and key[0] == o:
+        gathered = key[1]
+    else:
+        gathered = _GatherTokens.apply(input.to_local(), token_dim, mesh.get_group(o))
+        _GATHERED[input] = (o, gathered)
+    local_bias = bias.to_local() if isinstance(bias, DTensor) else None
+    out = _MatmulScatter.apply(gathered, weight.to_local(), local_bias, token_dim, mesh.get_group(i))
+    placements = [Replicate()] * mesh.ndim
+    placements[i], placements[o] = Shard(token_dim), Shard(input.ndim - 1)
+    shape = (*input.shape[:-1], weight.shape[0])
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(out, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def _plan(input, weight, bias):
+    """(mesh, o, i, token dim) when the layouts are the 2D pattern, else None."""
+    if not (isinstance(input, DTensor) and isinstance(weight, DTensor)) or weight.ndim != 2:
+        return None
+    mesh = weight.device_mesh
+    if input.device_mesh != mesh:
+        return None
+    w_axes = {m: p for m, p in enumerate(weight.placements) if not isinstance(p, Replicate)}
+    if sorted(p.dim for p in w_axes.values() if type(p) is Shard) != [0, 1] or len(w_axes) != 2:
+        return None
+    o = next(m for m, p in w_axes.items() if p.dim == 0)
+    i = next(m for m, p in w_axes.items() if p.dim == 1)
+    last = input.ndim - 1
+    x = input.placements
+    if type(x[i]) is not Shard or x[i].dim != last or type(x[o]) is not Shard or x[o].dim == last:
+        return None
+    if any(not isinstance(p, Replicate) for m, p in enumerate(x) if m not in (o, i)):
+        return None
+    token_dim = x[o].dim
+    if input.shape[token_dim] % (mesh.size(o) * mesh.size(i)) or weight.shape[0] % mesh.size(o):
+        return None
+    if bias is not None and (
+        not isinstance(bias, DTensor) or bias.placements[o] != Shard(0)
+        or any(not isinstance(p, Replicate) for m, p in enumerate(bias.placements) if m != o)
+    ):
+        return None
+    return mesh, o, i, token_dim
