@@ -64,8 +64,20 @@ class _MatmulScatter(torch.autograd.Function):
         return grad_in, grad_w, grad_b, None, None
 
 
-# The gathered input of a tensor, shared by the linears that read it in one forward.
-_GATHERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# id(input) -> (weak ref to input, axis, gathered local input): shared by the linears that
+# read one input (tensors compare elementwise, so a WeakKeyDictionary cannot key them).
+_GATHERED: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+
+def _gathered_input(input: DTensor, token_dim: int, mesh, o: int) -> torch.Tensor:
+    hit = _GATHERED.get(id(input))
+    if hit is not None and hit[0]() is input and hit[1] == o:
+        return hit[2]
+    for key in [k for k, (ref, _, _) in _GATHERED.items() if ref() is None]:
+        del _GATHERED[key]
+    gathered = _GatherTokens.apply(input.to_local(), token_dim, mesh.get_group(o))
+    _GATHERED[id(input)] = (weakref.ref(input), o, gathered)
+    return gathered
 
 
 def linear_2d(input, weight, bias=None):
@@ -74,12 +86,7 @@ def linear_2d(input, weight, bias=None):
     if plan is None:
         return NotImplemented
     mesh, o, i, token_dim = plan
-    key = _GATHERED.get(input)
-    if key is not None and key[0] == o:
-        gathered = key[1]
-    else:
-        gathered = _GatherTokens.apply(input.to_local(), token_dim, mesh.get_group(o))
-        _GATHERED[input] = (o, gathered)
+    gathered = _gathered_input(input, token_dim, mesh, o)
     local_bias = bias.to_local() if isinstance(bias, DTensor) else None
     out = _MatmulScatter.apply(gathered, weight.to_local(), local_bias, token_dim, mesh.get_group(i))
     placements = [Replicate()] * mesh.ndim
