@@ -11,15 +11,22 @@ gradient is local because the gathered input is saved (MindSpore-style 2D).
 Linears that share an input (q, k, v; gate, up) share its gather: the gather
 is its own autograd step, cached per input tensor, so forward gathers once
 and backward reduce-scatters the summed input gradient once.
+
+Tokens may also be split over further mesh axes that come before o and i in
+the mesh (`tokens/z/o`, the token-sharded 3D variant): the weight is then
+replicated over z, and its gradient is left as a pending sum over z
+(`+z`), reduced where the training step reduces gradients (as data
+parallelism does).
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
 import torch.distributed._functional_collectives as funcol
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 
 def _gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -85,19 +92,29 @@ def linear_2d(input, weight, bias=None):
     plan = _plan(input, weight, bias)
     if plan is None:
         return NotImplemented
-    mesh, o, i, token_dim = plan
+    mesh, o, i, token_dim, z_axes = plan
     gathered = _gathered_input(input, token_dim, mesh, o)
-    local_bias = bias.to_local() if isinstance(bias, DTensor) else None
-    out = _MatmulScatter.apply(gathered, weight.to_local(), local_bias, token_dim, mesh.get_group(i))
+    local_bias = _local(bias, z_axes) if isinstance(bias, DTensor) else None
+    out = _MatmulScatter.apply(
+        gathered, _local(weight, z_axes), local_bias, token_dim, mesh.get_group(i)
+    )
     placements = [Replicate()] * mesh.ndim
+    for z in z_axes:
+        placements[z] = Shard(token_dim)
     placements[i], placements[o] = Shard(token_dim), Shard(input.ndim - 1)
     shape = (*input.shape[:-1], weight.shape[0])
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(out, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
+def _local(param: DTensor, z_axes: list[int]) -> torch.Tensor:
+    """The local block; its gradient is a pending sum over the token axes z."""
+    grads = [Partial() if m in z_axes else p for m, p in enumerate(param.placements)]
+    return param.to_local(grad_placements=grads)
+
+
 def _plan(input, weight, bias):
-    """(mesh, o, i, token dim) when the layouts are the 2D pattern, else None."""
+    """(mesh, o, i, token dim, token-only axes) for the 2D pattern, else None."""
     if not (isinstance(input, DTensor) and isinstance(weight, DTensor)) or weight.ndim != 2:
         return None
     mesh = weight.device_mesh
@@ -112,14 +129,18 @@ def _plan(input, weight, bias):
     x = input.placements
     if type(x[i]) is not Shard or x[i].dim != last or type(x[o]) is not Shard or x[o].dim == last:
         return None
-    if any(not isinstance(p, Replicate) for m, p in enumerate(x) if m not in (o, i)):
-        return None
     token_dim = x[o].dim
-    if input.shape[token_dim] % (mesh.size(o) * mesh.size(i)) or weight.shape[0] % mesh.size(o):
+    z_axes = [m for m, p in enumerate(x) if m not in (o, i) and p == Shard(token_dim)]
+    if any(not isinstance(p, Replicate) for m, p in enumerate(x) if m not in (o, i, *z_axes)):
+        return None
+    if any(z > min(o, i) for z in z_axes):  # tokens/z/o needs z before o and i in the mesh
+        return None
+    splits = mesh.size(o) * mesh.size(i) * math.prod(mesh.size(z) for z in z_axes)
+    if input.shape[token_dim] % splits or weight.shape[0] % mesh.size(o):
         return None
     if bias is not None and (
         not isinstance(bias, DTensor) or bias.placements[o] != Shard(0)
         or any(not isinstance(p, Replicate) for m, p in enumerate(bias.placements) if m != o)
     ):
         return None
-    return mesh, o, i, token_dim
+    return mesh, o, i, token_dim, z_axes
