@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from hp.layouts import describe
 from hp.ops.cross_entropy import vocab_parallel_cross_entropy
 from hp.ops.embedding import vocab_parallel_embedding
-from hp.ops.linear2d import linear_2d
+from hp.ops.linear import linear
 from hp.ops import residual
 from hp.ops.rule import RuleError
 from hp.source import user_line
@@ -34,7 +34,7 @@ from hp.source import user_line
 KERNELS = {
     torch.nn.functional.cross_entropy: vocab_parallel_cross_entropy,
     torch.nn.functional.embedding: vocab_parallel_embedding,
-    torch.nn.functional.linear: linear_2d,
+    torch.nn.functional.linear: linear,
     **residual.KERNELS,
 }
 _NO_STRATEGY = re.compile(r"Operator (\S+) does not have a sharding strategy registered")

@@ -8,7 +8,7 @@ step (forward + backward):
 
 * 1D: the block's input is replicated, the closing linear leaves a partial
   sum: one all-reduce of T*h forward and one backward.
-* 2D on x*y = p (`hp.ops.linear2d`): the group gathers its input over y and
+* 2D on x*y = p (`hp.ops.linear`): the group gathers its input over y and
   reduce-scatters each output over x; the closing linear gathers over x and
   reduce-scatters over y; backward mirrors each step on the other axis.
 * 3D on z*x*y = p: 2D on x*y with tokens also split over z, which divides

@@ -1,4 +1,15 @@
-"""2D tensor-parallel linear: weight split over two mesh axes, tokens over both.
+"""Tensor-parallel linear kernels: 1D column-parallel (Megatron's f) and 2D.
+
+1D: a weight laid out `out/a in` on a replicated input computes its output
+slice locally; backward, the input gradient is a partial sum over a. Left to
+DTensor, that partial meets the residual stream's gradient inside autograd's
+accumulation, where DTensor picks the locally cheapest strategy (reduce-
+scatter, later all-gather). Megatron's `f` operator fixes the place instead:
+the input passes through an identity whose backward all-reduces over a, and
+linears that read one input (q, k, v; gate, up) share it, so backward sums
+their partials locally and all-reduces once.
+
+2D tensor-parallel linear: weight split over two mesh axes, tokens over both.
 
 For `y = x W^T` with the weight laid out `out/o in/i` (o != i) and the input
 `... tokens/o ... in/i`, each rank gathers its tokens over o (all-gather),
@@ -26,6 +37,7 @@ import weakref
 
 import torch
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 
@@ -50,6 +62,19 @@ class _GatherTokens(torch.autograd.Function):
         return _scatter(grad, ctx.dim, ctx.group), None, None
 
 
+class _ReduceGradient(torch.autograd.Function):
+    """Megatron's f: identity forward; all-reduce of the (partial) gradient backward."""
+
+    @staticmethod
+    def forward(ctx, local, group):
+        ctx.group = group
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group)), None
+
+
 class _MatmulScatter(torch.autograd.Function):
     """Local block product, partial sums reduce-scattered over a mesh axis along tokens."""
 
@@ -71,20 +96,52 @@ class _MatmulScatter(torch.autograd.Function):
         return grad_in, grad_w, grad_b, None, None
 
 
-# id(input) -> (weak ref to input, axis, gathered local input): shared by the linears that
-# read one input (tensors compare elementwise, so a WeakKeyDictionary cannot key them).
-_GATHERED: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+# (id(input), step, axis) -> (weak ref to input, prepared local input): shared by the
+# linears that read one input (tensors compare elementwise: no WeakKeyDictionary).
+_PREPARED: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
 
 
-def _gathered_input(input: DTensor, token_dim: int, mesh, o: int) -> torch.Tensor:
-    hit = _GATHERED.get(id(input))
-    if hit is not None and hit[0]() is input and hit[1] == o:
-        return hit[2]
-    for key in [k for k, (ref, _, _) in _GATHERED.items() if ref() is None]:
-        del _GATHERED[key]
-    gathered = _GatherTokens.apply(input.to_local(), token_dim, mesh.get_group(o))
-    _GATHERED[id(input)] = (weakref.ref(input), o, gathered)
-    return gathered
+def _shared(input: DTensor, step: str, axis: int, make) -> torch.Tensor:
+    """`make()` once per (input, step, axis) while the input lives."""
+    key = (id(input), step, axis)
+    hit = _PREPARED.get(key)
+    if hit is not None and hit[0]() is input:
+        return hit[1]
+    for stale in [k for k, (ref, _) in _PREPARED.items() if ref() is None]:
+        del _PREPARED[stale]
+    prepared = make()
+    _PREPARED[key] = (weakref.ref(input), prepared)
+    return prepared
+
+
+def linear(input, weight, bias=None):
+    """`F.linear` for the layouts of the module docstring; NotImplemented otherwise."""
+    out = linear_2d(input, weight, bias)
+    return column_parallel(input, weight, bias) if out is NotImplemented else out
+
+
+def column_parallel(input, weight, bias=None):
+    """1D column-parallel linear with a shared f on its input; NotImplemented otherwise."""
+    if not (isinstance(input, DTensor) and isinstance(weight, DTensor)) or weight.ndim != 2:
+        return NotImplemented
+    mesh = weight.device_mesh
+    split = [m for m, p in enumerate(weight.placements) if not isinstance(p, Replicate)]
+    if input.device_mesh != mesh or len(split) != 1 or weight.placements[split[0]] != Shard(0):
+        return NotImplemented
+    a = split[0]
+    if not isinstance(input.placements[a], Replicate) or any(
+        isinstance(p, Partial) or p == Shard(input.ndim - 1) for p in input.placements
+    ):
+        return NotImplemented
+    if bias is not None and (not isinstance(bias, DTensor) or tuple(bias.placements) != tuple(weight.placements)):
+        return NotImplemented
+    local_in = _shared(input, "f", a, lambda: _ReduceGradient.apply(input.to_local(), mesh.get_group(a)))
+    out = F.linear(local_in, weight.to_local(), bias.to_local() if bias is not None else None)
+    placements = list(input.placements)
+    placements[a] = Shard(input.ndim - 1)
+    shape = (*input.shape[:-1], weight.shape[0])
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(out, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def linear_2d(input, weight, bias=None):
@@ -93,7 +150,9 @@ def linear_2d(input, weight, bias=None):
     if plan is None:
         return NotImplemented
     mesh, o, i, token_dim, z_axes = plan
-    gathered = _gathered_input(input, token_dim, mesh, o)
+    gathered = _shared(
+        input, "gather", o, lambda: _GatherTokens.apply(input.to_local(), token_dim, mesh.get_group(o))
+    )
     local_bias = _local(bias, z_axes) if isinstance(bias, DTensor) else None
     out = _MatmulScatter.apply(
         gathered, _local(weight, z_axes), local_bias, token_dim, mesh.get_group(i)

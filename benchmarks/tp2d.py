@@ -1,0 +1,171 @@
+"""Tensor-parallel communication, 1D vs 2D vs token-sharded 3D: formula and measurement.
+
+For T tokens and Llama-3-8B shapes (h=4096, 32 heads, 8 KV heads, SwiGLU
+ffn=14336) and each block (`square` = h->h->h, `mlp`, `layer` = GQA
+attention projections + MLP; attention itself is local), this runs forward
+and backward with hp's kernels on a simulated mesh of p ranks (fake process
+group, fake tensors: no data, exact shapes), counts the bytes each rank sends
+with `hp.comm.trace()`, and compares them with `hp.tp_plan`'s formulas.
+One JSON line per (block, p); the last line is a summary with the issue's
+target figures. Runs in a few seconds on a CPU.
+
+    python benchmarks/tp2d.py [--tokens 8192] [--plot benchmarks/tp2d.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
+
+import hp
+from hp import tp_plan
+
+H, HEADS, KV_HEADS, FFN = 4096, 32, 8, 14336
+BLOCKS = {
+    "square": tp_plan.square(H),
+    "mlp": tp_plan.mlp(H, FFN),
+    "layer": tp_plan.layer(H, HEADS, KV_HEADS, FFN),
+}
+
+
+def local_op(block: tp_plan.Block, outs: list[DTensor]) -> DTensor:
+    """The block's rank-local middle: attention stand-in, SwiGLU, or an activation."""
+    if block.name == "mlp":
+        return F.silu(outs[0]) * outs[1]
+    if block.name == "square":
+        return F.gelu(outs[0])
+    q, k, v = outs  # heads split alike over the same axis: a rank's q heads meet its kv heads
+    group = q.to_local().shape[-1] // k.to_local().shape[-1]
+    mixed = q.to_local() * k.to_local().repeat_interleave(group, -1) + v.to_local().repeat_interleave(group, -1)
+    return DTensor.from_local(mixed, q.device_mesh, q.placements, shape=q.shape, stride=q.stride())
+
+
+def layouts(scheme: str) -> tuple[str, str, str]:
+    """(residual stream, group weights (out, in), closing weight (out, in))."""
+    if scheme == "1d":
+        return "t h", "o/tp i", "o i/tp"
+    tokens = "t/z/y" if scheme == "3d" else "t/y"
+    return f"{tokens} h/x", "o/y i/x", "o/x i/y"
+
+
+def measure(blocks: list[tp_plan.Block], scheme: str, mesh_axes: dict[str, int], tokens: int) -> int:
+    """Bytes per rank of forward + backward, with gradients delivered in their layouts."""
+    mesh = hp.mesh(list(mesh_axes.items()), simulate=True)
+    residual, group_w, close_w = layouts(scheme)
+    with FakeTensorMode(), hp.region():
+        x = hp.shard(torch.empty(tokens, H), residual, mesh).requires_grad_()
+        params = []
+        for b in blocks:
+            ws = [hp.shard(torch.empty(f, b.h), group_w, mesh).requires_grad_() for f in b.fan_out]
+            params += [(w, group_w) for w in ws] + [(hp.shard(torch.empty(b.h, b.mid), close_w, mesh).requires_grad_(), close_w)]
+        with hp.comm.trace() as trace:
+            h, at = x, 0
+            for b in blocks:
+                ws = [w for w, _ in params[at : at + len(b.fan_out) + 1]]
+                at += len(ws)
+                y = F.linear(local_op(b, [F.linear(h, w) for w in ws[:-1]]), ws[-1])
+                h = h + hp.constrain(y, residual)  # 1D: the all-reduce; 2D/3D: already in place
+            h.sum().backward()
+            hp.constrain(x.grad, residual)
+            for w, layout in params:
+                hp.constrain(w.grad, layout)  # 3D: the weight-gradient all-reduce over z
+    return trace.bytes()
+
+
+def best(blocks, tokens: int, p: int, scheme: str) -> tuple[dict[str, int], int] | None:
+    """(mesh, formula bytes) of the cheapest factorisation of `scheme`, or None."""
+    parts = {"2d": 2, "3d": 3}[scheme]
+    options = []
+    for dims in tp_plan.factorisations(p, parts):
+        axes = dict(zip(("z", "x", "y")[3 - parts :], dims))
+        cost = tp_plan.bytes_2d(blocks, tokens, axes["x"], axes["y"], axes.get("z", 1)).total
+        options.append((cost, axes))
+    if not options:
+        return None
+    cost, axes = min(options, key=lambda o: o[0])
+    return axes, cost
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[4, 8, 16, 32, 64])
+    parser.add_argument("--plot", default="benchmarks/tp2d.png", help="PNG path (needs the plot extra)")
+    args = parser.parse_args()
+
+    rows = []
+    for name, blocks in BLOCKS.items():
+        for p in args.ranks:
+            one = tp_plan.bytes_1d(blocks, args.tokens, p).total
+            row = {"block": name, "p": p, "bytes_1d": one}
+            match = measure(blocks, "1d", {"tp": p}, args.tokens) == one
+            for scheme in ("2d", "3d"):
+                found = best(blocks, args.tokens, p, scheme)
+                if found is None:
+                    continue
+                axes, cost = found
+                suffix = "" if scheme == "2d" else "_3d"
+                row[f"mesh{suffix}"] = "x".join(str(n) for n in axes.values())
+                row[f"bytes{'_2d' if scheme == '2d' else '_3d'}"] = cost
+                row[f"reduction{suffix}"] = round(1 - cost / one, 4)
+                match = match and measure(blocks, scheme, axes, args.tokens) == cost
+            choice = tp_plan.choose(blocks, args.tokens, p)
+            row["planner"] = choice.scheme + " " + " ".join(f"{k}={v}" for k, v in choice.mesh.items())
+            row["planner_bytes"] = choice.bytes
+            row["formula_match"] = match
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+    def get(block, p, key):
+        return next(r[key] for r in rows if r["block"] == block and r["p"] == p)
+
+    summary = {
+        "summary": True,
+        "tokens": args.tokens,
+        "square_p8_reduction": get("square", 8, "reduction"),
+        "layer_p16_reduction": get("layer", 16, "reduction"),
+        "layer_p64_reduction": get("layer", 64, "reduction"),
+        "layer_p16_reduction_3d": get("layer", 16, "reduction_3d"),
+        "layer_p64_reduction_3d": get("layer", 64, "reduction_3d"),
+        "formula_match": all(r["formula_match"] for r in rows),
+        "planner_never_above_1d": all(r["planner_bytes"] <= r["bytes_1d"] for r in rows),
+    }
+    summary["targets_met"] = (
+        summary["square_p8_reduction"] >= 0.42
+        and summary["layer_p16_reduction"] >= 0.31
+        and summary["layer_p64_reduction"] >= 0.60
+    )
+    _plot(rows, args.plot)
+    print(json.dumps(summary))
+
+
+def _plot(rows: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for block in BLOCKS:
+        mine = [r for r in rows if r["block"] == block]
+        ax.plot([r["p"] for r in mine], [r["reduction"] for r in mine], marker="o", label=f"{block} 2D")
+        three = [r for r in mine if "reduction_3d" in r]
+        ax.plot([r["p"] for r in three], [r["reduction_3d"] for r in three], marker="s", linestyle="--", label=f"{block} 3D")
+    ax.axhline(0, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tensor-parallel ranks p")
+    ax.set_ylabel("bytes saved vs 1D (fwd + bwd, per rank)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
