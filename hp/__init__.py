@@ -31,4 +31,4 @@ __all__ = [
     "comm", "layout", "layout_of", "mesh", "parallelize", "region", "rule", "rules", "shard", "simulated",
 ]
 
-from hp import comm  # noqa: E402  (hp.comm.trace())
+from hp import comm, tp_plan  # noqa: E402  (hp.comm.trace(), hp.tp_plan.choose())

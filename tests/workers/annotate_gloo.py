@@ -61,7 +61,35 @@ def main() -> None:
     torch.testing.assert_close(leaf.grad.full_tensor(), ref.grad)
 
     check_fully_shard_composes(mesh, rank)
+    check_2d_llama(rank)
     print(f"rank {rank} ok", flush=True)
+
+
+def check_2d_llama(rank) -> None:
+    """2D tensor parallelism on a 2x2 mesh: a tiny HF Llama matches the unsharded model."""
+    import importlib.util
+
+    from hp import tp_plan
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("annotate_llama", os.path.join(root, "examples", "annotate_llama.py"))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+
+    mesh = hp.mesh(x=2, y=2)
+    plan, outputs = tp_plan.llama_layouts(tp_plan.Choice("2d", {"x": 2, "y": 2}, 0, 1))
+    torch.manual_seed(0)
+    reference, model = example.tiny_model("llama", 1), example.tiny_model("llama", 1)
+    model.load_state_dict(reference.state_dict())
+    ids = torch.randint(0, 256, (4, 16))
+    ref_loss = reference(input_ids=ids, labels=ids).loss
+    ref_loss.backward()
+    hp.parallelize(model, mesh, plan, outputs=outputs)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    torch.testing.assert_close(loss.full_tensor(), ref_loss, msg=f"rank {rank}: 2D loss")
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), r.grad, msg=f"rank {rank}: 2D grad of {name}")
 
 
 def check_fully_shard_composes(mesh, rank) -> None:
