@@ -6,8 +6,10 @@ attention projections + MLP; attention itself is local), this runs forward
 and backward with hp's kernels on a simulated mesh of p ranks (fake process
 group, fake tensors: no data, exact shapes), counts the bytes each rank sends
 with `hp.comm.trace()`, and compares them with `hp.tp_plan`'s formulas.
-One JSON line per (block, p); the last line is a summary with the issue's
-target figures. Runs in a few seconds on a CPU.
+One JSON line per (block, p); then the 2D activation memory of the MLP; then a
+whole small HF Llama run at each p with real values on simulated ranks (the
+planner's choice, per-layer bytes against the formula); the last line is a
+summary with the issue's target figures. Runs in about half a minute on a CPU.
 
     python benchmarks/tp2d.py [--tokens 8192] [--plot benchmarks/tp2d.png]
 """
@@ -121,6 +123,55 @@ def mlp_activation_memory(tokens: int, x: int, y: int) -> dict:
     }
 
 
+def llama_at_scale(p: int, batch: int = 64, seq: int = 16) -> dict:
+    """A whole (small) HF Llama on p simulated ranks with real values: the planner's choice runs.
+
+    Per decoder layer, the forward bytes measured equal the projections' formula plus the
+    RMSNorm statistics (2D: two all-reduces of one number per local token over x).
+    """
+    import importlib.util
+    from pathlib import Path
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = importlib.util.spec_from_file_location(
+        "annotate_llama", Path(__file__).parent.parent / "examples" / "annotate_llama.py"
+    )
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+
+    h, heads, ffn, tokens = 256, 16, 512, batch * seq
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=h, intermediate_size=ffn, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=heads, use_cache=False,
+    )
+    blocks = tp_plan.layer(h, heads, heads, ffn)
+    choice = tp_plan.choose(blocks, tokens, p, schemes=("1d", "2d"))
+    mesh = hp.mesh(list(choice.mesh.items()), simulate=True)
+    plan, outputs = tp_plan.llama_layouts(choice)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(0, config.vocab_size, (batch, seq))
+    with hp.simulated(mesh):
+        hp.parallelize(model, mesh, plan, outputs=outputs)
+        layers = example.trace_each(model.model.layers)
+        with hp.comm.trace() as step:
+            model(input_ids=ids, labels=ids).loss.backward()
+    measured = [t.bytes(phase="forward") for t in layers]
+    if choice.scheme == "1d":
+        formula = tp_plan.bytes_1d(blocks, tokens, p).total // 2
+        norms = 0
+    else:
+        x, y = choice.mesh["x"], choice.mesh["y"]
+        formula = tp_plan.bytes_2d(blocks, tokens, x, y).total // 2
+        norms = 2 * (2 * (x - 1) * (tokens // y) * 4 // x)
+    return {
+        "llama_at_scale": p, "choice": choice.scheme + " " + " ".join(f"{k}={v}" for k, v in choice.mesh.items()),
+        "layer_fwd_bytes": measured, "layer_fwd_formula": formula + norms, "norm_stats_bytes": norms,
+        "step_bytes": step.bytes(), "formula_match": all(m == formula + norms for m in measured),
+    }
+
+
 def best(blocks, tokens: int, p: int, scheme: str) -> tuple[dict[str, int], int] | None:
     """(mesh, formula bytes) of the cheapest factorisation of `scheme`, or None."""
     parts = {"2d": 2, "3d": 3}[scheme]
@@ -169,6 +220,10 @@ def main() -> None:
     for line in memory:
         print(json.dumps(line), flush=True)
 
+    at_scale = [llama_at_scale(p) for p in args.ranks]
+    for line in at_scale:
+        print(json.dumps(line), flush=True)
+
     def get(block, p, key):
         return next(r[key] for r in rows if r["block"] == block and r["p"] == p)
 
@@ -180,7 +235,7 @@ def main() -> None:
         "layer_p64_reduction": get("layer", 64, "reduction"),
         "layer_p16_reduction_3d": get("layer", 16, "reduction_3d"),
         "layer_p64_reduction_3d": get("layer", 64, "reduction_3d"),
-        "formula_match": all(r["formula_match"] for r in rows + memory),
+        "formula_match": all(r["formula_match"] for r in rows + memory + at_scale),
         "mlp_act_mem_ratio_4x4": memory[-1]["ratio"],
         "planner_never_above_1d": all(r["planner_bytes"] <= r["bytes_1d"] for r in rows),
     }

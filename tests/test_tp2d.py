@@ -115,3 +115,10 @@ def test_activation_memory_follows_its_formula():
     for x, y in ((2, 2), (2, 4)):
         line = tp2d.mlp_activation_memory(1024, x, y)
         assert line["formula_match"] and line["ratio"] < 2.7 / (x * y)
+
+
+@pytest.mark.parametrize("p", [4, 16, 64])
+def test_a_whole_llama_runs_at_scale_in_one_process(p):
+    line = tp2d.llama_at_scale(p)
+    assert line["formula_match"], line
+    assert line["choice"].startswith("1d" if p == 4 else "2d")
