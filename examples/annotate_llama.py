@@ -15,15 +15,18 @@ as its last line.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
+import sys
 
 import torch
 
 import hp
 from hp.comm import Trace
 from hp.cost import ring_bytes
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import rel_err, tp_mesh  # noqa: E402  (the examples' shared helpers)
 
 # Layouts of nn.Linear weights, which are stored (out, in).
 TP_PLAN = {
@@ -63,10 +66,6 @@ def trace_each(modules) -> list[Trace]:
         m.register_forward_pre_hook(start)
         m.register_forward_hook(stop, always_call=True)
     return traces
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
 def run(kind: str, mesh, layers: int = 2, batch: int = 2, seq: int = 32) -> dict:
@@ -115,12 +114,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=32)
     args = parser.parse_args()
 
-    if args.simulate:
-        mesh = hp.mesh(tp=args.simulate, simulate=True)
-        ranks = hp.simulated(mesh)
-    else:
-        mesh = hp.mesh(tp=int(os.environ.get("WORLD_SIZE", "1")))
-        ranks = contextlib.nullcontext()
+    mesh, ranks = tp_mesh(args.simulate)
     with ranks:
         result = run(args.model, mesh, args.layers, args.batch, args.seq)
     if torch.distributed.get_rank() == 0:

@@ -12,21 +12,20 @@ same MLP on one device and prints one JSON object as its last line.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
+import sys
 
 import torch
 
 import hp
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import rel_err, tp_mesh  # noqa: E402  (the examples' shared helpers)
+
 
 def mlp(x, w_in, w_out):
     return torch.nn.functional.gelu(x @ w_in) @ w_out
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
 def main() -> None:
@@ -36,12 +35,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     args = parser.parse_args()
 
-    if args.simulate:
-        mesh = hp.mesh(tp=args.simulate, simulate=True)
-        ranks = hp.simulated(mesh)
-    else:
-        mesh = hp.mesh(tp=int(os.environ.get("WORLD_SIZE", "1")))
-        ranks = contextlib.nullcontext()
+    mesh, ranks = tp_mesh(args.simulate)
 
     torch.manual_seed(0)
     h, f = args.hidden, 4 * args.hidden
