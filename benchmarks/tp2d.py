@@ -51,6 +51,8 @@ def layouts(scheme: str) -> tuple[str, str, str]:
     """(residual stream, group weights (out, in), closing weight (out, in))."""
     if scheme == "1d":
         return "t h", "o/tp i", "o i/tp"
+    if scheme == "summa":
+        return "t/x h/y", "o/y i/x", "o/y i/x"
     tokens = "t/z/y" if scheme == "3d" else "t/y"
     return f"{tokens} h/x", "o/y i/x", "o/x i/y"
 
@@ -60,7 +62,7 @@ def measure(blocks: list[tp_plan.Block], scheme: str, mesh_axes: dict[str, int],
     mesh = hp.mesh(list(mesh_axes.items()), simulate=True)
     residual, group_w, close_w = layouts(scheme)
     with FakeTensorMode(), hp.region():
-        x = hp.shard(torch.empty(tokens, H), residual, mesh).requires_grad_()
+        x = hp.shard(torch.empty(tokens, H), residual, mesh).requires_grad_()  # the block's input
         params = []
         for b in blocks:
             ws = [hp.shard(torch.empty(f, b.h), group_w, mesh).requires_grad_() for f in b.fan_out]
@@ -127,7 +129,8 @@ def llama_at_scale(p: int, batch: int = 64, seq: int = 16) -> dict:
     """A whole (small) HF Llama on p simulated ranks with real values: the planner's choice runs.
 
     Per decoder layer, the forward bytes measured equal the projections' formula plus the
-    RMSNorm statistics (2D: two all-reduces of one number per local token over x).
+    RMSNorm statistics (two all-reduces of one number per local token over the axis that
+    splits the hidden dim).
     """
     import importlib.util
     from pathlib import Path
@@ -146,7 +149,7 @@ def llama_at_scale(p: int, batch: int = 64, seq: int = 16) -> dict:
         num_attention_heads=heads, num_key_value_heads=heads, use_cache=False,
     )
     blocks = tp_plan.layer(h, heads, heads, ffn)
-    choice = tp_plan.choose(blocks, tokens, p, schemes=("1d", "2d"))
+    choice = tp_plan.choose(blocks, tokens, p, schemes=("1d", "2d", "summa"))
     mesh = hp.mesh(list(choice.mesh.items()), simulate=True)
     plan, outputs = tp_plan.llama_layouts(choice)
     torch.manual_seed(0)
@@ -158,13 +161,17 @@ def llama_at_scale(p: int, batch: int = 64, seq: int = 16) -> dict:
         with hp.comm.trace() as step:
             model(input_ids=ids, labels=ids).loss.backward()
     measured = [t.bytes(phase="forward") for t in layers]
+    # forward is half of each scheme's step: backward mirrors it byte for byte
     if choice.scheme == "1d":
-        formula = tp_plan.bytes_1d(blocks, tokens, p).total // 2
-        norms = 0
+        formula, norms = tp_plan.bytes_1d(blocks, tokens, p).total // 2, 0
     else:
         x, y = choice.mesh["x"], choice.mesh["y"]
-        formula = tp_plan.bytes_2d(blocks, tokens, x, y).total // 2
-        norms = 2 * (2 * (x - 1) * (tokens // y) * 4 // x)
+        if choice.scheme == "summa":  # residual t/x h/y: norm statistics all-reduced over y
+            formula = tp_plan.bytes_summa(blocks, tokens, x, y).total // 2
+            norms = 2 * (2 * (y - 1) * (tokens // x) * 4 // y)
+        else:  # residual t/y h/x: over x
+            formula = tp_plan.bytes_2d(blocks, tokens, x, y).total // 2
+            norms = 2 * (2 * (x - 1) * (tokens // y) * 4 // x)
     return {
         "llama_at_scale": p, "choice": choice.scheme + " " + " ".join(f"{k}={v}" for k, v in choice.mesh.items()),
         "layer_fwd_bytes": measured, "layer_fwd_formula": formula + norms, "norm_stats_bytes": norms,
@@ -174,11 +181,14 @@ def llama_at_scale(p: int, batch: int = 64, seq: int = 16) -> dict:
 
 def best(blocks, tokens: int, p: int, scheme: str) -> tuple[dict[str, int], int] | None:
     """(mesh, formula bytes) of the cheapest factorisation of `scheme`, or None."""
-    parts = {"2d": 2, "3d": 3}[scheme]
+    parts = {"2d": 2, "summa": 2, "3d": 3}[scheme]
     options = []
     for dims in tp_plan.factorisations(p, parts):
         axes = dict(zip(("z", "x", "y")[3 - parts :], dims))
-        cost = tp_plan.bytes_2d(blocks, tokens, axes["x"], axes["y"], axes.get("z", 1)).total
+        if scheme == "summa":
+            cost = tp_plan.bytes_summa(blocks, tokens, axes["x"], axes["y"]).total
+        else:
+            cost = tp_plan.bytes_2d(blocks, tokens, axes["x"], axes["y"], axes.get("z", 1)).total
         options.append((cost, axes))
     if not options:
         return None
@@ -199,14 +209,13 @@ def main() -> None:
             one = tp_plan.bytes_1d(blocks, args.tokens, p).total
             row = {"block": name, "p": p, "bytes_1d": one}
             match = measure(blocks, "1d", {"tp": p}, args.tokens) == one
-            for scheme in ("2d", "3d"):
+            for scheme, suffix in (("2d", ""), ("summa", "_summa"), ("3d", "_3d")):
                 found = best(blocks, args.tokens, p, scheme)
                 if found is None:
                     continue
                 axes, cost = found
-                suffix = "" if scheme == "2d" else "_3d"
                 row[f"mesh{suffix}"] = "x".join(str(n) for n in axes.values())
-                row[f"bytes{'_2d' if scheme == '2d' else '_3d'}"] = cost
+                row[f"bytes{suffix or '_2d'}"] = cost
                 row[f"reduction{suffix}"] = round(1 - cost / one, 4)
                 match = match and measure(blocks, scheme, axes, args.tokens) == cost
             choice = tp_plan.choose(blocks, args.tokens, p)
@@ -229,6 +238,8 @@ def main() -> None:
 
     summary = {
         "summary": True,
+        "layer_p16_reduction_summa": get("layer", 16, "reduction_summa"),
+        "layer_p64_reduction_summa": get("layer", 64, "reduction_summa"),
         "tokens": args.tokens,
         "square_p8_reduction": get("square", 8, "reduction"),
         "layer_p16_reduction": get("layer", 16, "reduction"),

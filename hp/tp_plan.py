@@ -11,6 +11,10 @@ step (forward + backward):
 * 2D on x*y = p (`hp.ops.linear`): the group gathers its input over y and
   reduce-scatters each output over x; the closing linear gathers over x and
   reduce-scatters over y; backward mirrors each step on the other axis.
+* SUMMA (Optimus-style 2D) on x*y = p: tokens over x, features over y;
+  each linear gathers its input's features over y (shared by a group) and
+  its weight's input dim over x; backward reduce-scatters both. It moves
+  weight blocks every step, so it wins only when tokens dwarf weights.
 * 3D on z*x*y = p: 2D on x*y with tokens also split over z, which divides
   every activation term by z and adds an all-reduce over z of each weight
   block's gradient.
@@ -85,6 +89,18 @@ def bytes_2d(blocks: list[Block], tokens: int, x: int, y: int, z: int = 1, elem:
     return cost
 
 
+def bytes_summa(blocks: list[Block], tokens: int, x: int, y: int, elem: int = 4) -> Bytes:
+    cost = Bytes()
+    for b in blocks:
+        for width, outs in ((b.h, b.fan_out), (b.mid, (b.h,))):  # the group, then the closing linear
+            features = tokens // x * width * elem  # the gathered input of this step
+            cost.add("all_gather", "y", features, y).add("reduce_scatter", "y", features, y)
+            for out in outs:
+                weight = out // y * width * elem  # the gathered weight block
+                cost.add("all_gather", "x", weight, x).add("reduce_scatter", "x", weight, x)
+    return cost
+
+
 def factorisations(p: int, parts: int) -> list[tuple[int, ...]]:
     """Ordered factorisations of p into `parts` factors, each > 1."""
     if parts == 1:
@@ -100,7 +116,7 @@ def factorisations(p: int, parts: int) -> list[tuple[int, ...]]:
 class Choice:
     """The cheapest scheme for a model on p ranks, and what it costs against 1D."""
 
-    scheme: str  # "1d", "2d" or "3d"
+    scheme: str  # "1d", "2d", "summa" or "3d"
     mesh: dict[str, int]
     bytes: int
     bytes_1d: int
@@ -119,7 +135,9 @@ class Choice:
         )
 
 
-def choose(blocks: list[Block], tokens: int, p: int, elem: int = 4, schemes=("1d", "2d", "3d")) -> Choice:
+def choose(
+    blocks: list[Block], tokens: int, p: int, elem: int = 4, schemes=("1d", "2d", "summa", "3d")
+) -> Choice:
     """The scheme and factorisation with the fewest bytes per rank (1D when nothing beats it).
 
     >>> c = choose(square(4096), tokens=8192, p=8, schemes=("1d", "2d"))
@@ -131,6 +149,9 @@ def choose(blocks: list[Block], tokens: int, p: int, elem: int = 4, schemes=("1d
     if "2d" in schemes:
         for x, y in factorisations(p, 2):
             candidates[f"2d x={x} y={y}"] = bytes_2d(blocks, tokens, x, y, 1, elem).total
+    if "summa" in schemes:
+        for x, y in factorisations(p, 2):
+            candidates[f"summa x={x} y={y}"] = bytes_summa(blocks, tokens, x, y, elem).total
     if "3d" in schemes:
         for z, x, y in factorisations(p, 3):
             if tokens % (z * x * y) == 0:
@@ -149,6 +170,11 @@ def llama_layouts(choice: Choice) -> tuple[dict[str, str], dict[str, str]]:
             "*.mlp.up_proj.weight": "out/tp in", "*.self_attn.o_proj.weight": "out in/tp",
             "*.mlp.down_proj.weight": "out in/tp", "lm_head.weight": "vocab/tp h",
         }, {}
+    if choice.scheme == "summa":  # every weight alike: out over y, in over x
+        return {
+            "*.self_attn.[qkvo]_proj.weight": "out/y in/x", "*.mlp.*_proj.weight": "out/y in/x",
+            "lm_head.weight": "vocab/y h/x",
+        }, {"model.embed_tokens": "b/x s h/y"}
     tokens = "b/z/y" if choice.scheme == "3d" else "b/y"
     return {
         "*.self_attn.[qkv]_proj.weight": "out/y in/x", "*.mlp.gate_proj.weight": "out/y in/x",

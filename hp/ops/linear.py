@@ -23,6 +23,14 @@ Linears that share an input (q, k, v; gate, up) share its gather: the gather
 is its own autograd step, cached per input tensor, so forward gathers once
 and backward reduce-scatters the summed input gradient once.
 
+SUMMA / Optimus-style 2D: the weight `out/a in/b` and the input
+`tokens/b in/a` (features on the weight's out-axis) meet by gathering the
+input's features over a and the weight's input dim over b; the local product
+is exact and the output is `tokens/b out/a`, the input's own pattern, so
+consecutive linears chain without alternating. Backward reduce-scatters the
+input gradient over a and the weight gradient over b. It moves weights, not
+only activations: the planner prices both and picks.
+
 Tokens may also be split over further mesh axes that come before o and i in
 the mesh (`tokens/z/o`, the token-sharded 3D variant): the weight is then
 replicated over z, and its gradient is left as a pending sum over z
@@ -50,7 +58,7 @@ def _scatter(t: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 class _GatherTokens(torch.autograd.Function):
-    """All-gather over a mesh axis forward; reduce-scatter of the gradient backward."""
+    """All-gather along a dim over a mesh axis forward; reduce-scatter of the gradient backward."""
 
     @staticmethod
     def forward(ctx, local, dim: int, group):
@@ -116,8 +124,42 @@ def _shared(input: DTensor, step: str, axis: int, make) -> torch.Tensor:
 
 def linear(input, weight, bias=None):
     """`F.linear` for the layouts of the module docstring; NotImplemented otherwise."""
-    out = linear_2d(input, weight, bias)
-    return column_parallel(input, weight, bias) if out is NotImplemented else out
+    for kernel in (linear_2d, linear_summa, column_parallel):
+        out = kernel(input, weight, bias)
+        if out is not NotImplemented:
+            return out
+    return NotImplemented
+
+
+def linear_summa(input, weight, bias=None):
+    """SUMMA-style 2D linear (module docstring); NotImplemented when the layouts differ."""
+    if not (isinstance(input, DTensor) and isinstance(weight, DTensor)) or weight.ndim != 2:
+        return NotImplemented
+    mesh, w, x, last = weight.device_mesh, weight.placements, input.placements, input.ndim - 1
+    split = {m: p for m, p in enumerate(w) if not isinstance(p, Replicate)}
+    if input.device_mesh != mesh or len(split) != 2 or sorted(getattr(p, "dim", -1) for p in split.values()) != [0, 1]:
+        return NotImplemented
+    if any(type(p) is not Shard for p in split.values()):
+        return NotImplemented
+    a = next(m for m, p in split.items() if p.dim == 0)
+    b = next(m for m, p in split.items() if p.dim == 1)
+    if x[a] != Shard(last) or type(x[b]) is not Shard or x[b].dim == last:
+        return NotImplemented
+    if any(not isinstance(p, Replicate) for m, p in enumerate(x) if m not in (a, b)):
+        return NotImplemented
+    if bias is not None and (not isinstance(bias, DTensor) or bias.placements[a] != Shard(0)):
+        return NotImplemented
+    full_in = _shared(
+        input, "features", a, lambda: _GatherTokens.apply(input.to_local(), last, mesh.get_group(a))
+    )
+    full_w = _GatherTokens.apply(weight.to_local(), 1, mesh.get_group(b))
+    # tokens are split over b: the bias gradient is a pending sum over b
+    out = F.linear(full_in, full_w, _local(bias, [b]) if bias is not None else None)
+    placements = [Replicate()] * mesh.ndim
+    placements[a], placements[b] = Shard(last), Shard(x[b].dim)
+    shape = (*input.shape[:-1], weight.shape[0])
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(out, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def column_parallel(input, weight, bias=None):
@@ -136,7 +178,9 @@ def column_parallel(input, weight, bias=None):
     if bias is not None and (not isinstance(bias, DTensor) or tuple(bias.placements) != tuple(weight.placements)):
         return NotImplemented
     local_in = _shared(input, "f", a, lambda: _ReduceGradient.apply(input.to_local(), mesh.get_group(a)))
-    out = F.linear(local_in, weight.to_local(), bias.to_local() if bias is not None else None)
+    # rows split over other axes (data parallel): parameter gradients are pending sums there
+    rows = [m for m, p in enumerate(input.placements) if isinstance(p, Shard)]
+    out = F.linear(local_in, _local(weight, rows), _local(bias, rows) if bias is not None else None)
     placements = list(input.placements)
     placements[a] = Shard(input.ndim - 1)
     shape = (*input.shape[:-1], weight.shape[0])
