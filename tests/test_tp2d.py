@@ -73,7 +73,10 @@ def test_summa_mlp_matches_one_device():
             assert rel(x.grad.full_tensor(), r.grad) < 1e-5
 
 
-@pytest.mark.parametrize("scheme, axes", [*[("2d", m) for m in MESHES_2D], ("summa", MESHES_2D[1])])
+@pytest.mark.parametrize(
+    "scheme, axes",
+    [*[("2d", m) for m in MESHES_2D], ("summa", MESHES_2D[1]), ("3d", (("z", 2), ("x", 2), ("y", 2)))],
+)
 def test_2d_tiny_llama_matches_hf(scheme, axes):
     mesh = hp.mesh(list(axes), simulate=True)
     choice = tp_plan.Choice(scheme, dict(axes), 0, 1)
