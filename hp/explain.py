@@ -3,8 +3,9 @@
 Both watch a program at the dispatch level. For every op on DTensors they
 note the input layouts, run the op with a collective trace of its own
 (`hp.comm.Trace`) and note the output layouts and the collectives DTensor
-inserted to run it; collectives outside any op (an `hp.constrain`, a kernel
-of hp's own) are noted as explicit. `explain` returns the table; `strict`
+inserted to run it; collectives outside any op (an `hp.constrain`) are noted as
+explicit, and so are hp's own kernels (2D linear, vocab-parallel loss, ...),
+each one row with its layouts and the collectives it ran. `explain` returns the table; `strict`
 raises as soon as an op redistributes in the forward pass without having
 been asked to, naming the op, its layouts and the source line. (Backward
 communication mirrors the forward choices and is not checked.)
@@ -71,13 +72,34 @@ class _Recorder(Watching):
         self.strict = strict
         self.records: list[OpRecord] = []
         self._bare = Trace()
+        self._kernels: list[OpRecord] = []  # hp kernels running now, innermost last
+
+    def begin_kernel(self, name, inputs):
+        record = OpRecord(
+            op=f"hp kernel {name}",
+            inputs=[describe(a) for a in inputs if isinstance(a, DTensor)],
+            outputs=[],
+            implicit=False,
+            phase="backward" if in_backward() else "forward",
+            source=user_line(),
+        )
+        self._kernels.append(record)
+        return record
+
+    def end_kernel(self, record, outputs):
+        self._kernels.remove(record)
+        if outputs and outputs[0] is not NotImplemented:
+            record.outputs = [describe(o) for o in tree_flatten(outputs)[0] if isinstance(o, DTensor)]
+            self.records.append(record)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         flat, _ = tree_flatten((args, kwargs))
         if not any(isinstance(a, DTensor) for a in flat):
             collective = self._bare.observe(func, args) if isinstance(func, torch._ops.OpOverload) else None
-            if collective is not None:
+            if collective is not None and self._kernels:
+                self._kernels[-1].collectives.append(collective)
+            elif collective is not None:
                 self.records.append(
                     OpRecord(str(func), [], [], [collective], False, collective.phase, collective.source)
                 )

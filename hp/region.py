@@ -28,6 +28,7 @@ from hp.ops.embedding import vocab_parallel_embedding
 from hp.ops.linear import linear
 from hp.ops import residual
 from hp.ops.rule import RuleError
+from hp.simulate import kernel_scope
 from hp.source import user_line
 
 # Functions whose DTensor inputs select an algorithm of hp's own (NotImplemented: not applicable).
@@ -76,9 +77,10 @@ class region(TorchFunctionMode):
             return func(*args, **kwargs)
         kernel = KERNELS.get(func)
         if kernel is not None:
-            out = kernel(*args, **kwargs)
-            if out is not NotImplemented:
-                return out
+            with kernel_scope(getattr(kernel, "__name__", "kernel"), flat) as result:
+                result.append(kernel(*args, **kwargs))
+            if result[0] is not NotImplemented:
+                return result[0]
         if any(isinstance(a, torch.Tensor) and not isinstance(a, DTensor) for a in flat):
             args, kwargs = _replicated(flat, spec, mesh)
         try:

@@ -27,12 +27,31 @@ class Watching(TorchDispatchMode):
         _ACTIVE.remove(self)
         return super().__exit__(*exc)
 
+    def begin_kernel(self, name: str, inputs: list):
+        """A kernel of hp's own starts (see `kernel_scope`); returns a handle for `end_kernel`."""
+        return None
+
+    def end_kernel(self, handle, outputs: list) -> None:
+        """The kernel of `handle` ended with `outputs` ([NotImplemented]: it declined)."""
+
     def twin(self) -> Watching:
         """A new mode that records into this one's state."""
         other = object.__new__(type(self))
         TorchDispatchMode.__init__(other)
         other.__dict__.update(self.__dict__)
         return other
+
+
+@contextmanager
+def kernel_scope(name: str, inputs: list):
+    """Tell the active hp modes that a kernel of hp's own runs inside; append its result."""
+    opened = [(mode, mode.begin_kernel(name, inputs)) for mode in list(_ACTIVE)]
+    outputs: list = []
+    try:
+        yield outputs
+    finally:
+        for mode, handle in opened:
+            mode.end_kernel(handle, outputs)
 
 
 @contextmanager

@@ -89,3 +89,15 @@ def test_hp_explain_command_runs_a_script():
     assert json.loads(lines[-2])["loss_rel_err"] < 1e-5  # the script's own output
     records = json.loads(lines[-1])
     assert any(r["collectives"][0]["kind"] == "all_reduce" for r in records)
+
+
+def test_explain_shows_hp_kernels_with_their_layouts_and_collectives():
+    mesh = hp.mesh(x=2, y=2, simulate=True)
+    with hp.simulated(mesh), hp.region():
+        x = hp.shard(torch.randn(4, 8), "t/y h/x", mesh)
+        w = hp.shard(torch.randn(6, 8), "o/y i/x", mesh)
+        report = hp.explain(lambda: torch.nn.functional.linear(x, w))
+    (row,) = [r for r in report.records if r.op.startswith("hp kernel")]
+    assert row.op == "hp kernel linear" and not row.implicit
+    assert row.inputs == ["f32[t=4/y, h=8/x]", "f32[o=6/y, i=8/x]"] and row.outputs == ["f32[4/x, 6/y]"]
+    assert [(c.kind, c.axis) for c in row.collectives] == [("all_gather", "y"), ("reduce_scatter", "x")]

@@ -41,4 +41,11 @@ def resolve_partials(func, args, kwargs):
     return func(*moved, *args[2:], **kwargs)
 
 
-KERNELS = {f: lambda *a, _f=f, **k: resolve_partials(_f, a, k) for f in ADDITIVE}
+def _kernel(func):
+    def residual_add(*args, **kwargs):
+        return resolve_partials(func, args, kwargs)
+
+    return residual_add
+
+
+KERNELS = {f: _kernel(f) for f in ADDITIVE}
