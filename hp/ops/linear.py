@@ -163,26 +163,35 @@ def linear_summa(input, weight, bias=None):
 
 
 def column_parallel(input, weight, bias=None):
-    """1D column-parallel linear with a shared f on its input; NotImplemented otherwise."""
+    """1D column-parallel linear; NotImplemented when the layouts differ.
+
+    A replicated input passes through Megatron's f (shared by the linears that read it); a
+    sequence-parallel input (tokens split over the weight's axis) is all-gathered over it
+    (its backward reduce-scatters), the Megatron-SP pattern.
+    """
     if not (isinstance(input, DTensor) and isinstance(weight, DTensor)) or weight.ndim != 2:
         return NotImplemented
-    mesh = weight.device_mesh
+    mesh, last = weight.device_mesh, input.ndim - 1
     split = [m for m, p in enumerate(weight.placements) if not isinstance(p, Replicate)]
     if input.device_mesh != mesh or len(split) != 1 or weight.placements[split[0]] != Shard(0):
         return NotImplemented
     a = split[0]
-    if not isinstance(input.placements[a], Replicate) or any(
-        isinstance(p, Partial) or p == Shard(input.ndim - 1) for p in input.placements
-    ):
+    if any(isinstance(p, Partial) or p == Shard(last) for p in input.placements):
         return NotImplemented
     if bias is not None and (not isinstance(bias, DTensor) or tuple(bias.placements) != tuple(weight.placements)):
         return NotImplemented
-    local_in = _shared(input, "f", a, lambda: _ReduceGradient.apply(input.to_local(), mesh.get_group(a)))
+    tokens, group = input.placements[a], mesh.get_group(a)
+    if isinstance(tokens, Replicate):
+        local_in = _shared(input, "f", a, lambda: _ReduceGradient.apply(input.to_local(), group))
+    elif type(tokens) is Shard and input.shape[tokens.dim] % mesh.size(a) == 0:
+        local_in = _shared(input, "gather", a, lambda: _GatherTokens.apply(input.to_local(), tokens.dim, group))
+    else:
+        return NotImplemented
     # rows split over other axes (data parallel): parameter gradients are pending sums there
-    rows = [m for m, p in enumerate(input.placements) if isinstance(p, Shard)]
+    rows = [m for m, p in enumerate(input.placements) if isinstance(p, Shard) and m != a]
     out = F.linear(local_in, _local(weight, rows), _local(bias, rows) if bias is not None else None)
     placements = list(input.placements)
-    placements[a] = Shard(input.ndim - 1)
+    placements[a] = Shard(last)
     shape = (*input.shape[:-1], weight.shape[0])
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(out, mesh, placements, run_check=False, shape=shape, stride=stride)
