@@ -22,13 +22,14 @@ from hp.layouts import (
 from hp.explain import StrictError, explain, strict
 from hp.mesh import MeshError, mesh
 from hp.ops import RuleError, rule
+from hp.ops.context_parallel import context_parallel
 from hp.parallelize import PlanError, parallelize
 from hp.region import region
 from hp.simulate import simulated
 
 __all__ = [
     "Layout", "LayoutError", "MeshError", "PlanError", "RuleError", "Rules", "StrictError", "explain", "strict", "constrain", "describe", "from_local",
-    "comm", "layout", "layout_of", "mesh", "parallelize", "region", "rule", "rules", "shard", "simulated",
+    "comm", "context_parallel", "layout", "layout_of", "mesh", "parallelize", "region", "rule", "rules", "shard", "simulated",
 ]
 
 from hp import comm, tp_plan  # noqa: E402  (hp.comm.trace(), hp.tp_plan.choose())

@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hp.layouts import describe
+from hp.ops.context_parallel import sequence_parallel_attention
 from hp.ops.cross_entropy import vocab_parallel_cross_entropy
 from hp.ops.embedding import vocab_parallel_embedding
 from hp.ops.linear import linear
@@ -36,6 +37,7 @@ KERNELS = {
     torch.nn.functional.cross_entropy: vocab_parallel_cross_entropy,
     torch.nn.functional.embedding: vocab_parallel_embedding,
     torch.nn.functional.linear: linear,
+    torch.nn.functional.scaled_dot_product_attention: sequence_parallel_attention,
     **residual.KERNELS,
 }
 _NO_STRATEGY = re.compile(r"Operator (\S+) does not have a sharding strategy registered")
