@@ -7,9 +7,11 @@ output features, o and down by input features, the LM head by vocabulary (so
 the loss runs vocab-parallel). With `sp`, the residual stream, norms and
 dropout run on tokens split over tp (sequence parallel): the block inputs are
 all-gathered and the block outputs reduce-scattered instead of all-reduced.
-`dp` splits the batch; parameter gradients are then pending sums over dp
-(`+dp`), reduced where the optimizer step reduces them (context parallel and
-FSDP land with issue 5).
+`cp` splits the sequence: attention runs context-parallel (`cp_algorithm`,
+Ulysses by default), RoPE takes each rank's positions from the replicated
+cos/sin. `dp` splits the batch. Parameter gradients are pending sums over
+dp and cp (`+dp +cp`), reduced where the optimizer step reduces them (FSDP
+lands with issue 5).
 """
 
 from __future__ import annotations
@@ -37,31 +39,43 @@ class Strategy:
     """How to parallelize: data-parallel and tensor-parallel degrees, sequence parallel."""
 
     dp: int = 1
+    cp: int = 1
     tp: int = 1
     sp: bool = False
+    cp_algorithm: str = "ulysses"
 
     @classmethod
     def parse(cls, spec: Strategy | Mapping) -> Strategy:
         if isinstance(spec, Strategy):
             return spec
-        unknown = set(spec) - {"dp", "tp", "sp"}
+        known = ("dp", "cp", "tp", "sp", "cp_algorithm")
+        unknown = set(spec) - set(known)
         if unknown:
-            raise ValueError(f"strategy keys {sorted(unknown)} are not supported (known: dp, tp, sp)")
+            raise ValueError(f"strategy keys {sorted(unknown)} are not supported (known: {', '.join(known)})")
         return cls(**spec)
 
 
 def layouts(strategy: Strategy) -> tuple[dict[str, str], dict, dict]:
-    """(parameter plan, input layouts, output layouts) for `hp.parallelize`."""
+    """(parameter plan, input layouts, output layouts) for `hp.parallelize`.
+
+    Only axes of size > 1 exist on the strategy's mesh (DTensor's redistribution
+    planner slows down sharply with idle axes), so layouts name only those.
+    """
     batch = "b/dp" if strategy.dp > 1 else "b"
-    inputs = {"": {"input_ids": f"{batch} s", "labels": f"{batch} s"}} if strategy.dp > 1 else {}
-    outputs = {"model.embed_tokens": f"{batch} s/tp h"} if strategy.sp else {}
-    return dict(TP_PLAN), inputs, outputs
+    seq = "s/cp" if strategy.cp > 1 else "s"
+    split = strategy.dp > 1 or strategy.cp > 1
+    inputs = {"": {"input_ids": f"{batch} {seq}", "labels": f"{batch} {seq}"}} if split else {}
+    residual = f"{batch} {seq}/tp h" if strategy.sp and strategy.tp > 1 else None
+    outputs = {"model.embed_tokens": residual} if residual else {}
+    return (dict(TP_PLAN) if strategy.tp > 1 else {}), inputs, outputs
 
 
 def strategy_mesh(strategy: Strategy | Mapping, *, simulate: bool = False):
     """The dp x tp mesh a strategy runs on."""
     strategy = Strategy.parse(strategy)
-    return hp.mesh(dp=strategy.dp, tp=strategy.tp, simulate=simulate)
+    degrees = {"dp": strategy.dp, "cp": strategy.cp, "tp": strategy.tp}
+    axes = {name: n for name, n in degrees.items() if n > 1} or {"tp": 1}
+    return hp.mesh(**axes, simulate=simulate)
 
 
 def parallelize_llama(model: nn.Module, mesh, strategy: Strategy | Mapping) -> nn.Module:
@@ -82,7 +96,24 @@ def parallelize_llama(model: nn.Module, mesh, strategy: Strategy | Mapping) -> n
     strategy = Strategy.parse(strategy)
     plan, inputs, outputs = layouts(strategy)
     used = {k: v for k, v in plan.items() if any(_matches(n, k) for n, _ in model.named_parameters())}
-    return hp.parallelize(model, mesh, used, inputs=inputs, outputs=outputs)
+    hp.parallelize(model, mesh, used, inputs=inputs, outputs=outputs)
+    if strategy.cp > 1:
+        _run_with_cp_algorithm(model, strategy.cp_algorithm)
+    return model
+
+
+def _run_with_cp_algorithm(model: nn.Module, algorithm: str) -> None:
+    active = []
+
+    def enter(mod, args, kwargs):
+        active.append(hp.context_parallel(algorithm))
+        active[-1].__enter__()
+
+    def leave(mod, args, kwargs, out):
+        active.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter, with_kwargs=True)
+    model.register_forward_hook(leave, with_kwargs=True, always_call=True)
 
 
 def _matches(name: str, pattern: str) -> bool:

@@ -1,4 +1,4 @@
-"""hp.models.llama: declarative dp / tp / sp strategies against the unsharded HF model."""
+"""hp.models.llama: declarative dp / cp / tp / sp strategies against the unsharded HF model."""
 
 from __future__ import annotations
 
@@ -12,7 +12,11 @@ from hp.models.llama import parallelize_llama, strategy_mesh
 
 
 @pytest.mark.parametrize(
-    "strategy", [{"tp": 2}, {"tp": 2, "sp": True}, {"dp": 2, "tp": 2}, {"dp": 2, "tp": 2, "sp": True}]
+    "strategy",
+    [
+        {"tp": 2}, {"tp": 2, "sp": True}, {"dp": 2, "tp": 2}, {"dp": 2, "tp": 2, "sp": True},
+        {"cp": 2}, {"cp": 4}, {"cp": 2, "tp": 2}, {"dp": 2, "cp": 2},
+    ],
 )
 def test_strategy_matches_hf_and_moves_what_megatron_moves(strategy):
     torch.manual_seed(0)
@@ -32,13 +36,17 @@ def test_strategy_matches_hf_and_moves_what_megatron_moves(strategy):
         assert abs(loss.full_tensor().item() - ref_loss.item()) / ref_loss.item() < 1e-5
         for (name, p), r in zip(model.named_parameters(), reference.parameters()):
             assert annotate_llama.rel_err(p.grad.full_tensor(), r.grad) < 1e-5, name
-    tokens = 4 * 16 // strategy.get("dp", 1)  # per data-parallel rank
-    payload = tokens * 64 * 4
-    kinds = ["all_gather", "reduce_scatter"] * 2 if strategy.get("sp") else ["all_reduce"] * 2
+    dp, cp, tp = (strategy.get(k, 1) for k in ("dp", "cp", "tp"))
+    tokens = 4 * 16 // (dp * cp)  # per rank of the data and context axes
+    tp_kinds = ["all_gather", "reduce_scatter"] * 2 if strategy.get("sp") else ["all_reduce"] * 2
+    expected = [("all_to_all", "cp")] * 4 * (cp > 1) + [(k, "tp") for k in tp_kinds] * (tp > 1)
+    # Ulysses moves q, k, v and the output once each: 8 query heads, 4 kv heads, head_dim 8
+    ulysses = sum(ring_bytes("all_to_all", tokens * heads // tp * 8 * 4, cp) for heads in (8, 4, 4, 8))
+    megatron = 2 * ring_bytes("all_reduce", tokens * 64 * 4, tp)
     for trace in layers:
         forward = trace.select(phase="forward")
-        assert [(r.kind, r.axis) for r in forward] == [(k, "tp") for k in kinds]
-        assert trace.bytes(phase="forward") == 2 * ring_bytes("all_reduce", payload, 2)
+        assert [(r.kind, r.axis) for r in forward] == expected
+        assert trace.bytes(phase="forward") == ulysses * (cp > 1) + megatron * (tp > 1)
 
 
 def test_unknown_strategy_keys_are_refused():

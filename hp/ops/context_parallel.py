@@ -74,5 +74,6 @@ def sequence_parallel_attention(
         return NotImplemented
     q, k, v = (_swap(t, group, parts, heads_to_seq=True) for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    out = _swap(out, group, parts, heads_to_seq=False)
-    return DTensor.from_local(out, mesh, query.placements, run_check=False, shape=query.shape, stride=query.stride())
+    out = _swap(out, group, parts, heads_to_seq=False)  # contiguous: say so in the global stride
+    stride = torch.empty(query.shape, device="meta").stride()
+    return DTensor.from_local(out, mesh, query.placements, run_check=False, shape=query.shape, stride=stride)

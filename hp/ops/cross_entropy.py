@@ -1,6 +1,7 @@
 """Cross-entropy on vocab-sharded logits without gathering them (loss parallel).
 
-Logits of shape (N, V) split over V on one mesh axis stay split: each rank
+Logits of shape (N, V) split over V on one mesh axis stay split (rows may be
+split too, plainly or strided, as flattening `b s/cp` leaves them): each rank
 computes its slice's max, sum of exponentials and target logit, and three
 all-reduces of N numbers over that axis combine them. The gradient is the
 local softmax minus the local one-hot, never materialising (N, V) on a rank.
@@ -14,8 +15,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 def _all_reduce(t: torch.Tensor, op: str, group) -> torch.Tensor:
@@ -60,19 +63,29 @@ def vocab_parallel_cross_entropy(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
 ):
-    """`F.cross_entropy` for DTensor logits split on the class dim; NotImplemented otherwise."""
+    """`F.cross_entropy` for DTensor logits split on rows and/or classes; NotImplemented otherwise.
+
+    With rows split and classes whole, each rank computes its rows' losses locally; the mean
+    still divides by the global count of non-ignored rows (DTensor's own rule averages the
+    per-rank means, which is wrong when ranks hold different numbers of ignored rows).
+    """
     if not _applies(input, weight, size_average, reduce, label_smoothing):
         return NotImplemented
+    if target.ndim != 1 or target.dtype.is_floating_point:  # class probabilities: DTensor's rules
+        return NotImplemented
     mesh, placements = input.device_mesh, input.placements
-    vocab_axis = next(m for m, p in enumerate(placements) if p == Shard(1))
-    rows = [Shard(0) if p == Shard(0) else Replicate() for p in placements]
+    vocab_axis = next((m for m, p in enumerate(placements) if p == Shard(1)), None)
+    rows = [p if _splits_rows(p) else Replicate() for p in placements]
     if not isinstance(target, DTensor):
         target = DTensor.from_local(target, mesh, [Replicate()] * mesh.ndim, run_check=False)
     local_target = target.redistribute(mesh, rows).to_local()
-    vocab_start = _slice_start(input.shape[1], mesh, vocab_axis)
-    loss_local = _VocabParallelNLL.apply(
-        input.to_local(), local_target, vocab_start, mesh.get_group(vocab_axis), ignore_index
-    )
+    if vocab_axis is None:
+        loss_local = F.cross_entropy(input.to_local(), local_target, ignore_index=ignore_index, reduction="none")
+    else:
+        vocab_start = _slice_start(input.shape[1], mesh, vocab_axis)
+        loss_local = _VocabParallelNLL.apply(
+            input.to_local(), local_target, vocab_start, mesh.get_group(vocab_axis), ignore_index
+        )
     loss = DTensor.from_local(loss_local, mesh, rows, run_check=False, shape=target.shape, stride=(1,))
     if reduction == "none":
         return loss
@@ -88,11 +101,17 @@ def _applies(input, weight, size_average, reduce, label_smoothing) -> bool:
         return False
     if weight is not None or size_average is not None or reduce is not None or label_smoothing:
         return False
-    vocab = [p for p in input.placements if p == Shard(1)]
-    others_ok = all(p in (Shard(0), Shard(1), Replicate()) for p in input.placements)
-    return len(vocab) == 1 and others_ok and input.shape[1] % input.device_mesh.size(
-        next(m for m, p in enumerate(input.placements) if p == Shard(1))
-    ) == 0
+    vocab = [m for m, p in enumerate(input.placements) if p == Shard(1)]
+    rows = [p for p in input.placements if _splits_rows(p)]
+    others_ok = all(p == Shard(1) or _splits_rows(p) or isinstance(p, Replicate) for p in input.placements)
+    if not others_ok or len(vocab) > 1 or not (vocab or rows):
+        return False
+    return not vocab or input.shape[1] % input.device_mesh.size(vocab[0]) == 0
+
+
+def _splits_rows(p) -> bool:
+    """Rows split over an axis, plainly or strided (as flattening `b s/cp` leaves them)."""
+    return isinstance(p, (Shard, _StridedShard)) and p.dim == 0
 
 
 def _slice_start(vocab: int, mesh, axis: int):
