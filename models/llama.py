@@ -102,6 +102,19 @@ def parallelize_llama(model: nn.Module, mesh, strategy: Strategy | Mapping) -> n
     return model
 
 
+def reduce_gradients(model: nn.Module) -> None:
+    """Resolve the pending sums of parameter gradients (over dp and cp) into the parameters' layouts.
+
+    The data-parallel gradient reduction, done where the step wants it (before the optimizer).
+    """
+    from torch.distributed.tensor import DTensor, Partial
+
+    for param in model.parameters():
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(isinstance(p, Partial) for p in grad.placements):
+            param.grad = grad.redistribute(grad.device_mesh, param.placements)
+
+
 def _run_with_cp_algorithm(model: nn.Module, algorithm: str) -> None:
     active = []
 

@@ -52,3 +52,34 @@ def test_strategy_matches_hf_and_moves_what_megatron_moves(strategy):
 def test_unknown_strategy_keys_are_refused():
     with pytest.raises(ValueError, match=r"strategy keys \['pp'\] are not supported"):
         strategy_mesh({"tp": 2, "pp": 2}, simulate=True)
+
+
+@pytest.mark.parametrize("strategy", [{"tp": 2}, {"dp": 2, "tp": 2}, {"cp": 2, "tp": 2, "sp": False}, {"dp": 2, "cp": 2}])
+def test_five_adamw_steps_give_the_same_losses(strategy):
+    from hp.models.llama import reduce_gradients
+
+    torch.manual_seed(0)
+    reference, model = annotate_llama.tiny_model("llama", 1), annotate_llama.tiny_model("llama", 1)
+    model.load_state_dict(reference.state_dict())
+    batches = [torch.randint(0, 256, (4, 16)) for _ in range(5)]
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    want = []
+    for ids in batches:
+        loss = reference(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    mesh = strategy_mesh(strategy, simulate=True)
+    with hp.simulated(mesh):
+        parallelize_llama(model, mesh, strategy)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        got = []
+        for ids in batches:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            reduce_gradients(model)
+            opt.step()
+            opt.zero_grad()
+            got.append(loss.full_tensor().item())
+    assert got == pytest.approx(want, rel=1e-5)

@@ -13,6 +13,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 import torch
+from torch.distributed._local_tensor import LocalTensor, enabled_local_tensor_mode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 
@@ -80,8 +81,26 @@ def shard(
     bound = _prepare(spec, mesh, t.shape, rules, uneven)
     placements = to_placements(bound, mesh)
     placed = [Replicate() if isinstance(p, Partial) else p for p in placements]
-    x = distribute_tensor(t, mesh, placed, src_data_rank=src)
+    x = _own_copy_per_simulated_rank(distribute_tensor(t, mesh, placed, src_data_rank=src))
     return _tag(reshard(x, placements), bound)
+
+
+def _own_copy_per_simulated_rank(x: DTensor) -> DTensor:
+    """Under LocalTensorMode, give every simulated rank its own storage.
+
+    An untouched replicated block is one plain tensor shared by all simulated ranks;
+    an in-place update (an optimizer step) would then be applied once per rank to it.
+    """
+    mode = enabled_local_tensor_mode()
+    local = x._local_tensor
+    if mode is None or isinstance(local, LocalTensor):
+        return x
+    with mode.disable():
+        copies = LocalTensor({r: local.detach().clone() for r in mode.ranks})
+    owned = DTensor.from_local(
+        copies, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride()
+    )
+    return owned.detach().requires_grad_(x.requires_grad)
 
 
 def constrain(
