@@ -15,7 +15,8 @@ holds a whole large weight.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
@@ -138,12 +139,17 @@ def _output_hook(specs, mesh, rules):
 
 
 def _run_in_region(module: nn.Module) -> None:
-    if getattr(module, "_hp_region_hooks", False):
-        return
-    active: list[region] = []
+    if not getattr(module, "_hp_region_hooks", False):
+        forward_inside(module, region)
+        module._hp_region_hooks = True
+
+
+def forward_inside(module: nn.Module, context: Callable[[], AbstractContextManager]) -> None:
+    """Run every forward of `module` inside a fresh `context()` (exited even on errors)."""
+    active: list[AbstractContextManager] = []
 
     def enter(mod, args, kwargs):
-        active.append(region())
+        active.append(context())
         active[-1].__enter__()
 
     def leave(mod, args, kwargs, out):
@@ -151,4 +157,3 @@ def _run_in_region(module: nn.Module) -> None:
 
     module.register_forward_pre_hook(enter, with_kwargs=True, prepend=True)
     module.register_forward_hook(leave, with_kwargs=True, always_call=True)
-    module._hp_region_hooks = True

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from torch import nn
 
 import hp
+from hp.parallelize import forward_inside
 
 TP_PLAN = {
     "*.self_attn.[qkv]_proj.weight": "out/tp in",
@@ -98,7 +99,7 @@ def parallelize_llama(model: nn.Module, mesh, strategy: Strategy | Mapping) -> n
     used = {k: v for k, v in plan.items() if any(_matches(n, k) for n, _ in model.named_parameters())}
     hp.parallelize(model, mesh, used, inputs=inputs, outputs=outputs)
     if strategy.cp > 1:
-        _run_with_cp_algorithm(model, strategy.cp_algorithm)
+        forward_inside(model, lambda: hp.context_parallel(strategy.cp_algorithm))
     return model
 
 
@@ -113,20 +114,6 @@ def reduce_gradients(model: nn.Module) -> None:
         grad = param.grad
         if isinstance(grad, DTensor) and any(isinstance(p, Partial) for p in grad.placements):
             param.grad = grad.redistribute(grad.device_mesh, param.placements)
-
-
-def _run_with_cp_algorithm(model: nn.Module, algorithm: str) -> None:
-    active = []
-
-    def enter(mod, args, kwargs):
-        active.append(hp.context_parallel(algorithm))
-        active[-1].__enter__()
-
-    def leave(mod, args, kwargs, out):
-        active.pop().__exit__(None, None, None)
-
-    model.register_forward_pre_hook(enter, with_kwargs=True)
-    model.register_forward_hook(leave, with_kwargs=True, always_call=True)
 
 
 def _matches(name: str, pattern: str) -> bool:
