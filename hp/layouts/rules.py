@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import contextvars
 import re
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 

@@ -20,6 +20,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
+from hp.ops.local import to_dtensor
+
 _ALGORITHM: contextvars.ContextVar[str] = contextvars.ContextVar("hp_cp_algorithm", default="ulysses")
 ALGORITHMS = ("ulysses",)
 
@@ -48,8 +50,7 @@ def _swap(t: torch.Tensor, group, parts: int, heads_to_seq: bool) -> torch.Tenso
         send = t.reshape(b, parts, h // parts, s, d).transpose(0, 1).contiguous()
     else:
         send = t.reshape(b, h, parts, s // parts, d).permute(2, 0, 1, 3, 4).contiguous()
-    got = funcol.all_to_all_single_autograd(send, None, None, group)
-    got = funcol.wait_tensor(got) if not got.requires_grad else got
+    got = funcol.wait_tensor(funcol.all_to_all_single_autograd(send, None, None, group))
     if heads_to_seq:  # leading index: the source rank's sequence chunk
         return got.permute(1, 2, 0, 3, 4).reshape(b, h // parts, parts * s, d)
     return got.transpose(0, 1).reshape(b, parts * h, s // parts, d)
@@ -74,6 +75,4 @@ def sequence_parallel_attention(
         return NotImplemented
     q, k, v = (_swap(t, group, parts, heads_to_seq=True) for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    out = _swap(out, group, parts, heads_to_seq=False)  # contiguous: say so in the global stride
-    stride = torch.empty(query.shape, device="meta").stride()
-    return DTensor.from_local(out, mesh, query.placements, run_check=False, shape=query.shape, stride=stride)
+    return to_dtensor(_swap(out, group, parts, heads_to_seq=False), mesh, query.placements, query.shape)

@@ -20,6 +20,8 @@ from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from hp.ops.local import to_dtensor
+
 
 def _all_reduce(t: torch.Tensor, op: str, group) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_reduce(t, op, group))
@@ -86,7 +88,7 @@ def vocab_parallel_cross_entropy(
         loss_local = _VocabParallelNLL.apply(
             input.to_local(), local_target, vocab_start, mesh.get_group(vocab_axis), ignore_index
         )
-    loss = DTensor.from_local(loss_local, mesh, rows, run_check=False, shape=target.shape, stride=(1,))
+    loss = to_dtensor(loss_local, mesh, rows, target.shape)
     if reduction == "none":
         return loss
     total = loss.sum()

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from hp.ops.local import to_dtensor
+
 
 def vocab_parallel_embedding(
     input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False
@@ -46,9 +48,7 @@ def vocab_parallel_embedding(
         pad = (input.to_local() if isinstance(input, DTensor) else input) == padding_idx % weight.shape[0]
         out = torch.where(pad.unsqueeze(-1), out.detach(), out)
     placements = [Partial() if m == axis else p for m, p in enumerate(id_placements)]
-    shape = (*input.shape, weight.shape[1])
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(out, mesh, placements, run_check=False, shape=shape, stride=stride)
+    return to_dtensor(out, mesh, placements, (*input.shape, weight.shape[1]))
 
 
 @maybe_run_for_local_tensor  # rank-dependent: runs once per simulated rank

@@ -48,6 +48,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from hp.ops.local import local_block, to_dtensor
+
 
 def _gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_gather_single(t.contiguous(), dim, group))
@@ -57,7 +59,7 @@ def _scatter(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     return funcol.wait_tensor(funcol.reduce_scatter_single(t.contiguous(), "sum", dim, group))
 
 
-class _GatherTokens(torch.autograd.Function):
+class _Gather(torch.autograd.Function):
     """All-gather along a dim over a mesh axis forward; reduce-scatter of the gradient backward."""
 
     @staticmethod
@@ -150,16 +152,14 @@ def linear_summa(input, weight, bias=None):
     if bias is not None and (not isinstance(bias, DTensor) or bias.placements[a] != Shard(0)):
         return NotImplemented
     full_in = _shared(
-        input, "features", a, lambda: _GatherTokens.apply(input.to_local(), last, mesh.get_group(a))
+        input, "features", a, lambda: _Gather.apply(input.tolocal_block(), last, mesh.get_group(a))
     )
-    full_w = _GatherTokens.apply(weight.to_local(), 1, mesh.get_group(b))
+    full_w = _Gather.apply(weight.tolocal_block(), 1, mesh.get_group(b))
     # tokens are split over b: the bias gradient is a pending sum over b
-    out = F.linear(full_in, full_w, _local(bias, [b]) if bias is not None else None)
+    out = F.linear(full_in, full_w, local_block(bias, [b]) if bias is not None else None)
     placements = [Replicate()] * mesh.ndim
     placements[a], placements[b] = Shard(last), Shard(x[b].dim)
-    shape = (*input.shape[:-1], weight.shape[0])
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(out, mesh, placements, run_check=False, shape=shape, stride=stride)
+    return to_dtensor(out, mesh, placements, (*input.shape[:-1], weight.shape[0]))
 
 
 def column_parallel(input, weight, bias=None):
@@ -182,19 +182,17 @@ def column_parallel(input, weight, bias=None):
         return NotImplemented
     tokens, group = input.placements[a], mesh.get_group(a)
     if isinstance(tokens, Replicate):
-        local_in = _shared(input, "f", a, lambda: _ReduceGradient.apply(input.to_local(), group))
+        local_in = _shared(input, "f", a, lambda: _ReduceGradient.apply(input.tolocal_block(), group))
     elif type(tokens) is Shard and input.shape[tokens.dim] % mesh.size(a) == 0:
-        local_in = _shared(input, "gather", a, lambda: _GatherTokens.apply(input.to_local(), tokens.dim, group))
+        local_in = _shared(input, "gather", a, lambda: _Gather.apply(input.tolocal_block(), tokens.dim, group))
     else:
         return NotImplemented
     # rows split over other axes (data parallel): parameter gradients are pending sums there
     rows = [m for m, p in enumerate(input.placements) if isinstance(p, Shard) and m != a]
-    out = F.linear(local_in, _local(weight, rows), _local(bias, rows) if bias is not None else None)
+    out = F.linear(local_in, local_block(weight, rows), local_block(bias, rows) if bias is not None else None)
     placements = list(input.placements)
     placements[a] = Shard(last)
-    shape = (*input.shape[:-1], weight.shape[0])
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(out, mesh, placements, run_check=False, shape=shape, stride=stride)
+    return to_dtensor(out, mesh, placements, (*input.shape[:-1], weight.shape[0]))
 
 
 def linear_2d(input, weight, bias=None):
@@ -204,25 +202,17 @@ def linear_2d(input, weight, bias=None):
         return NotImplemented
     mesh, o, i, token_dim, z_axes = plan
     gathered = _shared(
-        input, "gather", o, lambda: _GatherTokens.apply(input.to_local(), token_dim, mesh.get_group(o))
+        input, "gather", o, lambda: _Gather.apply(input.tolocal_block(), token_dim, mesh.get_group(o))
     )
-    local_bias = _local(bias, z_axes) if isinstance(bias, DTensor) else None
+    local_bias = local_block(bias, z_axes) if isinstance(bias, DTensor) else None
     out = _MatmulScatter.apply(
-        gathered, _local(weight, z_axes), local_bias, token_dim, mesh.get_group(i)
+        gathered, local_block(weight, z_axes), local_bias, token_dim, mesh.get_group(i)
     )
     placements = [Replicate()] * mesh.ndim
     for z in z_axes:
         placements[z] = Shard(token_dim)
     placements[i], placements[o] = Shard(token_dim), Shard(input.ndim - 1)
-    shape = (*input.shape[:-1], weight.shape[0])
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(out, mesh, placements, run_check=False, shape=shape, stride=stride)
-
-
-def _local(param: DTensor, z_axes: list[int]) -> torch.Tensor:
-    """The local block; its gradient is a pending sum over the token axes z."""
-    grads = [Partial() if m in z_axes else p for m, p in enumerate(param.placements)]
-    return param.to_local(grad_placements=grads)
+    return to_dtensor(out, mesh, placements, (*input.shape[:-1], weight.shape[0]))
 
 
 def _plan(input, weight, bias):

@@ -1,0 +1,26 @@
+"""The way back from a kernel's local blocks to a DTensor, shared by hp's kernels.
+
+Kernels (2D linear, vocab-parallel loss, Ulysses attention, ...) compute on
+each rank's local block and hand the result back as a DTensor. The local
+result is contiguous, so the global stride must say so too: DTensor trusts it
+when a later `.contiguous()` or `.view()` decides whether to copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Placement
+
+
+def to_dtensor(local: torch.Tensor, mesh, placements: Sequence[Placement], shape) -> DTensor:
+    """Wrap a contiguous local block as a DTensor of global `shape` (differentiable)."""
+    stride = torch.empty(tuple(shape), device="meta").stride()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def local_block(param: DTensor, pending_axes: Sequence[int]) -> torch.Tensor:
+    """`param`'s local block; its gradient is a pending sum over `pending_axes` (split tokens)."""
+    grads = [Partial() if m in pending_axes else p for m, p in enumerate(param.placements)]
+    return param.to_local(grad_placements=grads)
