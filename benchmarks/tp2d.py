@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 import hp
 from hp import tp_plan
+from hp.models.llama import choice_layouts
 
 H, HEADS, KV_HEADS, FFN = 4096, 32, 8, 14336
 BLOCKS = {
@@ -132,16 +133,7 @@ def llama_at_scale(p: int, batch: int = 64, seq: int = 16) -> dict:
     RMSNorm statistics (two all-reduces of one number per local token over the axis that
     splits the hidden dim).
     """
-    import importlib.util
-    from pathlib import Path
-
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    spec = importlib.util.spec_from_file_location(
-        "annotate_llama", Path(__file__).parent.parent / "examples" / "annotate_llama.py"
-    )
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
 
     h, heads, ffn, tokens = 256, 16, 512, batch * seq
     config = LlamaConfig(
@@ -151,13 +143,13 @@ def llama_at_scale(p: int, batch: int = 64, seq: int = 16) -> dict:
     blocks = tp_plan.layer(h, heads, heads, ffn)
     choice = tp_plan.choose(blocks, tokens, p, schemes=("1d", "2d", "summa"))
     mesh = hp.mesh(list(choice.mesh.items()), simulate=True)
-    plan, outputs = tp_plan.llama_layouts(choice)
+    plan, outputs = choice_layouts(choice)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     ids = torch.randint(0, config.vocab_size, (batch, seq))
     with hp.simulated(mesh):
         hp.parallelize(model, mesh, plan, outputs=outputs)
-        layers = example.trace_each(model.model.layers)
+        layers = hp.comm.trace_each(model.model.layers)
         with hp.comm.trace() as step:
             model(input_ids=ids, labels=ids).loss.backward()
     measured = [t.bytes(phase="forward") for t in layers]

@@ -22,22 +22,12 @@ import sys
 import torch
 
 import hp
-from hp.comm import Trace
+from hp.comm import trace_each
 from hp.cost import ring_bytes
+from hp.models.llama import TP_PLAN  # Megatron layouts of the Llama weights, written out there
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import rel_err, tp_mesh  # noqa: E402  (the examples' shared helpers)
-
-# Layouts of nn.Linear weights, which are stored (out, in).
-TP_PLAN = {
-    "*.self_attn.[qkv]_proj.weight": "out/tp in",
-    "*.mlp.gate_proj.weight": "out/tp in",
-    "*.mlp.up_proj.weight": "out/tp in",
-    "*.self_attn.o_proj.weight": "out in/tp",
-    "*.mlp.down_proj.weight": "out in/tp",
-    "lm_head.weight": "vocab/tp h",
-}
-
 
 def tiny_model(kind: str, layers: int):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -49,23 +39,6 @@ def tiny_model(kind: str, layers: int):
     if kind == "qwen3":
         return Qwen3ForCausalLM(Qwen3Config(head_dim=8, **shape))
     return LlamaForCausalLM(LlamaConfig(**shape))
-
-
-def trace_each(modules) -> list[Trace]:
-    """One collective trace per forward call of each module, in call order."""
-    traces: list[Trace] = []
-
-    def start(mod, args):
-        traces.append(Trace())
-        traces[-1].__enter__()
-
-    def stop(mod, args, out):
-        traces[-1].__exit__(None, None, None)
-
-    for m in modules:
-        m.register_forward_pre_hook(start)
-        m.register_forward_hook(stop, always_call=True)
-    return traces
 
 
 def run(kind: str, mesh, layers: int = 2, batch: int = 2, seq: int = 32) -> dict:

@@ -193,3 +193,28 @@ def trace():
     tracer = Trace()
     with tracer:
         yield tracer
+
+
+def trace_each(modules) -> list[Trace]:
+    """One trace per forward call of each module, in call order (e.g. per decoder layer).
+
+    >>> import hp, torch
+    >>> layers = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    >>> traces = hp.comm.trace_each(layers)
+    >>> _ = layers[1](layers[0](torch.ones(1, 2)))
+    >>> [t.count() for t in traces]
+    [0, 0]
+    """
+    traces: list[Trace] = []
+
+    def start(mod, args):
+        traces.append(Trace())
+        traces[-1].__enter__()
+
+    def stop(mod, args, out):
+        traces[-1].__exit__(None, None, None)
+
+    for m in modules:
+        m.register_forward_pre_hook(start)
+        m.register_forward_hook(stop, always_call=True)
+    return traces

@@ -20,8 +20,8 @@ step (forward + backward):
   block's gradient.
 
 `choose` evaluates every scheme and factorisation and returns the cheapest,
-never above 1D (1D is a candidate), with the bytes of each and the layouts
-that `hp.parallelize` applies.
+never above 1D (1D is a candidate), with the bytes of each;
+`hp.models.llama.choice_layouts` turns a choice into layouts for `hp.parallelize`.
 """
 
 from __future__ import annotations
@@ -160,24 +160,3 @@ def choose(
     scheme, *dims = name.split()
     mesh = {"tp": p} if scheme == "1d" else {k: int(v) for k, v in (d.split("=") for d in dims)}
     return Choice(scheme, mesh, candidates[name], one, candidates)
-
-
-def llama_layouts(choice: Choice) -> tuple[dict[str, str], dict[str, str]]:
-    """(parameter plan, module output layouts) of an HF Llama for `choice`."""
-    if choice.scheme == "1d":
-        return {
-            "*.self_attn.[qkv]_proj.weight": "out/tp in", "*.mlp.gate_proj.weight": "out/tp in",
-            "*.mlp.up_proj.weight": "out/tp in", "*.self_attn.o_proj.weight": "out in/tp",
-            "*.mlp.down_proj.weight": "out in/tp", "lm_head.weight": "vocab/tp h",
-        }, {}
-    if choice.scheme == "summa":  # every weight alike: out over y, in over x
-        return {
-            "*.self_attn.[qkvo]_proj.weight": "out/y in/x", "*.mlp.*_proj.weight": "out/y in/x",
-            "lm_head.weight": "vocab/y h/x",
-        }, {"model.embed_tokens": "b/x s h/y"}
-    tokens = "b/z/y" if choice.scheme == "3d" else "b/y"
-    return {
-        "*.self_attn.[qkv]_proj.weight": "out/y in/x", "*.mlp.gate_proj.weight": "out/y in/x",
-        "*.mlp.up_proj.weight": "out/y in/x", "*.self_attn.o_proj.weight": "out/x in/y",
-        "*.mlp.down_proj.weight": "out/x in/y", "lm_head.weight": "vocab/y h/x",
-    }, {"model.embed_tokens": f"{tokens} s h/x"}

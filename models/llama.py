@@ -16,23 +16,26 @@ lands with issue 5).
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torch import nn
 
 import hp
+from hp import tp_plan
 from hp.parallelize import forward_inside
 
+# Layouts of nn.Linear weights, which are stored (out, in).
 TP_PLAN = {
     "*.self_attn.[qkv]_proj.weight": "out/tp in",
-    "*.self_attn.[qkv]_proj.bias": "out/tp",  # Qwen2 has q/k/v biases
     "*.mlp.gate_proj.weight": "out/tp in",
     "*.mlp.up_proj.weight": "out/tp in",
     "*.self_attn.o_proj.weight": "out in/tp",
     "*.mlp.down_proj.weight": "out in/tp",
     "lm_head.weight": "vocab/tp h",
 }
+BIAS_PLAN = {"*.self_attn.[qkv]_proj.bias": "out/tp"}  # Qwen2 has q/k/v biases
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ def layouts(strategy: Strategy) -> tuple[dict[str, str], dict, dict]:
     inputs = {"": {"input_ids": f"{batch} {seq}", "labels": f"{batch} {seq}"}} if split else {}
     residual = f"{batch} {seq}/tp h" if strategy.sp and strategy.tp > 1 else None
     outputs = {"model.embed_tokens": residual} if residual else {}
-    return (dict(TP_PLAN) if strategy.tp > 1 else {}), inputs, outputs
+    return ({**TP_PLAN, **BIAS_PLAN} if strategy.tp > 1 else {}), inputs, outputs
 
 
 def strategy_mesh(strategy: Strategy | Mapping, *, simulate: bool = False):
@@ -96,8 +99,7 @@ def parallelize_llama(model: nn.Module, mesh, strategy: Strategy | Mapping) -> n
     """
     strategy = Strategy.parse(strategy)
     plan, inputs, outputs = layouts(strategy)
-    used = {k: v for k, v in plan.items() if any(_matches(n, k) for n, _ in model.named_parameters())}
-    hp.parallelize(model, mesh, used, inputs=inputs, outputs=outputs)
+    hp.parallelize(model, mesh, _present(plan, model), inputs=inputs, outputs=outputs)
     if strategy.cp > 1:
         forward_inside(model, lambda: hp.context_parallel(strategy.cp_algorithm))
     return model
@@ -116,7 +118,24 @@ def reduce_gradients(model: nn.Module) -> None:
             param.grad = grad.redistribute(grad.device_mesh, param.placements)
 
 
-def _matches(name: str, pattern: str) -> bool:
-    import fnmatch
+def choice_layouts(choice: tp_plan.Choice) -> tuple[dict[str, str], dict[str, str]]:
+    """(parameter plan, module output layouts) realising a `hp.tp_plan.choose` result."""
+    if choice.scheme == "1d":
+        return dict(TP_PLAN), {}
+    if choice.scheme == "summa":  # every weight alike: out over y, in over x
+        return {
+            "*.self_attn.[qkvo]_proj.weight": "out/y in/x", "*.mlp.*_proj.weight": "out/y in/x",
+            "lm_head.weight": "vocab/y h/x",
+        }, {"model.embed_tokens": "b/x s h/y"}
+    tokens = "b/z/y" if choice.scheme == "3d" else "b/y"  # 2D: linears alternate orientation
+    return {
+        "*.self_attn.[qkv]_proj.weight": "out/y in/x", "*.mlp.gate_proj.weight": "out/y in/x",
+        "*.mlp.up_proj.weight": "out/y in/x", "*.self_attn.o_proj.weight": "out/x in/y",
+        "*.mlp.down_proj.weight": "out/x in/y", "lm_head.weight": "vocab/y h/x",
+    }, {"model.embed_tokens": f"{tokens} s h/x"}
 
-    return fnmatch.fnmatchcase(name, pattern)
+
+def _present(plan: dict[str, str], model: nn.Module) -> dict[str, str]:
+    """The plan entries that match some parameter (the bias entries only on models with biases)."""
+    names = [n for n, _ in model.named_parameters()]
+    return {k: v for k, v in plan.items() if any(fnmatch.fnmatchcase(n, k) for n in names)}

@@ -30,7 +30,7 @@ def test_strategy_matches_hf_and_moves_what_megatron_moves(strategy):
     mesh = strategy_mesh(strategy, simulate=True)
     with hp.simulated(mesh):
         parallelize_llama(model, mesh, strategy)
-        layers = annotate_llama.trace_each(model.model.layers)
+        layers = hp.comm.trace_each(model.model.layers)
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         assert abs(loss.full_tensor().item() - ref_loss.item()) / ref_loss.item() < 1e-5

@@ -14,6 +14,7 @@ from test_hf_models import annotate_llama
 
 import hp
 from hp import tp_plan
+from hp.models.llama import choice_layouts
 
 ROOT = Path(__file__).parent.parent
 _spec = importlib.util.spec_from_file_location("tp2d", ROOT / "benchmarks" / "tp2d.py")
@@ -80,7 +81,7 @@ def test_summa_mlp_matches_one_device():
 def test_2d_tiny_llama_matches_hf(scheme, axes):
     mesh = hp.mesh(list(axes), simulate=True)
     choice = tp_plan.Choice(scheme, dict(axes), 0, 1)
-    plan, outputs = tp_plan.llama_layouts(choice)
+    plan, outputs = choice_layouts(choice)
     torch.manual_seed(0)
     reference = annotate_llama.tiny_model("llama", 2)
     model = annotate_llama.tiny_model("llama", 2)

@@ -70,6 +70,7 @@ def check_2d_llama(rank) -> None:
     import importlib.util
 
     from hp import tp_plan
+    from hp.models.llama import choice_layouts
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     spec = importlib.util.spec_from_file_location("annotate_llama", os.path.join(root, "examples", "annotate_llama.py"))
@@ -77,7 +78,7 @@ def check_2d_llama(rank) -> None:
     spec.loader.exec_module(example)
 
     mesh = hp.mesh(x=2, y=2)
-    plan, outputs = tp_plan.llama_layouts(tp_plan.Choice("2d", {"x": 2, "y": 2}, 0, 1))
+    plan, outputs = choice_layouts(tp_plan.Choice("2d", {"x": 2, "y": 2}, 0, 1))
     torch.manual_seed(0)
     reference, model = example.tiny_model("llama", 1), example.tiny_model("llama", 1)
     model.load_state_dict(reference.state_dict())
