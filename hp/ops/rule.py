@@ -171,12 +171,12 @@ def _first_spec(arg):
 
 def _schema_info(op: torch._ops.OpOverload, static: bool) -> RuntimeSchemaInfo:
     """Cache sharding decisions on the non-tensor arguments when the rule reads them."""
+    if not static:
+        return RuntimeSchemaInfo(needs_pytree=True)
     arguments = op._schema.arguments
     first = next(
         (i for i, a in enumerate(arguments) if not a.kwarg_only and "Tensor" not in str(a.type)),
         100,
     )
     kw = [a.name for a in arguments if a.kwarg_only and "Tensor" not in str(a.type)]
-    if not static:
-        return RuntimeSchemaInfo(needs_pytree=True)
     return RuntimeSchemaInfo(static_argnum=first, static_kwargkey=kw or None, needs_pytree=True)
