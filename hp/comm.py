@@ -57,6 +57,25 @@ def _group(ref) -> tuple[str, int]:
     return axis, pg.size()
 
 
+def _one_rank(sizes) -> list[int]:
+    """Split sizes as the first simulated rank sees them (per-rank SymInts under LocalTensorMode)."""
+    out = []
+    for n in sizes:
+        node = getattr(n, "node", None)
+        local = getattr(node, "_local_ints", None)
+        out.append(int(local[min(local)]) if local else int(getattr(node, "val", n)))
+    return out
+
+
+def _all_to_all(t: torch.Tensor, input_splits, group):
+    """An all-to-all; one that sends to a single peer (a ring shift) is a `send_recv` of what it sends."""
+    splits = _one_rank(input_splits or [])
+    if sum(1 for n in splits if n) == 1:
+        rows = t.shape[0] if t.ndim else 1
+        return "send_recv", _nbytes(t) * max(splits) // max(rows, 1), group
+    return "all_to_all", _nbytes(t), group
+
+
 def _functional(kind: str, payload: Callable, group_arg: int):
     return lambda args: (kind, payload(args), args[group_arg])
 
@@ -73,7 +92,7 @@ _FUNCTIONAL = {
     "reduce_scatter_tensor_coalesced": _functional(
         "reduce_scatter", lambda a: sum(map(_nbytes, a[0])), 3
     ),
-    "all_to_all_single": _functional("all_to_all", lambda a: _nbytes(a[0]), 3),
+    "all_to_all_single": lambda a: _all_to_all(a[0], a[2], a[3]),
     "broadcast": _functional("broadcast", lambda a: _nbytes(a[0]), 2),
     "shard_dim_alltoall": _functional("all_to_all", lambda a: _nbytes(a[0]), 3),
 }

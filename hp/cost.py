@@ -11,6 +11,7 @@ tensor of an all-gather, the rank's input of an all-to-all) on p ranks:
     reduce_scatter    (p-1)/p * N
     all_to_all        (p-1)/p * N
     broadcast                  N      (the root's send)
+    send_recv                  N      (one block to one peer, e.g. a ring shift)
     scatter           (p-1)/p * N     (the root's send)
 """
 
@@ -28,7 +29,7 @@ def ring_bytes(kind: str, payload_bytes: int, p: int) -> int:
     """
     if p <= 1:
         return 0
-    factor = {"all_reduce": 2 * (p - 1), "broadcast": p}.get(kind, p - 1)
+    factor = {"all_reduce": 2 * (p - 1), "broadcast": p, "send_recv": p}.get(kind, p - 1)
     return payload_bytes * factor // p
 
 

@@ -8,8 +8,21 @@ the loss runs vocab-parallel). With `sp`, the residual stream, norms and
 dropout run on tokens split over tp (sequence parallel): the block inputs are
 all-gathered and the block outputs reduce-scattered instead of all-reduced.
 `cp` splits the sequence: attention runs context-parallel (`cp_algorithm`,
-Ulysses by default), RoPE takes each rank's positions from the replicated
-cos/sin. `dp` splits the batch. Parameter gradients are pending sums over
+Ulysses by default, or ring), RoPE takes each rank's positions from the
+replicated cos/sin. `dp` splits the batch.
+
+Sequences under cp (`_cp_inputs`, a hook before the model's forward): labels
+are shifted once on the whole sequence (passed as HF's `shift_labels`, so
+the loss never shifts across a split); a sequence whose length is not a
+multiple of the chunk count (cp, or 2 cp for ring) is right-padded to one
+with the pad token and label -100. Causal attention keeps real tokens blind
+to that padding, so loss and gradients are unchanged; the returned logits
+include the padded positions. Ring attention uses head-tail order
+(`hp.ops.ring_attention.head_tail_order`): tokens, labels and RoPE's cos/sin
+are permuted so that each rank does equal causal work, and the logits come
+back in that order (`logits[:, argsort(order)]` restores it). Padding masks
+and explicit `position_ids` are refused under cp (packed and padded batches
+are not supported there yet). Parameter gradients are pending sums over
 dp and cp (`+dp +cp`), reduced where the optimizer step reduces them (FSDP
 lands with issue 5).
 """
@@ -17,13 +30,17 @@ lands with issue 5).
 from __future__ import annotations
 
 import fnmatch
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch.nn.functional as F
 from torch import nn
 
 import hp
 from hp import tp_plan
+from hp.ops.context_parallel import ALGORITHMS
+from hp.ops.ring_attention import head_tail_order
 from hp.parallelize import forward_inside
 
 # Layouts of nn.Linear weights, which are stored (out, in).
@@ -56,6 +73,9 @@ class Strategy:
         unknown = set(spec) - set(known)
         if unknown:
             raise ValueError(f"strategy keys {sorted(unknown)} are not supported (known: {', '.join(known)})")
+        algorithm = spec.get("cp_algorithm", "ulysses")
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"strategy cp_algorithm {algorithm!r} is not one of {ALGORITHMS}")
         return cls(**spec)
 
 
@@ -68,7 +88,8 @@ def layouts(strategy: Strategy) -> tuple[dict[str, str], dict, dict]:
     batch = "b/dp" if strategy.dp > 1 else "b"
     seq = "s/cp" if strategy.cp > 1 else "s"
     split = strategy.dp > 1 or strategy.cp > 1
-    inputs = {"": {"input_ids": f"{batch} {seq}", "labels": f"{batch} {seq}"}} if split else {}
+    tokens = f"{batch} {seq}"
+    inputs = {"": {"input_ids": tokens, "labels": tokens, "shift_labels": tokens}} if split else {}
     residual = f"{batch} {seq}/tp h" if strategy.sp and strategy.tp > 1 else None
     outputs = {"model.embed_tokens": residual} if residual else {}
     return ({**TP_PLAN, **BIAS_PLAN} if strategy.tp > 1 else {}), inputs, outputs
@@ -101,8 +122,52 @@ def parallelize_llama(model: nn.Module, mesh, strategy: Strategy | Mapping) -> n
     plan, inputs, outputs = layouts(strategy)
     hp.parallelize(model, mesh, _present(plan, model), inputs=inputs, outputs=outputs)
     if strategy.cp > 1:
-        forward_inside(model, lambda: hp.context_parallel(strategy.cp_algorithm))
+        order = "head_tail" if strategy.cp_algorithm == "ring" else "contiguous"
+        forward_inside(model, lambda: hp.context_parallel(strategy.cp_algorithm, order=order))
+        _cp_inputs(model, strategy)
     return model
+
+
+def _cp_inputs(model: nn.Module, strategy: Strategy) -> None:
+    """Shift labels on the whole sequence, pad it to the chunk count, permute it for ring (module docstring)."""
+    ring = strategy.cp_algorithm == "ring"
+    chunks = strategy.cp * (2 if ring else 1)
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    signature = inspect.signature(model.forward)
+
+    def before(mod, args, kwargs):
+        kwargs = dict(signature.bind_partial(*args, **kwargs).arguments)
+        kwargs.update(kwargs.pop("kwargs", {}))
+        if kwargs.get("position_ids") is not None:
+            raise ValueError("position_ids are not supported under context parallelism (positions follow the tokens)")
+        mask = kwargs.pop("attention_mask", None)
+        if mask is not None and not bool(mask.all()):
+            raise ValueError("padding masks are not supported under context parallelism: pack or trim the batch")
+        seq = next(kwargs[k].shape[1] for k in ("input_ids", "inputs_embeds") if kwargs.get(k) is not None)
+        if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
+            labels = kwargs["labels"]
+            kwargs["shift_labels"] = F.pad(labels[:, 1:], (0, 1), value=-100)
+        extra = -seq % chunks
+        order = head_tail_order(seq + extra, strategy.cp) if ring else None
+        fills = {"input_ids": pad_id, "inputs_embeds": 0.0, "shift_labels": -100}
+        for key, fill in fills.items():
+            value = kwargs.get(key)
+            if value is None:
+                continue
+            if extra:
+                pad = (0, 0) * (value.ndim - 2) + (0, extra)
+                value = F.pad(value, pad, value=fill)
+            kwargs[key] = value if order is None else value[:, order.to(value.device)]
+        if kwargs.get("shift_labels") is not None:
+            kwargs["labels"] = kwargs["shift_labels"]  # HF computes the loss only when labels are given
+        return (), kwargs
+
+    def rotary(mod, args, out):  # cos and sin, (b, s, d), in the tokens' order
+        return tuple(t[:, head_tail_order(t.shape[1], strategy.cp).to(t.device)] for t in out)
+
+    model.register_forward_pre_hook(before, with_kwargs=True, prepend=True)
+    if ring:
+        model.model.rotary_emb.register_forward_hook(rotary)
 
 
 def reduce_gradients(model: nn.Module) -> None:

@@ -5,9 +5,12 @@ every query. Ulysses (DeepSpeed) swaps the split: an all-to-all turns
 `heads, s/cp` into `heads/cp, s`, each rank runs ordinary attention (causal
 masks included) on whole sequences for its share of heads, and a second
 all-to-all swaps back. It needs the head counts divisible by the cp size and
-moves 4 (p-1)/p of the local q, k, v, out per layer. The algorithm is chosen
-with `hp.context_parallel("ulysses")` (the default); other algorithms
-register here.
+moves 4 (p-1)/p of the local q, k, v, out per layer. Ring attention
+(`hp.ops.ring_attention`) keeps the heads and passes K/V blocks around the
+ring instead: any head count, 1/p of the attention memory, (p-1) K/V blocks
+per layer. The algorithm is chosen with `hp.context_parallel("ulysses")` (the
+default) or `hp.context_parallel("ring", order="head_tail")`, where the order
+says how the caller laid the sequence out (see `head_tail_order`).
 """
 
 from __future__ import annotations
@@ -21,22 +24,32 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 from hp.ops.local import to_dtensor
+from hp.ops.ring_attention import ORDERS, RingAttention
 
-_ALGORITHM: contextvars.ContextVar[str] = contextvars.ContextVar("hp_cp_algorithm", default="ulysses")
-ALGORITHMS = ("ulysses",)
+_ALGORITHM: contextvars.ContextVar[tuple[str, str]] = contextvars.ContextVar(
+    "hp_cp_algorithm", default=("ulysses", "contiguous")
+)
+ALGORITHMS = ("ulysses", "ring")
 
 
 @contextmanager
-def context_parallel(algorithm: str = "ulysses"):
+def context_parallel(algorithm: str = "ulysses", *, order: str = "contiguous"):
     """Choose how attention on a sequence-split layout runs inside the block.
 
+    `order` is how the sequence was laid out over the cp ranks: "contiguous"
+    (plain `s/cp`) or "head_tail" (tokens permuted by `head_tail_order` first,
+    which balances causal work; ring attention only).
+
     >>> import hp
-    >>> with hp.context_parallel("ulysses"):
+    >>> with hp.context_parallel("ring", order="head_tail"):
     ...     pass
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"context-parallel algorithm {algorithm!r} is not one of {ALGORITHMS}")
-    token = _ALGORITHM.set(algorithm)
+    if order not in ORDERS or (algorithm == "ulysses" and order != "contiguous"):
+        allowed = ORDERS if algorithm == "ring" else ("contiguous",)
+        raise ValueError(f"sequence order {order!r} is not supported by {algorithm} attention (allowed: {allowed})")
+    token = _ALGORITHM.set((algorithm, order))
     try:
         yield
     finally:
@@ -59,20 +72,47 @@ def _swap(t: torch.Tensor, group, parts: int, heads_to_seq: bool) -> torch.Tenso
 def sequence_parallel_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
-    """`F.scaled_dot_product_attention` on `b h s/cp d` inputs; NotImplemented otherwise."""
-    if not all(isinstance(t, DTensor) for t in (query, key, value)) or attn_mask is not None or dropout_p:
-        return NotImplemented
-    if query.ndim != 4 or not (query.placements == key.placements == value.placements):
+    """`F.scaled_dot_product_attention` on `b h s/cp d` inputs; NotImplemented otherwise.
+
+    In head-tail order a fallback would mask the permuted sequence as if it were
+    in order (silently wrong), so there every unsupported call is an error.
+    """
+    algorithm, order = _ALGORITHM.get()
+    why = _unsupported(query, key, value, attn_mask, dropout_p, enable_gqa, algorithm)
+    if why:
+        if order == "head_tail":
+            raise RuntimeError(f"ring attention in head-tail order cannot run this call: {why}")
         return NotImplemented
     mesh = query.device_mesh
-    cp = [m for m, p in enumerate(query.placements) if p == Shard(2)]
-    if len(cp) != 1 or query.shape[2] != key.shape[2]:
-        return NotImplemented
-    axis = cp[0]
+    axis = next(m for m, p in enumerate(query.placements) if p == Shard(2))
     parts, group = mesh.size(axis), mesh.get_group(axis)
     q, k, v = (t.to_local() for t in (query, key, value))
-    if q.shape[1] % parts or k.shape[1] % parts:
-        return NotImplemented
+    if algorithm == "ring":
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        args = (group, mesh.get_local_rank(axis), parts, order, is_causal, scale)
+        out = RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), *args)
+        return to_dtensor(out, mesh, query.placements, query.shape)
     q, k, v = (_swap(t, group, parts, heads_to_seq=True) for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     return to_dtensor(_swap(out, group, parts, heads_to_seq=False), mesh, query.placements, query.shape)
+
+
+def _unsupported(query, key, value, attn_mask, dropout_p, enable_gqa, algorithm) -> str | None:
+    """Why the context-parallel kernels cannot take this call (None when they can)."""
+    if not all(isinstance(t, DTensor) for t in (query, key, value)):
+        return "q, k and v must all be DTensors"
+    if attn_mask is not None or dropout_p:
+        return "attention masks and dropout are not supported"
+    if query.ndim != 4 or not (query.placements == key.placements == value.placements):
+        return f"q, k, v must be (b, h, s, d) with one layout, got {query.placements}, {key.placements}"
+    if sum(p == Shard(2) for p in query.placements) != 1 or query.shape[2] != key.shape[2]:
+        return "the sequence must be split over exactly one mesh axis, for queries and keys alike"
+    if any(p.is_partial() for p in query.placements):
+        return "q, k, v must not be pending sums"
+    axis = next(m for m, p in enumerate(query.placements) if p == Shard(2))
+    heads, kv_heads, parts = query.to_local().shape[1], key.to_local().shape[1], query.device_mesh.size(axis)
+    if heads % kv_heads or (heads != kv_heads and not enable_gqa):
+        return f"{heads} query heads and {kv_heads} key heads need enable_gqa"
+    if algorithm == "ulysses" and (heads % parts or kv_heads % parts):
+        return f"Ulysses needs the head counts ({heads}, {kv_heads}) divisible by the cp size {parts}"
+    return None

@@ -1,6 +1,6 @@
 """Worker for test_gloo.py: the reference Llama strategies on 4 real gloo processes.
 
-(dp=2, tp=2) and (cp=4): loss and every gradient equal the unsharded HF model,
+(dp=2, tp=2), (cp=4) Ulysses and (cp=4) ring: loss and every gradient equal the unsharded HF model,
 and 5 AdamW steps give its losses. Every check raises on failure.
 """
 
@@ -51,7 +51,7 @@ def check(strategy: dict, rank: int) -> None:
 
 def main() -> None:
     rank = int(os.environ["RANK"])
-    for strategy in ({"dp": 2, "tp": 2}, {"cp": 4}):
+    for strategy in ({"dp": 2, "tp": 2}, {"cp": 4}, {"cp": 4, "cp_algorithm": "ring"}):
         check(strategy, rank)
     print(f"rank {rank} ok", flush=True)
 
