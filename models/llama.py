@@ -34,6 +34,7 @@ import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -57,25 +58,28 @@ BIAS_PLAN = {"*.self_attn.[qkv]_proj.bias": "out/tp"}  # Qwen2 has q/k/v biases
 
 @dataclass(frozen=True)
 class Strategy:
-    """How to parallelize: data-parallel and tensor-parallel degrees, sequence parallel."""
+    """How to parallelize: data, context and tensor-parallel degrees, sequence parallel, FSDP on dp."""
 
     dp: int = 1
     cp: int = 1
     tp: int = 1
     sp: bool = False
     cp_algorithm: str = "ulysses"
+    fsdp: bool = False
 
     @classmethod
     def parse(cls, spec: Strategy | Mapping) -> Strategy:
         if isinstance(spec, Strategy):
             return spec
-        known = ("dp", "cp", "tp", "sp", "cp_algorithm")
+        known = ("dp", "cp", "tp", "sp", "cp_algorithm", "fsdp")
         unknown = set(spec) - set(known)
         if unknown:
             raise ValueError(f"strategy keys {sorted(unknown)} are not supported (known: {', '.join(known)})")
         algorithm = spec.get("cp_algorithm", "ulysses")
         if algorithm not in ALGORITHMS:
             raise ValueError(f"strategy cp_algorithm {algorithm!r} is not one of {ALGORITHMS}")
+        if spec.get("fsdp") and spec.get("cp", 1) > 1:
+            raise ValueError("strategy fsdp with cp > 1 is not supported yet (use dp without fsdp alongside cp)")
         return cls(**spec)
 
 
@@ -85,9 +89,9 @@ def layouts(strategy: Strategy) -> tuple[dict[str, str], dict, dict]:
     Only axes of size > 1 exist on the strategy's mesh (DTensor's redistribution
     planner slows down sharply with idle axes), so layouts name only those.
     """
-    batch = "b/dp" if strategy.dp > 1 else "b"
+    batch = "b/dp" if strategy.dp > 1 and not strategy.fsdp else "b"  # FSDP: each rank feeds its own batch
     seq = "s/cp" if strategy.cp > 1 else "s"
-    split = strategy.dp > 1 or strategy.cp > 1
+    split = batch != "b" or strategy.cp > 1
     tokens = f"{batch} {seq}"
     inputs = {"": {"input_ids": tokens, "labels": tokens, "shift_labels": tokens}} if split else {}
     residual = f"{batch} {seq}/tp h" if strategy.sp and strategy.tp > 1 else None
@@ -120,11 +124,76 @@ def parallelize_llama(model: nn.Module, mesh, strategy: Strategy | Mapping) -> n
     """
     strategy = Strategy.parse(strategy)
     plan, inputs, outputs = layouts(strategy)
+    if strategy.fsdp and strategy.dp > 1:
+        return _fully_shard(model, mesh, strategy, _present(plan, model), outputs)
     hp.parallelize(model, mesh, _present(plan, model), inputs=inputs, outputs=outputs)
     if strategy.cp > 1:
         order = "head_tail" if strategy.cp_algorithm == "ring" else "contiguous"
         forward_inside(model, lambda: hp.context_parallel(strategy.cp_algorithm, order=order))
         _cp_inputs(model, strategy)
+    return model
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by `factor`."""
+
+    @staticmethod
+    def forward(ctx, x, factor: float):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+_BATCHED = {"input_ids", "inputs_embeds", "labels", "shift_labels", "attention_mask", "position_ids"}
+
+
+def _fully_shard(model: nn.Module, mesh, strategy: Strategy, plan: dict[str, str], outputs: dict) -> nn.Module:
+    """FSDP2 over dp around the tp layout (on the mesh without dp); each decoder layer is one FSDP unit.
+
+    Every rank still passes the global batch (as with plain dp) and keeps its dp slice. The
+    loss is summed over the global count of labelled tokens (HF's `num_items_in_batch`), so the
+    dp ranks' losses add up to one device's; FSDP averages gradients over dp (gloo has no
+    pre-scaled sum), so the loss's gradient is scaled by dp to make them a sum. The loss comes
+    back as a DTensor pending a sum over dp (`loss.full_tensor()` is the global one).
+    """
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    inner = tuple(name for name in mesh.mesh_dim_names if name != "dp")
+    if inner:
+        hp.parallelize(model, mesh[inner], plan, outputs=outputs)
+    units = [*model.model.layers, model]
+    for unit in units:
+        fully_shard(unit, mesh=mesh["dp"])
+    dp_rank, signature = mesh.get_local_rank("dp"), inspect.signature(model.forward)
+
+    def before(mod, args, kwargs):
+        kwargs = dict(signature.bind_partial(*args, **kwargs).arguments)
+        kwargs.update(kwargs.pop("kwargs", {}))
+        labels = kwargs.get("labels")
+        if labels is not None:
+            kwargs.setdefault("num_items_in_batch", int((labels[:, 1:] != -100).sum()))
+        for key in _BATCHED & kwargs.keys():
+            if kwargs[key] is None:
+                continue
+            if kwargs[key].shape[0] % strategy.dp:
+                raise ValueError(f"{key} has batch {kwargs[key].shape[0]}, not divisible by dp={strategy.dp}")
+            kwargs[key] = kwargs[key].chunk(strategy.dp)[dp_rank]
+        return (), kwargs
+
+    def after(mod, args, kwargs, out):
+        if getattr(out, "loss", None) is not None:
+            local = out.loss.to_local() if isinstance(out.loss, DTensor) else out.loss
+            local = _ScaleGradient.apply(local, strategy.dp)  # FSDP averages over dp; the loss is a sum
+            placements = [Partial() if n == "dp" else Replicate() for n in mesh.mesh_dim_names]
+            out.loss = DTensor.from_local(local, mesh, placements, run_check=False)
+        return out
+
+    model.register_forward_pre_hook(before, with_kwargs=True, prepend=True)
+    model.register_forward_hook(after, with_kwargs=True)
     return model
 
 

@@ -104,6 +104,8 @@ def test_unknown_strategy_keys_and_algorithms_are_refused():
         strategy_mesh({"tp": 2, "pp": 2}, simulate=True)
     with pytest.raises(ValueError, match=r"strategy cp_algorithm 'star' is not one of \('ulysses', 'ring'\)"):
         strategy_mesh({"cp": 2, "cp_algorithm": "star"}, simulate=True)
+    with pytest.raises(ValueError, match=r"strategy fsdp with cp > 1 is not supported yet"):
+        strategy_mesh({"dp": 2, "cp": 2, "fsdp": True}, simulate=True)
 
 
 @pytest.mark.parametrize(

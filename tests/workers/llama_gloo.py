@@ -1,6 +1,6 @@
 """Worker for test_gloo.py: the reference Llama strategies on 4 real gloo processes.
 
-(dp=2, tp=2), (cp=4) Ulysses and (cp=4) ring: loss and every gradient equal the unsharded HF model,
+(dp=2, tp=2), (dp=2 fsdp, tp=2), (cp=4) Ulysses and (cp=4) ring: loss and every gradient equal the unsharded HF model,
 and 5 AdamW steps give its losses. Every check raises on failure.
 """
 
@@ -11,6 +11,7 @@ import os
 
 import torch
 
+import hp
 from hp.models.llama import parallelize_llama, reduce_gradients, strategy_mesh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,11 +31,14 @@ def check(strategy: dict, rank: int) -> None:
     batches = [torch.randint(0, 256, (4, 16)) for _ in range(5)]
     mesh = strategy_mesh(strategy)
     parallelize_llama(model, mesh, strategy)
+    if strategy.get("fsdp"):  # FSDP2 shards the tp blocks again over dp
+        assert str(hp.layout_of(model.model.layers[0].self_attn.q_proj.weight)) == "64/tp/dp 64"
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step, ids in enumerate(batches):
         labels = ids.clone()
         labels[:, :2] = -100
+        labels[0, 2:9] = -100  # unevenly over the batch: the loss must divide by the global count
         want = reference(input_ids=ids, labels=labels).loss
         want.backward()
         got = model(input_ids=ids, labels=labels).loss
@@ -51,7 +55,8 @@ def check(strategy: dict, rank: int) -> None:
 
 def main() -> None:
     rank = int(os.environ["RANK"])
-    for strategy in ({"dp": 2, "tp": 2}, {"cp": 4}, {"cp": 4, "cp_algorithm": "ring"}):
+    strategies = ({"dp": 2, "tp": 2}, {"dp": 2, "tp": 2, "fsdp": True}, {"cp": 4}, {"cp": 4, "cp_algorithm": "ring"})
+    for strategy in strategies:
         check(strategy, rank)
     print(f"rank {rank} ok", flush=True)
 
