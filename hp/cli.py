@@ -1,4 +1,7 @@
-"""The `hp` command: `hp explain SCRIPT [ARGS...]` (more subcommands land with training).
+"""The `hp` command: `hp train CONFIG [key=value ...]`, `hp export CHECKPOINT OUT_DIR`, `hp explain SCRIPT`.
+
+`hp train` validates a LlamaFactory-style YAML and trains (`hp.train.launch`);
+`hp export` writes a checkpoint as HF safetensors (`hp.train.export`).
 
 `hp explain` runs a script as `python SCRIPT ARGS` would, records every op on
 DTensors (layouts in and out, collectives inserted, source line) and prints
@@ -27,9 +30,35 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from hp.train.config import ConfigError
+    from hp.train.launch import launch
+
+    try:
+        return launch(args.config, args.overrides)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"hp train: {e}", file=sys.stderr)
+        return 2
+
+
+def _export(args: argparse.Namespace) -> int:
+    from hp.train.export import export
+
+    print(export(args.checkpoint, args.out_dir))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hp", description="named-axis layouts on PyTorch DTensor")
     commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="train from a LlamaFactory-style YAML config")
+    train.add_argument("config", help="YAML file, e.g. examples/quickstart.yaml")
+    train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.tp=2 max_steps=10")
+    train.set_defaults(run=_train)
+    export = commands.add_parser("export", help="write a training checkpoint as HF safetensors")
+    export.add_argument("checkpoint", help="a checkpoint-N directory of an hp train run")
+    export.add_argument("out_dir")
+    export.set_defaults(run=_export)
     explain = commands.add_parser("explain", help="per-op layouts and collectives of a script")
     explain.add_argument("--json", action="store_true", help="print the table as JSON")
     explain.add_argument("--communicating", action="store_true", help="only ops that communicated")

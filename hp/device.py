@@ -41,12 +41,15 @@ def _import_npu_if_present() -> None:
 
 
 def detect() -> Device:
-    """The accelerator torch sees (after importing torch_npu if present), else CPU."""
-    _import_npu_if_present()
-    if torch.accelerator.is_available():
-        kind = torch.accelerator.current_accelerator().type
-    else:
-        kind = "cpu"
+    """The accelerator torch sees (after importing torch_npu if present), else CPU.
+
+    `HP_DEVICE=cpu` (or `cuda`, `npu`) overrides the choice, e.g. to run on CPU on a GPU machine.
+    """
+    kind = os.environ.get("HP_DEVICE", "auto")
+    if kind != "cpu":
+        _import_npu_if_present()
+    if kind == "auto":
+        kind = torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu"
     backend = dist.Backend.default_device_backend_map.get(kind)
     if backend is None:
         raise RuntimeError(f"no collective backend is registered for device type '{kind}'")

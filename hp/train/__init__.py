@@ -1,0 +1,1 @@
+"""`hp train CONFIG.yaml`: LlamaFactory-style training of the model zoo, configured by one YAML file."""

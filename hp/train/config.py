@@ -1,0 +1,634 @@
+"""The configuration of `hp train`: one YAML file, checked whole before any worker starts.
+
+Why this module exists: a training run spends its first minutes launching
+workers, building the mesh and loading weights. A misspelt key, a learning
+rate PyYAML read as a string, or a parallel layout the model zoo cannot take
+should cost nothing, and should be reported once, in the launching shell, not
+N times from N ranks. So the whole file is read, command-line overrides are
+applied, and every key is checked here, in plain Python: this module imports
+neither torch nor torch.distributed and does no distributed work. What comes
+out is a frozen `TrainConfig` whose values are already of the right type and
+range, and whose `parallel.strategy()` is the dict that `hp.models.llama`
+takes.
+
+The keys are LlamaFactory's (`model_name_or_path`, `stage`, `dataset`,
+`cutoff_len`, `learning_rate`, ...), plus a `parallel:` section (dp, tp, cp,
+sp, fsdp, ...) and the launcher's keys (`nproc_per_node`, `nnodes`, ...).
+LlamaFactory's HyperParallel switch (`use_hyper_parallel: true` with
+`hyper_parallel_args`, a dict or a JSON file of tp_size, cp_size, ep_size,
+fsdp_size, activation_mode) is read too and folded into `parallel`.
+
+Every mistake raises `ConfigError` (a `ValueError`) whose message names the
+key, the value given and what is allowed; an unknown key comes with the
+closest known one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "ACTIVATION_MODES", "CP_ALGORITHMS", "DEVICES", "SCHEDULERS", "STAGES", "TEMPLATES",
+    "ConfigError", "ParallelConfig", "TrainConfig",
+    "apply_overrides", "load_config", "read_hyper_parallel_args", "to_dict", "validate",
+]
+
+STAGES = ("pt", "sft")  # training stages hp train runs; LlamaFactory's rm, ppo, dpo, kto are not here yet
+TEMPLATES = ("default", "empty", "alpaca")
+SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+DEVICES = ("auto", "cpu", "cuda", "npu")
+CP_ALGORITHMS = ("ulysses", "ring")  # = hp.ops.context_parallel.ALGORITHMS (not imported: it imports torch)
+ACTIVATION_MODES = ("none", "recompute", "swap")  # what LlamaFactory's HyperParallel does with activations
+RESUME_LAST = "last"  # resume_from_checkpoint: the newest complete checkpoint in output_dir
+
+
+class ConfigError(ValueError):
+    """A training configuration that cannot run: the message names the key, the value and what is allowed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """The `parallel:` section: how the model is laid out over the workers.
+
+    `strategy()` is what the Llama zoo (`hp.models.llama.Strategy`) takes. `ep`,
+    `tp2d`, `offload` and activation recompute/swap are part of the design but
+    refused by `validate` until they are built.
+    """
+
+    dp: int = 1  # data parallel: the batch is split over dp ranks
+    tp: int = 1  # tensor parallel (Megatron) degree
+    cp: int = 1  # context parallel: the sequence is split over cp ranks
+    cp_algorithm: str = "ulysses"  # one of CP_ALGORITHMS
+    sp: bool = False  # sequence parallel over tp (residual stream split by tokens)
+    ep: int = 1  # expert parallel degree (needs an MoE model)
+    tp2d: bool | None = None  # 2D tensor parallel (None: not asked for)
+    fsdp: bool = False  # FSDP2 on the dp axis
+    offload: str | None = None  # hp.offload memory tier (None: no offload)
+    activation_mode: str = "none"  # one of ACTIVATION_MODES
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the layout needs: dp * cp * tp."""
+        return self.dp * self.cp * self.tp
+
+    def strategy(self) -> dict[str, Any]:
+        """The dict `hp.models.llama` takes (keys dp, cp, tp, sp, cp_algorithm, fsdp).
+
+        >>> ParallelConfig(dp=2, tp=2, sp=True).strategy()
+        {'dp': 2, 'cp': 1, 'tp': 2, 'sp': True, 'cp_algorithm': 'ulysses', 'fsdp': False}
+        """
+        return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "sp": self.sp,
+                "cp_algorithm": self.cp_algorithm, "fsdp": self.fsdp}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """A checked training configuration (build it with `validate` or `load_config`).
+
+    After validation `nproc_per_node` is always an int, `dataset` is the
+    comma-separated names without spaces, and `hyper_parallel_args` is the
+    read-only dict that was given (or read from its JSON file), already folded
+    into `parallel`.
+    """
+
+    # model
+    model_name_or_path: str  # HF model directory, or hp/tiny-llama
+    trust_remote_code: bool = False  # accepted for LlamaFactory configs; hp builds models from local configs only
+    # method
+    stage: str = "sft"  # one of STAGES
+    do_train: bool = True  # must be true: only training is available
+    finetuning_type: str = "full"  # every weight trains; LoRA and freeze are not available yet
+    # dataset
+    dataset: str  # comma-separated dataset names
+    dataset_dir: str = "data"
+    template: str = "default"  # one of TEMPLATES
+    cutoff_len: int = 1024  # tokens per sequence, at most
+    # output
+    output_dir: str
+    overwrite_output_dir: bool = False
+    logging_steps: int = 10
+    save_steps: int = 500
+    save_total_limit: int | None = None  # None: keep every checkpoint
+    plot_loss: bool = False
+    resume_from_checkpoint: str | None = None  # None, a checkpoint directory, or "last"
+    # train
+    per_device_train_batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 5e-5
+    num_train_epochs: float = 3.0
+    max_steps: int = -1  # > 0 overrides num_train_epochs; -1 (or 0): the epochs decide
+    lr_scheduler_type: str = "cosine"  # one of SCHEDULERS
+    warmup_ratio: float = 0.0  # in [0, 1)
+    weight_decay: float = 0.0  # AdamW's
+    max_grad_norm: float | None = 1.0  # gradient clipping (HF Trainer's default); null: none
+    bf16: bool = False
+    seed: int = 42
+    # parallel
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    use_hyper_parallel: bool = False
+    hyper_parallel_args: Mapping[str, Any] | None = None
+    # launch
+    nproc_per_node: int | None = None  # None: dp * cp * tp / nnodes
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    device: str = "auto"  # one of DEVICES
+
+    @property
+    def datasets(self) -> tuple[str, ...]:
+        """The dataset names, in order."""
+        return tuple(self.dataset.split(","))
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes over all nodes: nnodes * nproc_per_node."""
+        return self.nnodes * (self.nproc_per_node or 0)
+
+
+# ---------------------------------------------------------------- key rules
+
+@dataclass(frozen=True)
+class _Rule:
+    """What one key takes: its type, and a test with the words that say what the test allows."""
+
+    kind: str  # "str", "int", "float" or "bool"
+    test: Callable[[Any], bool] | None = None
+    allowed: str = ""
+    optional: bool = False  # null is a value
+    choices: tuple[str, ...] = ()
+
+
+def _nonempty(v: str) -> bool:
+    return bool(v.strip())
+
+
+def _dataset_names(v: str) -> bool:
+    return all(name.strip() for name in v.split(","))
+
+
+_RULES: dict[str, _Rule] = {
+    "model_name_or_path": _Rule("str", _nonempty, "a model directory or name"),
+    "stage": _Rule("str", choices=STAGES, allowed="(LlamaFactory's other stages are not available yet)"),
+    "do_train": _Rule("bool", lambda v: v, "true (only training is available yet)"),
+    "trust_remote_code": _Rule("bool"),
+    "finetuning_type": _Rule("str", choices=("full",), allowed="(LoRA and freeze are not available yet)"),
+    "weight_decay": _Rule("float", lambda v: v >= 0, "a number >= 0"),
+    "max_grad_norm": _Rule("float", lambda v: v > 0, "a number > 0, or null for no clipping", optional=True),
+    "dataset": _Rule("str", _dataset_names, "comma-separated dataset names, such as 'alpaca_en_demo,identity'"),
+    "dataset_dir": _Rule("str", _nonempty, "a directory"),
+    "template": _Rule("str", choices=TEMPLATES),
+    "cutoff_len": _Rule("int", lambda v: v >= 2, "an integer >= 2"),
+    "output_dir": _Rule("str", _nonempty, "a directory"),
+    "overwrite_output_dir": _Rule("bool"),
+    "logging_steps": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
+    "save_steps": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
+    "save_total_limit": _Rule("int", lambda v: v >= 1, "an integer >= 1, or null to keep every checkpoint", optional=True),
+    "plot_loss": _Rule("bool"),
+    "resume_from_checkpoint": _Rule("str", _nonempty, f"a checkpoint directory, {RESUME_LAST!r}, or null", optional=True),
+    "per_device_train_batch_size": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
+    "gradient_accumulation_steps": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
+    "learning_rate": _Rule("float", lambda v: v > 0, "a number > 0"),
+    "num_train_epochs": _Rule("float", lambda v: v >= 0, "a number >= 0"),
+    "max_steps": _Rule("int", lambda v: v >= -1, "a positive integer, or -1 to let num_train_epochs decide"),
+    "lr_scheduler_type": _Rule("str", choices=SCHEDULERS),
+    "warmup_ratio": _Rule("float", lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "bf16": _Rule("bool"),
+    "seed": _Rule("int", lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)"),
+    "use_hyper_parallel": _Rule("bool"),
+    "nproc_per_node": _Rule("int", lambda v: v >= 1, "an integer >= 1, or null for dp*cp*tp / nnodes", optional=True),
+    "nnodes": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
+    "node_rank": _Rule("int", lambda v: v >= 0, "an integer >= 0"),
+    "master_addr": _Rule("str", _nonempty, "a host name or address"),
+    "master_port": _Rule("int", lambda v: 1 <= v <= 65535, "a port in [1, 65535]"),
+    "device": _Rule("str", choices=DEVICES),
+}
+
+_PARALLEL_RULES: dict[str, _Rule] = {
+    "dp": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
+    "tp": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
+    "cp": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
+    "cp_algorithm": _Rule("str", choices=CP_ALGORITHMS),
+    "sp": _Rule("bool"),
+    "ep": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
+    "tp2d": _Rule("bool", optional=True),
+    "fsdp": _Rule("bool"),
+    "offload": _Rule("str", optional=True),
+    "activation_mode": _Rule("str", choices=ACTIVATION_MODES),
+}
+
+# LlamaFactory's HyperParallel keys, and the parallel key each one sets.
+_HYPER_RULES: dict[str, _Rule] = {
+    "tp_size": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
+    "cp_size": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
+    "ep_size": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
+    "fsdp_size": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
+    "activation_mode": _Rule("str", choices=ACTIVATION_MODES),
+}
+_HYPER_TO_PARALLEL = {"tp_size": "tp", "cp_size": "cp", "ep_size": "ep", "activation_mode": "activation_mode"}
+
+# Keys of LlamaFactory (or its HyperParallel JSON) that hp train knows but does not take yet.
+_NOT_YET = {
+    "lora_rank": "LoRA is not available yet",
+    "lora_alpha": "LoRA is not available yet",
+    "lora_target": "LoRA is not available yet",
+    "deepspeed": "hp shards the model by the parallel: section, not by DeepSpeed",
+    "fp16": "only bf16 mixed precision is available",
+    "do_eval": "evaluation is not available yet",
+    "do_predict": "prediction is not available yet",
+    "eval_strategy": "evaluation is not available yet",
+    "eval_steps": "evaluation is not available yet",
+    "val_size": "evaluation is not available yet",
+    "per_device_eval_batch_size": "evaluation is not available yet",
+    "quantization_bit": "quantized training is not available yet",
+    "ep_style": "expert parallel is not available yet",
+    "expert_module_cls": "expert parallel is not available yet",
+    "activation_swap_inputs": "activation swap is not available yet (hp.offload is not built yet)",
+}
+
+_KINDS = {"str": "a string", "int": "an integer", "float": "a finite number (1e-4 and 0.0001 both work)", "bool": "true or false"}
+
+
+_WRONG = object()  # what _convert returns for a value of the wrong type
+
+
+def _refuse(key: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"{key} = {value!r}: expected {allowed}")
+
+
+def _check(key: str, value: Any, rule: _Rule) -> Any:
+    """`value` converted to the rule's type, or ConfigError naming `key`."""
+    if value is None:
+        if rule.optional:
+            return None
+        raise _refuse(key, value, _KINDS[rule.kind] if not rule.choices else _one_of(rule.choices))
+    converted = _convert(value, rule.kind)
+    if converted is _WRONG:
+        kind = _KINDS[rule.kind] + (", or null" if rule.optional else "")
+        raise _refuse(key, value, _one_of(rule.choices) if rule.choices else kind)
+    if rule.choices and converted not in rule.choices:
+        note = f" {rule.allowed}" if rule.allowed else ""
+        raise _refuse(key, value, _one_of(rule.choices) + note)
+    if rule.test is not None and not rule.test(converted):
+        raise _refuse(key, value, rule.allowed)
+    return converted
+
+
+def _convert(value: Any, kind: str) -> Any:
+    if kind == "bool":
+        return value if isinstance(value, bool) else _WRONG
+    if kind == "int":
+        return value if isinstance(value, int) and not isinstance(value, bool) else _WRONG
+    if kind == "str":
+        return value.strip() if isinstance(value, str) else _WRONG
+    # float: YAML 1.1 reads 1e-4 (no dot) as a string, so numeric strings count
+    if isinstance(value, bool):
+        return _WRONG
+    if isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            return _WRONG
+    else:
+        return _WRONG
+    return number if math.isfinite(number) else _WRONG
+
+
+def _one_of(choices: Sequence[str]) -> str:
+    return "one of " + ", ".join(repr(c) for c in choices)
+
+
+# Names people reach for, and the key that holds them.
+_ALIASES = {
+    "lr": "learning_rate", "epochs": "num_train_epochs", "batch_size": "per_device_train_batch_size",
+    "max_length": "cutoff_len", "max_seq_length": "cutoff_len", "seq_len": "cutoff_len", "model": "model_name_or_path",
+    "scheduler": "lr_scheduler_type", "warmup": "warmup_ratio", "resume": "resume_from_checkpoint",
+}
+
+
+def _unknown(key: Any, value: Any, known: Sequence[str], section: str = "") -> ConfigError:
+    """ConfigError for a key that is not in `known`, with the closest known key."""
+    name = f"{section}{key}"
+    if isinstance(key, str) and key in _NOT_YET:
+        return ConfigError(f"{name} = {value!r} is not taken by hp train yet ({_NOT_YET[key]}); expected no {name} key")
+    hint = None
+    if not isinstance(key, str):
+        hint = "keys are names"
+    elif not section and key in _PARALLEL_RULES:
+        hint = f"did you mean 'parallel.{key}'? (degrees go in the parallel: section)"
+    elif section != "hyper_parallel_args." and key in _HYPER_TO_PARALLEL:
+        hint = f"did you mean 'parallel.{_HYPER_TO_PARALLEL[key]}'? ({key} is a hyper_parallel_args key)"
+    elif section != "hyper_parallel_args." and key == "fsdp_size":
+        hint = "did you mean 'parallel.dp' with 'parallel.fsdp: true'? (fsdp_size is a hyper_parallel_args key)"
+    elif not section and key in _ALIASES:
+        hint = f"did you mean {_ALIASES[key]!r}?"
+    else:
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        if close:
+            hint = f"did you mean {section + close[0]!r}?"
+    if hint is None:
+        return ConfigError(f"unknown key {name!r} = {value!r}; expected one of {', '.join(known)}")
+    return ConfigError(f"unknown key {name!r} = {value!r}; {hint}")
+
+
+# ---------------------------------------------------------------- validation
+
+_REQUIRED = ("model_name_or_path", "dataset", "output_dir")
+_SECTIONS = ("parallel", "hyper_parallel_args")
+_TOP_KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig))
+
+
+def validate(raw: Mapping[str, Any] | None, *, base_dir: str | os.PathLike | None = None) -> TrainConfig:
+    """Check a configuration (as read from YAML) and return it as a `TrainConfig`.
+
+    `base_dir` is where a relative `hyper_parallel_args` JSON path is also
+    looked for when it is not found from the current directory (`load_config`
+    passes the config file's directory).
+
+    >>> cfg = validate({"model_name_or_path": "hp/tiny-llama", "dataset": "alpaca_en_demo",
+    ...                 "output_dir": "out", "learning_rate": "1e-4", "parallel": {"dp": 2, "tp": 2}})
+    >>> cfg.learning_rate, cfg.nproc_per_node, cfg.parallel.strategy()["tp"]
+    (0.0001, 4, 2)
+    >>> validate({"model_name_or_path": "m", "dataset": "d", "output_dir": "o", "learnig_rate": 1e-4})
+    Traceback (most recent call last):
+    ...
+    hp.train.config.ConfigError: unknown key 'learnig_rate' = 0.0001; did you mean 'learning_rate'?
+    """
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"the config is {type(raw).__name__} {raw!r}: expected a mapping of keys to values")
+    for key, value in raw.items():
+        if key not in _TOP_KEYS:
+            raise _unknown(key, value, _TOP_KEYS)
+    for key in _REQUIRED:
+        if raw.get(key) is None:
+            raise ConfigError(f"missing required key {key!r}: expected {_RULES[key].allowed}")
+
+    values = {key: _check(key, raw[key], rule) for key, rule in _RULES.items() if key in raw}
+    if "dataset" in values:
+        values["dataset"] = ",".join(name.strip() for name in values["dataset"].split(","))
+
+    given = _parallel_section(raw.get("parallel"))
+    hyper = _hyper_parallel(raw, values.get("use_hyper_parallel", False), base_dir)
+    values["parallel"] = _parallel(given, hyper)
+    values["hyper_parallel_args"] = None if hyper is None else MappingProxyType(hyper)
+
+    config = TrainConfig(**values)
+    _check_training(config)
+    return dataclasses.replace(config, nproc_per_node=_workers_per_node(config))
+
+
+def _parallel_section(section: Any) -> dict[str, Any]:
+    """The keys given in the `parallel:` section, checked (absent keys stay absent)."""
+    if section is None:
+        return {}
+    if not isinstance(section, Mapping):
+        raise _refuse("parallel", section, "a mapping such as {dp: 2, tp: 2}")
+    for key, value in section.items():
+        if key not in _PARALLEL_RULES:
+            raise _unknown(key, value, tuple(_PARALLEL_RULES), "parallel.")
+    return {key: _check(f"parallel.{key}", section[key], rule) for key, rule in _PARALLEL_RULES.items() if key in section}
+
+
+def _hyper_parallel(raw: Mapping[str, Any], enabled: bool, base_dir: str | os.PathLike | None) -> dict[str, Any] | None:
+    """LlamaFactory's hyper_parallel_args as a checked dict (read from JSON when a path), or None."""
+    args = raw.get("hyper_parallel_args")
+    if not enabled:
+        if args is not None:
+            raise ConfigError(f"hyper_parallel_args = {args!r} is given but use_hyper_parallel is not true: "
+                              "expected use_hyper_parallel: true alongside it, or no hyper_parallel_args")
+        return None
+    if args is None:
+        args = {}
+    elif isinstance(args, (str, os.PathLike)):
+        args = read_hyper_parallel_args(args, base_dir)
+    elif not isinstance(args, Mapping):
+        raise _refuse("hyper_parallel_args", args, "a mapping of tp_size, cp_size, ep_size, fsdp_size, activation_mode, "
+                      "or the path of a JSON file holding one")
+    for key, value in args.items():
+        if key not in _HYPER_RULES:
+            raise _unknown(key, value, tuple(_HYPER_RULES), "hyper_parallel_args.")
+    return {key: _check(f"hyper_parallel_args.{key}", args[key], rule)
+            for key, rule in _HYPER_RULES.items() if key in args}
+
+
+def read_hyper_parallel_args(path: str | os.PathLike, base_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+    """The JSON object in `path` (relative: from the current directory, else from `base_dir`).
+
+    >>> read_hyper_parallel_args("no/such.json")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    hp.train.config.ConfigError: hyper_parallel_args = 'no/such.json': expected the path of a JSON file, ...
+    """
+    tried = [Path(path)]
+    if base_dir is not None and not Path(path).is_absolute():
+        tried.append(Path(base_dir) / path)
+    found = next((p for p in tried if p.is_file()), None)
+    if found is None:
+        raise _refuse("hyper_parallel_args", str(path),
+                      f"the path of a JSON file, but there is no file at {' or '.join(str(p) for p in tried)}")
+    try:
+        args = json.loads(found.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise _refuse("hyper_parallel_args", str(path), f"a JSON file, but {found} does not read as JSON ({err})") from None
+    if not isinstance(args, dict):
+        raise _refuse("hyper_parallel_args", str(path), f"a JSON object in {found}, found {type(args).__name__}")
+    return args
+
+
+def _parallel(given: dict[str, Any], hyper: dict[str, Any] | None) -> ParallelConfig:
+    """The parallel section with hyper_parallel_args folded in; refuses what is not built yet."""
+    values = dict(given)
+    source = {key: (f"parallel.{key}", value) for key, value in given.items()}  # where each value came from
+    for hyper_key, value in (hyper or {}).items():
+        if hyper_key == "fsdp_size":
+            if value == 1:
+                continue
+            implied = {"dp": value, "fsdp": True}
+        else:
+            implied = {_HYPER_TO_PARALLEL[hyper_key]: value}
+        for key, wanted in implied.items():
+            if key in given and given[key] != wanted:
+                raise ConfigError(
+                    f"parallel.{key} = {given[key]!r} conflicts with hyper_parallel_args.{hyper_key} = {value!r}"
+                    f" (which sets {key} = {wanted!r}): expected the same value, or the degree set in one place")
+            values[key] = wanted
+            source[key] = (f"hyper_parallel_args.{hyper_key}", value)
+    parallel = ParallelConfig(**values)
+
+    def named(key: str) -> str:
+        name, value = source.get(key, (f"parallel.{key}", getattr(parallel, key)))
+        return f"{name} = {value!r}"
+
+    if parallel.ep > 1:
+        raise ConfigError(f"{named('ep')}: expert parallel is not available yet (it needs an MoE model; the Llama zoo "
+                          "has none yet); expected 1")
+    if parallel.tp2d:
+        raise ConfigError(f"{named('tp2d')}: 2D tensor parallel is not available in hp train yet (the Llama zoo's "
+                          "strategy has no 2D TP); expected false or null")
+    if parallel.offload is not None:
+        raise ConfigError(f"{named('offload')}: offload is not available yet (hp.offload is not built yet); "
+                          "expected null")
+    if parallel.activation_mode != "none":
+        raise ConfigError(f"{named('activation_mode')}: activation {parallel.activation_mode} is not available yet "
+                          "(recompute and swap land with hp.offload); expected 'none'")
+    if parallel.fsdp and parallel.cp > 1:
+        raise ConfigError(f"{named('fsdp')} with {named('cp')}: FSDP together with context parallel is not supported "
+                          "by the Llama zoo yet; expected fsdp false when cp > 1 (dp without fsdp works alongside cp)")
+    return parallel
+
+
+def _check_training(config: TrainConfig) -> None:
+    """Rules between keys."""
+    if config.max_steps <= 0 and config.num_train_epochs <= 0:
+        raise ConfigError(f"num_train_epochs = {config.num_train_epochs} with max_steps = {config.max_steps}: nothing "
+                          "would train; expected num_train_epochs > 0 or max_steps > 0")
+    if config.warmup_ratio > 0 and config.lr_scheduler_type == "constant":
+        raise ConfigError(f"warmup_ratio = {config.warmup_ratio} with lr_scheduler_type = 'constant': the constant "
+                          "schedule has no warmup; expected warmup_ratio 0, or lr_scheduler_type 'constant_with_warmup'")
+    if config.node_rank >= config.nnodes:
+        raise ConfigError(f"node_rank = {config.node_rank}: expected an integer in [0, nnodes = {config.nnodes})")
+
+
+def _workers_per_node(config: TrainConfig) -> int:
+    """nproc_per_node, derived from the parallel degrees when not given; they must agree."""
+    p = config.parallel
+    ranks = f"dp*cp*tp = {p.dp}*{p.cp}*{p.tp} = {p.world_size}"
+    if config.nproc_per_node is None:
+        if p.world_size % config.nnodes:
+            raise ConfigError(f"nnodes = {config.nnodes}: the {ranks} ranks do not split evenly over the nodes; "
+                              f"expected a divisor of {p.world_size}")
+        return p.world_size // config.nnodes
+    if config.nnodes * config.nproc_per_node != p.world_size:
+        per_node = p.world_size / config.nnodes
+        wanted = f"{int(per_node)}" if per_node == int(per_node) else f"nnodes * nproc_per_node = {p.world_size}"
+        raise ConfigError(f"nproc_per_node = {config.nproc_per_node}: expected {wanted}, as nnodes * nproc_per_node "
+                          f"must equal {ranks} (or leave nproc_per_node out to derive it)")
+    return config.nproc_per_node
+
+
+# ---------------------------------------------------------------- files and overrides
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, but a key given twice in one mapping is an error (PyYAML keeps the last)."""
+
+
+def _mapping_without_duplicates(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
+    seen: dict[Any, Any] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if isinstance(key, (str, int, float, bool)) and key in seen:
+            raise ConfigError(f"key {key!r} is given twice (line {seen[key] + 1} and line {key_node.start_mark.line + 1}): "
+                              "expected each key once")
+        if isinstance(key, (str, int, float, bool)):
+            seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=True)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
+def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Read the YAML file at `path`, apply `overrides` (``key=value``, ``parallel.tp=2``), and validate.
+
+    Values of overrides are read as YAML, so ``bf16=true`` is a bool and
+    ``parallel.tp=2`` an int; a value that is not YAML stays a string.
+
+    >>> import tempfile, pathlib
+    >>> with tempfile.TemporaryDirectory() as tmp:
+    ...     path = pathlib.Path(tmp, "sft.yaml")
+    ...     _ = path.write_text("model_name_or_path: hp/tiny-llama\\ndataset: alpaca_en_demo\\noutput_dir: out\\n")
+    ...     cfg = load_config(path, ["bf16=true", "parallel.tp=2"])
+    >>> cfg.bf16, cfg.parallel.tp, cfg.nproc_per_node
+    (True, 2, 2)
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist: expected the path of a YAML file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {err}") from None
+    try:
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+    if raw is not None and not isinstance(raw, Mapping):
+        raise ConfigError(f"config file {str(path)!r} holds a {type(raw).__name__}: expected a mapping of keys to values")
+    return validate(apply_overrides(raw or {}, overrides, base_dir=path.parent), base_dir=path.parent)
+
+
+def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str],
+                    *, base_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+    """A copy of `raw` with each ``key=value`` (or ``section.key=value``) of `overrides` set.
+
+    A dotted key reaches into the `parallel` or `hyper_parallel_args` section
+    (a hyper_parallel_args JSON path is read first, so its keys can be
+    overridden). Nothing is validated here but the override syntax.
+
+    >>> apply_overrides({"bf16": False}, ["bf16=true", "parallel.tp=2", "learning_rate=1e-4"])
+    {'bf16': True, 'parallel': {'tp': 2}, 'learning_rate': '1e-4'}
+    """
+    out = dict(raw)
+    for override in overrides:
+        key, sep, text = override.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"override {override!r}: expected KEY=VALUE, such as bf16=true or parallel.tp=2")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        section, dot, name = key.partition(".")
+        if not dot:
+            out[key] = value
+            continue
+        if section not in _SECTIONS or not name or "." in name:
+            raise ConfigError(f"override {override!r}: a dotted key is SECTION.KEY with SECTION one of "
+                              f"{', '.join(_SECTIONS)}, such as parallel.tp=2")
+        current = out.get(section)
+        if section == "hyper_parallel_args" and isinstance(current, (str, os.PathLike)):
+            current = read_hyper_parallel_args(current, base_dir)
+        if current is None:
+            current = {}
+        if not isinstance(current, Mapping):
+            raise ConfigError(f"override {override!r}: {section} = {current!r} is not a mapping to set {name!r} in")
+        out[section] = {**current, name: value}
+    return out
+
+
+def to_dict(config: TrainConfig) -> dict[str, Any]:
+    """The config as plain dicts, lists, strings, numbers and bools, for YAML or JSON in output_dir.
+
+    `validate(to_dict(config))` gives `config` back.
+
+    >>> cfg = validate({"model_name_or_path": "m", "dataset": "a, b", "output_dir": "o"})
+    >>> d = to_dict(cfg)
+    >>> d["dataset"], d["parallel"]["dp"], d["nproc_per_node"]
+    ('a,b', 1, 1)
+    >>> validate(d) == cfg
+    True
+    """
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, ParallelConfig):
+            value = dataclasses.asdict(value)
+        elif isinstance(value, Mapping):
+            value = dict(value)
+        out[f.name] = value
+    return out

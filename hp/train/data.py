@@ -1,0 +1,664 @@
+"""The data layer of `hp train`: LlamaFactory-style datasets, tokenized, and a resumable batch stream.
+
+Users arrive with LlamaFactory configs and data directories, so the same
+keys mean the same here: `dataset` is a comma-separated list of names,
+looked up in `dataset_dir/dataset_info.json`, whose entries give
+`file_name`, `formatting` ("alpaca", the default, or "sharegpt"), and
+optionally `columns` and (sharegpt) `tags` renaming the record keys:
+
+    alpaca   columns prompt (instruction), query (input), response (output),
+             system, history (both unset by default)
+    sharegpt columns messages (conversations), system, tools;
+             tags role_tag (from), content_tag (value), user_tag (human),
+             assistant_tag (gpt), observation_tag (observation),
+             function_tag (function_call), system_tag (system)
+
+Without a `dataset_info.json`, a name may instead be a `.json` or `.jsonl`
+file path relative to `dataset_dir`, read as alpaca with default columns.
+Only local `.json` (a list of objects) and `.jsonl` (one object a line) files
+are read: nothing is downloaded, so hub-only entries are refused. Datasets
+are concatenated in the order named; `tools` is read and ignored.
+
+Stage "sft" renders each record as a conversation with a small template
+(`TEMPLATES`) and supervises only the assistant turns, each followed by eos;
+every assistant turn of a multi-turn record is supervised (alpaca's
+`history` included). Stage "pt" trains on plain text: an alpaca record
+gives its prompt, query and response columns that are present, joined by
+newlines (so `"columns": {"prompt": "text"}` reads a `text` column, as in
+LlamaFactory), or, lacking the prompt column, its `text` key; each
+document ends with eos and all documents are packed back to back into
+`cutoff_len` blocks (the last block may be shorter); sharegpt is refused
+for pt, as in LlamaFactory. The
+tokenizer's bos, when it has one, starts every sft example and every pt
+document. Labels are aligned with `input_ids` (HF causal LMs shift them);
+-100 marks tokens without loss.
+
+An sft example longer than `cutoff_len` is cut at the right (its last
+response may lose its end and eos). One left with no supervised token (its
+prompt alone fills `cutoff_len`) is dropped and counted in
+`Examples.dropped`, since it would only cost compute; if every example is
+dropped the load fails. Malformed data (unknown names, missing files or
+columns, bad JSON, a conversation whose roles do not alternate) is a
+ValueError naming the dataset, file and record: training on silently
+skipped data hides configuration mistakes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hp.train.tokenizer import Tokenizer
+
+IGNORE_INDEX = -100
+STAGES = ("pt", "sft")
+FORMATTINGS = ("alpaca", "sharegpt")
+INFO_FILE = "dataset_info.json"
+
+# LlamaFactory's defaults; None means "no such column unless mapped".
+ALPACA_COLUMNS: dict[str, str | None] = {
+    "prompt": "instruction", "query": "input", "response": "output", "system": None, "history": None,
+}
+SHAREGPT_COLUMNS: dict[str, str | None] = {"messages": "conversations", "system": None, "tools": None}
+SHAREGPT_TAGS: dict[str, str] = {
+    "role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
+    "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system",
+}
+
+
+@dataclass(frozen=True)
+class Template:
+    """How a conversation becomes text: `{content}` is replaced by each turn's text.
+
+    `separator` goes before every user turn but the first (eos, which ends
+    each assistant turn, is a token and not text). Everything but the
+    assistant's content and the eos after it is masked out of the loss.
+
+    >>> TEMPLATES["default"].user.format(content="hi")
+    'Human: hi\\nAssistant: '
+    """
+
+    name: str
+    system: str
+    user: str
+    assistant: str
+    separator: str = ""
+
+
+TEMPLATES: dict[str, Template] = {
+    t.name: t
+    for t in (
+        Template("default", system="System: {content}\n", user="Human: {content}\nAssistant: ",
+                 assistant="{content}", separator="\n"),
+        Template("empty", system="{content}", user="{content}", assistant="{content}"),
+        Template("alpaca", system="{content}\n\n", user="### Instruction:\n{content}\n\n### Response:\n",
+                 assistant="{content}", separator="\n\n"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A system prompt and turns ("user" or "assistant", text), alternating from a user turn.
+
+    >>> Conversation([("user", "2+2?"), ("assistant", "4")]).turns[1]
+    ('assistant', '4')
+    """
+
+    turns: list[tuple[str, str]]
+    system: str = ""
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """One dataset_info.json entry, resolved: where the file is and how its records read."""
+
+    name: str
+    file: Path
+    formatting: str = "alpaca"
+    columns: Mapping[str, str | None] = field(default_factory=lambda: dict(ALPACA_COLUMNS))
+    tags: Mapping[str, str] = field(default_factory=lambda: dict(SHAREGPT_TAGS))
+    mapped: frozenset[str] = frozenset()  # column roles that dataset_info.json named explicitly
+
+    def where(self, index: int | None = None) -> str:
+        """`dataset 'name' (file)`, with the record number when given: the prefix of every error."""
+        at = f", record {index}" if index is not None else ""
+        return f"dataset {self.name!r} ({self.file}{at})"
+
+
+@dataclass
+class Examples:
+    """Tokenized examples (dicts of `input_ids` and `labels`) and what loading left out.
+
+    >>> Examples([{"input_ids": [1, 2], "labels": [1, 2]}]).summary()
+    '1 examples, 2 tokens, 2 supervised, 0 dropped'
+    """
+
+    examples: list[dict[str, list[int]]]
+    dropped: int = 0  # sft examples whose prompt alone filled cutoff_len
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        return self.examples[i]
+
+    def summary(self) -> str:
+        tokens = sum(len(e["input_ids"]) for e in self.examples)
+        supervised = sum(sum(label != IGNORE_INDEX for label in e["labels"]) for e in self.examples)
+        return f"{len(self.examples)} examples, {tokens} tokens, {supervised} supervised, {self.dropped} dropped"
+
+
+# ---------------------------------------------------------------- finding files
+
+
+def dataset_specs(dataset: str | Sequence[str], dataset_dir: str | Path) -> list[DatasetSpec]:
+    """The datasets named by `dataset` (comma-separated), resolved against `dataset_dir`.
+
+    >>> import json, pathlib, tempfile
+    >>> d = pathlib.Path(tempfile.mkdtemp())
+    >>> _ = (d / "dataset_info.json").write_text(json.dumps({"mine": {"file_name": "mine.json"}}))
+    >>> _ = (d / "mine.json").write_text("[]")
+    >>> [s.formatting for s in dataset_specs("mine", d)]
+    ['alpaca']
+    """
+    names = [n.strip() for n in (dataset.split(",") if isinstance(dataset, str) else dataset)]
+    names = [n for n in names if n]
+    if not names:
+        raise ValueError(f"no dataset named: `dataset` is {dataset!r}; give one or more names, comma-separated")
+    directory = Path(dataset_dir)
+    info_path = directory / INFO_FILE
+    if not info_path.is_file():
+        return [_bare_file_spec(name, directory) for name in names]
+    info = _read_json(info_path, f"{INFO_FILE} in {directory}")
+    if not isinstance(info, dict):
+        raise ValueError(f"{info_path}: expected an object mapping dataset names to entries, got {type(info).__name__}")
+    return [_spec_from_info(name, info, directory, info_path) for name in names]
+
+
+def _bare_file_spec(name: str, directory: Path) -> DatasetSpec:
+    path = directory / name
+    if not path.is_file():
+        raise ValueError(
+            f"dataset {name!r}: {directory} has no {INFO_FILE} and no file {path} "
+            f"(name a .json/.jsonl file in dataset_dir, or add {INFO_FILE})"
+        )
+    return DatasetSpec(name, path)
+
+
+def _spec_from_info(name: str, info: Mapping[str, Any], directory: Path, info_path: Path) -> DatasetSpec:
+    if name not in info:
+        raise ValueError(f"dataset {name!r} is not in {info_path}; known: {', '.join(sorted(info)) or '(none)'}")
+    entry = info[name]
+    where = f"dataset {name!r} in {info_path}"
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: expected an object, got {type(entry).__name__}")
+    if entry.get("ranking"):
+        raise ValueError(f"{where}: preference (ranking) datasets are not supported; stages are {', '.join(STAGES)}")
+    if "file_name" not in entry:
+        hub = [k for k in ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name") if k in entry]
+        why = f"it names only {', '.join(hub)}, and hp downloads nothing" if hub else "it has no file_name"
+        raise ValueError(f"{where}: {why}; put the data in a local file and set file_name")
+    formatting = entry.get("formatting", "alpaca")
+    if formatting not in FORMATTINGS:
+        raise ValueError(f"{where}: formatting {formatting!r} is not one of {', '.join(FORMATTINGS)}")
+    defaults = ALPACA_COLUMNS if formatting == "alpaca" else SHAREGPT_COLUMNS
+    columns = _overrides(entry.get("columns", {}), defaults, f"{where}: columns")
+    tags = _overrides(entry.get("tags", {}), SHAREGPT_TAGS, f"{where}: tags")
+    if formatting == "alpaca" and "tags" in entry:
+        raise ValueError(f"{where}: tags apply to the sharegpt formatting only")
+    path = directory / entry["file_name"]
+    if not path.is_file():
+        raise ValueError(f"dataset {name!r}: file {path} does not exist (file_name in {info_path})")
+    mapped = frozenset(entry.get("columns", {}))
+    return DatasetSpec(name, path, formatting, columns, tags, mapped)
+
+
+def _overrides(given: Any, defaults: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """`defaults` updated by `given`, refusing keys that mean nothing here (typos, unsupported features)."""
+    if not isinstance(given, dict):
+        raise ValueError(f"{where} must be an object, got {type(given).__name__}")
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise ValueError(f"{where}: unsupported key(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(defaults)}")
+    return {**defaults, **given}
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"{what}: cannot read {path}: {e.strerror}") from e
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what}: bad JSON in {path} at line {e.lineno} column {e.colno}: {e.msg}") from e
+
+
+def read_records(spec: DatasetSpec) -> list[dict[str, Any]]:
+    """The records (JSON objects) of `spec`'s file: a .json list or .jsonl lines.
+
+    >>> import pathlib, tempfile
+    >>> f = pathlib.Path(tempfile.mkdtemp()) / "a.jsonl"
+    >>> _ = f.write_text('{"instruction": "hi", "output": "yo"}\\n')
+    >>> read_records(DatasetSpec("a", f))
+    [{'instruction': 'hi', 'output': 'yo'}]
+    """
+    suffix = spec.file.suffix.lower()
+    if suffix == ".jsonl":
+        records = _read_jsonl(spec)
+    elif suffix == ".json":
+        records = _read_json(spec.file, f"dataset {spec.name!r}")
+        if not isinstance(records, list):
+            raise ValueError(f"{spec.where()}: expected a JSON list of records, got {type(records).__name__}")
+    else:
+        raise ValueError(f"{spec.where()}: only .json and .jsonl files are read, not {suffix or 'no suffix'}")
+    for i, record in enumerate(records):
+        if not isinstance(record, dict):
+            raise ValueError(f"{spec.where(i)}: expected an object, got {type(record).__name__}")
+    if not records:
+        raise ValueError(f"{spec.where()}: the file holds no records")
+    return records
+
+
+def _read_jsonl(spec: DatasetSpec) -> list[Any]:
+    records = []
+    with open(spec.file, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue  # a trailing blank line is common and harmless
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"dataset {spec.name!r}: bad JSON in {spec.file} at line {lineno} column {e.colno}: {e.msg}"
+                ) from e
+    return records
+
+
+# ---------------------------------------------------------------- records -> conversations and texts
+
+
+def _column(record: Mapping[str, Any], spec: DatasetSpec, role: str, index: int, *, required: bool) -> Any:
+    """The value of the column playing `role`, or None when the column is absent and optional."""
+    key = spec.columns.get(role)
+    if key is None:
+        return None
+    if key not in record:
+        if required:
+            raise ValueError(
+                f"{spec.where(index)}: no column {key!r} (the {role}); the record has {', '.join(map(repr, record))}"
+            )
+        return None
+    return record[key]
+
+
+def _text(value: Any, spec: DatasetSpec, what: str, index: int) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ValueError(f"{spec.where(index)}: {what} must be a string, got {type(value).__name__}")
+    return value
+
+
+def alpaca_conversation(record: Mapping[str, Any], spec: DatasetSpec, index: int = 0) -> Conversation:
+    """An alpaca record as a conversation: history pairs, then prompt (+ newline + query) and response.
+
+    >>> alpaca_conversation({"instruction": "add", "input": "1 2", "output": "3"}, DatasetSpec("d", Path("d.json")))
+    Conversation(turns=[('user', 'add\\n1 2'), ('assistant', '3')], system='')
+    """
+    prompt = _text(_column(record, spec, "prompt", index, required=True), spec, "the prompt", index)
+    query = _text(_column(record, spec, "query", index, required=False), spec, "the query", index)
+    response = _text(_column(record, spec, "response", index, required=True), spec, "the response", index)
+    system = _text(_column(record, spec, "system", index, required=False), spec, "the system prompt", index)
+    turns: list[tuple[str, str]] = []
+    for pair in _column(record, spec, "history", index, required=False) or []:
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
+            raise ValueError(f"{spec.where(index)}: history must be a list of [prompt, response] string pairs")
+        turns += [("user", pair[0]), ("assistant", pair[1])]
+    turns += [("user", f"{prompt}\n{query}" if query else prompt), ("assistant", response)]
+    return Conversation(turns, system)
+
+
+def sharegpt_conversation(record: Mapping[str, Any], spec: DatasetSpec, index: int = 0) -> Conversation:
+    """A sharegpt record as a conversation; observation turns count as user, function calls as assistant.
+
+    >>> spec = DatasetSpec("d", Path("d.json"), "sharegpt", SHAREGPT_COLUMNS)
+    >>> msgs = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]
+    >>> sharegpt_conversation({"conversations": msgs}, spec).turns
+    [('user', 'hi'), ('assistant', 'hello')]
+    """
+    messages = _column(record, spec, "messages", index, required=True)
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{spec.where(index)}: {spec.columns['messages']!r} must be a non-empty list of messages")
+    tags = spec.tags
+    side = {tags["user_tag"]: "user", tags["observation_tag"]: "user",
+            tags["assistant_tag"]: "assistant", tags["function_tag"]: "assistant"}
+    system = _text(_column(record, spec, "system", index, required=False), spec, "the system prompt", index)
+    if isinstance(messages[0], dict) and messages[0].get(tags["role_tag"]) == tags["system_tag"]:
+        system = _text(messages[0].get(tags["content_tag"]), spec, "the system message", index)
+        messages = messages[1:]  # a leading system message overrides the system column
+    turns = []
+    for k, message in enumerate(messages):
+        role, content = _message(message, spec, index, k)
+        want = "user" if k % 2 == 0 else "assistant"
+        if side.get(role) != want:
+            allowed = [t for t, s in side.items() if s == want]
+            raise ValueError(
+                f"{spec.where(index)}: message {k} has {tags['role_tag']}={role!r}, expected one of "
+                f"{', '.join(map(repr, allowed))} (turns alternate user, assistant, starting with the user)"
+            )
+        turns.append((want, content))
+    return Conversation(turns, system)
+
+
+def _message(message: Any, spec: DatasetSpec, index: int, k: int) -> tuple[Any, str]:
+    role_tag, content_tag = spec.tags["role_tag"], spec.tags["content_tag"]
+    if not isinstance(message, dict) or role_tag not in message or content_tag not in message:
+        raise ValueError(
+            f"{spec.where(index)}: message {k} must be an object with keys {role_tag!r} and {content_tag!r} "
+            f"(set tags.role_tag / tags.content_tag in {INFO_FILE} if yours differ)"
+        )
+    return message[role_tag], _text(message[content_tag], spec, f"message {k}'s content", index)
+
+
+def pt_text(record: Mapping[str, Any], spec: DatasetSpec, index: int = 0) -> str:
+    """The document a pretraining record holds (see the module docstring for which column).
+
+    >>> pt_text({"text": "once upon a time"}, DatasetSpec("d", Path("d.json")))
+    'once upon a time'
+    """
+    if spec.formatting != "alpaca":
+        raise ValueError(f"{spec.where()}: stage pt reads plain text; the sharegpt formatting is for sft")
+    if spec.columns["prompt"] not in record:
+        if "text" in record:
+            return _text(record["text"], spec, "'text'", index)
+        raise ValueError(
+            f"{spec.where(index)}: no column 'text' nor {spec.columns['prompt']!r} (the prompt); "
+            f"the record has {', '.join(map(repr, record))}"
+        )
+    parts = [_column(record, spec, role, index, required=False) for role in ("prompt", "query", "response")]
+    return "\n".join(_text(p, spec, "a text column", index) for p in parts if p)
+
+
+# ---------------------------------------------------------------- tokens
+
+
+def encode_conversation(conv: Conversation, tokenizer: Tokenizer, template: Template) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of a conversation: labels are -100 except on assistant content and its eos.
+
+    >>> from hp.train.tokenizer import ByteTokenizer
+    >>> ids, labels = encode_conversation(Conversation([("user", "a"), ("assistant", "b")]),
+    ...                                   ByteTokenizer(), TEMPLATES["empty"])
+    >>> ids, labels
+    ([257, 97, 98, 258], [-100, -100, 98, 258])
+    """
+    ids: list[int] = []
+    labels: list[int] = []
+
+    def add(tokens: list[int], supervised: bool) -> None:
+        ids.extend(tokens)
+        labels.extend(tokens if supervised else [IGNORE_INDEX] * len(tokens))
+
+    if tokenizer.bos_token_id is not None:
+        add([tokenizer.bos_token_id], False)
+    if conv.system:
+        add(tokenizer.encode(template.system.format(content=conv.system)), False)
+    for k, (role, content) in enumerate(conv.turns):
+        if role == "user":
+            text = (template.separator if k else "") + template.user.format(content=content)
+            add(tokenizer.encode(text), False)
+        else:
+            add(tokenizer.encode(template.assistant.format(content=content)) + [tokenizer.eos_token_id], True)
+    return ids, labels
+
+
+def encode_prompt(
+    prompt: str, tokenizer: Tokenizer, template: str | Template = "default", system: str = ""
+) -> list[int]:
+    """The ids to generate from: one user turn rendered as in training, ending where the answer starts.
+
+    >>> from hp.train.tokenizer import ByteTokenizer
+    >>> tok = ByteTokenizer()
+    >>> tok.decode(encode_prompt("reverse\\nabc", tok))
+    'Human: reverse\\nabc\\nAssistant: '
+    """
+    ids, _ = encode_conversation(Conversation([("user", prompt)], system), tokenizer, get_template(template))
+    return ids
+
+
+def get_template(template: str | Template) -> Template:
+    """The template named `template` (a Template passes through).
+
+    >>> get_template("alpaca").user
+    '### Instruction:\\n{content}\\n\\n### Response:\\n'
+    """
+    if isinstance(template, Template):
+        return template
+    if template not in TEMPLATES:
+        raise ValueError(f"template {template!r} is unknown; known: {', '.join(TEMPLATES)}")
+    return TEMPLATES[template]
+
+
+def pack(documents: Sequence[list[int]], cutoff_len: int) -> list[dict[str, list[int]]]:
+    """Token documents laid back to back and cut into `cutoff_len` blocks, all supervised.
+
+    The last block keeps the remainder (shorter) rather than dropping it, so a
+    small corpus still trains. Documents sharing a block attend to each other
+    (no per-document mask; eos marks the boundary): plain packing, as in LlamaFactory's pt.
+
+    >>> [b["input_ids"] for b in pack([[1, 2, 3], [4, 5]], 2)]
+    [[1, 2], [3, 4], [5]]
+    """
+    stream = [t for doc in documents for t in doc]
+    blocks = [stream[i : i + cutoff_len] for i in range(0, len(stream), cutoff_len)]
+    return [{"input_ids": b, "labels": list(b)} for b in blocks]
+
+
+def load_examples(config: Any, tokenizer: Tokenizer) -> Examples:
+    """`build_examples` with the arguments a training config holds under LlamaFactory's key names.
+
+    `config` needs `dataset`, `dataset_dir`, `stage`, `template` and
+    `cutoff_len`; `max_samples` is read when it has one.
+
+    >>> from types import SimpleNamespace
+    >>> from hp.train.tokenizer import ByteTokenizer
+    >>> config = SimpleNamespace(dataset="quickstart", dataset_dir=Path(__file__).parents[2] / "examples" / "data",
+    ...                          stage="pt", template="default", cutoff_len=256)
+    >>> len(load_examples(config, ByteTokenizer()))  # 2000 documents of 25 tokens, packed in 256s
+    196
+    """
+    return build_examples(
+        config.dataset, config.dataset_dir, tokenizer, stage=config.stage, template=config.template,
+        cutoff_len=config.cutoff_len, max_samples=getattr(config, "max_samples", None),
+    )
+
+
+def build_examples(
+    dataset: str | Sequence[str],
+    dataset_dir: str | Path,
+    tokenizer: Tokenizer,
+    *,
+    stage: str = "sft",
+    template: str | Template = "default",
+    cutoff_len: int = 1024,
+    max_samples: int | None = None,
+) -> Examples:
+    """Read, render and tokenize the named datasets (see the module docstring for the rules).
+
+    `max_samples` keeps the first that many records of each dataset.
+
+    >>> from hp.train.tokenizer import ByteTokenizer
+    >>> data_dir = Path(__file__).parents[2] / "examples" / "data"  # the repository's quickstart data
+    >>> data = build_examples("quickstart", data_dir, ByteTokenizer(), cutoff_len=64, max_samples=3)
+    >>> data.summary()[:10]
+    '3 examples'
+    """
+    if stage not in STAGES:
+        raise ValueError(f"stage {stage!r} is not one of {', '.join(STAGES)}")
+    if cutoff_len < 1:
+        raise ValueError(f"cutoff_len must be positive, got {cutoff_len}")
+    tmpl = get_template(template)
+    documents: list[list[int]] = []
+    examples: list[dict[str, list[int]]] = []
+    dropped = 0
+    for spec in dataset_specs(dataset, dataset_dir):
+        records = read_records(spec)[:max_samples]
+        _check_mapped_columns(spec, records)
+        for i, record in enumerate(records):
+            if stage == "pt":
+                documents.append(_document(pt_text(record, spec, i), tokenizer))
+                continue
+            read = alpaca_conversation if spec.formatting == "alpaca" else sharegpt_conversation
+            conv = read(record, spec, i)
+            if conv.turns[-1][0] != "assistant":
+                raise ValueError(f"{spec.where(i)}: the conversation ends with a user turn; sft needs a response last")
+            ids, labels = encode_conversation(conv, tokenizer, tmpl)
+            ids, labels = ids[:cutoff_len], labels[:cutoff_len]  # cut at the right: the prompt stays whole
+            if all(label == IGNORE_INDEX for label in labels):
+                dropped += 1  # the prompt alone fills cutoff_len: nothing to learn
+                continue
+            examples.append({"input_ids": ids, "labels": labels})
+    if stage == "pt":
+        examples = pack(documents, cutoff_len)
+    if not examples:
+        raise ValueError(
+            f"dataset {dataset!r}: no example left: all {dropped} prompts are at least cutoff_len={cutoff_len} "
+            "tokens long; raise cutoff_len"
+        )
+    return Examples(examples, dropped)
+
+
+def _check_mapped_columns(spec: DatasetSpec, records: list[dict[str, Any]]) -> None:
+    """A column that dataset_info.json names but no record has is a typo, not an optional column."""
+    for role in sorted(spec.mapped):
+        key = spec.columns[role]
+        if key is not None and not any(key in r for r in records):
+            raise ValueError(
+                f"{spec.where()}: column {key!r} (the {role}, named in {INFO_FILE}) is in no record; "
+                f"the first record has {', '.join(map(repr, records[0]))}"
+            )
+
+
+def _document(text: str, tokenizer: Tokenizer) -> list[int]:
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return bos + tokenizer.encode(text) + [tokenizer.eos_token_id]
+
+
+# ---------------------------------------------------------------- batches
+
+
+def collate(
+    examples: Sequence[Mapping[str, list[int]]], pad_id: int, pad_to_multiple_of: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels) LongTensors, right-padded to the longest example (labels with -100).
+
+    Right padding needs no attention mask: causal attention never lets a real
+    token see the pads after it, and their labels carry no loss.
+    `pad_to_multiple_of` rounds the length up (context parallel splits the
+    sequence into equal chunks).
+
+    >>> ids, labels = collate([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]},
+    ...                        {"input_ids": [4], "labels": [-100]}], pad_id=0, pad_to_multiple_of=2)
+    >>> ids.tolist(), labels.tolist()
+    ([[1, 2, 3, 0], [4, 0, 0, 0]], [[1, 2, 3, -100], [-100, -100, -100, -100]])
+    """
+    longest = max(len(e["input_ids"]) for e in examples)
+    length = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
+    ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), length), IGNORE_INDEX, dtype=torch.long)
+    for row, e in enumerate(examples):
+        ids[row, : len(e["input_ids"])] = torch.tensor(e["input_ids"], dtype=torch.long)
+        labels[row, : len(e["labels"])] = torch.tensor(e["labels"], dtype=torch.long)
+    return ids, labels
+
+
+class TokenBatches:
+    """An endless, seeded stream of global batches over `examples`, resumable from `state_dict()`.
+
+    Each epoch visits the examples in a fresh order drawn from
+    `random.Random` seeded by (seed, epoch) and yields `len(self)` full
+    batches; the few examples that do not fill a last batch wait for a
+    later epoch's order (every batch has exactly `batch_size` rows, so a dp
+    split is always even). The stream yields the *global* batch on every
+    rank and the model's strategy slices each rank's part, so all ranks must
+    build it with the same examples and seed: they then draw identical
+    batches with no communication. `epoch` counts finished epochs (it turns
+    over right after an epoch's last batch), so a loop can stop on it; the
+    position (epoch, index of the next batch in that epoch) is
+    `state_dict()`, and `load_state_dict` of it continues exactly there.
+
+    >>> data = [{"input_ids": [i], "labels": [i]} for i in range(5)]
+    >>> batches = TokenBatches(data, batch_size=2, seed=0, pad_id=0)
+    >>> len(batches), next(batches)[0].shape, batches.state_dict()["index"]
+    (2, torch.Size([2, 1]), 1)
+    """
+
+    def __init__(
+        self,
+        examples: Sequence[Mapping[str, list[int]]],
+        batch_size: int,
+        seed: int,
+        pad_id: int,
+        *,
+        pad_to_multiple_of: int = 1,
+    ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if len(examples) < batch_size:
+            raise ValueError(f"{len(examples)} examples cannot fill one batch of {batch_size}; lower the batch size")
+        self.examples = examples
+        self.batch_size = batch_size
+        self.seed = seed
+        self.pad_id = pad_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.epoch = 0
+        self.index = 0
+        self._order: tuple[int, list[int]] | None = None  # (epoch, permutation), cached
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        return len(self.examples) // self.batch_size
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        order = self._permutation(self.epoch)
+        start = self.index * self.batch_size
+        rows = [self.examples[i] for i in order[start : start + self.batch_size]]
+        self.index += 1
+        if self.index == len(self):
+            self.epoch, self.index = self.epoch + 1, 0
+        return collate(rows, self.pad_id, self.pad_to_multiple_of)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        if self._order is None or self._order[0] != epoch:
+            order = list(range(len(self.examples)))
+            # A string seed is hashed (sha512) by random.Random: stable across
+            # runs, machines and Python versions, and distinct per (seed, epoch).
+            random.Random(f"hp.train.data:{self.seed}:{epoch}").shuffle(order)
+            self._order = (epoch, order)
+        return self._order[1]
+
+    def state_dict(self) -> dict[str, int]:
+        """The position, plus what must match for it to mean the same batches on resume."""
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed,
+                "batch_size": self.batch_size, "num_examples": len(self.examples)}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Continue from a `state_dict()`; refuses one taken over other data, seed or batch size."""
+        mine = self.state_dict()
+        changed = [f"{k} {state[k]} -> {mine[k]}" for k in ("seed", "batch_size", "num_examples")
+                   if k in state and state[k] != mine[k]]
+        if changed:
+            raise ValueError(f"cannot resume the batch stream: {', '.join(changed)} since it was saved")
+        if not 0 <= state["index"] < len(self):
+            raise ValueError(f"cannot resume the batch stream: index {state['index']} outside 0..{len(self) - 1}")
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])

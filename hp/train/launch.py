@@ -1,0 +1,46 @@
+"""`hp train CONFIG.yaml [key=value ...]`: validate, then run here or spawn the workers.
+
+The config is validated in this process before anything starts, so a bad key
+fails in a second with a message, not in N workers. A one-rank run trains in
+this process; otherwise torch's elastic launcher (`torch.distributed.run`)
+starts `nproc_per_node` workers on this node, or joins a multi-node
+rendezvous (`nnodes`, `node_rank`, `master_addr`, `master_port`), and each
+worker re-reads the same config and overrides.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from hp.train.config import TrainConfig, load_config
+
+
+def launch(config_path: str, overrides: Sequence[str] = ()) -> int:
+    """Train by `config_path` with `overrides`; returns the exit status.
+
+    >>> launch("missing.yaml")  # doctest: +IGNORE_EXCEPTION_DETAIL
+    Traceback (most recent call last):
+    hp.train.config.ConfigError: ...
+    """
+    config = load_config(config_path, overrides)
+    env = {**os.environ, "HP_DEVICE": config.device}
+    if config.nnodes == 1 and config.nproc_per_node == 1:
+        os.environ["HP_DEVICE"] = config.device
+        from hp.train.loop import train
+
+        train(config)
+        return 0
+    command = [sys.executable, "-m", "torch.distributed.run", *launcher_args(config)]
+    command += ["-m", "hp.train.worker", config_path, *overrides]
+    return subprocess.run(command, env=env).returncode
+
+
+def launcher_args(config: TrainConfig) -> list[str]:
+    """torch.distributed.run's arguments for the config's nodes and processes."""
+    return [
+        f"--nproc-per-node={config.nproc_per_node}", f"--nnodes={config.nnodes}", f"--node-rank={config.node_rank}",
+        f"--master-addr={config.master_addr}", f"--master-port={config.master_port}",
+    ]

@@ -1,0 +1,229 @@
+"""The training loop one worker runs: model, data, AdamW, schedule, logging, checkpoints.
+
+Every rank draws the same global batches (`per_device_train_batch_size` x dp
+rows per micro-batch) and the strategy lays them out, so data, cp and tp
+ranks agree without a sampler. One optimizer step takes
+`gradient_accumulation_steps` micro-batches, each loss divided by their
+number (HF Trainer's convention). Rank 0 shows a progress bar (loss,
+tokens/s, memory), appends a JSON line per logging step to
+`output_dir/metrics.jsonl`, draws `training_loss.png` when matplotlib is
+installed, and prints a summary JSON object as its last stdout line:
+first/last loss, steps, tokens/s, collective bytes per step per mesh axis
+(one step traced with `hp.comm.trace()`), peak memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+import hp
+from hp.train import checkpoint
+from hp.train.config import TrainConfig, to_dict
+from hp.train.data import TokenBatches, load_examples
+from hp.train.model import build_model
+from hp.train.tokenizer import load_tokenizer
+
+
+@dataclass
+class Progress:
+    """What rank 0 reports: losses per step, token counts, timing."""
+
+    losses: list[float] = field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0
+    comm: dict[str, int] = field(default_factory=dict)  # mesh axis -> bytes per rank per step
+
+
+def train(config: TrainConfig) -> dict:
+    """Run `config` on this worker (one of the launched ranks, or alone); returns rank 0's summary.
+
+    >>> # see `hp train examples/quickstart.yaml`; tests/test_train.py runs short configs
+    """
+    from hp.models.llama import reduce_gradients, strategy_mesh
+
+    strategy = config.parallel.strategy()
+    mesh = strategy_mesh(strategy)
+    tokenizer = load_tokenizer(config.model_name_or_path)
+    examples = load_examples(config, tokenizer)
+    dp = config.parallel.dp
+    batches = TokenBatches(examples, config.per_device_train_batch_size * dp, config.seed, tokenizer.pad_token_id)
+    model = build_model(config.model_name_or_path, tokenizer.vocab_size, mesh, strategy, seed=config.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    total = total_steps(config, len(batches))
+    scheduler = _scheduler(config, optimizer, total)
+    step = 0
+    resume = _resume_path(config)
+    if resume is not None:
+        state = checkpoint.load(resume, model, optimizer)
+        scheduler.load_state_dict(state["scheduler"])
+        batches.load_state_dict(state["data"])
+        step = state["step"]
+    rank0 = _rank() == 0
+    if rank0:
+        os.makedirs(config.output_dir, exist_ok=True)
+        with open(os.path.join(config.output_dir, "hp_config.json"), "w") as f:
+            json.dump(to_dict(config), f, indent=2)
+    progress = Progress()
+    bar = _progress_bar(total, step) if rank0 else None
+    device, first = mesh.device_type, step
+    while step < total:
+        start = time.perf_counter()
+        with hp.comm.trace() if step == first else nullcontext() as trace:  # every step moves the same bytes
+            loss, tokens = _step(model, batches, config, device)
+            reduce_gradients(model)
+            if config.max_grad_norm is not None:
+                clip_gradients(model.parameters(), config.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        progress.seconds += time.perf_counter() - start
+        progress.tokens += tokens
+        progress.losses.append(loss)
+        if trace is not None:
+            progress.comm = {axis: sum(kinds.values()) for axis, kinds in trace.per_axis().items()}
+        step += 1
+        if rank0:
+            _log(config, step, loss, scheduler.get_last_lr()[0], progress, bar, device)
+        if config.save_steps > 0 and (step % config.save_steps == 0 or step == total):
+            extra = {"scheduler": scheduler.state_dict(), "data": batches.state_dict()}
+            checkpoint.save(config.output_dir, step, model, optimizer, extra, keep=config.save_total_limit)
+    if bar is not None:
+        bar.close()
+    summary = _summary(config, progress, step, device)
+    if rank0:
+        _plot(config.output_dir)
+        print(json.dumps(summary), flush=True)
+    return summary
+
+
+def total_steps(config: TrainConfig, batches_per_epoch: int) -> int:
+    """Optimizer steps of the run: max_steps when positive, else epochs of micro-batches / accumulation."""
+    if config.max_steps > 0:
+        return config.max_steps
+    return max(1, math.ceil(config.num_train_epochs * batches_per_epoch / config.gradient_accumulation_steps))
+
+
+def _step(model: nn.Module, batches: TokenBatches, config: TrainConfig, device: str) -> tuple[float, int]:
+    """One optimizer step's forward and backward over the accumulated micro-batches; (loss, tokens)."""
+    accumulate = config.gradient_accumulation_steps
+    autocast = torch.autocast(device, dtype=torch.bfloat16) if config.bf16 else nullcontext()
+    total, tokens = 0.0, 0
+    for _ in range(accumulate):
+        input_ids, labels = next(batches)
+        with autocast:
+            loss = model(input_ids=input_ids.to(device), labels=labels.to(device)).loss
+        (loss / accumulate).backward()
+        total += _value(loss) / accumulate
+        tokens += input_ids.numel()  # processed tokens, padding included
+    return total, tokens
+
+
+def clip_gradients(params, max_norm: float) -> float:
+    """Scale gradients so that their global norm is at most `max_norm`; returns the norm before.
+
+    Like `torch.nn.utils.clip_grad_norm_`, for any mix of plain and DTensor gradients on any
+    meshes (each norm is reduced over its own mesh first).
+
+    >>> p = torch.nn.Parameter(torch.ones(4)); p.grad = torch.full((4,), 3.0)
+    >>> clip_gradients([p], 1.0), p.grad.norm().item()
+    (6.0, 1.0)
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    total = sum(_value(g.detach().float().norm()) ** 2 for g in grads) ** 0.5
+    if total > max_norm:
+        for g in grads:
+            g.mul_(max_norm / total)
+    return total
+
+
+def _value(loss) -> float:
+    full = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+    return float(full.detach())
+
+
+def _scheduler(config: TrainConfig, optimizer, total: int):
+    from transformers import get_scheduler
+
+    warmup = math.ceil(config.warmup_ratio * total)
+    return get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total)
+
+
+def _resume_path(config: TrainConfig) -> str | None:
+    if config.resume_from_checkpoint is None:
+        return None
+    if config.resume_from_checkpoint == "last":
+        return checkpoint.latest(config.output_dir)  # a fresh start when there is none yet
+    return config.resume_from_checkpoint
+
+
+def _progress_bar(total: int, done: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=done, desc="hp train", dynamic_ncols=True)
+
+
+def _log(config: TrainConfig, step: int, loss: float, lr: float, progress: Progress, bar, device: str) -> None:
+    tokens_per_s = progress.tokens / max(progress.seconds, 1e-9)
+    memory = peak_memory_bytes(device)
+    bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:.0f}", mem=f"{memory / 2**20:.0f}MiB")
+    bar.update(1)
+    if step % config.logging_steps == 0 or step == 1:
+        record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "peak_memory_bytes": memory}
+        with open(os.path.join(config.output_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _summary(config: TrainConfig, progress: Progress, step: int, device: str) -> dict:
+    return {
+        "first_loss": progress.losses[0] if progress.losses else None,
+        "last_loss": progress.losses[-1] if progress.losses else None,
+        "steps": step,
+        "steps_this_run": len(progress.losses),
+        "tokens_per_s": progress.tokens / max(progress.seconds, 1e-9),
+        "comm_bytes_per_step": progress.comm,
+        "peak_memory_bytes": peak_memory_bytes(device),
+        "output_dir": config.output_dir,
+    }
+
+
+def peak_memory_bytes(device: str) -> int:
+    """Peak memory of this rank: the accelerator's allocator peak, else the process's peak RSS."""
+    if device != "cpu":
+        return int(torch.get_device_module(device).max_memory_allocated())
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _plot(output_dir: str) -> None:
+    """training_loss.png from metrics.jsonl, when matplotlib (the `plot` extra) is installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    path = os.path.join(output_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records])
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("hp train")
+    fig.savefig(os.path.join(output_dir, "training_loss.png"), dpi=100)
+    plt.close(fig)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

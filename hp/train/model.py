@@ -1,0 +1,92 @@
+"""The model a training run starts from: the embedded tiny Llama, or a local HF directory, laid out.
+
+`hp/tiny-llama` is a small Llama built from a config in code (no download),
+sized for the byte-level tokenizer. A local directory (config.json and
+safetensors) is built on the meta device, laid out by the strategy, and then
+each rank reads only its own blocks of the weights from the safetensors files
+(`torch.distributed.checkpoint` with its HF reader), so a model larger than
+one rank's memory still loads.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+TINY_LLAMA = "hp/tiny-llama"
+
+
+def tiny_llama_config(vocab_size: int):
+    """The embedded model: 2 layers, hidden 128, vocabulary padded to a multiple of 64 (splits evenly).
+
+    >>> tiny_llama_config(259).vocab_size
+    320
+    """
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=-(-vocab_size // 64) * 64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, use_cache=False,
+        tie_word_embeddings=False,
+    )
+
+
+def build_model(name_or_path: str, vocab_size: int, mesh, strategy: Mapping, *, seed: int) -> nn.Module:
+    """The model of `name_or_path`, parallelized by `strategy` on `mesh`, on the mesh's device.
+
+    >>> import hp
+    >>> mesh = hp.mesh(tp=1)
+    >>> model = build_model("hp/tiny-llama", 259, mesh, {}, seed=0)
+    >>> model.config.hidden_size
+    128
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
+
+    from hp.models.llama import parallelize_llama
+
+    if name_or_path == TINY_LLAMA:
+        torch.manual_seed(seed)  # the same initial weights on every rank and in every run
+        model = LlamaForCausalLM(tiny_llama_config(vocab_size))
+        return parallelize_llama(model, mesh, strategy).to(mesh.device_type)
+    if not os.path.isfile(os.path.join(name_or_path, "config.json")):
+        raise FileNotFoundError(
+            f"model_name_or_path {name_or_path!r} is neither {TINY_LLAMA!r} nor a local directory with a "
+            "config.json (hp never downloads: point it to a local HF model directory)"
+        )
+    config = AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+    config.use_cache = False
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    parallelize_llama(model, mesh, strategy)
+    model.to_empty(device=mesh.device_type)
+    _reset_rotary(model)
+    load_safetensors(model, name_or_path)
+    return model
+
+
+def load_safetensors(model: nn.Module, directory: str) -> None:
+    """Fill `model`'s (possibly sharded) parameters from HF safetensors, each rank reading its own blocks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # stored once, as the embedding
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(directory), no_dist=not _distributed())
+    model.load_state_dict(state, strict=False)
+
+
+def _reset_rotary(model: nn.Module) -> None:
+    """Recompute RoPE's inverse frequencies, non-persistent buffers that meta construction left empty."""
+    for module in model.modules():
+        if hasattr(module, "inv_freq") and hasattr(module, "config"):
+            device = module.inv_freq.device
+            type(module).__init__(module, module.config)
+            module.to(device)
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()

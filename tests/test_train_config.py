@@ -1,0 +1,326 @@
+"""`hp train`'s configuration layer: good configs round-trip, overrides apply, bad configs fail by name."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hp.train import config as config_module
+from hp.train.config import ConfigError, ParallelConfig, TrainConfig, apply_overrides, load_config, to_dict, validate
+
+MINIMAL = {"model_name_or_path": "hp/tiny-llama", "dataset": "alpaca_en_demo", "output_dir": "saves/tiny"}
+
+# A LlamaFactory-style SFT file with a parallel section, as a user writes it (1e-5 is a string to PyYAML).
+GOOD_YAML = """\
+### model
+model_name_or_path: hp/tiny-llama
+
+### method
+stage: sft
+do_train: true
+
+### dataset
+dataset: alpaca_en_demo, identity
+template: alpaca
+cutoff_len: 512
+
+### output
+output_dir: saves/tiny/sft
+logging_steps: 5
+save_steps: 100
+save_total_limit: 2
+plot_loss: true
+overwrite_output_dir: true
+
+### train
+per_device_train_batch_size: 2
+gradient_accumulation_steps: 4
+learning_rate: 1e-5
+num_train_epochs: 2
+lr_scheduler_type: cosine
+warmup_ratio: 0.1
+bf16: true
+
+### parallel
+parallel:
+  dp: 2
+  tp: 2
+  sp: true
+"""
+
+
+def _write(tmp_path: Path, text: str, name: str = "train.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_good_config_round_trips(tmp_path):
+    cfg = load_config(_write(tmp_path, GOOD_YAML))
+    assert cfg.learning_rate == 1e-5 and isinstance(cfg.learning_rate, float)
+    assert cfg.num_train_epochs == 2.0 and isinstance(cfg.num_train_epochs, float)
+    assert cfg.dataset == "alpaca_en_demo,identity" and cfg.datasets == ("alpaca_en_demo", "identity")
+    assert (cfg.template, cfg.cutoff_len, cfg.save_total_limit, cfg.bf16) == ("alpaca", 512, 2, True)
+    assert cfg.parallel == ParallelConfig(dp=2, tp=2, sp=True)
+    assert cfg.nproc_per_node == 4 and cfg.world_size == 4
+    assert cfg.parallel.strategy() == {"dp": 2, "cp": 1, "tp": 2, "sp": True, "cp_algorithm": "ulysses", "fsdp": False}
+
+    plain = to_dict(cfg)
+    assert validate(yaml.safe_load(yaml.safe_dump(plain))) == cfg
+    assert validate(json.loads(json.dumps(plain))) == cfg
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.learning_rate = 1.0
+
+
+def test_defaults():
+    cfg = validate(MINIMAL)
+    assert to_dict(cfg) == {
+        **MINIMAL, "stage": "sft", "do_train": True, "trust_remote_code": False, "finetuning_type": "full",
+        "weight_decay": 0.0, "max_grad_norm": 1.0, "dataset_dir": "data", "template": "default", "cutoff_len": 1024,
+        "overwrite_output_dir": False, "logging_steps": 10, "save_steps": 500, "save_total_limit": None,
+        "plot_loss": False, "resume_from_checkpoint": None, "per_device_train_batch_size": 1,
+        "gradient_accumulation_steps": 1, "learning_rate": 5e-5, "num_train_epochs": 3.0, "max_steps": -1,
+        "lr_scheduler_type": "cosine", "warmup_ratio": 0.0, "bf16": False, "seed": 42,
+        "parallel": {"dp": 1, "tp": 1, "cp": 1, "cp_algorithm": "ulysses", "sp": False, "ep": 1, "tp2d": None,
+                     "fsdp": False, "offload": None, "activation_mode": "none"},
+        "use_hyper_parallel": False, "hyper_parallel_args": None,
+        "nproc_per_node": 1, "nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": 29500,
+        "device": "auto",
+    }
+
+
+def test_strategy_is_what_the_llama_zoo_takes():
+    from hp.models.llama import Strategy
+    from hp.ops.context_parallel import ALGORITHMS
+
+    assert config_module.CP_ALGORITHMS == ALGORITHMS
+    parallel = validate({**MINIMAL, "parallel": {"cp": 2, "tp": 2, "cp_algorithm": "ring"}}).parallel
+    assert Strategy.parse(parallel.strategy()) == Strategy(cp=2, tp=2, cp_algorithm="ring")
+
+
+def test_overrides(tmp_path):
+    path = _write(tmp_path, GOOD_YAML)
+    cfg = load_config(path, ["parallel.tp=1", "parallel.dp=4", "bf16=false", "learning_rate=3e-4",
+                             "dataset=identity", "save_total_limit=null", "max_steps=10", "parallel.fsdp=true"])
+    assert cfg.parallel == ParallelConfig(dp=4, tp=1, sp=True, fsdp=True)
+    assert (cfg.bf16, cfg.learning_rate, cfg.dataset, cfg.save_total_limit, cfg.max_steps) == (False, 3e-4, "identity", None, 10)
+    assert cfg.nproc_per_node == 4
+
+    cfg = load_config(_write(tmp_path, yaml.safe_dump(MINIMAL), "minimal.yaml"), ["parallel.tp=2", "bf16=true"])
+    assert (cfg.parallel.tp, cfg.bf16, cfg.nproc_per_node) == (2, True, 2)
+
+
+def test_overrides_leave_the_input_alone():
+    raw = {**MINIMAL, "parallel": {"dp": 2}}
+    out = apply_overrides(raw, ["parallel.tp=2"])
+    assert out["parallel"] == {"dp": 2, "tp": 2} and raw["parallel"] == {"dp": 2}
+
+
+@pytest.mark.parametrize("override, words", [
+    ("bf16", "override 'bf16': expected KEY=VALUE"),
+    ("=1", "override '=1': expected KEY=VALUE"),
+    ("training.lr=1", "SECTION one of parallel, hyper_parallel_args"),
+    ("parallel.tp.x=1", "SECTION one of parallel, hyper_parallel_args"),
+    ("parallel.=1", "SECTION one of parallel, hyper_parallel_args"),
+])
+def test_bad_overrides(override, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        apply_overrides(MINIMAL, [override])
+
+
+def test_multinode_derives_nproc_per_node():
+    cfg = validate({**MINIMAL, "parallel": {"dp": 4, "tp": 2}, "nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.1"})
+    assert (cfg.nproc_per_node, cfg.world_size) == (4, 8)
+    assert validate({**MINIMAL, "parallel": {"dp": 4, "tp": 2}, "nnodes": 2, "nproc_per_node": 4}) == dataclasses.replace(
+        cfg, node_rank=0, master_addr="127.0.0.1")
+
+
+HYPER = {"tp_size": 2, "fsdp_size": 2, "activation_mode": "none"}
+
+
+def test_hyper_parallel_args_as_dict():
+    cfg = validate({**MINIMAL, "use_hyper_parallel": True, "hyper_parallel_args": HYPER})
+    assert cfg.parallel == ParallelConfig(dp=2, tp=2, fsdp=True, activation_mode="none")
+    assert cfg.nproc_per_node == 4 and dict(cfg.hyper_parallel_args) == HYPER
+    assert validate(to_dict(cfg)) == cfg
+    # the same degree in both places is fine; fsdp_size 1 asks for nothing
+    same = validate({**MINIMAL, "use_hyper_parallel": True, "hyper_parallel_args": {**HYPER, "cp_size": 1},
+                     "parallel": {"tp": 2, "dp": 2, "sp": True}})
+    assert same.parallel == ParallelConfig(dp=2, tp=2, sp=True, fsdp=True, activation_mode="none")
+    assert validate({**MINIMAL, "use_hyper_parallel": True, "hyper_parallel_args": {"fsdp_size": 1}}).parallel == ParallelConfig()
+    assert validate({**MINIMAL, "use_hyper_parallel": True}).parallel == ParallelConfig()
+
+
+def test_hyper_parallel_args_as_json_file(tmp_path, monkeypatch):
+    (tmp_path / "hp.json").write_text(json.dumps({"cp_size": 2, "tp_size": 2}))
+    text = yaml.safe_dump({**MINIMAL, "use_hyper_parallel": True, "hyper_parallel_args": "hp.json"})
+    path = _write(tmp_path, text)
+    monkeypatch.chdir("/")  # a relative path is found next to the config file too
+    cfg = load_config(path)
+    assert cfg.parallel == ParallelConfig(cp=2, tp=2) and cfg.nproc_per_node == 4
+    assert dict(cfg.hyper_parallel_args) == {"cp_size": 2, "tp_size": 2}
+    # from the current directory, and with an override reaching into the file's keys
+    monkeypatch.chdir(tmp_path)
+    cfg = validate({**MINIMAL, "use_hyper_parallel": True, "hyper_parallel_args": str(tmp_path / "hp.json")})
+    assert cfg.parallel.cp == 2
+    cfg = load_config(path, ["hyper_parallel_args.cp_size=1", "parallel.sp=true"])
+    assert cfg.parallel == ParallelConfig(tp=2, sp=True) and cfg.nproc_per_node == 2
+
+
+@pytest.mark.parametrize("content, words", [
+    ("{not json", "does not read as JSON"),
+    ("[1, 2]", "expected a JSON object in"),
+    ('{"tp_size": 0}', "hyper_parallel_args.tp_size = 0: expected an integer >= 1"),
+])
+def test_bad_hyper_parallel_json(tmp_path, content, words):
+    (tmp_path / "hp.json").write_text(content)
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        validate({**MINIMAL, "use_hyper_parallel": True, "hyper_parallel_args": str(tmp_path / "hp.json")})
+
+
+def test_missing_hyper_parallel_json(tmp_path):
+    with pytest.raises(ConfigError, match=r"hyper_parallel_args = '.*nope\.json': expected the path of a JSON file"):
+        validate({**MINIMAL, "use_hyper_parallel": True, "hyper_parallel_args": str(tmp_path / "nope.json")})
+
+
+# (changes to MINIMAL, words the message must contain); None as a value removes the key.
+BAD = [
+    # unknown keys, with the closest known one
+    ({"learnig_rate": 1e-4}, "unknown key 'learnig_rate' = 0.0001; did you mean 'learning_rate'?"),
+    ({"lr": 1e-4}, "unknown key 'lr' = 0.0001; did you mean 'learning_rate'?"),
+    ({"tp": 2}, "unknown key 'tp' = 2; did you mean 'parallel.tp'?"),
+    ({"parallel": {"tensor": 2}}, "unknown key 'parallel.tensor' = 2; expected one of dp, tp, cp"),
+    ({"parallel": {"tp_size": 2}}, "unknown key 'parallel.tp_size' = 2; did you mean 'parallel.tp'?"),
+    ({"parallel": {"fsdp_sise": 2}}, "unknown key 'parallel.fsdp_sise' = 2; did you mean 'parallel.fsdp'?"),
+    ({"use_hyper_parallel": True, "hyper_parallel_args": {"tp_sise": 2}},
+     "unknown key 'hyper_parallel_args.tp_sise' = 2; did you mean 'hyper_parallel_args.tp_size'?"),
+    ({"finetuning_type": "lora"}, "finetuning_type = 'lora': expected one of 'full' (LoRA and freeze are not available"),
+    ({"max_grad_norm": 0}, "max_grad_norm = 0: expected a number > 0, or null for no clipping"),
+    ({"use_hyper_parallel": True, "hyper_parallel_args": {"ep_style": "ep"}},
+     "hyper_parallel_args.ep_style = 'ep' is not taken by hp train yet (expert parallel is not available yet)"),
+    # missing required keys
+    ({"model_name_or_path": None}, "missing required key 'model_name_or_path'"),
+    ({"dataset": None}, "missing required key 'dataset'"),
+    ({"output_dir": None}, "missing required key 'output_dir'"),
+    # wrong types
+    ({"learning_rate": "fast"}, "learning_rate = 'fast': expected a finite number"),
+    ({"learning_rate": True}, "learning_rate = True: expected a finite number"),
+    ({"warmup_ratio": ".nan"}, "warmup_ratio = '.nan': expected a finite number"),
+    ({"cutoff_len": "1024"}, "cutoff_len = '1024': expected an integer"),
+    ({"save_steps": 1.5}, "save_steps = 1.5: expected an integer"),
+    ({"bf16": "yes please"}, "bf16 = 'yes please': expected true or false"),
+    ({"plot_loss": 1}, "plot_loss = 1: expected true or false"),
+    ({"model_name_or_path": 7}, "model_name_or_path = 7: expected a string"),
+    ({"dataset": ["a", "b"]}, "dataset = ['a', 'b']: expected a string"),
+    ({"parallel": [2, 2]}, "parallel = [2, 2]: expected a mapping"),
+    ({"parallel": {"sp": "on"}}, "parallel.sp = 'on': expected true or false"),
+    ({"nproc_per_node": "eight"}, "nproc_per_node = 'eight': expected an integer, or null"),
+    # out of range
+    ({"learning_rate": -1e-4}, "learning_rate = -0.0001: expected a number > 0"),
+    ({"learning_rate": "0"}, "learning_rate = '0': expected a number > 0"),
+    ({"per_device_train_batch_size": 0}, "per_device_train_batch_size = 0: expected an integer >= 1"),
+    ({"gradient_accumulation_steps": -2}, "gradient_accumulation_steps = -2: expected an integer >= 1"),
+    ({"warmup_ratio": 1.0}, "warmup_ratio = 1.0: expected a number in [0, 1)"),
+    ({"warmup_ratio": -0.1}, "warmup_ratio = -0.1: expected a number in [0, 1)"),
+    ({"cutoff_len": 1}, "cutoff_len = 1: expected an integer >= 2"),
+    ({"num_train_epochs": -1}, "num_train_epochs = -1: expected a number >= 0"),
+    ({"max_steps": -5}, "max_steps = -5: expected a positive integer, or -1"),
+    ({"logging_steps": 0}, "logging_steps = 0: expected an integer >= 1"),
+    ({"save_total_limit": 0}, "save_total_limit = 0: expected an integer >= 1, or null"),
+    ({"seed": -1}, "seed = -1: expected an integer in [0, 2**32)"),
+    ({"master_port": 70000}, "master_port = 70000: expected a port in [1, 65535]"),
+    ({"nnodes": 0}, "nnodes = 0: expected an integer >= 1"),
+    ({"parallel": {"tp": 0}}, "parallel.tp = 0: expected an integer >= 1"),
+    ({"dataset": "alpaca,,identity"}, "dataset = 'alpaca,,identity': expected comma-separated dataset names"),
+    ({"resume_from_checkpoint": " "}, "resume_from_checkpoint = ' ': expected a checkpoint directory, 'last', or null"),
+    ({"output_dir": ""}, "output_dir = '': expected a directory"),
+    # values outside a set
+    ({"stage": "dpo"}, "stage = 'dpo': expected one of 'pt', 'sft'"),
+    ({"lr_scheduler_type": "polynomial"},
+     "lr_scheduler_type = 'polynomial': expected one of 'linear', 'cosine', 'constant', 'constant_with_warmup'"),
+    ({"template": "llama3"}, "template = 'llama3': expected one of 'default', 'empty', 'alpaca'"),
+    ({"device": "tpu"}, "device = 'tpu': expected one of 'auto', 'cpu', 'cuda', 'npu'"),
+    ({"parallel": {"cp_algorithm": "zigzag"}}, "parallel.cp_algorithm = 'zigzag': expected one of 'ulysses', 'ring'"),
+    ({"do_train": False}, "do_train = False: expected true (only training is available yet)"),
+    # rules between keys
+    ({"num_train_epochs": 0, "max_steps": -1}, "num_train_epochs = 0.0 with max_steps = -1: nothing would train"),
+    ({"num_train_epochs": 0, "max_steps": 0}, "num_train_epochs = 0.0 with max_steps = 0: nothing would train"),
+    ({"warmup_ratio": 0.1, "lr_scheduler_type": "constant"}, "warmup_ratio = 0.1 with lr_scheduler_type = 'constant'"),
+    ({"nnodes": 2, "node_rank": 2, "parallel": {"dp": 2}}, "node_rank = 2: expected an integer in [0, nnodes = 2)"),
+    ({"parallel": {"dp": 2, "tp": 2}, "nproc_per_node": 8},
+     "nproc_per_node = 8: expected 4, as nnodes * nproc_per_node must equal dp*cp*tp = 2*1*2 = 4"),
+    ({"parallel": {"dp": 3}, "nnodes": 2}, "nnodes = 2: the dp*cp*tp = 3*1*1 = 3 ranks do not split evenly"),
+    # features not built yet, and what the Llama zoo refuses
+    ({"parallel": {"ep": 4}}, "parallel.ep = 4: expert parallel is not available yet (it needs an MoE model"),
+    ({"parallel": {"tp2d": True}}, "parallel.tp2d = True: 2D tensor parallel is not available in hp train yet"),
+    ({"parallel": {"offload": "host"}}, "parallel.offload = 'host': offload is not available yet (hp.offload is not built yet)"),
+    ({"parallel": {"activation_mode": "swap"}}, "parallel.activation_mode = 'swap': activation swap is not available yet"),
+    ({"parallel": {"activation_mode": "recompute"}},
+     "parallel.activation_mode = 'recompute': activation recompute is not available yet"),
+    ({"parallel": {"fsdp": True, "cp": 2, "dp": 2}},
+     "parallel.fsdp = True with parallel.cp = 2: FSDP together with context parallel is not supported by the Llama zoo yet"),
+    # LlamaFactory's HyperParallel keys
+    ({"hyper_parallel_args": {"tp_size": 2}}, "hyper_parallel_args = {'tp_size': 2} is given but use_hyper_parallel is not true"),
+    ({"use_hyper_parallel": True, "hyper_parallel_args": 4}, "hyper_parallel_args = 4: expected a mapping of tp_size"),
+    ({"use_hyper_parallel": True, "hyper_parallel_args": {"ep_size": 8}},
+     "hyper_parallel_args.ep_size = 8: expert parallel is not available yet"),
+    ({"use_hyper_parallel": True, "hyper_parallel_args": {"activation_mode": "swap"}},
+     "hyper_parallel_args.activation_mode = 'swap': activation swap is not available yet"),
+    ({"use_hyper_parallel": True, "hyper_parallel_args": {"activation_mode": "full"}},
+     "hyper_parallel_args.activation_mode = 'full': expected one of 'none', 'recompute', 'swap'"),
+    ({"use_hyper_parallel": True, "hyper_parallel_args": {"fsdp_size": 2, "cp_size": 2}},
+     "hyper_parallel_args.fsdp_size = 2 with hyper_parallel_args.cp_size = 2: FSDP together with context parallel"),
+    ({"use_hyper_parallel": True, "hyper_parallel_args": {"tp_size": 4}, "parallel": {"tp": 2}},
+     "parallel.tp = 2 conflicts with hyper_parallel_args.tp_size = 4"),
+    ({"use_hyper_parallel": True, "hyper_parallel_args": {"fsdp_size": 4}, "parallel": {"dp": 2}},
+     "parallel.dp = 2 conflicts with hyper_parallel_args.fsdp_size = 4 (which sets dp = 4)"),
+    ({"use_hyper_parallel": True, "hyper_parallel_args": {"fsdp_size": 4}, "parallel": {"fsdp": False}},
+     "parallel.fsdp = False conflicts with hyper_parallel_args.fsdp_size = 4 (which sets fsdp = True)"),
+]
+
+
+@pytest.mark.parametrize("changes, words", BAD, ids=[words.split(":")[0][:48] for _, words in BAD])
+def test_bad_config(changes, words):
+    raw = {key: value for key, value in {**MINIMAL, **changes}.items() if value is not None or key not in MINIMAL}
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        validate(raw)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("[1, 2]\n", "holds a list: expected a mapping of keys to values"),
+    ("model_name_or_path: m\ndataset: d\noutput_dir: o\nbf16: true\nbf16: false\n",
+     "key 'bf16' is given twice (line 4 and line 5)"),
+    ("model_name_or_path: m\nparallel:\n  tp: 2\n  tp: 4\n", "key 'tp' is given twice (line 3 and line 4)"),
+    ("model_name_or_path: [m\n", "is not valid YAML"),
+    ("", "missing required key 'model_name_or_path'"),
+])
+def test_bad_files(tmp_path, text, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        load_config(_write(tmp_path, text))
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match=re.escape("does not exist: expected the path of a YAML file")):
+        load_config(tmp_path / "none.yaml")
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_the_module_imports_no_torch():
+    """Checked before any worker starts: the module itself must not pull in torch or torch.distributed."""
+    tree = ast.parse(Path(config_module.__file__).read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert not {name for name in imported if name.split(".")[0] in ("torch", "hp")}, imported
+
+
+def test_train_config_fields_match_to_dict():
+    assert list(to_dict(validate(MINIMAL))) == [f.name for f in dataclasses.fields(TrainConfig)]
