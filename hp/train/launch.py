@@ -15,7 +15,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from hp.train.config import TrainConfig, load_config
+from hp.train.config import ConfigError, TrainConfig, load_config
 
 
 def launch(config_path: str, overrides: Sequence[str] = ()) -> int:
@@ -26,6 +26,7 @@ def launch(config_path: str, overrides: Sequence[str] = ()) -> int:
     hp.train.config.ConfigError: ...
     """
     config = load_config(config_path, overrides)
+    _preflight(config)
     env = {**os.environ, "HP_DEVICE": config.device}
     if config.nnodes == 1 and config.nproc_per_node == 1:
         os.environ["HP_DEVICE"] = config.device
@@ -36,6 +37,18 @@ def launch(config_path: str, overrides: Sequence[str] = ()) -> int:
     command = [sys.executable, "-m", "torch.distributed.run", *launcher_args(config)]
     command += ["-m", "hp.train.worker", config_path, *overrides]
     return subprocess.run(command, env=env).returncode
+
+
+def _preflight(config: TrainConfig) -> None:
+    """Checks that need the model's config and tokenizer, still before any worker starts."""
+    from hp.train.model import check_fits, model_config
+    from hp.train.tokenizer import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(config.model_name_or_path)
+        check_fits(model_config(config.model_name_or_path, tokenizer.vocab_size), config.parallel.strategy())
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def launcher_args(config: TrainConfig) -> list[str]:

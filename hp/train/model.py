@@ -34,6 +34,45 @@ def tiny_llama_config(vocab_size: int):
     )
 
 
+def model_config(name_or_path: str, vocab_size: int):
+    """The HF config of `name_or_path` (the embedded tiny Llama's, or a local directory's config.json)."""
+    from transformers import AutoConfig
+
+    if name_or_path == TINY_LLAMA:
+        return tiny_llama_config(vocab_size)
+    if not os.path.isfile(os.path.join(name_or_path, "config.json")):
+        raise FileNotFoundError(
+            f"model_name_or_path {name_or_path!r} is neither {TINY_LLAMA!r} nor a local directory with a "
+            "config.json (hp never downloads: point it to a local HF model directory)"
+        )
+    config = AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+    config.use_cache = False
+    return config
+
+
+def check_fits(config, strategy: Mapping) -> None:
+    """Refuse a strategy the model's shapes cannot take, naming the parallel key and the shape.
+
+    >>> check_fits(tiny_llama_config(259), {"tp": 3})
+    Traceback (most recent call last):
+    ...
+    ValueError: parallel.tp = 3 does not divide num_attention_heads = 4 of the model
+    """
+    tp, cp = strategy.get("tp", 1), strategy.get("cp", 1)
+    sizes = {"num_attention_heads": config.num_attention_heads, "intermediate_size": config.intermediate_size,
+             "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
+    for name, size in sizes.items():
+        if size % tp:
+            raise ValueError(f"parallel.tp = {tp} does not divide {name} = {size} of the model")
+    if cp > 1 and strategy.get("cp_algorithm", "ulysses") == "ulysses":
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            if (sizes[name] // tp) % cp:
+                raise ValueError(
+                    f"parallel.cp = {cp} (Ulysses) does not divide the {sizes[name] // tp} heads per tp rank "
+                    f"({name}); use parallel.cp_algorithm: ring"
+                )
+
+
 def build_model(name_or_path: str, vocab_size: int, mesh, strategy: Mapping, *, seed: int) -> nn.Module:
     """The model of `name_or_path`, parallelized by `strategy` on `mesh`, on the mesh's device.
 
@@ -43,21 +82,14 @@ def build_model(name_or_path: str, vocab_size: int, mesh, strategy: Mapping, *, 
     >>> model.config.hidden_size
     128
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     from hp.models.llama import parallelize_llama
 
+    config = model_config(name_or_path, vocab_size)
     if name_or_path == TINY_LLAMA:
         torch.manual_seed(seed)  # the same initial weights on every rank and in every run
-        model = LlamaForCausalLM(tiny_llama_config(vocab_size))
-        return parallelize_llama(model, mesh, strategy).to(mesh.device_type)
-    if not os.path.isfile(os.path.join(name_or_path, "config.json")):
-        raise FileNotFoundError(
-            f"model_name_or_path {name_or_path!r} is neither {TINY_LLAMA!r} nor a local directory with a "
-            "config.json (hp never downloads: point it to a local HF model directory)"
-        )
-    config = AutoConfig.from_pretrained(name_or_path, local_files_only=True)
-    config.use_cache = False
+        return parallelize_llama(LlamaForCausalLM(config), mesh, strategy).to(mesh.device_type)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     parallelize_llama(model, mesh, strategy)

@@ -1,0 +1,123 @@
+"""`hp train` end to end: the quickstart learns, kill-and-resume, resume under another strategy, export, bad configs.
+
+Every run is a real `hp train` subprocess (torch's elastic launcher and gloo
+workers when the strategy has more than one rank), on the embedded tiny
+Llama and the quickstart data; the steps are few and the model is small.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from gloo_launch import _free_port, clean_env
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = Path(__file__).resolve().parent / "workers"
+QUICKSTART = str(ROOT / "examples" / "quickstart.yaml")
+# six optimizer steps of 4 accumulated micro-batches: long enough to kill a run between two saves
+SHORT = ["max_steps=6", "save_steps=3", "logging_steps=1", "gradient_accumulation_steps=4",
+         "per_device_train_batch_size=8", "lr_scheduler_type=linear", "warmup_ratio=0.2"]
+
+
+def hp_train(*overrides: str, config: str = QUICKSTART, wait: bool = True):
+    command = [sys.executable, "-m", "hp.cli", "train", config, f"dataset_dir={ROOT / 'examples' / 'data'}",
+               f"master_port={_free_port()}", *overrides]
+    if not wait:
+        return subprocess.Popen(command, env=clean_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.run(command, env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def summary(run: subprocess.CompletedProcess) -> dict:
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def losses(output_dir: Path) -> dict[int, float]:
+    with open(output_dir / "metrics.jsonl") as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """Six steps at tp=2 without interruption: the reference sequence of losses."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    summary(hp_train(*SHORT, f"output_dir={out}"))
+    return out
+
+
+def test_quickstart_loss_falls(tmp_path):
+    result = summary(hp_train("max_steps=40", "save_steps=40", f"output_dir={tmp_path}"))
+    assert {"first_loss", "last_loss", "steps", "tokens_per_s"} <= result.keys()
+    assert result["steps"] == 40 and result["tokens_per_s"] > 0
+    assert result["last_loss"] < 0.6 * result["first_loss"], result
+    assert result["comm_bytes_per_step"]["tp"] > 0
+    assert (tmp_path / "checkpoint-40" / "trainer_state.pt").is_file()
+    assert len(losses(tmp_path)) >= 4
+
+
+def test_killed_run_resumes_with_the_same_losses(uninterrupted, tmp_path):
+    run = hp_train(*SHORT, f"output_dir={tmp_path}", wait=False)
+    deadline = time.time() + 300
+    while not (tmp_path / "checkpoint-3").is_dir():  # renamed into place only when complete
+        assert run.poll() is None and time.time() < deadline, run.communicate()
+        time.sleep(0.05)
+    os.killpg(run.pid, signal.SIGKILL)  # the launcher and both workers, mid-run
+    run.wait()
+    assert not (tmp_path / "checkpoint-6").exists(), "the kill came too late to interrupt the run"
+    summary(hp_train(*SHORT, f"output_dir={tmp_path}", "resume_from_checkpoint=last"))
+    want, got = losses(uninterrupted), losses(tmp_path)
+    assert [got[s] for s in (4, 5, 6)] == [want[s] for s in (4, 5, 6)]
+
+
+@pytest.mark.parametrize("strategy", [["parallel.tp=1"], ["parallel.tp=1", "parallel.dp=2", "per_device_train_batch_size=4"]])
+def test_checkpoint_resumes_under_another_strategy(uninterrupted, tmp_path, strategy):
+    resumed = summary(hp_train(*SHORT, *strategy, f"output_dir={tmp_path}",
+                               f"resume_from_checkpoint={uninterrupted / 'checkpoint-3'}"))
+    assert resumed["steps"] == 6 and resumed["steps_this_run"] == 3
+    want, got = losses(uninterrupted), losses(tmp_path)
+    for step in (4, 5, 6):
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step
+
+
+def test_export_gives_hf_safetensors_with_the_same_logits(uninterrupted, tmp_path):
+    checkpoint = uninterrupted / "checkpoint-6"
+    export = subprocess.run([sys.executable, "-m", "hp.cli", "export", str(checkpoint), str(tmp_path / "hf")],
+                            env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert export.returncode == 0, export.stderr[-3000:]
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    check = subprocess.run([sys.executable, str(WORKERS / "export_check.py"), str(checkpoint), str(tmp_path / "hf")],
+                           env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stderr[-3000:]
+    assert json.loads(check.stdout.splitlines()[-1])["max_abs_diff"] == 0.0
+
+
+def test_a_crash_during_a_save_leaves_the_previous_checkpoint_usable(uninterrupted, tmp_path):
+    crash = subprocess.run([sys.executable, str(WORKERS / "save_crash.py"), str(uninterrupted), str(tmp_path)],
+                           env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert crash.returncode == 0, crash.stderr[-3000:]
+    assert json.loads(crash.stdout.splitlines()[-1]) == {"latest": "checkpoint-6", "partial_left": True}
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("parallel.tp=3", "parallel.tp = 3 does not divide num_attention_heads = 4 of the model"),
+        ("parallel.cp=4", "parallel.cp = 4 (Ulysses) does not divide the 2 heads per tp rank"),
+        ("learning_rate=fast", "learning_rate = 'fast'"),
+        ("stage=dpo", "stage = 'dpo'"),
+        ("lr=1e-4", "lr"),
+    ],
+)
+def test_bad_configs_fail_before_any_worker_starts(tmp_path, override, message):
+    run = hp_train(override, f"output_dir={tmp_path / 'out'}")
+    assert run.returncode == 2
+    assert message in run.stderr and "torch.distributed" not in run.stderr
+    assert not (tmp_path / "out").exists()
