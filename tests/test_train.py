@@ -121,3 +121,40 @@ def test_bad_configs_fail_before_any_worker_starts(tmp_path, override, message):
     assert run.returncode == 2
     assert message in run.stderr and "torch.distributed" not in run.stderr
     assert not (tmp_path / "out").exists()
+
+
+def local_hf_model(directory: Path) -> None:
+    """A tiny Llama saved as a HF directory: config, safetensors and a locally trained BPE tokenizer."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    records = json.loads((ROOT / "examples" / "data" / "quickstart.json").read_text())
+    text = [" ".join(r.values()) for r in records[:200]]
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
+    bpe.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tokenizer.save_pretrained(directory)
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_cache=False, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(directory)
+
+
+def test_a_local_hf_model_directory_is_loaded_rank_by_rank(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hp.train.config import load_config
+    from hp.train.data import TokenBatches, load_examples
+    from hp.train.tokenizer import load_tokenizer
+
+    local_hf_model(tmp_path / "model")
+    overrides = [f"model_name_or_path={tmp_path / 'model'}", "max_steps=1", "per_device_train_batch_size=8",
+                 f"output_dir={tmp_path / 'out'}", f"dataset_dir={ROOT / 'examples' / 'data'}"]
+    result = summary(hp_train(*overrides))  # tp=2: each rank reads its halves of the weights
+    config = load_config(QUICKSTART, overrides)
+    tokenizer = load_tokenizer(config.model_name_or_path)
+    ids, labels = next(TokenBatches(load_examples(config, tokenizer), 8, config.seed, tokenizer.pad_token_id))
+    want = AutoModelForCausalLM.from_pretrained(tmp_path / "model")(input_ids=ids, labels=labels).loss.item()
+    assert result["first_loss"] == pytest.approx(want, rel=1e-5)
