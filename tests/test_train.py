@@ -158,3 +158,11 @@ def test_a_local_hf_model_directory_is_loaded_rank_by_rank(tmp_path):
     ids, labels = next(TokenBatches(load_examples(config, tokenizer), 8, config.seed, tokenizer.pad_token_id))
     want = AutoModelForCausalLM.from_pretrained(tmp_path / "model")(input_ids=ids, labels=labels).loss.item()
     assert result["first_loss"] == pytest.approx(want, rel=1e-5)
+
+
+def test_an_existing_run_is_neither_appended_to_nor_overwritten_unasked(tmp_path):
+    (tmp_path / "checkpoint-3").mkdir()
+    run = hp_train(f"output_dir={tmp_path}", "overwrite_output_dir=false")
+    assert run.returncode == 2
+    assert f"output_dir = '{tmp_path}' already holds a run; set overwrite_output_dir: true" in run.stderr
+    assert (tmp_path / "checkpoint-3").is_dir()

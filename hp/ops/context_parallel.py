@@ -7,8 +7,8 @@ masks included) on whole sequences for its share of heads, and a second
 all-to-all swaps back. It needs the head counts divisible by the cp size and
 moves 4 (p-1)/p of the local q, k, v, out per layer. Ring attention
 (`hp.ops.ring_attention`) keeps the heads and passes K/V blocks around the
-ring instead: any head count, 1/p of the attention memory, (p-1) K/V blocks
-per layer. The algorithm is chosen with `hp.context_parallel("ulysses")` (the
+ring instead: any head count, only the local q, k, v, output and log-sum-exp
+saved for backward, (p-1) K/V blocks per layer forward. The algorithm is chosen with `hp.context_parallel("ulysses")` (the
 default) or `hp.context_parallel("ring", order="head_tail")`, where the order
 says how the caller laid the sequence out (see `head_tail_order`).
 """

@@ -40,10 +40,16 @@ def launch(config_path: str, overrides: Sequence[str] = ()) -> int:
 
 
 def _preflight(config: TrainConfig) -> None:
-    """Checks that need the model's config and tokenizer, still before any worker starts."""
+    """Checks that need the filesystem, the model's config and its tokenizer, still before any worker starts."""
     from hp.train.model import check_fits, model_config
     from hp.train.tokenizer import load_tokenizer
 
+    out = config.output_dir
+    if os.path.isdir(out) and os.listdir(out) and not (config.overwrite_output_dir or config.resume_from_checkpoint):
+        raise ConfigError(
+            f"output_dir = {out!r} already holds a run; set overwrite_output_dir: true to start over "
+            "or resume_from_checkpoint: last to continue it"
+        )
     try:
         tokenizer = load_tokenizer(config.model_name_or_path)
         check_fits(model_config(config.model_name_or_path, tokenizer.vocab_size), config.parallel.strategy())

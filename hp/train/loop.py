@@ -18,6 +18,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -69,6 +70,8 @@ def train(config: TrainConfig) -> dict:
         step = state["step"]
     rank0 = _rank() == 0
     if rank0:
+        if resume is None and config.overwrite_output_dir:
+            _clear(config.output_dir)
         os.makedirs(config.output_dir, exist_ok=True)
         with open(os.path.join(config.output_dir, "hp_config.json"), "w") as f:
             json.dump(to_dict(config), f, indent=2)
@@ -163,6 +166,18 @@ def _resume_path(config: TrainConfig) -> str | None:
     if config.resume_from_checkpoint == "last":
         return checkpoint.latest(config.output_dir)  # a fresh start when there is none yet
     return config.resume_from_checkpoint
+
+
+def _clear(output_dir: str) -> None:
+    """Start over in `output_dir` (overwrite_output_dir): the old metrics, plot and checkpoints go."""
+    if not os.path.isdir(output_dir):
+        return
+    for name in os.listdir(output_dir):
+        path = os.path.join(output_dir, name)
+        if name.startswith("checkpoint-") and os.path.isdir(path):
+            shutil.rmtree(path)
+        elif name in ("metrics.jsonl", "training_loss.png", "hp_config.json"):
+            os.remove(path)
 
 
 def _progress_bar(total: int, done: int):

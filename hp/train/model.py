@@ -77,7 +77,7 @@ def build_model(name_or_path: str, vocab_size: int, mesh, strategy: Mapping, *, 
     """The model of `name_or_path`, parallelized by `strategy` on `mesh`, on the mesh's device.
 
     >>> import hp
-    >>> mesh = hp.mesh(tp=1)
+    >>> mesh = hp.mesh(tp=1, simulate=True)
     >>> model = build_model("hp/tiny-llama", 259, mesh, {}, seed=0)
     >>> model.config.hidden_size
     128
