@@ -54,10 +54,10 @@ from typing import Any
 
 import torch
 
+from hp.train.config import STAGES
 from hp.train.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
-STAGES = ("pt", "sft")
 FORMATTINGS = ("alpaca", "sharegpt")
 INFO_FILE = "dataset_info.json"
 
