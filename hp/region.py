@@ -27,7 +27,7 @@ from hp.ops.context_parallel import sequence_parallel_attention
 from hp.ops.cross_entropy import vocab_parallel_cross_entropy
 from hp.ops.embedding import vocab_parallel_embedding
 from hp.ops.linear import linear
-from hp.ops import residual
+from hp.ops import npu_attention, residual
 from hp.ops.rule import RuleError
 from hp.simulate import kernel_scope
 from hp.source import user_line
@@ -39,6 +39,7 @@ KERNELS = {
     torch.nn.functional.linear: linear,
     torch.nn.functional.scaled_dot_product_attention: sequence_parallel_attention,
     **residual.KERNELS,
+    **npu_attention.kernels(),
 }
 _NO_STRATEGY = re.compile(r"Operator (\S+) does not have a sharding strategy registered")
 _PROPAGATION_FAILED = re.compile(r"Sharding propagation failed for ([\w.]+)\(")
