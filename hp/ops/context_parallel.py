@@ -91,7 +91,7 @@ def sequence_parallel_attention(
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         args = (group, mesh.get_local_rank(axis), parts, order, is_causal, scale)
         out = RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), *args)
-        return to_dtensor(out, mesh, query.placements, query.shape)
+        return to_dtensor(out, mesh, query.placements, query.shape, dim_order=(0, 2, 1, 3))
     q, k, v = (_swap(t, group, parts, heads_to_seq=True) for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     return to_dtensor(_swap(out, group, parts, heads_to_seq=False), mesh, query.placements, query.shape)

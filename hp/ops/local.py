@@ -14,10 +14,18 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Placement
 
 
-def to_dtensor(local: torch.Tensor, mesh, placements: Sequence[Placement], shape) -> DTensor:
-    """Wrap a contiguous local block as a DTensor of global `shape` (differentiable)."""
-    stride = torch.empty(tuple(shape), device="meta").stride()
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
+def to_dtensor(local: torch.Tensor, mesh, placements: Sequence[Placement], shape, dim_order=None) -> DTensor:
+    """Wrap a local block as a DTensor of global `shape` (differentiable).
+
+    The block is contiguous, or, with `dim_order`, a permuted view of a contiguous buffer whose
+    dims, outermost first, are `dim_order` (the global stride then says the same).
+    """
+    order = list(dim_order) if dim_order is not None else list(range(len(shape)))
+    dense = torch.empty([shape[d] for d in order], device="meta").stride()
+    stride = [0] * len(shape)
+    for position, d in enumerate(order):
+        stride[d] = dense[position]
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride))
 
 
 def local_block(param: DTensor, pending_axes: Sequence[int]) -> torch.Tensor:

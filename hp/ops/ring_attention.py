@@ -200,7 +200,10 @@ class RingAttention(torch.autograd.Function):
             out, lse = _attend(q, kv[:, :kh], kv[:, kh:], out, lse, coord, step, parts, order, causal, scale)
             if pending is not None:
                 kv = _arrived(pending)
-        out = out.to(q.dtype)
+        # (b, s, h, d) memory seen as (b, h, s, d): the usual transpose back to tokens copies
+        # nothing, so the output projection saves this same storage instead of a copy
+        b, h, s, d = q.shape
+        out = torch.empty((b, s, h, d), dtype=q.dtype, device=q.device).transpose(1, 2).copy_(out)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring = (group, coord, parts, order, causal, scale)
         return out
