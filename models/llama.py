@@ -23,8 +23,9 @@ are permuted so that each rank does equal causal work, and the logits come
 back in that order (`logits[:, argsort(order)]` restores it). Padding masks
 and explicit `position_ids` are refused under cp (packed and padded batches
 are not supported there yet). Parameter gradients are pending sums over
-dp and cp (`+dp +cp`), reduced where the optimizer step reduces them (FSDP
-lands with issue 5).
+dp and cp (`+dp +cp`), reduced where the optimizer step reduces them
+(`reduce_gradients`). With `fsdp`, FSDP2 shards the parameters over dp
+instead and reduce-scatters their gradients (`_fully_shard`).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def layouts(strategy: Strategy) -> tuple[dict[str, str], dict, dict]:
 
 
 def strategy_mesh(strategy: Strategy | Mapping, *, simulate: bool = False):
-    """The dp x tp mesh a strategy runs on."""
+    """The mesh a strategy runs on: its dp, cp and tp axes of size > 1."""
     strategy = Strategy.parse(strategy)
     degrees = {"dp": strategy.dp, "cp": strategy.cp, "tp": strategy.tp}
     axes = {name: n for name, n in degrees.items() if n > 1} or {"tp": 1}
@@ -171,8 +172,7 @@ def _fully_shard(model: nn.Module, mesh, strategy: Strategy, plan: dict[str, str
     dp_rank, signature = mesh.get_local_rank("dp"), inspect.signature(model.forward)
 
     def before(mod, args, kwargs):
-        kwargs = dict(signature.bind_partial(*args, **kwargs).arguments)
-        kwargs.update(kwargs.pop("kwargs", {}))
+        kwargs = _as_keywords(signature, args, kwargs)
         labels = kwargs.get("labels")
         if labels is not None:
             kwargs.setdefault("num_items_in_batch", int((labels[:, 1:] != -100).sum()))
@@ -205,8 +205,7 @@ def _cp_inputs(model: nn.Module, strategy: Strategy) -> None:
     signature = inspect.signature(model.forward)
 
     def before(mod, args, kwargs):
-        kwargs = dict(signature.bind_partial(*args, **kwargs).arguments)
-        kwargs.update(kwargs.pop("kwargs", {}))
+        kwargs = _as_keywords(signature, args, kwargs)
         if kwargs.get("position_ids") is not None:
             raise ValueError("position_ids are not supported under context parallelism (positions follow the tokens)")
         mask = kwargs.pop("attention_mask", None)
@@ -267,6 +266,13 @@ def choice_layouts(choice: tp_plan.Choice) -> tuple[dict[str, str], dict[str, st
         "*.mlp.up_proj.weight": "out/y in/x", "*.self_attn.o_proj.weight": "out/x in/y",
         "*.mlp.down_proj.weight": "out/x in/y", "lm_head.weight": "vocab/y h/x",
     }, {"model.embed_tokens": f"{tokens} s h/x"}
+
+
+def _as_keywords(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
+    """A forward call's arguments, all by name (HF's `**kwargs` flattened in)."""
+    named = dict(signature.bind_partial(*args, **kwargs).arguments)
+    named.update(named.pop("kwargs", {}))
+    return named
 
 
 def _present(plan: dict[str, str], model: nn.Module) -> dict[str, str]:
