@@ -166,3 +166,17 @@ def test_an_existing_run_is_neither_appended_to_nor_overwritten_unasked(tmp_path
     assert run.returncode == 2
     assert f"output_dir = '{tmp_path}' already holds a run; set overwrite_output_dir: true" in run.stderr
     assert (tmp_path / "checkpoint-3").is_dir()
+
+
+def test_two_nodes_join_one_rendezvous(tmp_path):
+    """Two `hp train` launchers, node_rank 0 and 1 of nnodes=2, one worker each, form one tp=2 run."""
+    port = _free_port()
+    common = ["max_steps=3", "save_steps=3", f"output_dir={tmp_path}", "nnodes=2", "nproc_per_node=1",
+              f"master_port={port}"]
+    nodes = [hp_train(*common, f"node_rank={rank}", wait=False) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    for node, (out, err) in zip(nodes, outputs):
+        assert node.returncode == 0, err[-3000:]
+    result = json.loads(outputs[0][0].strip().splitlines()[-1])  # global rank 0 lives on node 0
+    assert result["steps"] == 3 and result["comm_bytes_per_step"]["tp"] > 0
+    assert (tmp_path / "checkpoint-3" / "trainer_state.pt").is_file()
