@@ -50,6 +50,8 @@ def _nbytes(t: torch.Tensor) -> int:
 def _group(ref) -> tuple[str, int]:
     """(mesh axis, size) of a process group given by name or object."""
     pg = _resolve_process_group(ref) if isinstance(ref, str) else ref
+    if isinstance(pg, torch.ScriptObject):  # c10d ops called from C++ (FSDP2) carry the boxed group
+        pg = torch.distributed.ProcessGroup.unbox(pg)
     axis = axis_of_group(pg.group_name)
     if axis is None:
         desc = getattr(pg, "group_desc", "") or ""

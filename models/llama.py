@@ -11,11 +11,12 @@ all-gathered and the block outputs reduce-scattered instead of all-reduced.
 Ulysses by default, or ring), RoPE takes each rank's positions from the
 replicated cos/sin. `dp` splits the batch.
 
-Sequences under cp (`_cp_inputs`, a hook before the model's forward): labels
-are shifted once on the whole sequence (passed as HF's `shift_labels`, so
-the loss never shifts across a split); a sequence whose length is not a
-multiple of the chunk count (cp, or 2 cp for ring) is right-padded to one
-with the pad token and label -100. Causal attention keeps real tokens blind
+Sequences under cp or sp (`_sequence_inputs`, a hook before the model's
+forward): labels are shifted once on the whole sequence (passed as HF's
+`shift_labels`, so the loss never shifts across a split); a sequence whose
+length is not a multiple of the chunk count (cp, or 2 cp for ring; times tp
+with sp) is right-padded to one with the pad token and label -100 (a given
+padding mask with 0, given positions continued). Causal attention keeps real tokens blind
 to that padding, so loss and gradients are unchanged; the returned logits
 include the padded positions. Ring attention uses head-tail order
 (`hp.ops.ring_attention.head_tail_order`): tokens, labels and RoPE's cos/sin
@@ -131,7 +132,8 @@ def parallelize_llama(model: nn.Module, mesh, strategy: Strategy | Mapping) -> n
     if strategy.cp > 1:
         order = "head_tail" if strategy.cp_algorithm == "ring" else "contiguous"
         forward_inside(model, lambda: hp.context_parallel(strategy.cp_algorithm, order=order))
-        _cp_inputs(model, strategy)
+    if strategy.cp > 1 or (strategy.sp and strategy.tp > 1):
+        _sequence_inputs(model, strategy)
     return model
 
 
@@ -197,35 +199,37 @@ def _fully_shard(model: nn.Module, mesh, strategy: Strategy, plan: dict[str, str
     return model
 
 
-def _cp_inputs(model: nn.Module, strategy: Strategy) -> None:
-    """Shift labels on the whole sequence, pad it to the chunk count, permute it for ring (module docstring)."""
-    ring = strategy.cp_algorithm == "ring"
-    chunks = strategy.cp * (2 if ring else 1)
+def _sequence_inputs(model: nn.Module, strategy: Strategy) -> None:
+    """Shift labels once, pad the sequence to the chunk count, permute it for ring (module docstring).
+
+    Chunks: cp (2 cp for ring) for the context split, times tp for sequence parallel.
+    """
+    cp, ring = strategy.cp > 1, strategy.cp > 1 and strategy.cp_algorithm == "ring"
+    chunks = strategy.cp * (2 if ring else 1) * (strategy.tp if strategy.sp else 1)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     signature = inspect.signature(model.forward)
 
     def before(mod, args, kwargs):
         kwargs = _as_keywords(signature, args, kwargs)
-        if kwargs.get("position_ids") is not None:
-            raise ValueError("position_ids are not supported under context parallelism (positions follow the tokens)")
-        mask = kwargs.pop("attention_mask", None)
-        if mask is not None and not bool(mask.all()):
-            raise ValueError("padding masks are not supported under context parallelism: pack or trim the batch")
+        if cp:
+            _refuse_what_cp_cannot_honour(kwargs)
         seq = next(kwargs[k].shape[1] for k in ("input_ids", "inputs_embeds") if kwargs.get(k) is not None)
         if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
-            labels = kwargs["labels"]
-            kwargs["shift_labels"] = F.pad(labels[:, 1:], (0, 1), value=-100)
+            kwargs["shift_labels"] = F.pad(kwargs["labels"][:, 1:], (0, 1), value=-100)
         extra = -seq % chunks
         order = head_tail_order(seq + extra, strategy.cp) if ring else None
-        fills = {"input_ids": pad_id, "inputs_embeds": 0.0, "shift_labels": -100}
+        fills = {"input_ids": pad_id, "inputs_embeds": 0.0, "shift_labels": -100, "attention_mask": 0}
         for key, fill in fills.items():
             value = kwargs.get(key)
             if value is None:
                 continue
             if extra:
-                pad = (0, 0) * (value.ndim - 2) + (0, extra)
-                value = F.pad(value, pad, value=fill)
+                value = F.pad(value, (0, 0) * (value.ndim - 2) + (0, extra), value=fill)
             kwargs[key] = value if order is None else value[:, order.to(value.device)]
+        if kwargs.get("position_ids") is not None and extra:  # the padding continues the positions
+            last = kwargs["position_ids"][..., -1:]
+            more = last + torch.arange(1, extra + 1, device=last.device)
+            kwargs["position_ids"] = torch.cat([kwargs["position_ids"], more], dim=-1)
         if kwargs.get("shift_labels") is not None:
             kwargs["labels"] = kwargs["shift_labels"]  # HF computes the loss only when labels are given
         return (), kwargs
@@ -236,6 +240,15 @@ def _cp_inputs(model: nn.Module, strategy: Strategy) -> None:
     model.register_forward_pre_hook(before, with_kwargs=True, prepend=True)
     if ring:
         model.model.rotary_emb.register_forward_hook(rotary)
+
+
+def _refuse_what_cp_cannot_honour(kwargs: dict) -> None:
+    """Explicit positions and padding masks under cp; an all-ones mask is dropped (it masks nothing)."""
+    if kwargs.get("position_ids") is not None:
+        raise ValueError("position_ids are not supported under context parallelism (positions follow the tokens)")
+    mask = kwargs.pop("attention_mask", None)
+    if mask is not None and not bool(mask.all()):
+        raise ValueError("padding masks are not supported under context parallelism: pack or trim the batch")
 
 
 def reduce_gradients(model: nn.Module) -> None:

@@ -56,7 +56,13 @@ def test_strategy_matches_hf_and_moves_what_megatron_moves(strategy):
 
 
 @pytest.mark.parametrize("seq", [13, 15])
-@pytest.mark.parametrize("strategy", [{"cp": 2}, {"cp": 2, "cp_algorithm": "ring"}, {"cp": 4, "cp_algorithm": "ring"}])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        {"cp": 2}, {"cp": 2, "cp_algorithm": "ring"}, {"cp": 4, "cp_algorithm": "ring"}, {"tp": 2, "sp": True},
+        {"cp": 2, "tp": 2, "sp": True, "cp_algorithm": "ring"},
+    ],
+)
 def test_sequences_not_divisible_by_the_chunk_count_are_padded_without_changing_the_numbers(strategy, seq):
     torch.manual_seed(0)
     reference, model = annotate_llama.tiny_model("llama", 1), annotate_llama.tiny_model("llama", 1)
@@ -75,10 +81,11 @@ def test_sequences_not_divisible_by_the_chunk_count_are_padded_without_changing_
         for (name, p), r in zip(model.named_parameters(), reference.parameters()):
             assert annotate_llama.rel_err(p.grad.full_tensor(), r.grad) < 1e-5, name
         logits = got.logits.full_tensor()
-    chunks = strategy["cp"] * (2 if strategy.get("cp_algorithm") == "ring" else 1)
+    ring = strategy.get("cp_algorithm") == "ring"
+    chunks = strategy.get("cp", 1) * (2 if ring else 1) * (strategy["tp"] if strategy.get("sp") else 1)
     padded = seq + (-seq % chunks)
     assert logits.shape[1] == padded
-    if strategy.get("cp_algorithm") == "ring":  # logits come back in head-tail order
+    if ring:  # logits come back in head-tail order
         logits = logits[:, torch.argsort(head_tail_order(padded, strategy["cp"]))]
     assert annotate_llama.rel_err(logits[:, :seq], out.logits) < 1e-5
 

@@ -180,3 +180,35 @@ def test_two_nodes_join_one_rendezvous(tmp_path):
     result = json.loads(outputs[0][0].strip().splitlines()[-1])  # global rank 0 lives on node 0
     assert result["steps"] == 3 and result["comm_bytes_per_step"]["tp"] > 0
     assert (tmp_path / "checkpoint-3" / "trainer_state.pt").is_file()
+
+
+@pytest.mark.parametrize(
+    "strategy, axis",
+    [
+        (["parallel.tp=1", "parallel.dp=2", "parallel.fsdp=true"], "dp"),
+        (["parallel.tp=1", "parallel.cp=2", "parallel.cp_algorithm=ring"], "cp"),
+        (["parallel.sp=true"], "tp"),
+    ],
+)
+def test_every_strategy_of_the_zoo_trains_through_hp_train(tmp_path, strategy, axis):
+    """Same first loss as one device would give (the global batch is the same), bytes on the right axis."""
+    from transformers import LlamaForCausalLM
+
+    from hp.train.config import load_config
+    from hp.train.data import TokenBatches, load_examples
+    from hp.train.model import tiny_llama_config
+    from hp.train.tokenizer import load_tokenizer
+
+    overrides = [*strategy, "max_steps=1", "per_device_train_batch_size=4", f"output_dir={tmp_path}",
+                 f"dataset_dir={ROOT / 'examples' / 'data'}"]
+    result = summary(hp_train(*overrides))
+    config = load_config(QUICKSTART, overrides)
+    tokenizer = load_tokenizer(config.model_name_or_path)
+    batch = config.per_device_train_batch_size * config.parallel.dp
+    ids, labels = next(TokenBatches(load_examples(config, tokenizer), batch, config.seed, tokenizer.pad_token_id))
+    import torch
+
+    torch.manual_seed(config.seed)  # the embedded model's initial weights
+    want = LlamaForCausalLM(tiny_llama_config(tokenizer.vocab_size))(input_ids=ids, labels=labels).loss.item()
+    assert result["first_loss"] == pytest.approx(want, rel=1e-5)
+    assert result["comm_bytes_per_step"][axis] > 0
