@@ -160,6 +160,15 @@ def test_a_local_hf_model_directory_is_loaded_rank_by_rank(tmp_path):
     assert result["first_loss"] == pytest.approx(want, rel=1e-5)
 
 
+def test_a_device_this_machine_lacks_is_refused(tmp_path):
+    from hp.train.launch import detect_accelerator
+
+    missing = next(d for d in ("cuda", "npu") if d != detect_accelerator())
+    run = hp_train(f"device={missing}", f"output_dir={tmp_path / 'out'}")
+    assert run.returncode == 2
+    assert f"device = '{missing}' is not available on this machine" in run.stderr
+
+
 def test_an_existing_run_is_neither_appended_to_nor_overwritten_unasked(tmp_path):
     (tmp_path / "checkpoint-3").mkdir()
     run = hp_train(f"output_dir={tmp_path}", "overwrite_output_dir=false")
