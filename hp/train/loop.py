@@ -61,20 +61,10 @@ def train(config: TrainConfig) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     total = total_steps(config, len(batches))
     scheduler = _scheduler(config, optimizer, total)
-    step = 0
-    resume = _resume_path(config)
-    if resume is not None:
-        state = checkpoint.load(resume, model, optimizer)
-        scheduler.load_state_dict(state["scheduler"])
-        batches.load_state_dict(state["data"])
-        step = state["step"]
+    step = _restore(config, model, optimizer, scheduler, batches)
     rank0 = _rank() == 0
     if rank0:
-        if resume is None and config.overwrite_output_dir:
-            _clear(config.output_dir)
-        os.makedirs(config.output_dir, exist_ok=True)
-        with open(os.path.join(config.output_dir, "hp_config.json"), "w") as f:
-            json.dump(to_dict(config), f, indent=2)
+        _prepare_output_dir(config, fresh=step == 0 and _resume_path(config) is None)
     progress = Progress()
     bar = _progress_bar(total, step) if rank0 else None
     device, first = mesh.device_type, step
@@ -106,6 +96,26 @@ def train(config: TrainConfig) -> dict:
         _plot(config.output_dir)
         print(json.dumps(summary), flush=True)
     return summary
+
+
+def _restore(config: TrainConfig, model, optimizer, scheduler, batches: TokenBatches) -> int:
+    """Load the checkpoint to resume from, if any; returns the step it reached (0 for a fresh run)."""
+    resume = _resume_path(config)
+    if resume is None:
+        return 0
+    state = checkpoint.load(resume, model, optimizer)
+    scheduler.load_state_dict(state["scheduler"])
+    batches.load_state_dict(state["data"])
+    return state["step"]
+
+
+def _prepare_output_dir(config: TrainConfig, fresh: bool) -> None:
+    """Rank 0: clear a run being overwritten, then record the resolved config."""
+    if fresh and config.overwrite_output_dir:
+        _clear(config.output_dir)
+    os.makedirs(config.output_dir, exist_ok=True)
+    with open(os.path.join(config.output_dir, "hp_config.json"), "w") as f:
+        json.dump(to_dict(config), f, indent=2)
 
 
 def total_steps(config: TrainConfig, batches_per_epoch: int) -> int:
