@@ -324,3 +324,11 @@ def test_the_module_imports_no_torch():
 
 def test_train_config_fields_match_to_dict():
     assert list(to_dict(validate(MINIMAL))) == [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def test_every_example_config_validates():
+    examples = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
+    assert len(examples) >= 2
+    for path in examples:
+        config = load_config(path)
+        assert config.world_size == config.parallel.world_size, path
