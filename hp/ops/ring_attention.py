@@ -108,9 +108,10 @@ def _reduce_heads(grad: torch.Tensor, heads: int) -> torch.Tensor:
     return grad if h == heads else grad.view(b, heads, h // heads, s, d).sum(2)
 
 
-def _pairs(coord: int, source: int, parts: int, order: str, causal: bool, chunk: int):
-    """(query slice, key slices, causal) blocks this rank computes against `source`'s keys."""
-    k_ids = _chunk_ids(source, parts, order)
+def _pairs(coord: int, step: int, parts: int, order: str, causal: bool, seq: int):
+    """(query slice, key slices, causal) blocks this rank computes at `step` (keys of rank coord - step)."""
+    chunk = seq // len(_chunk_ids(coord, parts, order))
+    k_ids = _chunk_ids((coord - step) % parts, parts, order)
     for a, q_id in enumerate(_chunk_ids(coord, parts, order)):
         rows = slice(a * chunk, (a + 1) * chunk)
         full, diagonal = _visible(q_id, k_ids, causal)
@@ -126,11 +127,9 @@ def _keys(t: torch.Tensor, cols: list[slice]) -> torch.Tensor:
 
 @maybe_run_for_local_tensor  # which blocks a rank attends to depends on its ring position
 def _attend(q, k, v, out, lse, coord: int, step: int, parts: int, order: str, causal: bool, scale: float):
-    source = (coord - step) % parts
-    chunk = q.shape[2] // len(_chunk_ids(coord, parts, order))
     k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
     out, lse = out.clone(), lse.clone()
-    for rows, cols, causal_block in _pairs(coord, source, parts, order, causal, chunk):
+    for rows, cols, causal_block in _pairs(coord, step, parts, order, causal, q.shape[2]):
         o, l = _block_forward(q[:, :, rows], _keys(k, cols), _keys(v, cols), causal_block, scale)
         merged = torch.logaddexp(lse[:, :, rows], l)
         out[:, :, rows] = out[:, :, rows] * (lse[:, :, rows] - merged).exp()[..., None] + o * (l - merged).exp()[..., None]
@@ -140,13 +139,11 @@ def _attend(q, k, v, out, lse, coord: int, step: int, parts: int, order: str, ca
 
 @maybe_run_for_local_tensor
 def _attend_backward(dout, q, k, v, out, lse, dq, dkv, coord: int, step: int, parts: int, order: str, causal: bool, scale: float):
-    source = (coord - step) % parts
-    chunk = q.shape[2] // len(_chunk_ids(coord, parts, order))
     heads, kv_heads = q.shape[1], k.shape[1]
     k, v = _expand_heads(k, heads), _expand_heads(v, heads)
     dq = dq.clone()
     dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
-    for rows, cols, causal_block in _pairs(coord, source, parts, order, causal, chunk):
+    for rows, cols, causal_block in _pairs(coord, step, parts, order, causal, q.shape[2]):
         gq, gk, gv = _block_backward(
             dout[:, :, rows], q[:, :, rows], _keys(k, cols), _keys(v, cols), out[:, :, rows], lse[:, :, rows],
             causal_block, scale,
@@ -173,8 +170,8 @@ def _ring_splits(coord: int, parts: int, numel: int) -> tuple[int, ...]:
     return tuple(send + recv)
 
 
-def _pass_on(t: torch.Tensor, coord, parts: int, group) -> torch.Tensor:
-    """Start sending `t` to the next rank of the ring; returns the previous rank's (wait before use)."""
+def _pass_on(t: torch.Tensor, coord, parts: int, group) -> tuple[torch.Tensor, torch.Size]:
+    """Start sending `t` to the next rank of the ring; the previous rank's block is `_arrived(returned)`."""
     splits = list(_ring_splits(coord, parts, t.numel()))
     flat = t.contiguous().view(-1)
     got = funcol.all_to_all_single(flat, splits[parts:], splits[:parts], group)
@@ -193,10 +190,9 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, coord, parts: int, order: str, causal: bool, scale: float):
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        kv = torch.cat([k, v], dim=1)
+        kv, kh = torch.cat([k, v], dim=1), k.shape[1]
         for step in range(parts):
             pending = _pass_on(kv, coord, parts, group) if step < parts - 1 else None
-            kh = k.shape[1]
             out, lse = _attend(q, kv[:, :kh], kv[:, kh:], out, lse, coord, step, parts, order, causal, scale)
             if pending is not None:
                 kv = _arrived(pending)
@@ -213,8 +209,7 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, coord, parts, order, causal, scale = ctx.ring
         dout = dout.contiguous()
-        kh = k.shape[1]
-        kv = torch.cat([k, v], dim=1)
+        kv, kh = torch.cat([k, v], dim=1), k.shape[1]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         for step in range(parts):
