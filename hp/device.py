@@ -40,16 +40,22 @@ def _import_npu_if_present() -> None:
         import torch_npu  # noqa: F401  (registers the npu device and hccl)
 
 
+def available() -> str:
+    """The accelerator type this machine offers (after importing torch_npu if present), "cpu" when none."""
+    _import_npu_if_present()
+    return torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu"
+
+
 def detect() -> Device:
     """The accelerator torch sees (after importing torch_npu if present), else CPU.
 
     `HP_DEVICE=cpu` (or `cuda`, `npu`) overrides the choice, e.g. to run on CPU on a GPU machine.
     """
     kind = os.environ.get("HP_DEVICE", "auto")
-    if kind != "cpu":
-        _import_npu_if_present()
     if kind == "auto":
-        kind = torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu"
+        kind = available()
+    elif kind != "cpu":
+        _import_npu_if_present()
     backend = dist.Backend.default_device_backend_map.get(kind)
     if backend is None:
         raise RuntimeError(f"no collective backend is registered for device type '{kind}'")

@@ -161,9 +161,9 @@ def test_a_local_hf_model_directory_is_loaded_rank_by_rank(tmp_path):
 
 
 def test_a_device_this_machine_lacks_is_refused(tmp_path):
-    from hp.train.launch import detect_accelerator
+    from hp.device import available
 
-    missing = next(d for d in ("cuda", "npu") if d != detect_accelerator())
+    missing = next(d for d in ("cuda", "npu") if d != available())
     run = hp_train(f"device={missing}", f"output_dir={tmp_path / 'out'}")
     assert run.returncode == 2
     assert f"device = '{missing}' is not available on this machine" in run.stderr

@@ -47,18 +47,18 @@ def save(output_dir: str, step: int, model: nn.Module, optimizer, extra: dict[st
     """Write checkpoint-`step` atomically; `extra` (scheduler, data position, ...) goes into trainer_state.pt."""
     final = os.path.join(output_dir, f"checkpoint-{step}")
     partial = final + ".partial"
-    if _rank() == 0:
+    if rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)  # debris of a crashed save of this step
         os.makedirs(partial)
     _barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=partial, no_dist=not _distributed())
-    if _rank() == 0:
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=partial, no_dist=not distributed())
+    if rank() == 0:
         state = {"step": step, "rng": _rng_state(), **extra}
         torch.save(state, os.path.join(partial, TRAINER_STATE))
         model.config.to_json_file(os.path.join(partial, "config.json"))
     _barrier()
-    if _rank() == 0:
+    if rank() == 0:
         if os.path.exists(final):  # a stale checkpoint of this step (an earlier, diverged run)
             shutil.rmtree(final)
         os.rename(partial, final)
@@ -69,11 +69,10 @@ def save(output_dir: str, step: int, model: nn.Module, optimizer, extra: dict[st
 
 def load(path: str, model: nn.Module, optimizer) -> dict[str, Any]:
     """Restore model, optimizer and RNG from checkpoint `path` into this run's layout; returns trainer state."""
-    if not os.path.isfile(os.path.join(path, TRAINER_STATE)):
-        raise FileNotFoundError(f"{path} is not a complete hp checkpoint (no {TRAINER_STATE})")
+    require_complete(path)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+    dcp.load(state, checkpoint_id=path, no_dist=not distributed())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     trainer = torch.load(os.path.join(path, TRAINER_STATE), weights_only=False)
     _set_rng_state(trainer.pop("rng"))
@@ -83,7 +82,7 @@ def load(path: str, model: nn.Module, optimizer) -> dict[str, Any]:
 def load_model_weights(path: str, model: nn.Module) -> None:
     """Only the model's weights of checkpoint `path` (for export and evaluation)."""
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+    dcp.load(state, checkpoint_id=path, no_dist=not distributed())
     model.load_state_dict(state["model"])
 
 
@@ -111,14 +110,22 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.get_device_module(torch.accelerator.current_accelerator()).set_rng_state(state["accelerator"], index)
 
 
-def _distributed() -> bool:
+def distributed() -> bool:
+    """Whether this process is one rank of a process group (else DCP reads and writes alone)."""
     return dist.is_available() and dist.is_initialized()
 
 
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
+def rank() -> int:
+    """This process's rank, 0 when it runs alone."""
+    return dist.get_rank() if distributed() else 0
+
+
+def require_complete(path: str) -> None:
+    """Refuse a directory that is not a finished checkpoint (a `.partial` one, or no checkpoint at all)."""
+    if not os.path.isfile(os.path.join(path, TRAINER_STATE)):
+        raise FileNotFoundError(f"{path} is not a complete hp checkpoint (no {TRAINER_STATE})")
 
 
 def _barrier() -> None:
-    if _distributed():
+    if distributed():
         dist.barrier()

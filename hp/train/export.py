@@ -27,8 +27,7 @@ def export(checkpoint_dir: str, out_dir: str) -> str:
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if not os.path.isfile(os.path.join(checkpoint_dir, checkpoint.TRAINER_STATE)):
-        raise FileNotFoundError(f"{checkpoint_dir} is not a complete hp checkpoint (no {checkpoint.TRAINER_STATE})")
+    checkpoint.require_complete(checkpoint_dir)
     config = AutoConfig.from_pretrained(checkpoint_dir, local_files_only=True)
     model = AutoModelForCausalLM.from_config(config)
     checkpoint.load_model_weights(checkpoint_dir, model)

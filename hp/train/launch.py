@@ -41,11 +41,13 @@ def launch(config_path: str, overrides: Sequence[str] = ()) -> int:
 
 def _preflight(config: TrainConfig) -> None:
     """Checks that need the filesystem, the model's config and its tokenizer, still before any worker starts."""
+    from hp.device import available
     from hp.train.model import check_fits, model_config
     from hp.train.tokenizer import load_tokenizer
 
-    if config.device not in ("auto", "cpu") and detect_accelerator() != config.device:
-        raise ConfigError(f"device = {config.device!r} is not available on this machine (found: {detect_accelerator()})")
+    found = available()
+    if config.device not in ("auto", "cpu") and found != config.device:
+        raise ConfigError(f"device = {config.device!r} is not available on this machine (found: {found})")
     out = config.output_dir
     if os.path.isdir(out) and os.listdir(out) and not (config.overwrite_output_dir or config.resume_from_checkpoint):
         raise ConfigError(
@@ -57,18 +59,6 @@ def _preflight(config: TrainConfig) -> None:
         check_fits(model_config(config.model_name_or_path, tokenizer.vocab_size), config.parallel.strategy())
     except ValueError as e:
         raise ConfigError(str(e)) from None
-
-
-def detect_accelerator() -> str:
-    """The accelerator type this machine offers ("cpu" when none)."""
-    from hp.device import detect
-
-    saved = os.environ.pop("HP_DEVICE", None)  # what is really there, not what was asked for
-    try:
-        return detect().type
-    finally:
-        if saved is not None:
-            os.environ["HP_DEVICE"] = saved
 
 
 def launcher_args(config: TrainConfig) -> list[str]:

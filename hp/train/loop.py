@@ -62,7 +62,7 @@ def train(config: TrainConfig) -> dict:
     total = total_steps(config, len(batches))
     scheduler = _scheduler(config, optimizer, total)
     step = _restore(config, model, optimizer, scheduler, batches)
-    rank0 = _rank() == 0
+    rank0 = checkpoint.rank() == 0
     if rank0:
         _prepare_output_dir(config, fresh=step == 0 and _resume_path(config) is None)
     progress = Progress()
@@ -248,7 +248,3 @@ def _plot(output_dir: str) -> None:
     ax.set_title("hp train")
     fig.savefig(os.path.join(output_dir, "training_loss.png"), dpi=100)
     plt.close(fig)
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

@@ -104,10 +104,12 @@ def load_safetensors(model: nn.Module, directory: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
+    from hp.train.checkpoint import distributed
+
     state = model.state_dict()
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # stored once, as the embedding
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(directory), no_dist=not _distributed())
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(directory), no_dist=not distributed())
     model.load_state_dict(state, strict=False)
 
 
@@ -118,7 +120,3 @@ def _reset_rotary(model: nn.Module) -> None:
             device = module.inv_freq.device
             type(module).__init__(module, module.config)
             module.to(device)
-
-
-def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
