@@ -82,7 +82,7 @@ def test_defaults():
     cfg = validate(MINIMAL)
     assert to_dict(cfg) == {
         **MINIMAL, "stage": "sft", "do_train": True, "trust_remote_code": False, "finetuning_type": "full",
-        "weight_decay": 0.0, "max_grad_norm": 1.0, "dataset_dir": "data", "template": "default", "cutoff_len": 1024,
+        "weight_decay": 0.0, "max_grad_norm": 1.0, "dataset_dir": "data", "template": "default", "cutoff_len": 1024, "max_samples": None,
         "overwrite_output_dir": False, "logging_steps": 10, "save_steps": 500, "save_total_limit": None,
         "plot_loss": False, "resume_from_checkpoint": None, "per_device_train_batch_size": 1,
         "gradient_accumulation_steps": 1, "learning_rate": 5e-5, "num_train_epochs": 3.0, "max_steps": -1,
@@ -202,6 +202,7 @@ BAD = [
      "unknown key 'hyper_parallel_args.tp_sise' = 2; did you mean 'hyper_parallel_args.tp_size'?"),
     ({"finetuning_type": "lora"}, "finetuning_type = 'lora': expected one of 'full' (LoRA and freeze are not available"),
     ({"max_grad_norm": 0}, "max_grad_norm = 0: expected a number > 0, or null for no clipping"),
+    ({"max_samples": 0}, "max_samples = 0: expected an integer >= 1, or null for every record"),
     ({"use_hyper_parallel": True, "hyper_parallel_args": {"ep_style": "ep"}},
      "hyper_parallel_args.ep_style = 'ep' is not taken by hp train yet (expert parallel is not available yet)"),
     # missing required keys

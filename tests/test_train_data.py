@@ -292,7 +292,7 @@ def test_bad_stage_template_and_pt_on_sharegpt(tmp_path):
 def test_quickstart_files_load_and_are_reproducible(tmp_path):
     data_dir = ROOT / "examples" / "data"
     config = SimpleNamespace(dataset="quickstart", dataset_dir=str(data_dir), stage="sft", template="default",
-                             cutoff_len=64)
+                             cutoff_len=64, max_samples=None)
     data = load_examples(config, load_tokenizer("hp/tiny-llama"))
     assert len(data) == 2000 and data.dropped == 0
     assert max(len(e["input_ids"]) for e in data.examples) <= 48

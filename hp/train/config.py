@@ -114,6 +114,7 @@ class TrainConfig:
     dataset_dir: str = "data"
     template: str = "default"  # one of TEMPLATES
     cutoff_len: int = 1024  # tokens per sequence, at most
+    max_samples: int | None = None  # keep the first that many records of each dataset; null: all
     # output
     output_dir: str
     overwrite_output_dir: bool = False
@@ -190,6 +191,7 @@ _RULES: dict[str, _Rule] = {
     "dataset_dir": _Rule("str", _nonempty, "a directory"),
     "template": _Rule("str", choices=TEMPLATES),
     "cutoff_len": _Rule("int", lambda v: v >= 2, "an integer >= 2"),
+    "max_samples": _Rule("int", lambda v: v >= 1, "an integer >= 1, or null for every record", optional=True),
     "output_dir": _Rule("str", _nonempty, "a directory"),
     "overwrite_output_dir": _Rule("bool"),
     "logging_steps": _Rule("int", lambda v: v >= 1, "an integer >= 1"),

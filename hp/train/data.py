@@ -464,19 +464,18 @@ def pack(documents: Sequence[list[int]], cutoff_len: int) -> list[dict[str, list
 def load_examples(config: Any, tokenizer: Tokenizer) -> Examples:
     """`build_examples` with the arguments a training config holds under LlamaFactory's key names.
 
-    `config` needs `dataset`, `dataset_dir`, `stage`, `template` and
-    `cutoff_len`; `max_samples` is read when it has one.
+    `config` needs `dataset`, `dataset_dir`, `stage`, `template`, `cutoff_len` and `max_samples`.
 
     >>> from types import SimpleNamespace
     >>> from hp.train.tokenizer import ByteTokenizer
     >>> config = SimpleNamespace(dataset="quickstart", dataset_dir=Path(__file__).parents[2] / "examples" / "data",
-    ...                          stage="pt", template="default", cutoff_len=256)
+    ...                          stage="pt", template="default", cutoff_len=256, max_samples=None)
     >>> len(load_examples(config, ByteTokenizer()))  # 2000 documents of 25 tokens, packed in 256s
     196
     """
     return build_examples(
         config.dataset, config.dataset_dir, tokenizer, stage=config.stage, template=config.template,
-        cutoff_len=config.cutoff_len, max_samples=getattr(config, "max_samples", None),
+        cutoff_len=config.cutoff_len, max_samples=config.max_samples,
     )
 
 
