@@ -45,6 +45,18 @@ def losses(output_dir: Path) -> dict[int, float]:
         return {r["step"]: r["loss"] for r in map(json.loads, f)}
 
 
+def first_batch(overrides: list[str]):
+    """The global batch the first step of `hp train QUICKSTART *overrides` draws, computed here."""
+    from hp.train.config import load_config
+    from hp.train.data import TokenBatches, load_examples
+    from hp.train.tokenizer import load_tokenizer
+
+    config = load_config(QUICKSTART, overrides)
+    tokenizer = load_tokenizer(config.model_name_or_path)
+    batch = config.per_device_train_batch_size * config.parallel.dp
+    return next(TokenBatches(load_examples(config, tokenizer), batch, config.seed, tokenizer.pad_token_id))
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
     """Six steps at tp=2 without interruption: the reference sequence of losses."""
@@ -145,17 +157,11 @@ def local_hf_model(directory: Path) -> None:
 def test_a_local_hf_model_directory_is_loaded_rank_by_rank(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from hp.train.config import load_config
-    from hp.train.data import TokenBatches, load_examples
-    from hp.train.tokenizer import load_tokenizer
-
     local_hf_model(tmp_path / "model")
     overrides = [f"model_name_or_path={tmp_path / 'model'}", "max_steps=1", "per_device_train_batch_size=8",
                  f"output_dir={tmp_path / 'out'}", f"dataset_dir={ROOT / 'examples' / 'data'}"]
     result = summary(hp_train(*overrides))  # tp=2: each rank reads its halves of the weights
-    config = load_config(QUICKSTART, overrides)
-    tokenizer = load_tokenizer(config.model_name_or_path)
-    ids, labels = next(TokenBatches(load_examples(config, tokenizer), 8, config.seed, tokenizer.pad_token_id))
+    ids, labels = first_batch(overrides)
     want = AutoModelForCausalLM.from_pretrained(tmp_path / "model")(input_ids=ids, labels=labels).loss.item()
     assert result["first_loss"] == pytest.approx(want, rel=1e-5)
 
@@ -201,23 +207,17 @@ def test_two_nodes_join_one_rendezvous(tmp_path):
 )
 def test_every_strategy_of_the_zoo_trains_through_hp_train(tmp_path, strategy, axis):
     """Same first loss as one device would give (the global batch is the same), bytes on the right axis."""
+    import torch
     from transformers import LlamaForCausalLM
 
-    from hp.train.config import load_config
-    from hp.train.data import TokenBatches, load_examples
     from hp.train.model import tiny_llama_config
-    from hp.train.tokenizer import load_tokenizer
+    from hp.train.tokenizer import ByteTokenizer
 
     overrides = [*strategy, "max_steps=1", "per_device_train_batch_size=4", f"output_dir={tmp_path}",
                  f"dataset_dir={ROOT / 'examples' / 'data'}"]
     result = summary(hp_train(*overrides))
-    config = load_config(QUICKSTART, overrides)
-    tokenizer = load_tokenizer(config.model_name_or_path)
-    batch = config.per_device_train_batch_size * config.parallel.dp
-    ids, labels = next(TokenBatches(load_examples(config, tokenizer), batch, config.seed, tokenizer.pad_token_id))
-    import torch
-
-    torch.manual_seed(config.seed)  # the embedded model's initial weights
-    want = LlamaForCausalLM(tiny_llama_config(tokenizer.vocab_size))(input_ids=ids, labels=labels).loss.item()
+    ids, labels = first_batch(overrides)
+    torch.manual_seed(42)  # the quickstart's seed: the embedded model's initial weights
+    want = LlamaForCausalLM(tiny_llama_config(ByteTokenizer().vocab_size))(input_ids=ids, labels=labels).loss.item()
     assert result["first_loss"] == pytest.approx(want, rel=1e-5)
     assert result["comm_bytes_per_step"][axis] > 0
