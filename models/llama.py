@@ -127,8 +127,9 @@ def parallelize_llama(model: nn.Module, mesh, strategy: Strategy | Mapping) -> n
     strategy = Strategy.parse(strategy)
     plan, inputs, outputs = layouts(strategy)
     if strategy.fsdp and strategy.dp > 1:
-        return _fully_shard(model, mesh, strategy, _present(plan, model), outputs)
-    hp.parallelize(model, mesh, _present(plan, model), inputs=inputs, outputs=outputs)
+        _fully_shard(model, mesh, strategy, _present(plan, model), outputs)
+    else:
+        hp.parallelize(model, mesh, _present(plan, model), inputs=inputs, outputs=outputs)
     if strategy.cp > 1:
         order = "head_tail" if strategy.cp_algorithm == "ring" else "contiguous"
         forward_inside(model, lambda: hp.context_parallel(strategy.cp_algorithm, order=order))
@@ -153,7 +154,7 @@ class _ScaleGradient(torch.autograd.Function):
 _BATCHED = {"input_ids", "inputs_embeds", "labels", "shift_labels", "attention_mask", "position_ids"}
 
 
-def _fully_shard(model: nn.Module, mesh, strategy: Strategy, plan: dict[str, str], outputs: dict) -> nn.Module:
+def _fully_shard(model: nn.Module, mesh, strategy: Strategy, plan: dict[str, str], outputs: dict) -> None:
     """FSDP2 over dp around the tp layout (on the mesh without dp); each decoder layer is one FSDP unit.
 
     Every rank still passes the global batch (as with plain dp) and keeps its dp slice. The
@@ -175,9 +176,10 @@ def _fully_shard(model: nn.Module, mesh, strategy: Strategy, plan: dict[str, str
 
     def before(mod, args, kwargs):
         kwargs = _as_keywords(signature, args, kwargs)
-        labels = kwargs.get("labels")
-        if labels is not None:
-            kwargs.setdefault("num_items_in_batch", int((labels[:, 1:] != -100).sum()))
+        if kwargs.get("shift_labels") is not None:  # already shifted (by _sequence_inputs)
+            kwargs.setdefault("num_items_in_batch", int((kwargs["shift_labels"] != -100).sum()))
+        elif kwargs.get("labels") is not None:
+            kwargs.setdefault("num_items_in_batch", int((kwargs["labels"][:, 1:] != -100).sum()))
         for key in _BATCHED & kwargs.keys():
             if kwargs[key] is None:
                 continue
@@ -196,7 +198,6 @@ def _fully_shard(model: nn.Module, mesh, strategy: Strategy, plan: dict[str, str
 
     model.register_forward_pre_hook(before, with_kwargs=True, prepend=True)
     model.register_forward_hook(after, with_kwargs=True)
-    return model
 
 
 def _sequence_inputs(model: nn.Module, strategy: Strategy) -> None:

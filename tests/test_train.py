@@ -203,6 +203,7 @@ def test_two_nodes_join_one_rendezvous(tmp_path):
         (["parallel.tp=1", "parallel.dp=2", "parallel.fsdp=true"], "dp"),
         (["parallel.tp=1", "parallel.cp=2", "parallel.cp_algorithm=ring"], "cp"),
         (["parallel.sp=true"], "tp"),
+        (["parallel.dp=2", "parallel.fsdp=true", "parallel.sp=true"], "tp"),
     ],
 )
 def test_every_strategy_of_the_zoo_trains_through_hp_train(tmp_path, strategy, axis):
