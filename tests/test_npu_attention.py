@@ -10,7 +10,6 @@ blocks, and the layouts handed back, values and gradients against one device.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
