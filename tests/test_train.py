@@ -126,6 +126,8 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint_usable(uninterrupt
         ("learning_rate=fast", "learning_rate = 'fast'"),
         ("stage=dpo", "stage = 'dpo'"),
         ("lr=1e-4", "lr"),
+        ("resume_from_checkpoint=/nonexistent/checkpoint-3",
+         "resume_from_checkpoint = '/nonexistent/checkpoint-3': /nonexistent/checkpoint-3 is not a complete hp checkpoint"),
     ],
 )
 def test_bad_configs_fail_before_any_worker_starts(tmp_path, override, message):

@@ -42,6 +42,7 @@ def launch(config_path: str, overrides: Sequence[str] = ()) -> int:
 def _preflight(config: TrainConfig) -> None:
     """Checks that need the filesystem, the model's config and its tokenizer, still before any worker starts."""
     from hp.device import available
+    from hp.train.checkpoint import require_complete
     from hp.train.model import check_fits, model_config
     from hp.train.tokenizer import load_tokenizer
 
@@ -54,6 +55,12 @@ def _preflight(config: TrainConfig) -> None:
             f"output_dir = {out!r} already holds a run; set overwrite_output_dir: true to start over "
             "or resume_from_checkpoint: last to continue it"
         )
+    resume = config.resume_from_checkpoint
+    if resume not in (None, "last"):
+        try:
+            require_complete(resume)
+        except FileNotFoundError as e:
+            raise ConfigError(f"resume_from_checkpoint = {resume!r}: {e}") from None
     try:
         tokenizer = load_tokenizer(config.model_name_or_path)
         check_fits(model_config(config.model_name_or_path, tokenizer.vocab_size), config.parallel.strategy())
