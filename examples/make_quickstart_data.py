@@ -1,26 +1,4 @@
-"""Write the quickstart dataset: uppercase six lowercase letters, in LlamaFactory's alpaca format.
-
-The quickstart must show learning within a couple of hundred optimizer
-steps of the embedded tiny Llama (2 layers, hidden 128, byte vocabulary) on
-two CPU cores, and the result must be checkable by eye. Uppercasing a fixed
-number of letters is such a task: each answer byte sits a fixed distance
-after its source byte, so one attention head with rotary positions can
-learn the lookup, while the random letters (26^6 strings) keep it from
-being memorized: held-out prompts come out right. With the default
-template an example is 43 tokens (41 bytes, bos and eos):
-
-    <bos>Human: uppercase\\nqwerty\\nAssistant: QWERTY<eos>
-
-The loss (mean over the 7 supervised tokens: 6 letters and eos) starts at
-about ln(259) = 5.6, sits near 3 (uppercase letters guessed at random,
-ln 26 = 3.3) for 50-100 steps while no head has found the lookup yet, then
-drops within a few dozen steps. Measured over 200 AdamW steps at batch 32
-(lr 3e-3 with 10 warmup steps and linear decay, lr 1e-3 and 2e-3 with cosine decay): below 0.2
-by step 100, 0.01-0.07 at the end, and greedy answers to 50 unseen prompts
-all exact. Batch 16 is noisier: lr 1e-3 (constant or cosine) ends at
-0.01-0.5 with all answers exact, but lr 3e-3 with cosine decay stayed on
-the plateau for all 200 steps. The files are seeded, so they are the same
-on every run:
+"""Write the quickstart dataset to examples/data/ (the task and why it suits: `hp.train.quickstart_data`).
 
     python examples/make_quickstart_data.py   # writes examples/data/{quickstart,dataset_info}.json
 """
@@ -28,37 +6,9 @@ on every run:
 from __future__ import annotations
 
 import argparse
-import json
-import random
-import string
 from pathlib import Path
 
-NAME = "quickstart"
-LETTERS = 6  # fixed: a constant offset between question and answer bytes is what makes it quick to learn
-
-
-def records(n: int, seed: int) -> list[dict[str, str]]:
-    """`n` alpaca records, the same for the same seed.
-
-    >>> records(1, 0)
-    [{'instruction': 'uppercase', 'input': 'mynbiq', 'output': 'MYNBIQ'}]
-    """
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        word = "".join(rng.choice(string.ascii_lowercase) for _ in range(LETTERS))
-        out.append({"instruction": "uppercase", "input": word, "output": word.upper()})
-    return out
-
-
-def write(out_dir: Path, n: int, seed: int) -> None:
-    """Write `quickstart.json` (one record a line, for readable diffs) and its `dataset_info.json`."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    lines = ",\n".join(json.dumps(r) for r in records(n, seed))
-    (out_dir / f"{NAME}.json").write_text(f"[\n{lines}\n]\n", encoding="utf-8")
-    columns = {"prompt": "instruction", "query": "input", "response": "output"}  # the defaults, spelled out
-    info = {NAME: {"file_name": f"{NAME}.json", "columns": columns}}
-    (out_dir / "dataset_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+from hp.train.quickstart_data import write
 
 
 def main() -> None:
@@ -67,8 +17,7 @@ def main() -> None:
     parser.add_argument("--num", type=int, default=2000, help="number of examples")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    write(args.out_dir, args.num, args.seed)
-    print(f"wrote {args.num} examples to {args.out_dir / (NAME + '.json')}")
+    print(f"wrote {args.num} examples to {write(args.out_dir, args.num, args.seed)}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@
 'f32[b=8/dp, h=16/tp]'
 """
 
+from hp import models_finder  # noqa: F401  first: lets a source tree, whose zoo sits beside hp/, import hp.models
 from hp.layouts import (
     Layout,
     LayoutError,

@@ -115,7 +115,7 @@ def test_measured_bytes_equal_the_formula(block, scheme, axes):
     assert tp2d.measure(blocks, scheme, axes, tokens) == want
 
 
-def test_the_issue_targets():
+def test_the_planner_reaches_the_target_reductions():
     llama = tp_plan.layer(4096, 32, 8, 14336)
     square = tp_plan.choose(tp_plan.square(4096), 8192, 8, schemes=("1d", "2d"))
     assert square.mesh == {"x": 2, "y": 4} and square.reduction >= 0.42

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,6 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hp.train import quickstart_data
 from hp.train.data import (
     IGNORE_INDEX, TEMPLATES, Conversation, TokenBatches, build_examples, collate, encode_conversation,
     encode_prompt, load_examples,
@@ -299,10 +299,7 @@ def test_quickstart_files_load_and_are_reproducible(tmp_path):
     prompt = masked_text(data[0])
     word = prompt.split("\n")[1]
     assert prompt == f"Human: uppercase\n{word}\nAssistant: " and supervised_text(data[0]) == word.upper()
-    spec = importlib.util.spec_from_file_location("make_quickstart_data", ROOT / "examples" / "make_quickstart_data.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    script.write(tmp_path, 2000, 0)
+    quickstart_data.write(tmp_path, 2000, 0)  # what examples/make_quickstart_data.py writes
     for name in ("quickstart.json", "dataset_info.json"):
         assert (tmp_path / name).read_bytes() == (data_dir / name).read_bytes()
     assert (data_dir / "quickstart.json").stat().st_size < 300_000
