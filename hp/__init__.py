@@ -27,10 +27,16 @@ from hp.ops.context_parallel import context_parallel
 from hp.parallelize import PlanError, parallelize
 from hp.region import region
 from hp.simulate import simulated
+from hp.strategy import Strategy, StrategyError
+from hp.model_plan import ModelPlan
+from hp.apply import apply_strategy, strategy_mesh
+from hp.data_parallel import reduce_gradients
 
 __all__ = [
-    "Layout", "LayoutError", "MeshError", "PlanError", "RuleError", "Rules", "StrictError", "explain", "strict", "constrain", "describe", "from_local",
-    "comm", "context_parallel", "layout", "layout_of", "mesh", "parallelize", "region", "rule", "rules", "shard", "simulated",
+    "Layout", "LayoutError", "MeshError", "ModelPlan", "PlanError", "RuleError", "Rules", "Strategy", "StrategyError",
+    "StrictError", "apply_strategy", "comm", "constrain", "context_parallel", "describe", "explain", "from_local",
+    "layout", "layout_of", "mesh", "parallelize", "reduce_gradients", "region", "rule", "rules", "shard", "simulated",
+    "strategy_mesh", "strict",
 ]
 
 from hp import comm, tp_plan  # noqa: E402  (hp.comm.trace(), hp.tp_plan.choose())

@@ -3,6 +3,9 @@
 A plan maps parameter-name globs to layouts (`{"*.q_proj.weight": "out/tp in"}`,
 first match wins); parameters no entry matches stay replicated, and an entry
 that matches nothing is an error (a typo would otherwise silently replicate).
+Tied parameters (an LM head sharing the embedding) are one tensor with
+several names: an entry for any of the names lays it out once, and two
+different layouts for its names are a `PlanError` naming both.
 Optional `inputs` and `outputs` lay out module arguments and results. The
 module's code is untouched: its forward runs inside `hp.region()`, so the
 plain tensors it makes are taken as replicated and the op rules do the rest.
@@ -56,19 +59,16 @@ def parallelize(
     """
     used: set[str] = set()
     replaced: dict[int, nn.Parameter] = {}
+    for names, param in _shared_names(module):
+        spec = _match_tied(plan, names, used)
+        try:
+            placed = _place(param.detach(), spec, mesh, rules)
+        except LayoutError as e:
+            raise PlanError(f"parameter '{names[0]}' of shape {tuple(param.shape)}: {e}") from None
+        replaced[id(param)] = keep_names(placed, nn.Parameter(placed, requires_grad=param.requires_grad))
     for name, param in list(module.named_parameters(remove_duplicate=False)):
         owner_name, _, attr = name.rpartition(".")
-        owner = module.get_submodule(owner_name)
-        if id(param) not in replaced:
-            spec = _match(plan, name, used)
-            try:
-                placed = _place(param.detach(), spec, mesh, rules)
-            except LayoutError as e:
-                raise PlanError(f"parameter '{name}' of shape {tuple(param.shape)}: {e}") from None
-            replaced[id(param)] = keep_names(
-                placed, nn.Parameter(placed, requires_grad=param.requires_grad)
-            )
-        setattr(owner, attr, replaced[id(param)])
+        setattr(module.get_submodule(owner_name), attr, replaced[id(param)])
     unused = [k for k in plan if k not in used]
     if unused:
         raise PlanError(f"hp.parallelize: plan entries {unused} match no parameter of {type(module).__name__}")
@@ -77,12 +77,31 @@ def parallelize(
     return module
 
 
-def _match(plan, name: str, used: set[str]) -> Layout:
+def _shared_names(module: nn.Module) -> list[tuple[list[str], nn.Parameter]]:
+    """Each parameter once, with every name it has (tied weights have several)."""
+    by_id: dict[int, tuple[list[str], nn.Parameter]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), ([], param))[0].append(name)
+    return list(by_id.values())
+
+
+def _match_tied(plan, names: list[str], used: set[str]) -> Layout:
+    """The layout the plan gives a parameter under any of its names; two different ones are an error."""
+    found = {name: _match(plan, name, used) for name in names}
+    given = {name: spec for name, spec in found.items() if spec is not None}
+    if len({str(spec) for spec in given.values()}) > 1:
+        shown = ", ".join(f"'{name}' -> '{spec}'" for name, spec in given.items())
+        raise PlanError(f"hp.parallelize: tied parameters get different layouts ({shown}); "
+                        "they are one tensor: give one layout (or name only one of them)")
+    return next(iter(given.values()), layout("..."))
+
+
+def _match(plan, name: str, used: set[str]) -> Layout | None:
     for pattern, spec in plan.items():
         if fnmatch.fnmatchcase(name, pattern):
             used.add(pattern)
             return layout(spec)
-    return layout("...")
+    return None
 
 
 def _place(t: torch.Tensor, spec: Layout, mesh: DeviceMesh, rules) -> DTensor:

@@ -1,5 +1,46 @@
-"""hp.models: the reference model zoo (plans for HF Llama, Qwen-MoE, Qwen-VL).
+"""hp.models: the reference model zoo, one plan per HF model family.
 
-Installed as the subpackage `hp.models`; the plans land with the issues that
-build them.
+`plan_for(config)` picks the plan of an HF config's `model_type`;
+`hp.apply_strategy(model, mesh, strategy, plan)` applies any strategy with
+it. A plan is data (`hp.ModelPlan`): parameter layouts and module names.
+
+>>> from hp.models import plan_for_type, supported
+>>> plan_for_type("mistral").residual
+('*.self_attn.o_proj', '*.mlp.down_proj')
+>>> "phi3" in supported()
+True
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+from hp.model_plan import ModelPlan
+from hp.models import llama, phi3
+from hp.models.tiny import FAMILIES, tiny_config
+
+__all__ = ["FAMILIES", "plan_for", "plan_for_type", "supported", "tiny_config"]
+
+_PLANS: dict[str, ModelPlan] = {
+    **{t: llama.PLAN for t in llama.MODEL_TYPES},
+    **{t: phi3.PLAN for t in phi3.MODEL_TYPES},
+}
+
+
+def supported() -> tuple[str, ...]:
+    """The HF `model_type`s the zoo has a plan for."""
+    return tuple(_PLANS)
+
+
+def plan_for_type(model_type: str) -> ModelPlan:
+    """The plan of an HF `model_type`; a ValueError naming the supported ones otherwise."""
+    plan = _PLANS.get(model_type)
+    if plan is None:
+        raise ValueError(f"no model plan for model_type {model_type!r}; hp.models has plans for "
+                         f"{', '.join(supported())}")
+    return plan
+
+
+def plan_for(config: Any) -> ModelPlan:
+    """The plan of an HF config (by its `model_type`)."""
+    return plan_for_type(config.model_type)

@@ -56,7 +56,7 @@ def context_parallel(algorithm: str = "ulysses", *, order: str = "contiguous"):
         _ALGORITHM.reset(token)
 
 
-def _swap(t: torch.Tensor, group, parts: int, heads_to_seq: bool) -> torch.Tensor:
+def swap_heads_and_sequence(t: torch.Tensor, group, parts: int, heads_to_seq: bool) -> torch.Tensor:
     """(b, h, s/p, d) -> (b, h/p, s, d) when heads_to_seq, else the inverse, by one all-to-all."""
     b, h, s, d = t.shape
     if heads_to_seq:
@@ -92,9 +92,9 @@ def sequence_parallel_attention(
         args = (group, mesh.get_local_rank(axis), parts, order, is_causal, scale)
         out = RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), *args)
         return to_dtensor(out, mesh, query.placements, query.shape, dim_order=(0, 2, 1, 3))
-    q, k, v = (_swap(t, group, parts, heads_to_seq=True) for t in (q, k, v))
+    q, k, v = (swap_heads_and_sequence(t, group, parts, heads_to_seq=True) for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    return to_dtensor(_swap(out, group, parts, heads_to_seq=False), mesh, query.placements, query.shape)
+    return to_dtensor(swap_heads_and_sequence(out, group, parts, heads_to_seq=False), mesh, query.placements, query.shape)
 
 
 def _unsupported(query, key, value, attn_mask, dropout_p, enable_gqa, algorithm) -> str | None:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from hp.ops.local import to_dtensor
+from hp.ops.local import local_block, to_dtensor
 
 
 def vocab_parallel_embedding(
@@ -43,7 +43,9 @@ def vocab_parallel_embedding(
     rows = weight.shape[0] // mesh.size(axis)
     start = mesh.get_coordinate()[axis] * rows
     local_ids, mine = _local_ids(ids, start, rows)
-    out = F.embedding(local_ids, weight.to_local()) * mine.unsqueeze(-1).to(weight.dtype)
+    # ids split over other axes (data parallel): the table's gradient is a pending sum there
+    split = [m for m, p in enumerate(id_placements) if isinstance(p, Shard)]
+    out = F.embedding(local_ids, local_block(weight, split)) * mine.unsqueeze(-1).to(weight.dtype)
     if padding_idx is not None:  # the padding row is looked up but never trained
         pad = (input.to_local() if isinstance(input, DTensor) else input) == padding_idx % weight.shape[0]
         out = torch.where(pad.unsqueeze(-1), out.detach(), out)

@@ -8,8 +8,9 @@ N times from N ranks. So the whole file is read, command-line overrides are
 applied, and every key is checked here, in plain Python: this module imports
 neither torch nor torch.distributed and does no distributed work. What comes
 out is a frozen `TrainConfig` whose values are already of the right type and
-range, and whose `parallel.strategy()` is the dict that `hp.models.llama`
-takes.
+range, and whose `parallel` is the `hp.Strategy` that the launcher, the
+trainer and the model plans take (`hp.Strategy` checks the parallel rules
+themselves; this module says where a refused value came from).
 
 The keys are LlamaFactory's (`model_name_or_path`, `stage`, `dataset`,
 `cutoff_len`, `learning_rate`, ...), plus a `parallel:` section (dp, tp, cp,
@@ -38,9 +39,11 @@ from typing import Any
 
 import yaml
 
+from hp.strategy import CP_ALGORITHMS, Strategy, StrategyError
+
 __all__ = [
-    "ACTIVATION_MODES", "CP_ALGORITHMS", "DEVICES", "SCHEDULERS", "STAGES", "TEMPLATES",
-    "ConfigError", "ParallelConfig", "TrainConfig",
+    "ACTIVATION_MODES", "DEVICES", "SCHEDULERS", "STAGES", "TEMPLATES",
+    "ConfigError", "TrainConfig",
     "apply_overrides", "load_config", "read_hyper_parallel_args", "to_dict", "validate",
 ]
 
@@ -48,48 +51,14 @@ STAGES = ("pt", "sft")  # training stages hp train runs; LlamaFactory's rm, ppo,
 TEMPLATES = ("default", "empty", "alpaca")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 DEVICES = ("auto", "cpu", "cuda", "npu")
-CP_ALGORITHMS = ("ulysses", "ring")  # = hp.ops.context_parallel.ALGORITHMS (not imported: it imports torch)
 ACTIVATION_MODES = ("none", "recompute", "swap")  # what LlamaFactory's HyperParallel does with activations
+# The strategy fields each activation mode sets.
+_ACTIVATION_FIELDS = {"none": {}, "recompute": {"recompute": True}, "swap": {"offload": "host"}}
 RESUME_LAST = "last"  # resume_from_checkpoint: the newest complete checkpoint in output_dir
 
 
 class ConfigError(ValueError):
     """A training configuration that cannot run: the message names the key, the value and what is allowed."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ParallelConfig:
-    """The `parallel:` section: how the model is laid out over the workers.
-
-    `strategy()` is what the Llama zoo (`hp.models.llama.Strategy`) takes. `ep`,
-    `tp2d`, `offload` and activation recompute/swap are part of the design but
-    refused by `validate` until they are built.
-    """
-
-    dp: int = 1  # data parallel: the batch is split over dp ranks
-    tp: int = 1  # tensor parallel (Megatron) degree
-    cp: int = 1  # context parallel: the sequence is split over cp ranks
-    cp_algorithm: str = "ulysses"  # one of CP_ALGORITHMS
-    sp: bool = False  # sequence parallel over tp (residual stream split by tokens)
-    ep: int = 1  # expert parallel degree (needs an MoE model)
-    tp2d: bool | None = None  # 2D tensor parallel (None: not asked for)
-    fsdp: bool = False  # FSDP2 on the dp axis
-    offload: str | None = None  # hp.offload memory tier (None: no offload)
-    activation_mode: str = "none"  # one of ACTIVATION_MODES
-
-    @property
-    def world_size(self) -> int:
-        """Ranks the layout needs: dp * cp * tp."""
-        return self.dp * self.cp * self.tp
-
-    def strategy(self) -> dict[str, Any]:
-        """The dict `hp.models.llama` takes (keys dp, cp, tp, sp, cp_algorithm, fsdp).
-
-        >>> ParallelConfig(dp=2, tp=2, sp=True).strategy()
-        {'dp': 2, 'cp': 1, 'tp': 2, 'sp': True, 'cp_algorithm': 'ulysses', 'fsdp': False}
-        """
-        return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "sp": self.sp,
-                "cp_algorithm": self.cp_algorithm, "fsdp": self.fsdp}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,7 +105,7 @@ class TrainConfig:
     bf16: bool = False
     seed: int = 42
     # parallel
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    parallel: Strategy = field(default_factory=Strategy)
     use_hyper_parallel: bool = False
     hyper_parallel_args: Mapping[str, Any] | None = None
     # launch
@@ -227,6 +196,7 @@ _PARALLEL_RULES: dict[str, _Rule] = {
     "tp2d": _Rule("bool", optional=True),
     "fsdp": _Rule("bool"),
     "offload": _Rule("str", optional=True),
+    "recompute": _Rule("bool"),
     "activation_mode": _Rule("str", choices=ACTIVATION_MODES),
 }
 
@@ -238,7 +208,7 @@ _HYPER_RULES: dict[str, _Rule] = {
     "fsdp_size": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
     "activation_mode": _Rule("str", choices=ACTIVATION_MODES),
 }
-_HYPER_TO_PARALLEL = {"tp_size": "tp", "cp_size": "cp", "ep_size": "ep", "activation_mode": "activation_mode"}
+_HYPER_TO_PARALLEL = {"tp_size": "tp", "cp_size": "cp", "ep_size": "ep"}
 
 # Keys of LlamaFactory (or its HyperParallel JSON) that hp train knows but does not take yet.
 _NOT_YET = {
@@ -362,7 +332,7 @@ def validate(raw: Mapping[str, Any] | None, *, base_dir: str | os.PathLike | Non
 
     >>> cfg = validate({"model_name_or_path": "hp/tiny-llama", "dataset": "alpaca_en_demo",
     ...                 "output_dir": "out", "learning_rate": "1e-4", "parallel": {"dp": 2, "tp": 2}})
-    >>> cfg.learning_rate, cfg.nproc_per_node, cfg.parallel.strategy()["tp"]
+    >>> cfg.learning_rate, cfg.nproc_per_node, cfg.parallel.tp
     (0.0001, 4, 2)
     >>> validate({"model_name_or_path": "m", "dataset": "d", "output_dir": "o", "learnig_rate": 1e-4})
     Traceback (most recent call last):
@@ -452,46 +422,36 @@ def read_hyper_parallel_args(path: str | os.PathLike, base_dir: str | os.PathLik
     return args
 
 
-def _parallel(given: dict[str, Any], hyper: dict[str, Any] | None) -> ParallelConfig:
-    """The parallel section with hyper_parallel_args folded in; refuses what is not built yet."""
-    values = dict(given)
-    source = {key: (f"parallel.{key}", value) for key, value in given.items()}  # where each value came from
-    for hyper_key, value in (hyper or {}).items():
-        if hyper_key == "fsdp_size":
-            if value == 1:
-                continue
-            implied = {"dp": value, "fsdp": True}
-        else:
-            implied = {_HYPER_TO_PARALLEL[hyper_key]: value}
-        for key, wanted in implied.items():
-            if key in given and given[key] != wanted:
-                raise ConfigError(
-                    f"parallel.{key} = {given[key]!r} conflicts with hyper_parallel_args.{hyper_key} = {value!r}"
-                    f" (which sets {key} = {wanted!r}): expected the same value, or the degree set in one place")
-            values[key] = wanted
-            source[key] = (f"hyper_parallel_args.{hyper_key}", value)
-    parallel = ParallelConfig(**values)
+def _parallel(given: dict[str, Any], hyper: dict[str, Any] | None) -> Strategy:
+    """The parallel section with hyper_parallel_args folded in, as a checked `hp.Strategy`."""
+    values: dict[str, Any] = {}
+    source: dict[str, tuple[str, Any]] = {}  # strategy field -> (the key that set it, the value given there)
+    for section, pairs in (("parallel", given.items()), ("hyper_parallel_args", (hyper or {}).items())):
+        for key, value in pairs:
+            for name, wanted in _strategy_fields(key, value).items():
+                if name in values and values[name] != wanted:
+                    first, first_value = source[name]
+                    raise ConfigError(
+                        f"{first} = {first_value!r} conflicts with {section}.{key} = {value!r} (which sets {name} = "
+                        f"{wanted!r}): expected the same value, or the degree set in one place")
+                values[name] = wanted
+                source.setdefault(name, (f"{section}.{key}", value))
+    try:
+        return Strategy(**values)
+    except StrategyError as e:
+        name, value = source.get(e.key, (f"parallel.{e.key}", e.value))
+        raise ConfigError(f"{name} = {value!r}{e.problem}") from None
 
-    def named(key: str) -> str:
-        name, value = source.get(key, (f"parallel.{key}", getattr(parallel, key)))
-        return f"{name} = {value!r}"
 
-    if parallel.ep > 1:
-        raise ConfigError(f"{named('ep')}: expert parallel is not available yet (it needs an MoE model; the Llama zoo "
-                          "has none yet); expected 1")
-    if parallel.tp2d:
-        raise ConfigError(f"{named('tp2d')}: 2D tensor parallel is not available in hp train yet (the Llama zoo's "
-                          "strategy has no 2D TP); expected false or null")
-    if parallel.offload is not None:
-        raise ConfigError(f"{named('offload')}: offload is not available yet (hp.offload is not built yet); "
-                          "expected null")
-    if parallel.activation_mode != "none":
-        raise ConfigError(f"{named('activation_mode')}: activation {parallel.activation_mode} is not available yet "
-                          "(recompute and swap land with hp.offload); expected 'none'")
-    if parallel.fsdp and parallel.cp > 1:
-        raise ConfigError(f"{named('fsdp')} with {named('cp')}: FSDP together with context parallel is not supported "
-                          "by the Llama zoo yet; expected fsdp false when cp > 1 (dp without fsdp works alongside cp)")
-    return parallel
+def _strategy_fields(key: str, value: Any) -> dict[str, Any]:
+    """The strategy fields that one parallel or hyper_parallel_args key sets."""
+    if key == "activation_mode":
+        return _ACTIVATION_FIELDS[value]
+    if key == "fsdp_size":
+        return {} if value == 1 else {"dp": value, "fsdp": True}
+    if key == "tp2d":
+        return {"tp2d": bool(value)}
+    return {_HYPER_TO_PARALLEL.get(key, key): value}
 
 
 def _check_training(config: TrainConfig) -> None:
@@ -628,8 +588,8 @@ def to_dict(config: TrainConfig) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
-        if isinstance(value, ParallelConfig):
-            value = dataclasses.asdict(value)
+        if isinstance(value, Strategy):
+            value = value.as_dict()
         elif isinstance(value, Mapping):
             value = dict(value)
         out[f.name] = value

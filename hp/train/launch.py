@@ -63,7 +63,7 @@ def _preflight(config: TrainConfig) -> None:
             raise ConfigError(f"resume_from_checkpoint = {resume!r}: {e}") from None
     try:
         tokenizer = load_tokenizer(config.model_name_or_path)
-        check_fits(model_config(config.model_name_or_path, tokenizer.vocab_size), config.parallel.strategy())
+        check_fits(model_config(config.model_name_or_path, tokenizer.vocab_size), config.parallel)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

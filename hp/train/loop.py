@@ -49,10 +49,8 @@ def train(config: TrainConfig) -> dict:
 
     >>> # see `hp train examples/quickstart.yaml`; tests/test_train.py runs short configs
     """
-    from hp.models.llama import reduce_gradients, strategy_mesh
-
-    strategy = config.parallel.strategy()
-    mesh = strategy_mesh(strategy)
+    strategy = config.parallel
+    mesh = hp.strategy_mesh(strategy)
     tokenizer = load_tokenizer(config.model_name_or_path)
     examples = load_examples(config, tokenizer)
     dp = config.parallel.dp
@@ -72,7 +70,7 @@ def train(config: TrainConfig) -> dict:
         start = time.perf_counter()
         with hp.comm.trace() if step == first else nullcontext() as trace:  # every step moves the same bytes
             loss, tokens = _step(model, batches, config, device)
-            reduce_gradients(model)
+            hp.reduce_gradients(model)
             if config.max_grad_norm is not None:
                 clip_gradients(model.parameters(), config.max_grad_norm)
             optimizer.step()

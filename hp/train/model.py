@@ -2,7 +2,9 @@
 
 `hp/tiny-llama` is a small Llama built from a config in code (no download),
 sized for the byte-level tokenizer. A local directory (config.json and
-safetensors) is built on the meta device, laid out by the strategy, and then
+safetensors) of any family in the zoo (`hp.models.supported()`, picked by the
+config's `model_type`) is built on the meta device, laid out by the strategy
+with its family's plan, and then
 each rank reads only its own blocks of the weights from the safetensors files
 (`torch.distributed.checkpoint` with its HF reader), so a model larger than
 one rank's memory still loads.
@@ -11,10 +13,13 @@ one rank's memory still loads.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 
 import torch
 from torch import nn
+
+from hp.apply import apply_strategy
+from hp.strategy import Strategy, StrategyError
+from hp.train.config import ConfigError
 
 TINY_LLAMA = "hp/tiny-llama"
 
@@ -50,49 +55,48 @@ def model_config(name_or_path: str, vocab_size: int):
     return config
 
 
-def check_fits(config, strategy: Mapping) -> None:
-    """Refuse a strategy the model's shapes cannot take, naming the parallel key and the shape.
+def check_fits(config, strategy: Strategy) -> None:
+    """Refuse a model the zoo has no plan for, or a strategy its shapes cannot take, naming both.
 
-    >>> check_fits(tiny_llama_config(259), {"tp": 3})
+    >>> check_fits(tiny_llama_config(259), Strategy(tp=3))
     Traceback (most recent call last):
     ...
-    ValueError: parallel.tp = 3 does not divide num_attention_heads = 4 of the model
+    hp.train.config.ConfigError: parallel.tp = 3 does not divide num_attention_heads = 4 of the model
     """
-    tp, cp = strategy.get("tp", 1), strategy.get("cp", 1)
-    sizes = {"num_attention_heads": config.num_attention_heads, "intermediate_size": config.intermediate_size,
-             "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
-    for name, size in sizes.items():
-        if size % tp:
-            raise ValueError(f"parallel.tp = {tp} does not divide {name} = {size} of the model")
-    if cp > 1 and strategy.get("cp_algorithm", "ulysses") == "ulysses":
-        for name in ("num_attention_heads", "num_key_value_heads"):
-            if (sizes[name] // tp) % cp:
-                raise ValueError(
-                    f"parallel.cp = {cp} (Ulysses) does not divide the {sizes[name] // tp} heads per tp rank "
-                    f"({name}); use parallel.cp_algorithm: ring"
-                )
+    from hp.models import plan_for
+
+    try:
+        plan_for(config)
+    except ValueError as e:
+        raise ConfigError(f"model_name_or_path: {e}") from None
+    try:
+        strategy.check_fits(config)
+    except StrategyError as e:
+        raise ConfigError(f"parallel.{e}") from None
 
 
-def build_model(name_or_path: str, vocab_size: int, mesh, strategy: Mapping, *, seed: int) -> nn.Module:
-    """The model of `name_or_path`, parallelized by `strategy` on `mesh`, on the mesh's device.
+def build_model(name_or_path: str, vocab_size: int, mesh, strategy: Strategy, *, seed: int) -> nn.Module:
+    """The model of `name_or_path`, laid out by `strategy` on `mesh` with its family's plan, on the mesh's device.
 
     >>> import hp
     >>> mesh = hp.mesh(tp=1, simulate=True)
-    >>> model = build_model("hp/tiny-llama", 259, mesh, {}, seed=0)
+    >>> model = build_model("hp/tiny-llama", 259, mesh, Strategy(), seed=0)
     >>> model.config.hidden_size
     128
     """
-    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from hp.models.llama import parallelize_llama
+    from hp.models import plan_for
 
     config = model_config(name_or_path, vocab_size)
+    plan = plan_for(config)
     if name_or_path == TINY_LLAMA:
         torch.manual_seed(seed)  # the same initial weights on every rank and in every run
-        return parallelize_llama(LlamaForCausalLM(config), mesh, strategy).to(mesh.device_type)
+        model = AutoModelForCausalLM.from_config(config)
+        return apply_strategy(model, mesh, strategy, plan).to(mesh.device_type)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    parallelize_llama(model, mesh, strategy)
+    apply_strategy(model, mesh, strategy, plan)
     model.to_empty(device=mesh.device_type)
     _reset_rotary(model)
     load_safetensors(model, name_or_path)

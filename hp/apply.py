@@ -1,0 +1,117 @@
+"""`hp.apply_strategy`: one strategy, applied the same way to any model plan.
+
+This is where a `hp.Strategy` meets a `hp.ModelPlan`: the mesh of the
+strategy's axes, the plan's tensor-parallel layouts (only when tp > 1), the
+residual stream's layout at every module the plan says adds to it (so a
+row-parallel projection's pending sum is reduced there, once: an all-reduce,
+or a reduce-scatter under sequence parallel, whatever norm follows it), the
+batch and sequence splits of the inputs, context-parallel attention, the
+sequence preparation of `hp.sequence`, and FSDP or the dp/cp gradient
+reduction of `hp.data_parallel`. Nothing here knows a model family.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from hp.data_parallel import fully_shard_model
+from hp.hf_attention import ulysses_around_attention, uses_sdpa
+from hp.mesh import mesh as make_mesh
+from hp.model_plan import ModelPlan
+from hp.ops.context_parallel import context_parallel
+from hp.parallelize import forward_inside, parallelize
+from hp.sequence import prepare_sequences
+from hp.strategy import Strategy, StrategyError
+
+
+def strategy_mesh(strategy: Strategy | Mapping[str, Any], *, simulate: bool = False):
+    """The named mesh a strategy runs on: its dp, cp and tp axes of size > 1.
+
+    >>> import hp
+    >>> hp.strategy_mesh({"dp": 2, "tp": 2}, simulate=True).mesh_dim_names
+    ('dp', 'tp')
+    """
+    return make_mesh(**Strategy.of(strategy).mesh_axes, simulate=simulate)
+
+
+def layouts(strategy: Strategy, plan: ModelPlan) -> tuple[dict[str, str], dict, dict]:
+    """(parameter layouts, input layouts, output layouts) that `hp.parallelize` applies.
+
+    Under FSDP the layouts live on the mesh without dp (FSDP owns that axis,
+    and each rank feeds its own batch slice), so they never name dp.
+
+    >>> from hp.models import plan_for_type
+    >>> params, inputs, outputs = layouts(Strategy(tp=2, sp=True), plan_for_type("llama"))
+    >>> outputs["model.embed_tokens"], outputs["*.self_attn.o_proj"]
+    ('b s/tp h', 'b s/tp h')
+    """
+    batch = "b/dp" if strategy.dp > 1 and not strategy.fsdp else "b"
+    seq = "s/cp" if strategy.cp > 1 else "s"
+    tokens = f"{batch} {seq}"
+    split = batch != "b" or strategy.cp > 1
+    inputs = {"": {"input_ids": tokens, "labels": tokens, "shift_labels": tokens}} if split else {}
+    if strategy.tp == 1:
+        return {}, inputs, {}
+    residual = f"{tokens}/tp h" if strategy.sequence_parallel else f"{tokens} h"
+    # The embedding starts the residual stream: a vocab-parallel (tied) one hands back a pending sum.
+    outputs = {name: residual for name in (plan.embedding, *plan.residual)}
+    return dict(plan.params), inputs, outputs
+
+
+def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any], plan: ModelPlan) -> nn.Module:
+    """`model` laid out in place by `strategy` on `mesh` (from `strategy_mesh`), as `plan` describes it.
+
+    To simulate ranks with real values, apply inside `hp.simulated(mesh)`, so each simulated
+    rank keeps its own blocks.
+
+    >>> import hp
+    >>> from hp.models import plan_for, tiny_config
+    >>> from transformers import AutoModelForCausalLM
+    >>> config = tiny_config("llama", layers=1)
+    >>> mesh = hp.strategy_mesh({"tp": 2, "sp": True}, simulate=True)
+    >>> with hp.simulated(mesh):
+    ...     model = hp.apply_strategy(AutoModelForCausalLM.from_config(config), mesh, {"tp": 2, "sp": True},
+    ...                               plan_for(config))
+    ...     print(hp.describe(model.model.layers[0].self_attn.o_proj.weight))
+    f32[out=64, in=64/tp]
+    """
+    strategy = Strategy.of(strategy)
+    params, inputs, outputs = layouts(strategy, plan)
+    params = _present(params, model)
+    if strategy.fsdp and strategy.dp > 1:
+        fully_shard_model(model, mesh, list(model.get_submodule(plan.blocks)), params, _present_modules(outputs, model))
+    else:
+        parallelize(model, mesh, params, inputs=inputs, outputs=_present_modules(outputs, model))
+    if strategy.cp > 1:
+        _context_parallel_attention(model, strategy)
+    if strategy.splits_sequence:
+        prepare_sequences(model, strategy, plan)
+    return model
+
+
+def _context_parallel_attention(model: nn.Module, strategy: Strategy) -> None:
+    """SDPA runs on hp's ring or Ulysses kernels; any other attention, Ulysses around it."""
+    if not uses_sdpa(model):
+        if strategy.ring:
+            raise StrategyError("cp_algorithm", "ring", f": ring attention needs SDPA attention, and this "
+                                f"{type(model).__name__} runs '{model.config._attn_implementation}' attention; "
+                                "use cp_algorithm ulysses")
+        ulysses_around_attention(model)
+    order = "head_tail" if strategy.ring else "contiguous"
+    forward_inside(model, lambda: context_parallel(strategy.cp_algorithm, order=order))
+
+
+def _present(params: dict[str, str], model: nn.Module) -> dict[str, str]:
+    """The plan entries that match some parameter (a family's optional biases, say)."""
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    return {k: v for k, v in params.items() if any(fnmatch.fnmatchcase(n, k) for n in names)}
+
+
+def _present_modules(outputs: dict[str, str], model: nn.Module) -> dict[str, str]:
+    """The output entries that match some module."""
+    names = [n for n, _ in model.named_modules()]
+    return {k: v for k, v in outputs.items() if any(fnmatch.fnmatchcase(n, k) for n in names)}

@@ -1,0 +1,51 @@
+"""`hp.ModelPlan`: what is particular to one model family, as data.
+
+A strategy (`hp.Strategy`) says how much of each parallelism to use; a model
+plan says what that means for one family's modules: the tensor-parallel
+layouts of its parameters (Megatron's, written in the layout notation), which
+modules add their output to the residual stream (so their pending sums are
+resolved into the stream's layout right there, whatever norm follows), and
+where the decoder blocks, the embedding, the head and the rotary embedding
+live. Everything else (the mesh, FSDP, sequence preparation, gradient
+reduction, batch slicing) is the same for every family and lives in
+`hp.apply_strategy`. A plan is torch-free and compares by value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """One family's layouts and module names.
+
+    `params` maps parameter-name globs to layouts for tensor parallel over the
+    mesh axis `tp` (first match wins; entries that match nothing in a given
+    model, such as optional biases, are skipped). `residual` lists globs of
+    modules whose output joins the residual stream (the row-parallel
+    projections). `blocks` is the `nn.ModuleList` of decoder layers (one FSDP
+    unit each), `embedding` the token embedding, `rotary` the module that
+    returns RoPE's `(cos, sin)` (permuted with the tokens under ring
+    attention; None when the family has none).
+
+    >>> import hp
+    >>> plan = hp.ModelPlan(params={"*.q_proj.weight": "out/tp in"}, residual=("*.o_proj",))
+    >>> plan.blocks, plan.params["*.q_proj.weight"]
+    ('model.layers', 'out/tp in')
+    """
+
+    params: Mapping[str, str]
+    residual: tuple[str, ...] = ()
+    blocks: str = "model.layers"
+    embedding: str = "model.embed_tokens"
+    rotary: str | None = "model.rotary_emb"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+        object.__setattr__(self, "residual", tuple(self.residual))
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.params.items()), self.residual, self.blocks, self.embedding, self.rotary))

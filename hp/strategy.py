@@ -1,0 +1,191 @@
+"""`hp.Strategy`: how a model is parallelized, as one typed value checked once.
+
+A strategy names the degrees of each kind of parallelism (data, context,
+tensor, expert), the algorithms and switches that go with them (sequence
+parallel, ring or Ulysses attention, FSDP on the data axis, offload,
+recompute) and nothing about any particular model. The trainer, the launcher
+and every model plan take the same value: it is built and validated here, in
+plain Python (no torch), so that `hp train` can refuse a bad strategy before
+any worker starts. What a strategy means for a model's shapes (a tp that does
+not divide the heads, say) is checked by `Strategy.check_fits`, given the
+model's config, also before any worker starts.
+
+Every refusal is a `StrategyError` whose `key` names the field, so a caller
+that read the strategy from somewhere else (a YAML section, HyperParallel's
+JSON) can say where the value came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+CP_ALGORITHMS = ("ulysses", "ring")  # how attention runs on a sequence split over cp
+MESH_AXES = ("dp", "cp", "tp")  # mesh order: data outermost, tensor innermost (neighbouring ranks)
+OFFLOAD_TIERS = ("host", "disk")
+
+
+class StrategyError(ValueError):
+    """A strategy that cannot run: `key = value` of the field at fault, then `problem`.
+
+    A caller that read the value under another name re-words the start and keeps `problem`.
+    """
+
+    def __init__(self, key: str, value: Any, problem: str) -> None:
+        super().__init__(f"{key} = {value!r}{problem}")
+        self.key, self.value, self.problem = key, value, problem
+
+
+@dataclass(frozen=True, kw_only=True)
+class Strategy:
+    """Degrees and switches of a parallel layout; validated on construction.
+
+    >>> import hp
+    >>> s = hp.Strategy(dp=2, tp=2, sp=True)
+    >>> s.world_size, s.mesh_axes, s.sequence_chunks
+    (4, {'dp': 2, 'tp': 2}, 2)
+    >>> hp.Strategy(cp=2, cp_algorithm="flash")
+    Traceback (most recent call last):
+    ...
+    hp.strategy.StrategyError: cp_algorithm = 'flash': expected one of 'ulysses', 'ring'
+    """
+
+    dp: int = 1  # data parallel: the batch is split over dp ranks
+    cp: int = 1  # context parallel: the sequence is split over cp ranks
+    tp: int = 1  # tensor parallel (Megatron) degree
+    sp: bool = False  # sequence parallel over tp: the residual stream is split by tokens
+    cp_algorithm: str = "ulysses"  # one of CP_ALGORITHMS
+    fsdp: bool = False  # FSDP2 shards parameters over dp instead of replicating them
+    ep: int = 1  # expert parallel degree (MoE models)
+    tp2d: bool = False  # 2D tensor parallel
+    offload: str | None = None  # hp.offload tier for what does not fit (None: nothing offloaded)
+    recompute: bool = False  # recompute activations in backward instead of saving them
+
+    def __post_init__(self) -> None:
+        for key in ("dp", "cp", "tp", "ep"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise StrategyError(key, value, ": expected an integer >= 1")
+        for key in ("sp", "fsdp", "tp2d", "recompute"):
+            if not isinstance(getattr(self, key), bool):
+                raise StrategyError(key, getattr(self, key), ": expected true or false")
+        if self.cp_algorithm not in CP_ALGORITHMS:
+            raise StrategyError("cp_algorithm", self.cp_algorithm, f": expected {_one_of(CP_ALGORITHMS)}")
+        if self.offload is not None and self.offload not in OFFLOAD_TIERS:
+            raise StrategyError("offload", self.offload, f": expected {_one_of(OFFLOAD_TIERS)} or null")
+        self._refuse_what_is_not_built()
+
+    def _refuse_what_is_not_built(self) -> None:
+        if self.ep > 1:
+            raise StrategyError("ep", self.ep, ": expert parallel is not available yet; expected 1")
+        if self.tp2d:
+            raise StrategyError("tp2d", True, ": 2D tensor parallel is not available as a strategy yet "
+                                "(lay models out with hp.tp_plan and hp.parallelize); expected false")
+        if self.offload is not None:
+            raise StrategyError("offload", self.offload, ": activation swap and offload are not available yet "
+                                "(hp.offload is not built yet)")
+        if self.recompute:
+            raise StrategyError("recompute", True, ": activation recompute is not available yet")
+        if self.fsdp and self.cp > 1:
+            raise StrategyError("fsdp", True, f" with cp = {self.cp}: FSDP together with context parallel is not "
+                                "supported yet; expected fsdp false when cp > 1 (dp without fsdp works alongside cp)")
+
+    @classmethod
+    def of(cls, spec: Strategy | Mapping[str, Any] | None) -> Strategy:
+        """A Strategy from itself, a mapping of its fields, or None (one device).
+
+        >>> Strategy.of({"tp": 2, "sp": True}) == Strategy(tp=2, sp=True)
+        True
+        >>> Strategy.of({"pp": 2})
+        Traceback (most recent call last):
+        ...
+        hp.strategy.StrategyError: pp = 2: unknown strategy key; expected one of dp, cp, tp, sp, cp_algorithm, fsdp, ep, tp2d, offload, recompute
+        """
+        if spec is None:
+            return cls()
+        if isinstance(spec, Strategy):
+            return spec
+        for key, value in spec.items():
+            if key not in FIELDS:
+                raise StrategyError(str(key), value, f": unknown strategy key; expected one of {', '.join(FIELDS)}")
+        return cls(**spec)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields, in order (what `Strategy.of` takes back)."""
+        return dataclasses.asdict(self)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the layout needs: dp * cp * tp."""
+        return self.dp * self.cp * self.tp
+
+    @property
+    def mesh_axes(self) -> dict[str, int]:
+        """The mesh's axes: those of size > 1, in mesh order (`{"tp": 1}` for one device).
+
+        Only axes that split something exist: DTensor's redistribution planner
+        slows down sharply with idle size-1 axes.
+        """
+        degrees = {"dp": self.dp, "cp": self.cp, "tp": self.tp}
+        return {name: n for name, n in degrees.items() if n > 1} or {"tp": 1}
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the residual stream is split by tokens over tp."""
+        return self.sp and self.tp > 1
+
+    @property
+    def ring(self) -> bool:
+        """Whether attention runs as ring attention (in head-tail order)."""
+        return self.cp > 1 and self.cp_algorithm == "ring"
+
+    @property
+    def sequence_chunks(self) -> int:
+        """What the sequence length must be a multiple of: cp (2 cp for ring), times tp with sp."""
+        return self.cp * (2 if self.ring else 1) * (self.tp if self.sequence_parallel else 1)
+
+    @property
+    def splits_sequence(self) -> bool:
+        """Whether sequences are prepared before the model (label shift, padding, order)."""
+        return self.cp > 1 or self.sequence_parallel
+
+    def check_fits(self, config: Any) -> None:
+        """Refuse a strategy that the model's shapes (an HF config) cannot take, naming both.
+
+        >>> from transformers import LlamaConfig
+        >>> Strategy(tp=3).check_fits(LlamaConfig(num_attention_heads=4, num_key_value_heads=2))
+        Traceback (most recent call last):
+        ...
+        hp.strategy.StrategyError: tp = 3 does not divide num_attention_heads = 4 of the model
+        """
+        sizes = _split_sizes(config)
+        for name, size in sizes.items():
+            if size % self.tp:
+                raise StrategyError("tp", self.tp, f" does not divide {name} = {size} of the model")
+        if self.cp > 1 and self.cp_algorithm == "ulysses":
+            for name in ("num_attention_heads", "num_key_value_heads"):
+                if (sizes[name] // self.tp) % self.cp:
+                    raise StrategyError("cp", self.cp, f" (Ulysses) does not divide the {sizes[name] // self.tp} heads "
+                                        f"per tp rank ({name}); use cp_algorithm: ring")
+        if self.ring and getattr(config, "attn_logit_softcapping", None):
+            raise StrategyError("cp_algorithm", "ring", f" cannot soft-cap attention logits (attn_logit_softcapping = "
+                                f"{config.attn_logit_softcapping}): ring attention merges blocks of SDPA; use ulysses")
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(Strategy))
+
+
+def _split_sizes(config: Any) -> dict[str, int]:
+    """The sizes tensor parallelism splits: heads, key/value heads, MLP width."""
+    heads = config.num_attention_heads
+    return {
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
+        "intermediate_size": config.intermediate_size,
+    }
+
+
+def _one_of(choices: tuple[str, ...]) -> str:
+    return "one of " + ", ".join(repr(c) for c in choices)

@@ -1,0 +1,65 @@
+"""What the zoo tests share: a pair of identical tiny HF models, and the expected collectives.
+
+One model of the pair stays on one device (the reference: HF's code,
+unsharded), the other is laid out by a strategy; both start from the same
+weights. The expected forward collectives of a decoder layer follow from the
+tiny shapes of `hp.models.tiny` (hidden 64, head_dim 8) and the ring byte
+model of `hp.cost`.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from hp.cost import ring_bytes
+from hp.models import tiny_config
+from hp.strategy import Strategy
+
+BATCH, SEQ = 4, 16
+
+
+def tiny_pair(model_type: str, layers: int = 2, **overrides):
+    """(reference, model): two HF models of `model_type` with the same weights."""
+    torch.manual_seed(0)
+    config = tiny_config(model_type, layers=layers, **overrides)
+    reference = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(reference.state_dict())
+    return reference, model
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Relative error in the 2-norm."""
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def batch(vocab: int = 256, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels) with ignored positions, spread unevenly over the batch."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+    labels = ids.clone()
+    labels[:, :2] = -100
+    labels[0, 2:7] = -100
+    return ids, labels
+
+
+def expected_layer_collectives(strategy: Strategy, config) -> tuple[list[tuple[str, str]], int]:
+    """([(kind, axis)] of one decoder layer's forward, their bytes per rank), Megatron's and CP's."""
+    tokens = BATCH * SEQ // (strategy.dp * strategy.cp)  # per rank of the data and context axes
+    tp, cp, head_dim = strategy.tp, strategy.cp, 8
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    attention, total = [], 0
+    if cp > 1 and strategy.ring:  # the local K/V block passes cp-1 times
+        attention = [("send_recv", "cp")] * (cp - 1)
+        total += (cp - 1) * tokens * 2 * kv_heads // tp * head_dim * 4
+    elif cp > 1:  # Ulysses moves q, k, v and the output once each
+        attention = [("all_to_all", "cp")] * 4
+        total += sum(ring_bytes("all_to_all", tokens * n // tp * head_dim * 4, cp) for n in (heads, kv_heads, kv_heads, heads))
+    if tp == 1:
+        return attention, total
+    total += 2 * ring_bytes("all_reduce", tokens * config.hidden_size * 4, tp)  # Megatron: 2 all-reduces' bytes
+    if strategy.sequence_parallel:  # each block gathers its input and scatters its output
+        gather, scatter = ("all_gather", "tp"), ("reduce_scatter", "tp")
+        return [gather, *attention, scatter, gather, scatter], total
+    return [*attention, ("all_reduce", "tp"), ("all_reduce", "tp")], total

@@ -1,0 +1,176 @@
+"""The model zoo under every strategy: loss, every gradient and every collective against HF's unsharded model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import batch, expected_layer_collectives, rel_err, tiny_pair
+
+import hp
+from hp.models import FAMILIES, plan_for, plan_for_type
+from hp.ops.ring_attention import head_tail_order
+
+CORE = [{"tp": 2}, {"tp": 2, "sp": True}, {"dp": 2, "tp": 2}, {"cp": 2}, {"cp": 2, "cp_algorithm": "ring"}]
+LLAMA_MORE = [
+    {"dp": 2, "tp": 2, "sp": True}, {"cp": 4}, {"cp": 2, "tp": 2}, {"dp": 2, "cp": 2},
+    {"cp": 4, "cp_algorithm": "ring"}, {"cp": 2, "tp": 2, "cp_algorithm": "ring"},
+    {"dp": 2, "cp": 2, "cp_algorithm": "ring"},
+]
+# Gemma-2 runs eager attention (soft-capped logits): Ulysses wraps it; ring needs SDPA and is refused.
+CASES = [(f, s) for f in FAMILIES for s in CORE if not (f == "gemma2" and "cp_algorithm" in s)]
+CASES += [("llama", s) for s in LLAMA_MORE] + [("gemma2", {"cp": 2, "tp": 2}), ("gemma3_text", {"cp": 2, "tp": 2, "sp": True})]
+
+
+@pytest.mark.parametrize("family, strategy", CASES, ids=[f"{f}-{'-'.join(f'{k}{v}' for k, v in s.items())}" for f, s in CASES])
+def test_family_matches_hf_and_moves_what_megatron_moves(family, strategy):
+    reference, model = tiny_pair(family)
+    ids, labels = batch()
+    ref_loss = reference(input_ids=ids, labels=labels).loss
+    ref_loss.backward()
+    strategy = hp.Strategy.of(strategy)
+    mesh = hp.strategy_mesh(strategy, simulate=True)
+    with hp.simulated(mesh):
+        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
+        layers = hp.comm.trace_each(model.model.layers)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        assert abs(loss.full_tensor().item() - ref_loss.item()) / ref_loss.item() < 1e-5
+        for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+            assert rel_err(p.grad.full_tensor(), r.grad) < 1e-5, name
+    kinds, total = expected_layer_collectives(strategy, model.config)
+    for trace in layers:
+        forward = trace.select(phase="forward")
+        assert [(r.kind, r.axis) for r in forward] == kinds
+        assert trace.bytes(phase="forward") == total
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_five_adamw_steps_under_tp_give_the_same_losses(family):
+    _five_steps(family, {"tp": 2})
+
+
+@pytest.mark.parametrize("strategy", [{"dp": 2, "tp": 2}, {"cp": 2, "tp": 2}, {"dp": 2, "cp": 2}, {"cp": 2, "cp_algorithm": "ring"}])
+def test_five_adamw_steps_under_llama_strategies_give_the_same_losses(strategy):
+    _five_steps("llama", strategy)
+
+
+def _five_steps(family: str, strategy: dict) -> None:
+    reference, model = tiny_pair(family, layers=1)
+    batches = [batch(seed=s) for s in range(5)]
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    want = []
+    for ids, labels in batches:
+        loss = reference(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    mesh = hp.strategy_mesh(strategy, simulate=True)
+    with hp.simulated(mesh):
+        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        got = []
+        for ids, labels in batches:
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            hp.reduce_gradients(model)
+            opt.step()
+            opt.zero_grad()
+            got.append(loss.full_tensor().item())
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("seq", [13, 15])
+@pytest.mark.parametrize(
+    "family, strategy",
+    [
+        ("llama", {"cp": 2}), ("llama", {"cp": 2, "cp_algorithm": "ring"}), ("llama", {"cp": 4, "cp_algorithm": "ring"}),
+        ("llama", {"tp": 2, "sp": True}), ("llama", {"cp": 2, "tp": 2, "sp": True, "cp_algorithm": "ring"}),
+        ("gemma3_text", {"cp": 2, "tp": 2, "sp": True, "cp_algorithm": "ring"}),
+    ],
+)
+def test_sequences_not_divisible_by_the_chunk_count_are_padded_without_changing_the_numbers(family, strategy, seq):
+    reference, model = tiny_pair(family, layers=1)
+    ids = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[0, -3:] = -100
+    out = reference(input_ids=ids, labels=labels)
+    out.loss.backward()
+    strategy = hp.Strategy.of(strategy)
+    mesh = hp.strategy_mesh(strategy, simulate=True)
+    with hp.simulated(mesh):
+        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
+        got = model(input_ids=ids, labels=labels)
+        got.loss.backward()
+        assert abs(got.loss.full_tensor().item() - out.loss.item()) / out.loss.item() < 1e-5
+        for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+            assert rel_err(p.grad.full_tensor(), r.grad) < 1e-5, name
+        logits = got.logits.full_tensor()
+    padded = seq + (-seq % strategy.sequence_chunks)
+    assert logits.shape[1] == padded
+    if strategy.ring:  # logits come back in head-tail order
+        logits = logits[:, torch.argsort(head_tail_order(padded, strategy.cp))]
+    assert rel_err(logits[:, :seq], out.logits) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"attention_mask": torch.tensor([[1] * 8, [0] * 2 + [1] * 6])}, "padding masks are not supported under context"),
+        ({"position_ids": torch.arange(8)[None]}, "position_ids are not supported under context parallelism"),
+    ],
+)
+def test_cp_refuses_masks_and_positions_it_cannot_honour(kwargs, message):
+    _, model = tiny_pair("llama", layers=1)
+    strategy = {"cp": 2, "cp_algorithm": "ring"}
+    mesh = hp.strategy_mesh(strategy, simulate=True)
+    with hp.simulated(mesh):
+        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
+        with pytest.raises(ValueError, match=message):
+            model(input_ids=torch.zeros(2, 8, dtype=torch.long), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"tp": 2, "pp": 2}, r"pp = 2: unknown strategy key; expected one of dp, cp, tp, sp"),
+        ({"cp": 2, "cp_algorithm": "star"}, r"cp_algorithm = 'star': expected one of 'ulysses', 'ring'"),
+        ({"dp": 2, "cp": 2, "fsdp": True}, r"fsdp = True with cp = 2: FSDP together with context parallel is not supported"),
+        ({"tp": 0}, r"tp = 0: expected an integer >= 1"),
+        ({"sp": "yes"}, r"sp = 'yes': expected true or false"),
+        ({"ep": 2}, r"ep = 2: expert parallel is not available yet"),
+    ],
+)
+def test_bad_strategies_are_refused_with_the_key(spec, message):
+    with pytest.raises(hp.StrategyError, match=message):
+        hp.strategy_mesh(spec, simulate=True)
+
+
+def test_shapes_a_strategy_cannot_take_are_refused_before_any_model_is_built():
+    config = tiny_pair("gemma2", layers=1)[0].config
+    with pytest.raises(hp.StrategyError, match=r"tp = 3 does not divide num_attention_heads = 8"):
+        hp.Strategy(tp=3).check_fits(config)
+    with pytest.raises(hp.StrategyError, match=r"cp = 8 \(Ulysses\) does not divide the 4 heads per tp rank"):
+        hp.Strategy(cp=8).check_fits(config)
+    with pytest.raises(hp.StrategyError, match=r"cp_algorithm = 'ring' cannot soft-cap attention logits"):
+        hp.Strategy(cp=2, cp_algorithm="ring").check_fits(config)
+
+
+def test_an_unknown_model_type_names_the_supported_ones():
+    with pytest.raises(ValueError, match=r"no model plan for model_type 'gpt2'; hp.models has plans for llama, mistral"):
+        plan_for_type("gpt2")
+
+
+def test_a_plan_is_data_and_one_plan_serves_the_llama_style_families():
+    assert plan_for_type("llama") is plan_for_type("gemma2") is plan_for_type("mistral")
+    assert plan_for_type("phi3").params["*.self_attn.qkv_proj.weight"] == "[q k v]/tp in"
+    assert hash(plan_for_type("llama")) == hash(plan_for_type("qwen3"))
+
+
+def test_ring_attention_is_refused_for_a_model_without_sdpa_attention():
+    _, model = tiny_pair("gemma2", layers=1, attn_logit_softcapping=None)
+    strategy = {"cp": 2, "cp_algorithm": "ring"}
+    mesh = hp.strategy_mesh(strategy, simulate=True)
+    with hp.simulated(mesh), pytest.raises(hp.StrategyError, match=r"ring attention needs SDPA attention, and this "
+                                           r"Gemma2ForCausalLM runs 'eager' attention; use cp_algorithm ulysses"):
+        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
