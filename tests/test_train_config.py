@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from hp.train import config as config_module
-from hp.train.config import ConfigError, ParallelConfig, TrainConfig, apply_overrides, load_config, to_dict, validate
+from hp.strategy import Strategy
+from hp.train.config import ConfigError, TrainConfig, apply_overrides, load_config, to_dict, validate
 
 MINIMAL = {"model_name_or_path": "hp/tiny-llama", "dataset": "alpaca_en_demo", "output_dir": "saves/tiny"}
 
@@ -67,9 +68,8 @@ def test_good_config_round_trips(tmp_path):
     assert cfg.num_train_epochs == 2.0 and isinstance(cfg.num_train_epochs, float)
     assert cfg.dataset == "alpaca_en_demo,identity" and cfg.datasets == ("alpaca_en_demo", "identity")
     assert (cfg.template, cfg.cutoff_len, cfg.save_total_limit, cfg.bf16) == ("alpaca", 512, 2, True)
-    assert cfg.parallel == ParallelConfig(dp=2, tp=2, sp=True)
+    assert cfg.parallel == Strategy(dp=2, tp=2, sp=True)
     assert cfg.nproc_per_node == 4 and cfg.world_size == 4
-    assert cfg.parallel.strategy() == {"dp": 2, "cp": 1, "tp": 2, "sp": True, "cp_algorithm": "ulysses", "fsdp": False}
 
     plain = to_dict(cfg)
     assert validate(yaml.safe_load(yaml.safe_dump(plain))) == cfg
@@ -87,28 +87,24 @@ def test_defaults():
         "plot_loss": False, "resume_from_checkpoint": None, "per_device_train_batch_size": 1,
         "gradient_accumulation_steps": 1, "learning_rate": 5e-5, "num_train_epochs": 3.0, "max_steps": -1,
         "lr_scheduler_type": "cosine", "warmup_ratio": 0.0, "bf16": False, "seed": 42,
-        "parallel": {"dp": 1, "tp": 1, "cp": 1, "cp_algorithm": "ulysses", "sp": False, "ep": 1, "tp2d": None,
-                     "fsdp": False, "offload": None, "activation_mode": "none"},
+        "parallel": {"dp": 1, "cp": 1, "tp": 1, "sp": False, "cp_algorithm": "ulysses", "fsdp": False, "ep": 1,
+                     "tp2d": False, "offload": None, "recompute": False},
         "use_hyper_parallel": False, "hyper_parallel_args": None,
         "nproc_per_node": 1, "nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": 29500,
         "device": "auto",
     }
 
 
-def test_strategy_is_what_the_llama_zoo_takes():
-    from hp.models.llama import Strategy
-    from hp.ops.context_parallel import ALGORITHMS
-
-    assert config_module.CP_ALGORITHMS == ALGORITHMS
+def test_the_parallel_section_is_the_strategy_every_plan_takes():
     parallel = validate({**MINIMAL, "parallel": {"cp": 2, "tp": 2, "cp_algorithm": "ring"}}).parallel
-    assert Strategy.parse(parallel.strategy()) == Strategy(cp=2, tp=2, cp_algorithm="ring")
+    assert parallel == Strategy(cp=2, tp=2, cp_algorithm="ring")
 
 
 def test_overrides(tmp_path):
     path = _write(tmp_path, GOOD_YAML)
     cfg = load_config(path, ["parallel.tp=1", "parallel.dp=4", "bf16=false", "learning_rate=3e-4",
                              "dataset=identity", "save_total_limit=null", "max_steps=10", "parallel.fsdp=true"])
-    assert cfg.parallel == ParallelConfig(dp=4, tp=1, sp=True, fsdp=True)
+    assert cfg.parallel == Strategy(dp=4, tp=1, sp=True, fsdp=True)
     assert (cfg.bf16, cfg.learning_rate, cfg.dataset, cfg.save_total_limit, cfg.max_steps) == (False, 3e-4, "identity", None, 10)
     assert cfg.nproc_per_node == 4
 
@@ -146,15 +142,15 @@ HYPER = {"tp_size": 2, "fsdp_size": 2, "activation_mode": "none"}
 
 def test_hyper_parallel_args_as_dict():
     cfg = validate({**MINIMAL, "use_hyper_parallel": True, "hyper_parallel_args": HYPER})
-    assert cfg.parallel == ParallelConfig(dp=2, tp=2, fsdp=True, activation_mode="none")
+    assert cfg.parallel == Strategy(dp=2, tp=2, fsdp=True)
     assert cfg.nproc_per_node == 4 and dict(cfg.hyper_parallel_args) == HYPER
     assert validate(to_dict(cfg)) == cfg
     # the same degree in both places is fine; fsdp_size 1 asks for nothing
     same = validate({**MINIMAL, "use_hyper_parallel": True, "hyper_parallel_args": {**HYPER, "cp_size": 1},
                      "parallel": {"tp": 2, "dp": 2, "sp": True}})
-    assert same.parallel == ParallelConfig(dp=2, tp=2, sp=True, fsdp=True, activation_mode="none")
-    assert validate({**MINIMAL, "use_hyper_parallel": True, "hyper_parallel_args": {"fsdp_size": 1}}).parallel == ParallelConfig()
-    assert validate({**MINIMAL, "use_hyper_parallel": True}).parallel == ParallelConfig()
+    assert same.parallel == Strategy(dp=2, tp=2, sp=True, fsdp=True)
+    assert validate({**MINIMAL, "use_hyper_parallel": True, "hyper_parallel_args": {"fsdp_size": 1}}).parallel == Strategy()
+    assert validate({**MINIMAL, "use_hyper_parallel": True}).parallel == Strategy()
 
 
 def test_hyper_parallel_args_as_json_file(tmp_path, monkeypatch):
@@ -163,14 +159,14 @@ def test_hyper_parallel_args_as_json_file(tmp_path, monkeypatch):
     path = _write(tmp_path, text)
     monkeypatch.chdir("/")  # a relative path is found next to the config file too
     cfg = load_config(path)
-    assert cfg.parallel == ParallelConfig(cp=2, tp=2) and cfg.nproc_per_node == 4
+    assert cfg.parallel == Strategy(cp=2, tp=2) and cfg.nproc_per_node == 4
     assert dict(cfg.hyper_parallel_args) == {"cp_size": 2, "tp_size": 2}
     # from the current directory, and with an override reaching into the file's keys
     monkeypatch.chdir(tmp_path)
     cfg = validate({**MINIMAL, "use_hyper_parallel": True, "hyper_parallel_args": str(tmp_path / "hp.json")})
     assert cfg.parallel.cp == 2
     cfg = load_config(path, ["hyper_parallel_args.cp_size=1", "parallel.sp=true"])
-    assert cfg.parallel == ParallelConfig(tp=2, sp=True) and cfg.nproc_per_node == 2
+    assert cfg.parallel == Strategy(tp=2, sp=True) and cfg.nproc_per_node == 2
 
 
 @pytest.mark.parametrize("content, words", [
@@ -258,25 +254,25 @@ BAD = [
      "nproc_per_node = 8: expected 4, as nnodes * nproc_per_node must equal dp*cp*tp = 2*1*2 = 4"),
     ({"parallel": {"dp": 3}, "nnodes": 2}, "nnodes = 2: the dp*cp*tp = 3*1*1 = 3 ranks do not split evenly"),
     # features not built yet, and what the Llama zoo refuses
-    ({"parallel": {"ep": 4}}, "parallel.ep = 4: expert parallel is not available yet (it needs an MoE model"),
-    ({"parallel": {"tp2d": True}}, "parallel.tp2d = True: 2D tensor parallel is not available in hp train yet"),
-    ({"parallel": {"offload": "host"}}, "parallel.offload = 'host': offload is not available yet (hp.offload is not built yet)"),
-    ({"parallel": {"activation_mode": "swap"}}, "parallel.activation_mode = 'swap': activation swap is not available yet"),
+    ({"parallel": {"ep": 4}}, "parallel.ep = 4: expert parallel is not available yet; expected 1"),
+    ({"parallel": {"tp2d": True}}, "parallel.tp2d = True: 2D tensor parallel is not available as a strategy yet"),
+    ({"parallel": {"offload": "host"}}, "parallel.offload = 'host': activation swap and offload are not available yet (hp.offload is not built yet)"),
+    ({"parallel": {"activation_mode": "swap"}}, "parallel.activation_mode = 'swap': activation swap and offload are not available yet"),
     ({"parallel": {"activation_mode": "recompute"}},
      "parallel.activation_mode = 'recompute': activation recompute is not available yet"),
     ({"parallel": {"fsdp": True, "cp": 2, "dp": 2}},
-     "parallel.fsdp = True with parallel.cp = 2: FSDP together with context parallel is not supported by the Llama zoo yet"),
+     "parallel.fsdp = True with cp = 2: FSDP together with context parallel is not supported yet"),
     # LlamaFactory's HyperParallel keys
     ({"hyper_parallel_args": {"tp_size": 2}}, "hyper_parallel_args = {'tp_size': 2} is given but use_hyper_parallel is not true"),
     ({"use_hyper_parallel": True, "hyper_parallel_args": 4}, "hyper_parallel_args = 4: expected a mapping of tp_size"),
     ({"use_hyper_parallel": True, "hyper_parallel_args": {"ep_size": 8}},
      "hyper_parallel_args.ep_size = 8: expert parallel is not available yet"),
     ({"use_hyper_parallel": True, "hyper_parallel_args": {"activation_mode": "swap"}},
-     "hyper_parallel_args.activation_mode = 'swap': activation swap is not available yet"),
+     "hyper_parallel_args.activation_mode = 'swap': activation swap and offload are not available yet"),
     ({"use_hyper_parallel": True, "hyper_parallel_args": {"activation_mode": "full"}},
      "hyper_parallel_args.activation_mode = 'full': expected one of 'none', 'recompute', 'swap'"),
     ({"use_hyper_parallel": True, "hyper_parallel_args": {"fsdp_size": 2, "cp_size": 2}},
-     "hyper_parallel_args.fsdp_size = 2 with hyper_parallel_args.cp_size = 2: FSDP together with context parallel"),
+     "hyper_parallel_args.fsdp_size = 2 with cp = 2: FSDP together with context parallel"),
     ({"use_hyper_parallel": True, "hyper_parallel_args": {"tp_size": 4}, "parallel": {"tp": 2}},
      "parallel.tp = 2 conflicts with hyper_parallel_args.tp_size = 4"),
     ({"use_hyper_parallel": True, "hyper_parallel_args": {"fsdp_size": 4}, "parallel": {"dp": 2}},
@@ -315,12 +311,17 @@ def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
 
 
-def test_the_module_imports_no_torch():
-    """Checked before any worker starts: the module itself must not pull in torch or torch.distributed."""
-    tree = ast.parse(Path(config_module.__file__).read_text())
-    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-    assert not {name for name in imported if name.split(".")[0] in ("torch", "hp")}, imported
+def test_the_config_and_its_strategy_import_no_torch():
+    """Checked before any worker starts: these modules do no tensor or distributed work."""
+    import hp.strategy
+    import hp.train.templates
+
+    for module in (config_module, hp.strategy, hp.train.templates):
+        tree = ast.parse(Path(module.__file__).read_text())
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        assert not {name for name in imported if name.split(".")[0] == "torch"}, imported
+        assert {name for name in imported if name.split(".")[0] == "hp"} <= {"hp.strategy", "hp.train.templates"}, imported
 
 
 def test_train_config_fields_match_to_dict():

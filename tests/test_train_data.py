@@ -311,8 +311,3 @@ def test_encode_conversation_matches_the_loader():
     assert ids[: len(encode_prompt("uppercase\nabc", TOK))] == encode_prompt("uppercase\nabc", TOK)
     assert labels[-4:] == TOK.encode("ABC") + [TOK.eos_token_id]
 
-
-def test_the_config_offers_exactly_the_templates_the_data_layer_renders():
-    from hp.train import config
-
-    assert tuple(TEMPLATES) == config.TEMPLATES

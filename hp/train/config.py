@@ -40,6 +40,7 @@ from typing import Any
 import yaml
 
 from hp.strategy import CP_ALGORITHMS, Strategy, StrategyError
+from hp.train.templates import TEMPLATES as TEMPLATE_TABLE
 
 __all__ = [
     "ACTIVATION_MODES", "DEVICES", "SCHEDULERS", "STAGES", "TEMPLATES",
@@ -48,7 +49,7 @@ __all__ = [
 ]
 
 STAGES = ("pt", "sft")  # training stages hp train runs; LlamaFactory's rm, ppo, dpo, kto are not here yet
-TEMPLATES = ("default", "empty", "alpaca")
+TEMPLATES = tuple(TEMPLATE_TABLE)
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 DEVICES = ("auto", "cpu", "cuda", "npu")
 ACTIVATION_MODES = ("none", "recompute", "swap")  # what LlamaFactory's HyperParallel does with activations

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from hp.train.config import STAGES
+from hp.train.templates import TEMPLATES, Template
 from hp.train.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
@@ -69,37 +70,6 @@ SHAREGPT_COLUMNS: dict[str, str | None] = {"messages": "conversations", "system"
 SHAREGPT_TAGS: dict[str, str] = {
     "role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
     "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system",
-}
-
-
-@dataclass(frozen=True)
-class Template:
-    """How a conversation becomes text: `{content}` is replaced by each turn's text.
-
-    `separator` goes before every user turn but the first (eos, which ends
-    each assistant turn, is a token and not text). Everything but the
-    assistant's content and the eos after it is masked out of the loss.
-
-    >>> TEMPLATES["default"].user.format(content="hi")
-    'Human: hi\\nAssistant: '
-    """
-
-    name: str
-    system: str
-    user: str
-    assistant: str
-    separator: str = ""
-
-
-TEMPLATES: dict[str, Template] = {
-    t.name: t
-    for t in (
-        Template("default", system="System: {content}\n", user="Human: {content}\nAssistant: ",
-                 assistant="{content}", separator="\n"),
-        Template("empty", system="{content}", user="{content}", assistant="{content}"),
-        Template("alpaca", system="{content}\n\n", user="### Instruction:\n{content}\n\n### Response:\n",
-                 assistant="{content}", separator="\n\n"),
-    )
 }
 
 
