@@ -5,7 +5,7 @@ Why: to measure whether hp's layouts cost anything at run time. The same HF
 vocabulary 4096; batch 4 x 512 tokens; fp32) takes a step (forward with
 labels, backward, AdamW) on 2 real gloo ranks launched from this script, as
 
-- `hp`: `strategy_mesh({"tp": 2})` + `parallelize_llama` (Megatron layouts,
+- `hp`: `hp.strategy_mesh({"tp": 2})` + `hp.apply_strategy` with the Llama plan (Megatron layouts,
   vocab-parallel LM head and loss);
 - `hp_sp`: the same with sequence parallel (`"sp": True`), a candidate for hp's
   fastest configuration ("best" = the fastest `hp*` configuration of the run);
@@ -361,14 +361,14 @@ def adamw(params: Iterable) -> torch.optim.Optimizer:
 def hp_variant(
     name: str, config: LlamaConfig, device: torch.device, strategy: dict, compile_mlp: bool = False
 ) -> Variant:
-    from hp.models.llama import parallelize_llama, reduce_gradients, strategy_mesh
+    from hp.models import plan_for
 
-    model = parallelize_llama(fresh_model(config, device), strategy_mesh(strategy), strategy)
+    model = hp.apply_strategy(fresh_model(config, device), hp.strategy_mesh(strategy), strategy, plan_for(config))
     if compile_mlp:
         for layer in model.model.layers:
             layer.mlp.compile()
     # reduce_gradients resolves pending sums over dp/cp: a no-op for tp, kept as the real step has it
-    return Variant(name, model, adamw(model.parameters()), before_step=reduce_gradients)
+    return Variant(name, model, adamw(model.parameters()), before_step=hp.reduce_gradients)
 
 
 def torch_tp_plan(layers: int, vocab_parallel: bool) -> dict:
@@ -776,12 +776,12 @@ def time_split(v: Variant, ids: torch.Tensor, device: torch.device) -> dict:
 
 
 def run_cp(s: Settings, device: torch.device, emit: Emit) -> None:
-    from hp.models.llama import parallelize_llama, strategy_mesh
+    from hp.models import plan_for
 
     config = llama_config(s, s.cp_layers, max(s.cp_seqs))
     strategy = {"cp": RANKS, "cp_algorithm": s.cp_algorithm}
     plain = fresh_model(config, device)
-    split = parallelize_llama(fresh_model(config, device), strategy_mesh(strategy), strategy)
+    split = hp.apply_strategy(fresh_model(config, device), hp.strategy_mesh(strategy), strategy, plan_for(config))
     for seq in s.cp_seqs:
         ids = token_batch(s.vocab, s.cp_batch, seq, device)
         losses = {}

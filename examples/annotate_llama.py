@@ -24,21 +24,16 @@ import torch
 import hp
 from hp.comm import trace_each
 from hp.cost import ring_bytes
+from hp.models import tiny_config
 from hp.models.llama import TP_PLAN  # Megatron layouts of the Llama weights, written out there
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import rel_err, tp_mesh  # noqa: E402  (the examples' shared helpers)
 
 def tiny_model(kind: str, layers: int):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    shape = dict(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128, use_cache=False,
-    )
-    if kind == "qwen3":
-        return Qwen3ForCausalLM(Qwen3Config(head_dim=8, **shape))
-    return LlamaForCausalLM(LlamaConfig(**shape))
+    return AutoModelForCausalLM.from_config(tiny_config(kind, layers=layers))
 
 
 def run(kind: str, mesh, layers: int = 2, batch: int = 2, seq: int = 32) -> dict:

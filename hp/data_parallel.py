@@ -50,7 +50,7 @@ def fully_shard_model(model: nn.Module, mesh, blocks: list[nn.Module], params: d
     if inner:
         parallelize(model, mesh[inner], params, outputs=outputs)
     for unit in [*blocks, model]:
-        fully_shard(unit, mesh=mesh["dp"])
+        fully_shard(unit, mesh=mesh["dp"], shard_placement_fn=_fsdp_dim)
     dp, dp_rank, signature = mesh.size(mesh.mesh_dim_names.index("dp")), mesh.get_local_rank("dp"), inspect.signature(model.forward)
 
     def before(mod, args, kwargs):
@@ -74,6 +74,18 @@ def fully_shard_model(model: nn.Module, mesh, blocks: list[nn.Module], params: d
 
     model.register_forward_pre_hook(before, with_kwargs=True, prepend=True)
     model.register_forward_hook(after, with_kwargs=True)
+
+
+def _fsdp_dim(param):
+    """FSDP's dim for a parameter: 0, unless tp splits dim 0 in fused parts (FSDP cannot split those again)."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if isinstance(param, DTensor) and param.ndim > 1 and any(
+        isinstance(p, _StridedShard) and p.dim == 0 for p in param.placements
+    ):
+        return Shard(1)
+    return None
 
 
 def _labelled_tokens(kwargs: dict) -> int | None:

@@ -65,13 +65,14 @@ def test_strict_refuses_unrequested_redistribution_and_allows_constrain():
 
 
 def test_strict_passes_a_tensor_parallel_llama():
-    from test_hf_models import annotate_llama
+    from reference import tiny_pair
+
+    from hp.models.llama import TP_PLAN
 
     mesh = hp.mesh(tp=2, simulate=True)
-    torch.manual_seed(0)
-    model = annotate_llama.tiny_model("llama", 1)
+    _, model = tiny_pair("llama", 1)
     with hp.simulated(mesh):
-        hp.parallelize(model, mesh, annotate_llama.TP_PLAN)
+        hp.parallelize(model, mesh, TP_PLAN)
         ids = torch.randint(0, 256, (2, 8))
         with hp.strict():
             loss = model(input_ids=ids, labels=ids).loss

@@ -46,7 +46,7 @@ def test_plain_launch_is_a_one_rank_world_and_sizes_are_checked():
     assert "plain ok" in run.stdout
 
 
-def test_llama_strategies_on_four_gloo_processes():
-    run = torchrun(str(HERE / "workers" / "llama_gloo.py"), 4)
+def test_zoo_strategies_on_four_gloo_processes():
+    run = torchrun(str(HERE / "workers" / "zoo_gloo.py"), 4)
     assert_finished(run)
     assert sorted(re.findall(r"rank (\d) ok", run.stdout)) == ["0", "1", "2", "3"]

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from test_hf_models import annotate_llama
+from reference import tiny_pair
 
 import hp
 from hp import tp_plan
@@ -82,10 +82,7 @@ def test_2d_tiny_llama_matches_hf(scheme, axes):
     mesh = hp.mesh(list(axes), simulate=True)
     choice = tp_plan.Choice(scheme, dict(axes), 0, 1)
     plan, outputs = choice_layouts(choice)
-    torch.manual_seed(0)
-    reference = annotate_llama.tiny_model("llama", 2)
-    model = annotate_llama.tiny_model("llama", 2)
-    model.load_state_dict(reference.state_dict())
+    reference, model = tiny_pair("llama", 2)
     ids = torch.randint(0, 256, (8, 16))
     ref_loss = reference(input_ids=ids, labels=ids).loss
     ref_loss.backward()

@@ -67,20 +67,16 @@ def main() -> None:
 
 def check_2d_llama(rank) -> None:
     """2D tensor parallelism on a 2x2 mesh: a tiny HF Llama matches the unsharded model."""
-    import importlib.util
+    from transformers import AutoModelForCausalLM
 
     from hp import tp_plan
+    from hp.models import tiny_config
     from hp.models.llama import choice_layouts
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    spec = importlib.util.spec_from_file_location("annotate_llama", os.path.join(root, "examples", "annotate_llama.py"))
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
 
     mesh = hp.mesh(x=2, y=2)
     plan, outputs = choice_layouts(tp_plan.Choice("2d", {"x": 2, "y": 2}, 0, 1))
     torch.manual_seed(0)
-    reference, model = example.tiny_model("llama", 1), example.tiny_model("llama", 1)
+    reference, model = (AutoModelForCausalLM.from_config(tiny_config("llama", layers=1)) for _ in range(2))
     model.load_state_dict(reference.state_dict())
     ids = torch.randint(0, 256, (4, 16))
     ref_loss = reference(input_ids=ids, labels=ids).loss
