@@ -27,17 +27,37 @@ from hp.ops.context_parallel import sequence_parallel_attention
 from hp.ops.cross_entropy import vocab_parallel_cross_entropy
 from hp.ops.embedding import vocab_parallel_embedding
 from hp.ops.linear import linear
-from hp.ops import npu_attention, residual
+from hp.ops import fused, npu_attention, residual
 from hp.ops.rule import RuleError
 from hp.simulate import kernel_scope
 from hp.source import user_line
+
+
+def in_turn(*kernels):
+    """One kernel that tries `kernels` in order: the first that applies wins.
+
+    >>> in_turn(lambda x: NotImplemented, lambda x: x + 1)(1)
+    2
+    """
+
+    def first_applicable(*args, **kwargs):
+        for kernel in kernels:
+            out = kernel(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        return NotImplemented
+
+    first_applicable.__name__ = kernels[0].__name__
+    return first_applicable
+
 
 # Functions whose DTensor inputs select an algorithm of hp's own (NotImplemented: not applicable).
 KERNELS = {
     torch.nn.functional.cross_entropy: vocab_parallel_cross_entropy,
     torch.nn.functional.embedding: vocab_parallel_embedding,
-    torch.nn.functional.linear: linear,
+    torch.nn.functional.linear: in_turn(linear, fused.fused_linear),
     torch.nn.functional.scaled_dot_product_attention: sequence_parallel_attention,
+    **fused.SLICES,
     **residual.KERNELS,
     **npu_attention.kernels(),
 }

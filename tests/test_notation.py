@@ -39,6 +39,10 @@ def test_extra_whitespace_parses_to_the_same_layout(layout, pad):
         ("( heads  d )/tp", "(heads d)/tp"),
         ("... h/tp", "... h/tp"),
         ("8/dp 1 h", "8/dp 1 h"),
+        ("[ q k  v ]/tp in", "[q k v]/tp in"),
+        ("[q:64 k:016 v:16] in", "[q:64 k:16 v:16] in"),  # sizes print as numbers
+        ("b [gate up]/tp", "b [gate up]/tp"),
+        ("[32 32]/tp", "[32 32]/tp"),  # anonymous parts are their sizes
         ("", ""),
         ("+tp", "+tp"),
     ],
@@ -55,6 +59,14 @@ def test_structure_of_a_parsed_layout():
     assert L.partial == ("cp",) and L.tier == "disk"
     assert L.sharded_axes == ("dp", "tp", "x") and L.axes == ("dp", "tp", "x", "cp")
     assert L.rank is None and hp.layout("a b").rank == 2
+
+
+def test_structure_of_a_fused_dim():
+    L = hp.layout("[q:64 k:16 v:16]/tp (heads d) [16 16]")
+    assert L.dims[0] == Dim(("q", "k", "v"), ("tp",), fused=True, sizes=(64, 16, 16))
+    assert L.dims[2] == Dim(("16", "16"), fused=True) and L.dims[2].sizes == (16, 16)
+    assert hp.layout("[q k v]").dims[0].part_sizes(96) == (32, 32, 32)
+    assert L.dims[0].size is None and not L.dims[0].is_ellipsis
 
 
 def test_layouts_are_immutable_and_hashable():

@@ -8,6 +8,14 @@ ordered `(y, x)`), the mesh-earlier axis gets `_StridedShard` with a split
 factor equal to the product of the major axes that DTensor applies after it.
 The reverse map tries the few orders of each dimension's axes and keeps the
 one whose placements match, so it never guesses.
+
+A fused dim of n equal parts split over one axis (`[q k v]/tp`) is exactly
+`_StridedShard(dim, split_factor=n)`: the dim is cut into n chunks first and
+each chunk is sharded, so rank r holds piece r of every part. Unequal parts
+have no placement (DTensor's chunks are equal); a fused dim split over two
+axes, or split beside a dim split against mesh order, has placements that
+DTensor distributes but cannot gather back correctly. All three are refused
+when binding.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
@@ -53,9 +62,13 @@ def bind(
                 f"dimension {i} is written as size {dim.size} but the tensor has {shape[i]}",
                 at=("dim", i),
             )
-        _check_divisible(concrete, i, dim, shape[i], sizes, uneven)
+        if dim.fused:
+            _check_fused(concrete, i, dim, shape[i], sizes)
+        else:
+            _check_divisible(concrete, i, dim, shape[i], sizes, uneven)
     for axis in concrete.partial:
         _check_axis(concrete, sizes, axis, ("partial", axis))
+    _check_fused_beside_strided(concrete, list(sizes))
     return concrete
 
 
@@ -88,17 +101,79 @@ def _check_divisible(
         )
 
 
+def _check_fused(layout: Layout, i: int, dim: Dim, size: int, sizes: dict[str, int]) -> None:
+    """Parts that add up to the dim, and a split that DTensor can express (module docstring)."""
+    n = len(dim.factors)
+    if dim.sizes and sum(dim.sizes) != size:
+        raise layout.error(
+            f"dimension {i} is written as parts of sizes {' + '.join(map(str, dim.sizes))} = "
+            f"{sum(dim.sizes)} but the tensor has {size}",
+            at=("dim", i),
+        )
+    if size % n:
+        raise layout.error(
+            f"dimension {i} has size {size}, not divisible into its {n} equal parts; "
+            "write the part sizes, as in [q:64 k:16 v:16]",
+            at=("dim", i),
+        )
+    if not dim.axes:
+        return
+    if len(dim.axes) > 1:
+        raise layout.error(
+            f"fused dimension {i} is split over {len(dim.axes)} mesh axes; DTensor cannot gather "
+            "parts split over several axes back correctly: split it over one axis",
+            at=("dim", i),
+        )
+    parts, count = dim.part_sizes(size), sizes[dim.axes[0]]
+    if len(set(parts)) > 1:
+        raise layout.error(
+            f"fused dimension {i} has parts of unequal sizes ({' + '.join(map(str, parts))}) split "
+            f"over '{dim.axes[0]}'; DTensor has no placement for that (its strided shards are equal "
+            "chunks): lay the dimension out as equal parts, or keep it unsplit",
+            at=("dim", i),
+        )
+    if parts[0] % count:
+        raise layout.error(
+            f"each part of fused dimension {i} has size {parts[0]}, not divisible by its {count} "
+            f"shards ({dim.axes[0]}={count}); fused parts must split evenly",
+            at=("dim", i),
+        )
+
+
+def _check_fused_beside_strided(layout: Layout, order: list[str]) -> None:
+    """A split fused dim beside a dim split against mesh order: DTensor cannot gather both back."""
+    fused = [i for i, d in enumerate(layout.dims) if d.fused and d.axes and len(d.factors) > 1]
+    against = [
+        i for i, d in enumerate(layout.dims)
+        if [order.index(a) for a in d.axes] != sorted(order.index(a) for a in d.axes)
+    ]
+    if fused and against:
+        raise layout.error(
+            f"fused dimension {fused[0]} is split while dimension {against[0]} is split over axes "
+            f"against mesh order ({', '.join(order)}); DTensor cannot gather the two strided shards "
+            "back correctly: split that dimension in mesh order",
+            at=("dim", fused[0]),
+        )
+
+
 def to_placements(layout: Layout, mesh: DeviceMesh) -> tuple[Placement, ...]:
-    """DTensor placements for a bound layout (see `bind`), one per mesh dimension."""
+    """DTensor placements for a bound layout (see `bind`), one per mesh dimension.
+
+    >>> import hp
+    >>> to_placements(hp.layout("[q k v]/tp in"), hp.mesh(tp=2, simulate=True))
+    (_StridedShard(dim=0, sf=3),)
+    """
     sizes = mesh_axes(mesh)
     order = list(sizes)
     placements: list[Placement] = [Replicate()] * len(order)
     for d, dim in enumerate(layout.dims):
+        parts = len(dim.factors) if dim.fused else 1
         for i, axis in enumerate(dim.axes):
             m = order.index(axis)
             # Major axes that DTensor applies later (higher mesh dim) must be
             # split off first: that is what _StridedShard's split factor says.
-            factor = math.prod(sizes[a] for a in dim.axes[:i] if order.index(a) > m)
+            # So must a fused dim's parts: each part is split on its own.
+            factor = parts * math.prod(sizes[a] for a in dim.axes[:i] if order.index(a) > m)
             placements[m] = _StridedShard(d, split_factor=factor) if factor > 1 else Shard(d)
     for axis in layout.partial:
         placements[order.index(axis)] = Partial("sum")
@@ -114,6 +189,12 @@ def from_placements(
     """The layout that `placements` realise; dim names come from `names` if given.
 
     Dims without a name print as their size (anonymous dims), as in `8/dp 512`.
+
+    >>> import hp
+    >>> from torch.distributed.tensor.placement_types import _StridedShard
+    >>> mesh = hp.mesh(tp=2, simulate=True)
+    >>> str(from_placements([_StridedShard(0, split_factor=3)], mesh, (96, 64), hp.layout("[q k v] in")))
+    '[q k v]/tp in'
     """
     sizes = mesh_axes(mesh)
     order = list(sizes)
@@ -132,28 +213,38 @@ def from_placements(
         elif not isinstance(p, Replicate):
             raise LayoutError(f"placement {p} on mesh axis '{order[m]}' has no layout notation")
     template = names.dims if names is not None and len(names.dims) == len(shape) else None
-    dims = [template[d] if template else Dim((str(size),)) for d, size in enumerate(shape)]
-    for d in range(len(shape)):
-        dims[d] = _order_axes(dims[d], d, per_dim.get(d, []), placements, mesh)
+    dims = [
+        _read_dim([template[d]] if template else [], d, size, per_dim.get(d, []), placements, mesh)
+        for d, size in enumerate(shape)
+    ]
     tier = names.tier if names is not None else "device"
     return Layout(tuple(dims), tuple(partial), tier)
 
 
-def _order_axes(
-    dim: Dim, d: int, axes: list[str], placements: Sequence[Placement], mesh: DeviceMesh
+def _read_dim(
+    named: list[Dim], d: int, size: int, axes: list[str], placements: Sequence[Placement], mesh: DeviceMesh
 ) -> Dim:
-    """The order of `axes` (major first) that reproduces `placements` on dim d.
+    """The dim, its axes ordered major first, that reproduces `placements` on tensor dim d.
 
-    The order `dim` already has is tried first: size-1 axes make several
+    Candidates in turn: the dim as hp named it, an anonymous dim, and an
+    anonymous fused dim of equal parts (a strided shard on one axis that no
+    order explains is a fused dim whose names were lost: `[16 16 16]/tp`).
+    The order a candidate already has is tried first: size-1 axes make several
     orders equivalent, and the one the user wrote should win.
     """
-    recorded = [dim.axes] if sorted(dim.axes) == sorted(axes) else []
-    for candidate in recorded + list(itertools.permutations(axes)):
-        trial = Dim(dim.factors, tuple(candidate), dim.composite)
-        got = to_placements(_single(trial, d), mesh)
-        if all(got[mesh.mesh_dim_names.index(a)] == placements[mesh.mesh_dim_names.index(a)] for a in axes):
-            return trial
-    shown = ", ".join(str(placements[mesh.mesh_dim_names.index(a)]) for a in axes)
+    candidates = [*named, Dim((str(size),))]
+    strided = [placements[mesh.mesh_dim_names.index(a)] for a in axes]
+    if len(axes) == 1 and isinstance(strided[0], _StridedShard) and size % strided[0].split_factor == 0:
+        n = int(strided[0].split_factor)
+        candidates.append(Dim((str(size // n),) * n, fused=True))
+    for bare in candidates:
+        recorded = [bare.axes] if sorted(bare.axes) == sorted(axes) else []
+        for candidate in recorded + list(itertools.permutations(axes)):
+            trial = replace(bare, axes=tuple(candidate))
+            got = to_placements(_single(trial, d), mesh)
+            if all(got[mesh.mesh_dim_names.index(a)] == placements[mesh.mesh_dim_names.index(a)] for a in axes):
+                return trial
+    shown = ", ".join(str(p) for p in strided)
     raise LayoutError(f"placements ({shown}) of tensor dim {d} match no order of axes {axes}")
 
 

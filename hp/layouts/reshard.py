@@ -6,6 +6,11 @@ sum over tp). Turning a replicated value into a partial sum is exact without
 communication: the first rank of each group keeps the value, the others hold
 zeros. Its gradient is the incoming gradient on every rank, which this module
 declares by marking the local gradient as a partial sum.
+
+Moves into or out of a fused dim's strided shard (`[q k v]/tp`) go through
+replicated on the strided axes: DTensor's planner gets some of those moves
+wrong (wrong blocks, or an error, when they meet partial sums or other
+strided shards), while gathering them first and splitting them last is right.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from collections.abc import Sequence
 
 import torch
 from torch.distributed._local_tensor import maybe_run_for_local_tensor
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 def reshard(x: DTensor, placements: Sequence[Placement]) -> DTensor:
@@ -27,10 +33,31 @@ def reshard(x: DTensor, placements: Sequence[Placement]) -> DTensor:
     ]
     staging = tuple(Replicate() if m in into_partial else p for m, p in enumerate(placements))
     if tuple(x.placements) != staging:
-        x = x.redistribute(x.device_mesh, staging)
+        x = _redistribute(x, staging)
     if into_partial:
         x = _replicate_to_partial(x, into_partial, placements)
     return x
+
+
+def _redistribute(x: DTensor, placements: tuple[Placement, ...]) -> DTensor:
+    """DTensor's redistribute, through whole strided axes when a fused dim is involved."""
+    if not (_has_fused(x.placements) or _has_fused(placements)):
+        return x.redistribute(x.device_mesh, placements)
+    for step in (_whole(x.placements), _whole(placements), placements):
+        if tuple(x.placements) != step:
+            x = x.redistribute(x.device_mesh, step)
+    return x
+
+
+def _has_fused(placements: Sequence[Placement]) -> bool:
+    """A strided shard alone on its tensor dim is a fused dim's (a dim split against mesh
+    order has a plain shard of the same dim beside its strided one)."""
+    dims = [p.dim for p in placements if isinstance(p, (Shard, _StridedShard))]
+    return any(isinstance(p, _StridedShard) and dims.count(p.dim) == 1 for p in placements)
+
+
+def _whole(placements: Sequence[Placement]) -> tuple[Placement, ...]:
+    return tuple(Replicate() if isinstance(p, _StridedShard) else p for p in placements)
 
 
 def _replicate_to_partial(x: DTensor, mesh_dims: list[int], placements) -> DTensor:

@@ -56,7 +56,8 @@ class Rules:
         """`layout` with every unsplit named dimension bound by these rules."""
         dims = []
         for dim in layout.dims:
-            bound = self.bindings.get(dim.factors[0]) if not dim.composite else None
+            named = not dim.composite and not dim.fused  # rules bind names, not parts
+            bound = self.bindings.get(dim.factors[0]) if named else None
             if dim.axes or not bound:
                 dims.append(dim)
             else:

@@ -1,6 +1,6 @@
 """`Layout` and `Dim`: the immutable value that says how each tensor dimension lies on a mesh.
 
-A layout is written in the notation of DESIGN.md (`"b s/cp h/tp +dp @host"`),
+A layout is written in the notation of docs/notation.md (`"b s/cp h/tp +dp @host"`),
 parsed by `hp.layouts.parse`, and printed back here in canonical form. It knows
 nothing about a concrete mesh or tensor; `hp.layouts.placements` binds it to
 both. Keeping the value type free of torch makes it cheap to hash, compare and
@@ -19,31 +19,61 @@ ELLIPSIS = "..."
 
 @dataclass(frozen=True)
 class Dim:
-    """One tensor dimension: its name (or composite factors) and the axes that split it.
+    """One tensor dimension: its name (or composite factors, or fused parts) and the axes that split it.
 
     `factors` is `("b",)` for a named dim, `("8",)` for an anonymous dim of
     size 8, `("...",)` for the ellipsis, and several names for a composite
     `(a b)` (leftmost factor major). `axes` lists the mesh axes that split the
     dim, major first: `h/x/y` splits over x, then each piece over y.
+
+    A fused dim (`fused=True`, written `[q k v]`) is its parts laid end to end,
+    as a packed projection stores them: `factors` names the parts, `sizes`
+    gives each part's size when the layout writes them (`[q:64 k:16 v:16]`;
+    an anonymous part `16` is its own size), else `()` (equal parts). A split
+    applies to every part: `[q k v]/tp` gives rank r piece r of q, of k and of v.
     """
 
     factors: tuple[str, ...]
     axes: tuple[str, ...] = ()
     composite: bool = False
+    fused: bool = False
+    sizes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Anonymous parts are their sizes: store them, so that `[8 8]` has one form.
+        if self.fused and not self.sizes and self.factors and all(f.isdigit() for f in self.factors):
+            object.__setattr__(self, "sizes", tuple(int(f) for f in self.factors))
 
     @property
     def is_ellipsis(self) -> bool:
-        return self.factors == (ELLIPSIS,)
+        return not self.fused and self.factors == (ELLIPSIS,)
 
     @property
     def size(self) -> int | None:
         """The size written in the layout (anonymous dims only), else None."""
-        if not self.composite and self.factors[0].isdigit():
+        if not self.composite and not self.fused and self.factors[0].isdigit():
             return int(self.factors[0])
         return None
 
+    def part_sizes(self, size: int) -> tuple[int, ...]:
+        """The sizes of a fused dim's parts when the whole dim has `size` (equal unless written).
+
+        >>> Dim(("q", "k", "v"), fused=True).part_sizes(96)
+        (32, 32, 32)
+        """
+        return self.sizes or (size // len(self.factors),) * len(self.factors)
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The parts as written: `q`, `q:64` or an anonymous size `16`."""
+        if not self.sizes:
+            return self.factors
+        return tuple(f if f.isdigit() else f"{f}:{n}" for f, n in zip(self.factors, self.sizes))
+
     @property
     def name(self) -> str:
+        if self.fused:
+            return f"[{' '.join(self.parts)}]"
         body = " ".join(self.factors)
         return f"({body})" if self.composite else body
 
@@ -98,6 +128,11 @@ class Layout:
 
         for i, dim in enumerate(self.dims):
             emit(str(dim), ("dim", i))
+            if dim.fused:
+                start = spans[("dim", i)][0] + 1
+                for k, part in enumerate(dim.parts):
+                    spans[("part", i, k)] = (start, start + len(part))
+                    start += len(part) + 1
             start = spans[("dim", i)][0] + len(dim.name)
             for j, axis in enumerate(dim.axes):
                 spans[("axis", i, j)] = (start + 1, start + 1 + len(axis))
@@ -177,11 +212,14 @@ class Layout:
                     raise self.error("'...' cannot be split over a mesh axis", at=("dim", i))
                 seen_names.add(ELLIPSIS)
                 continue
-            for name in dim.factors:
+            if dim.fused:
+                self._validate_parts(i, dim)
+            for k, name in enumerate(dim.factors):
                 if name.isdigit():
                     continue
                 if name in seen_names:
-                    raise self.error(f"dimension name '{name}' is used twice", at=("dim", i))
+                    where = ("part", i, k) if dim.fused else ("dim", i)
+                    raise self.error(f"dimension name '{name}' is used twice", at=where)
                 seen_names.add(name)
             for j, axis in enumerate(dim.axes):
                 if axis in seen_axes:
@@ -199,3 +237,27 @@ class Layout:
                     at=("partial", axis),
                 )
             seen_axes[axis] = ("partial", axis)
+
+    def _validate_parts(self, i: int, dim: Dim) -> None:
+        """A fused dim's own rules: some parts, sizes for all of them or none, positive sizes."""
+        if dim.composite:
+            raise self.error("a dimension is either composite '( )' or fused '[ ]', not both", at=("dim", i))
+        if not dim.factors:
+            raise self.error("empty fused dimension '[]'", at=("dim", i))
+        if dim.sizes and len(dim.sizes) != len(dim.factors):
+            raise self.error(
+                f"fused dimension has {len(dim.factors)} parts but {len(dim.sizes)} sizes", at=("dim", i)
+            )
+        for k, name in enumerate(dim.factors):
+            if name == ELLIPSIS:
+                raise self.error("'...' cannot stand inside a fused dimension", at=("part", i, k))
+            if not dim.sizes and name.isdigit():
+                raise self.error(
+                    "give every part of a fused dimension a size, or none (equal parts)", at=("part", i, k)
+                )
+            if dim.sizes and dim.sizes[k] <= 0:
+                raise self.error(f"part '{name}' has size {dim.sizes[k]}; sizes are positive", at=("part", i, k))
+            if dim.sizes and name.isdigit() and int(name) != dim.sizes[k]:
+                raise self.error(
+                    f"anonymous part '{name}' is its own size, not {dim.sizes[k]}", at=("part", i, k)
+                )

@@ -7,7 +7,8 @@ accumulation, where DTensor picks the locally cheapest strategy (reduce-
 scatter, later all-gather). Megatron's `f` operator fixes the place instead:
 the input passes through an identity whose backward all-reduces over a, and
 linears that read one input (q, k, v; gate, up) share it, so backward sums
-their partials locally and all-reduces once.
+their partials locally and all-reduces once. A fused weight (`[q k v]/a in`)
+runs the same product (`column_axis`, `column_product`; see hp/ops/fused.py).
 
 2D tensor-parallel linear: weight split over two mesh axes, tokens over both.
 
@@ -46,7 +47,8 @@ import weakref
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from hp.ops.local import local_block, to_dtensor
 
@@ -169,17 +171,42 @@ def column_parallel(input, weight, bias=None):
     sequence-parallel input (tokens split over the weight's axis) is all-gathered over it
     (its backward reduce-scatters), the Megatron-SP pattern.
     """
-    if not (isinstance(input, DTensor) and isinstance(weight, DTensor)) or weight.ndim != 2:
+    a = column_axis(input, weight, bias)
+    if a is None or type(weight.placements[a]) is not Shard:
         return NotImplemented
+    return column_product(input, weight, bias, a, Shard(input.ndim - 1))
+
+
+def column_axis(input, weight, bias=None) -> int | None:
+    """The mesh axis that alone splits the weight's rows (`out/a in`, plain or fused), else None.
+
+    The input's features must be whole and its values complete; a bias must lie as the weight.
+    """
+    if not (isinstance(input, DTensor) and isinstance(weight, DTensor)) or weight.ndim != 2:
+        return None
     mesh, last = weight.device_mesh, input.ndim - 1
     split = [m for m, p in enumerate(weight.placements) if not isinstance(p, Replicate)]
-    if input.device_mesh != mesh or len(split) != 1 or weight.placements[split[0]] != Shard(0):
-        return NotImplemented
-    a = split[0]
-    if any(isinstance(p, Partial) or p == Shard(last) for p in input.placements):
-        return NotImplemented
+    if input.device_mesh != mesh or len(split) != 1 or not _splits(weight.placements[split[0]], 0):
+        return None
+    if any(isinstance(p, Partial) or _splits(p, last) for p in input.placements):
+        return None
     if bias is not None and (not isinstance(bias, DTensor) or tuple(bias.placements) != tuple(weight.placements)):
-        return NotImplemented
+        return None
+    return split[0]
+
+
+def _splits(p, dim: int) -> bool:
+    return isinstance(p, (Shard, _StridedShard)) and p.dim == dim
+
+
+def column_product(input, weight, bias, a: int, out: Placement):
+    """Each rank's block of `F.linear` with the weight's rows split over axis a (see `column_axis`).
+
+    The local product `x W_r^T` is the output's block on a as the weight's rows lie, which
+    the caller names as `out` (`Shard(last)` for `out/a in`). NotImplemented when the
+    tokens' layout does not fit the Megatron input paths of `column_parallel`.
+    """
+    mesh = weight.device_mesh
     tokens, group = input.placements[a], mesh.get_group(a)
     if isinstance(tokens, Replicate):
         local_in = _shared(input, "f", a, lambda: _ReduceGradient.apply(input.to_local(), group))
@@ -188,11 +215,11 @@ def column_parallel(input, weight, bias=None):
     else:
         return NotImplemented
     # rows split over other axes (data parallel): parameter gradients are pending sums there
-    rows = [m for m, p in enumerate(input.placements) if isinstance(p, Shard) and m != a]
-    out = F.linear(local_in, local_block(weight, rows), local_block(bias, rows) if bias is not None else None)
+    rows = [m for m, p in enumerate(input.placements) if isinstance(p, (Shard, _StridedShard)) and m != a]
+    out_local = F.linear(local_in, local_block(weight, rows), local_block(bias, rows) if bias is not None else None)
     placements = list(input.placements)
-    placements[a] = Shard(last)
-    return to_dtensor(out, mesh, placements, (*input.shape[:-1], weight.shape[0]))
+    placements[a] = out
+    return to_dtensor(out_local, mesh, placements, (*input.shape[:-1], weight.shape[0]))
 
 
 def linear_2d(input, weight, bias=None):

@@ -14,17 +14,26 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Placement
 
 
-def to_dtensor(local: torch.Tensor, mesh, placements: Sequence[Placement], shape, dim_order=None) -> DTensor:
+def to_dtensor(
+    local: torch.Tensor, mesh, placements: Sequence[Placement], shape, dim_order=None, stride=None
+) -> DTensor:
     """Wrap a local block as a DTensor of global `shape` (differentiable).
 
     The block is contiguous, or, with `dim_order`, a permuted view of a contiguous buffer whose
-    dims, outermost first, are `dim_order` (the global stride then says the same).
+    dims, outermost first, are `dim_order` (the global stride then says the same), or, with
+    `stride`, a view whose global tensor has that stride (a slice keeps its source's).
+
+    >>> import hp, torch
+    >>> mesh = hp.mesh(tp=2, simulate=True)
+    >>> to_dtensor(torch.zeros(4, 3), mesh, [torch.distributed.tensor.Shard(1)], (4, 6)).stride()
+    (6, 1)
     """
-    order = list(dim_order) if dim_order is not None else list(range(len(shape)))
-    dense = torch.empty([shape[d] for d in order], device="meta").stride()
-    stride = [0] * len(shape)
-    for position, d in enumerate(order):
-        stride[d] = dense[position]
+    if stride is None:
+        order = list(dim_order) if dim_order is not None else list(range(len(shape)))
+        dense = torch.empty([shape[d] for d in order], device="meta").stride()
+        stride = [0] * len(shape)
+        for position, d in enumerate(order):
+            stride[d] = dense[position]
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride))
 
 
