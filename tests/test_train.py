@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from gloo_launch import _free_port, clean_env
 
+from hp.models import FAMILIES
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
 QUICKSTART = str(ROOT / "examples" / "quickstart.yaml")
@@ -137,11 +139,13 @@ def test_bad_configs_fail_before_any_worker_starts(tmp_path, override, message):
     assert not (tmp_path / "out").exists()
 
 
-def local_hf_model(directory: Path) -> None:
-    """A tiny Llama saved as a HF directory: config, safetensors and a locally trained BPE tokenizer."""
+def local_hf_model(directory: Path, family: str = "llama") -> None:
+    """A tiny model of `family` saved as a HF directory: config, safetensors and a locally trained BPE tokenizer."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from hp.models import tiny_config
 
     records = json.loads((ROOT / "examples" / "data" / "quickstart.json").read_text())
     text = [" ".join(r.values()) for r in records[:200]]
@@ -151,21 +155,33 @@ def local_hf_model(directory: Path) -> None:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     tokenizer.save_pretrained(directory)
     torch.manual_seed(3)
-    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, use_cache=False, tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(directory)
+    config = tiny_config(family, layers=2, vocab_size=320, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
 
 
-def test_a_local_hf_model_directory_is_loaded_rank_by_rank(tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_local_hf_model_directory_of_every_family_is_loaded_rank_by_rank(tmp_path, family):
     from transformers import AutoModelForCausalLM
 
-    local_hf_model(tmp_path / "model")
+    local_hf_model(tmp_path / "model", family)
     overrides = [f"model_name_or_path={tmp_path / 'model'}", "max_steps=1", "per_device_train_batch_size=8",
                  f"output_dir={tmp_path / 'out'}", f"dataset_dir={ROOT / 'examples' / 'data'}"]
     result = summary(hp_train(*overrides))  # tp=2: each rank reads its halves of the weights
     ids, labels = first_batch(overrides)
     want = AutoModelForCausalLM.from_pretrained(tmp_path / "model")(input_ids=ids, labels=labels).loss.item()
     assert result["first_loss"] == pytest.approx(want, rel=1e-5)
+    assert result["comm_bytes_per_step"]["tp"] > 0
+
+
+def test_a_model_type_without_a_plan_is_refused_before_any_worker_starts(tmp_path):
+    from transformers import GPT2Config
+
+    local_hf_model(tmp_path / "model")
+    GPT2Config(n_embd=64, n_layer=1, n_head=4).save_pretrained(tmp_path / "model")  # its config.json now says gpt2
+    run = hp_train(f"model_name_or_path={tmp_path / 'model'}", f"output_dir={tmp_path / 'out'}")
+    assert run.returncode == 2
+    assert "no model plan for model_type 'gpt2'; hp.models has plans for llama, mistral, qwen2, qwen3, gemma2" in run.stderr
+    assert "torch.distributed" not in run.stderr and not (tmp_path / "out").exists()
 
 
 def test_a_device_this_machine_lacks_is_refused(tmp_path):

@@ -26,6 +26,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from hp.storable import from_storable, to_storable
+
 _NAME = re.compile(r"checkpoint-(\d+)\Z")
 TRAINER_STATE = "trainer_state.pt"
 
@@ -52,7 +54,8 @@ def save(output_dir: str, step: int, model: nn.Module, optimizer, extra: dict[st
         os.makedirs(partial)
     _barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=partial, no_dist=not distributed())
+    state = to_storable({"model": model_state, "optim": optim_state})
+    dcp.save(state, checkpoint_id=partial, no_dist=not distributed())
     if rank() == 0:
         state = {"step": step, "rng": _rng_state(), **extra}
         torch.save(state, os.path.join(partial, TRAINER_STATE))
@@ -71,8 +74,10 @@ def load(path: str, model: nn.Module, optimizer) -> dict[str, Any]:
     """Restore model, optimizer and RNG from checkpoint `path` into this run's layout; returns trainer state."""
     require_complete(path)
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    wanted = {"model": model_state, "optim": optim_state}
+    state = to_storable(wanted)
     dcp.load(state, checkpoint_id=path, no_dist=not distributed())
+    state = from_storable(state, wanted)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     trainer = torch.load(os.path.join(path, TRAINER_STATE), weights_only=False)
     _set_rng_state(trainer.pop("rng"))
@@ -81,9 +86,10 @@ def load(path: str, model: nn.Module, optimizer) -> dict[str, Any]:
 
 def load_model_weights(path: str, model: nn.Module) -> None:
     """Only the model's weights of checkpoint `path` (for export and evaluation)."""
-    state = {"model": model.state_dict()}
+    wanted = {"model": model.state_dict()}
+    state = to_storable(wanted)
     dcp.load(state, checkpoint_id=path, no_dist=not distributed())
-    model.load_state_dict(state["model"])
+    model.load_state_dict(from_storable(state, wanted)["model"])
 
 
 def _prune(output_dir: str, keep: int | None) -> None:

@@ -13,11 +13,13 @@ one rank's memory still loads.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from hp.apply import apply_strategy
+from hp.storable import from_storable, to_storable
 from hp.strategy import Strategy, StrategyError
 from hp.train.config import ConfigError
 
@@ -94,11 +96,13 @@ def build_model(name_or_path: str, vocab_size: int, mesh, strategy: Strategy, *,
         torch.manual_seed(seed)  # the same initial weights on every rank and in every run
         model = AutoModelForCausalLM.from_config(config)
         return apply_strategy(model, mesh, strategy, plan).to(mesh.device_type)
-    with torch.device("meta"):
+    with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config)
+    computed = _non_persistent_buffers(model)  # RoPE's frequencies, Gemma's embedding scale: not in the files
     apply_strategy(model, mesh, strategy, plan)
     model.to_empty(device=mesh.device_type)
-    _reset_rotary(model)
+    for name, value in computed.items():
+        model.get_buffer(name).copy_(value)
     load_safetensors(model, name_or_path)
     return model
 
@@ -110,17 +114,36 @@ def load_safetensors(model: nn.Module, directory: str) -> None:
 
     from hp.train.checkpoint import distributed
 
-    state = model.state_dict()
+    wanted = model.state_dict()
     if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # stored once, as the embedding
+        wanted.pop("lm_head.weight", None)  # stored once, as the embedding
+    state = to_storable(wanted)
     dcp.load(state, storage_reader=HuggingFaceStorageReader(directory), no_dist=not distributed())
-    model.load_state_dict(state, strict=False)
+    model.load_state_dict(from_storable(state, wanted), strict=False)
 
 
-def _reset_rotary(model: nn.Module) -> None:
-    """Recompute RoPE's inverse frequencies, non-persistent buffers that meta construction left empty."""
-    for module in model.modules():
-        if hasattr(module, "inv_freq") and hasattr(module, "config"):
-            device = module.inv_freq.device
-            type(module).__init__(module, module.config)
-            module.to(device)
+@contextmanager
+def _parameters_on_meta():
+    """Build modules with parameters on the meta device but real buffers (computed in __init__, never loaded)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a state dict leaves out, by name (their values come from the model's code)."""
+    found = {}
+    for prefix, module in model.named_modules():
+        for name in module._non_persistent_buffers_set:
+            if module._buffers.get(name) is not None:
+                found[f"{prefix}.{name}" if prefix else name] = module._buffers[name].clone()
+    return found
