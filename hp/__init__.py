@@ -29,12 +29,12 @@ from hp.region import region
 from hp.simulate import simulated
 from hp.strategy import Strategy, StrategyError
 from hp.model_plan import ModelPlan
-from hp.apply import apply_strategy, strategy_mesh
+from hp.apply import apply_strategy, check_strategy, strategy_mesh
 from hp.data_parallel import reduce_gradients
 
 __all__ = [
     "Layout", "LayoutError", "MeshError", "ModelPlan", "PlanError", "RuleError", "Rules", "Strategy", "StrategyError",
-    "StrictError", "apply_strategy", "comm", "constrain", "context_parallel", "describe", "explain", "from_local",
+    "StrictError", "apply_strategy", "check_strategy", "comm", "constrain", "context_parallel", "describe", "explain", "from_local",
     "layout", "layout_of", "mesh", "parallelize", "reduce_gradients", "region", "rule", "rules", "shard", "simulated",
     "strategy_mesh", "strict",
 ]

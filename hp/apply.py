@@ -23,7 +23,7 @@ from hp.hf_attention import ulysses_around_attention, uses_sdpa
 from hp.mesh import mesh as make_mesh
 from hp.model_plan import ModelPlan
 from hp.ops.context_parallel import context_parallel
-from hp.parallelize import forward_inside, parallelize
+from hp.parallelize import check_plan, forward_inside, parallelize
 from hp.sequence import prepare_sequences
 from hp.strategy import Strategy, StrategyError
 
@@ -93,13 +93,37 @@ def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any
     return model
 
 
+def check_strategy(model: nn.Module, strategy: Strategy | Mapping[str, Any], plan: ModelPlan) -> None:
+    """What `apply_strategy` would refuse, found without a mesh or data (a meta-device model will do).
+
+    >>> import torch, hp
+    >>> from transformers import AutoModelForCausalLM
+    >>> from hp.models import plan_for, tiny_config
+    >>> with torch.device("meta"):
+    ...     model = AutoModelForCausalLM.from_config(tiny_config("gemma2", layers=1))
+    >>> hp.check_strategy(model, {"cp": 2, "cp_algorithm": "ring"}, plan_for(model.config))
+    Traceback (most recent call last):
+    ...
+    hp.strategy.StrategyError: cp_algorithm = 'ring' cannot soft-cap attention logits (attn_logit_softcapping = 50.0): ring attention merges blocks of SDPA; use ulysses
+    """
+    strategy = Strategy.of(strategy)
+    strategy.check_fits(model.config)
+    params, _, _ = layouts(strategy, plan)
+    check_plan(model, strategy.mesh_axes, _present(params, model))
+    _check_attention(model, strategy)
+
+
+def _check_attention(model: nn.Module, strategy: Strategy) -> None:
+    if strategy.ring and not uses_sdpa(model):
+        raise StrategyError("cp_algorithm", "ring", f": ring attention needs SDPA attention, and this "
+                            f"{type(model).__name__} runs '{model.config._attn_implementation}' attention; "
+                            "use cp_algorithm ulysses")
+
+
 def _context_parallel_attention(model: nn.Module, strategy: Strategy) -> None:
     """SDPA runs on hp's ring or Ulysses kernels; any other attention, Ulysses around it."""
+    _check_attention(model, strategy)
     if not uses_sdpa(model):
-        if strategy.ring:
-            raise StrategyError("cp_algorithm", "ring", f": ring attention needs SDPA attention, and this "
-                                f"{type(model).__name__} runs '{model.config._attn_implementation}' attention; "
-                                "use cp_algorithm ulysses")
         ulysses_around_attention(model)
     order = "head_tail" if strategy.ring else "contiguous"
     forward_inside(model, lambda: context_parallel(strategy.cp_algorithm, order=order))

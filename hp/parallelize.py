@@ -57,21 +57,13 @@ def parallelize(
     >>> hp.describe(mlp[2].weight), hp.describe(mlp[2].bias)
     ('f32[out=8, in=32/tp]', 'f32[8]')
     """
-    used: set[str] = set()
     replaced: dict[int, nn.Parameter] = {}
-    for names, param in _shared_names(module):
-        spec = _match_tied(plan, names, used)
-        try:
-            placed = _place(param.detach(), spec, mesh, rules)
-        except LayoutError as e:
-            raise PlanError(f"parameter '{names[0]}' of shape {tuple(param.shape)}: {e}") from None
+    for names, param, spec in _planned(module, plan, mesh, rules):
+        placed = _place(param.detach(), spec, mesh)
         replaced[id(param)] = keep_names(placed, nn.Parameter(placed, requires_grad=param.requires_grad))
     for name, param in list(module.named_parameters(remove_duplicate=False)):
         owner_name, _, attr = name.rpartition(".")
         setattr(module.get_submodule(owner_name), attr, replaced[id(param)])
-    unused = [k for k in plan if k not in used]
-    if unused:
-        raise PlanError(f"hp.parallelize: plan entries {unused} match no parameter of {type(module).__name__}")
     _layout_io(module, mesh, inputs or {}, outputs or {}, rules)
     _run_in_region(module)
     return module
@@ -104,10 +96,44 @@ def _match(plan, name: str, used: set[str]) -> Layout | None:
     return None
 
 
-def _place(t: torch.Tensor, spec: Layout, mesh: DeviceMesh, rules) -> DTensor:
+def check_plan(
+    module: nn.Module, axes: DeviceMesh | Mapping[str, int], plan: Mapping[str, str | Layout], *, rules=None
+) -> None:
+    """What `parallelize` would refuse, found without a mesh or any data (a meta-device model will do).
+
+    `axes` is the mesh, or only its axis sizes (`{"tp": 2}`), so a launcher can check a plan
+    before any worker starts.
+
+    >>> import torch
+    >>> check_plan(torch.nn.Linear(8, 6), {"tp": 4}, {"weight": "out/tp in"})
+    Traceback (most recent call last):
+    ...
+    hp.parallelize.PlanError: parameter 'weight' of shape (6, 8): dimension 0 has size 6, not divisible by its 4 shards (tp=4); pass uneven=True to allow torch.chunk-style uneven shards
+      out/tp in
+      ^^^^^^
+    """
+    _planned(module, plan, axes, rules)
+
+
+def _planned(module: nn.Module, plan, axes, rules) -> list[tuple[list[str], nn.Parameter, Layout]]:
+    """(names, parameter, bound layout) of each parameter once; PlanError for what does not fit."""
+    used: set[str] = set()
+    planned = []
+    for names, param in _shared_names(module):
+        spec = _match_tied(plan, names, used)
+        try:
+            planned.append((names, param, bind(resolve(spec, rules), axes, param.shape)))
+        except LayoutError as e:
+            raise PlanError(f"parameter '{names[0]}' of shape {tuple(param.shape)}: {e}") from None
+    unused = [k for k in plan if k not in used]
+    if unused:
+        raise PlanError(f"hp.parallelize: plan entries {unused} match no parameter of {type(module).__name__}")
+    return planned
+
+
+def _place(t: torch.Tensor, bound: Layout, mesh: DeviceMesh) -> DTensor:
     if t.device.type != "meta":
-        return shard(t, spec, mesh, rules=rules)
-    bound = bind(resolve(spec, rules), mesh, t.shape)
+        return shard(t, bound, mesh)
     return distribute_tensor(t, mesh, to_placements(bound, mesh))
 
 

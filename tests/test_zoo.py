@@ -174,3 +174,17 @@ def test_ring_attention_is_refused_for_a_model_without_sdpa_attention():
     with hp.simulated(mesh), pytest.raises(hp.StrategyError, match=r"ring attention needs SDPA attention, and this "
                                            r"Gemma2ForCausalLM runs 'eager' attention; use cp_algorithm ulysses"):
         hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
+
+
+def test_a_plan_that_does_not_fit_the_model_is_refused_without_a_mesh():
+    """Phi-3 with fewer key/value heads than query heads: its fused q, k, v parts are unequal."""
+    from transformers import AutoModelForCausalLM
+
+    from hp.models import tiny_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("phi3", layers=1, num_key_value_heads=4))
+    with pytest.raises(hp.PlanError, match=r"parameter 'model.layers.0.self_attn.qkv_proj.weight' of shape \(128, 64\): "
+                                           r"dimension 0 has size 128, not divisible into its 3 equal parts"):
+        hp.check_strategy(model, {"tp": 2}, plan_for(model.config))
+    hp.check_strategy(model, {"cp": 2}, plan_for(model.config))  # without tp nothing is split in parts

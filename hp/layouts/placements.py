@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from torch.distributed.device_mesh import DeviceMesh
@@ -33,8 +33,10 @@ from hp.layouts.errors import LayoutError
 from hp.layouts.types import Dim, Layout
 
 
-def mesh_axes(mesh: DeviceMesh) -> dict[str, int]:
-    """Mesh axis name -> size, in mesh order."""
+def mesh_axes(mesh: DeviceMesh | Mapping[str, int]) -> dict[str, int]:
+    """Mesh axis name -> size, in mesh order (a mapping of sizes stands for a mesh not built yet)."""
+    if isinstance(mesh, Mapping):
+        return dict(mesh)
     names = mesh.mesh_dim_names
     if not names:
         raise LayoutError("the mesh has no axis names; build it with hp.mesh(dp=..., tp=...)")

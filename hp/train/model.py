@@ -18,7 +18,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from hp.apply import apply_strategy
+from hp.apply import apply_strategy, check_strategy
+from hp.parallelize import PlanError
 from hp.storable import from_storable, to_storable
 from hp.strategy import Strategy, StrategyError
 from hp.train.config import ConfigError
@@ -60,21 +61,37 @@ def model_config(name_or_path: str, vocab_size: int):
 def check_fits(config, strategy: Strategy) -> None:
     """Refuse a model the zoo has no plan for, or a strategy its shapes cannot take, naming both.
 
+    The model is built on the meta device (no memory, no weights) and every layout the
+    strategy would apply is bound to its parameter, as the workers would.
+
     >>> check_fits(tiny_llama_config(259), Strategy(tp=3))
     Traceback (most recent call last):
     ...
     hp.train.config.ConfigError: parallel.tp = 3 does not divide num_attention_heads = 4 of the model
     """
+    from transformers import AutoModelForCausalLM
+
     from hp.models import plan_for
 
     try:
-        plan_for(config)
+        plan = plan_for(config)
     except ValueError as e:
         raise ConfigError(f"model_name_or_path: {e}") from None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
     try:
-        strategy.check_fits(config)
+        check_strategy(model, strategy, plan)
     except StrategyError as e:
         raise ConfigError(f"parallel.{e}") from None
+    except PlanError as e:
+        raise ConfigError(f"parallel: the {config.model_type} plan does not fit this model under {_given(strategy)}: "
+                          f"{e}") from None
+
+
+def _given(strategy: Strategy) -> str:
+    """The strategy's fields that differ from the defaults, as a config would write them."""
+    default = Strategy().as_dict()
+    return ", ".join(f"{k}={v}" for k, v in strategy.as_dict().items() if default[k] != v) or "one device"
 
 
 def build_model(name_or_path: str, vocab_size: int, mesh, strategy: Strategy, *, seed: int) -> nn.Module:
