@@ -65,6 +65,27 @@ def test_tied_parameters_stay_tied():
     assert hp.describe(model["head"].weight) == "f32[vocab=16/tp, h=8]"
 
 
+@pytest.mark.parametrize("plan", [{"head.weight": "vocab/tp h"}, {"emb.weight": "vocab/tp h", "head.weight": "vocab/tp h"}])
+def test_either_name_of_a_tied_parameter_lays_it_out_once(plan):
+    mesh = hp.mesh(tp=2, simulate=True)
+    emb, head = nn.Embedding(16, 8), nn.Linear(8, 16, bias=False)
+    head.weight = emb.weight
+    model = hp.parallelize(nn.ModuleDict({"emb": emb, "head": head}), mesh, plan)
+    assert model["emb"].weight is model["head"].weight
+    assert hp.describe(model["emb"].weight) == "f32[vocab=16/tp, h=8]"
+
+
+def test_two_layouts_for_one_tied_parameter_are_refused_naming_both():
+    mesh = hp.mesh(tp=2, simulate=True)
+    emb, head = nn.Embedding(16, 8), nn.Linear(8, 16, bias=False)
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": emb, "head": head})
+    with pytest.raises(hp.PlanError, match=re.escape("tied parameters get different layouts ('emb.weight' -> 'vocab h/tp', "
+                                                     "'head.weight' -> 'vocab/tp h')")):
+        hp.parallelize(model, mesh, {"emb.weight": "vocab h/tp", "head.weight": "vocab/tp h"})
+    assert not isinstance(model["emb"].weight, torch.distributed.tensor.DTensor)  # nothing was laid out
+
+
 def test_meta_models_are_sharded_without_materialising():
     mesh = hp.mesh(tp=4, simulate=True)
     with torch.device("meta"):

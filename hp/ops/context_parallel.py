@@ -25,11 +25,11 @@ from torch.distributed.tensor import DTensor, Shard
 
 from hp.ops.local import to_dtensor
 from hp.ops.ring_attention import ORDERS, RingAttention
+from hp.strategy import CP_ALGORITHMS
 
 _ALGORITHM: contextvars.ContextVar[tuple[str, str]] = contextvars.ContextVar(
     "hp_cp_algorithm", default=("ulysses", "contiguous")
 )
-ALGORITHMS = ("ulysses", "ring")
 
 
 @contextmanager
@@ -44,8 +44,8 @@ def context_parallel(algorithm: str = "ulysses", *, order: str = "contiguous"):
     >>> with hp.context_parallel("ring", order="head_tail"):
     ...     pass
     """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"context-parallel algorithm {algorithm!r} is not one of {ALGORITHMS}")
+    if algorithm not in CP_ALGORITHMS:
+        raise ValueError(f"context-parallel algorithm {algorithm!r} is not one of {CP_ALGORITHMS}")
     if order not in ORDERS or (algorithm == "ulysses" and order != "contiguous"):
         allowed = ORDERS if algorithm == "ring" else ("contiguous",)
         raise ValueError(f"sequence order {order!r} is not supported by {algorithm} attention (allowed: {allowed})")

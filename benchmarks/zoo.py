@@ -1,0 +1,128 @@
+"""The model zoo under every strategy: numbers equal to HF's, communication equal to Megatron's.
+
+For each family of `hp.models` (tiny configs built in code: hidden 64, 8
+query heads of dim 8, 2 layers, batch 4 x 16 tokens, fp32) and each strategy
+(tp, tp+sp, dp+tp, cp with Ulysses and with ring, cp+tp), one forward and
+backward on simulated ranks (one process, real values), against the
+unsharded HF model. Each line:
+
+- `loss_rel`, `grad_rel`: relative error of the loss and the worst gradient;
+- `fwd_collectives_per_layer`: the collectives of one decoder layer's forward
+  (`kind@axis`), from `hp.comm.trace`;
+- `bytes_vs_megatron`: a layer's forward tp bytes per rank over Megatron's (two
+  ring all-reduces of the layer's activations); null without tp;
+- `cp_bytes_vs_formula`: the same for the cp axis against Ulysses' four
+  all-to-alls or ring's cp-1 K/V blocks; null without cp.
+
+Two more lines show what the plans buy (`"plan": "naive"`, not counted in the
+summary): Phi-3 laid out with plain `out/tp` on its fused weights, and Gemma-2
+without the residual-stream outputs of its plan. The last line:
+`{"families": N, "all_match": bool, "megatron_bytes": bool}`.
+
+    python benchmarks/zoo.py
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+import hp
+from hp.cost import ring_bytes
+from hp.model_plan import ModelPlan
+from hp.models import FAMILIES, plan_for, tiny_config
+
+BATCH, SEQ, HEAD_DIM, TOLERANCE = 4, 16, 8, 1e-5
+STRATEGIES = [
+    {"tp": 2}, {"tp": 2, "sp": True}, {"dp": 2, "tp": 2}, {"cp": 2}, {"cp": 2, "cp_algorithm": "ring"},
+    {"cp": 2, "tp": 2},
+]
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def measure(family: str, strategy: hp.Strategy, plan: ModelPlan | None = None) -> dict:
+    """One step of `family` under `strategy` against HF's unsharded model."""
+    torch.manual_seed(0)
+    config = tiny_config(family, layers=2)
+    reference, model = AutoModelForCausalLM.from_config(config), AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(reference.state_dict())
+    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
+    labels = ids.clone()
+    labels[:, :2] = -100
+    want = reference(input_ids=ids, labels=labels).loss
+    want.backward()
+    mesh = hp.strategy_mesh(strategy, simulate=True)
+    start = time.perf_counter()
+    with hp.simulated(mesh):
+        hp.apply_strategy(model, mesh, strategy, plan or plan_for(config))
+        layers = hp.comm.trace_each(model.model.layers)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        loss_rel = abs(loss.full_tensor().item() - want.item()) / want.item()
+        grad_rel = max(rel_err(p.grad.full_tensor(), r.grad) for p, r in zip(model.parameters(), reference.parameters()))
+    forward = layers[0].select(phase="forward")
+    tp_bytes = sum(r.bytes for r in forward if r.axis == "tp")
+    cp_bytes = sum(r.bytes for r in forward if r.axis == "cp")
+    tp_formula, cp_formula = formulas(strategy, config)
+    return {
+        "family": family, "strategy": {k: v for k, v in strategy.as_dict().items() if v != getattr(hp.Strategy(), k)},
+        "plan": "zoo" if plan is None else "naive",
+        "loss_rel": loss_rel, "grad_rel": grad_rel,
+        "fwd_collectives_per_layer": [f"{r.kind}@{r.axis}" for r in forward],
+        "bytes_vs_megatron": round(tp_bytes / tp_formula, 4) if tp_formula else None,
+        "cp_bytes_vs_formula": round(cp_bytes / cp_formula, 4) if cp_formula else None,
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+
+
+def formulas(strategy: hp.Strategy, config) -> tuple[int, int]:
+    """(Megatron's tp bytes, the CP algorithm's bytes) per layer forward per rank; 0 where the axis is absent."""
+    tokens = BATCH * SEQ // (strategy.dp * strategy.cp)
+    tp, cp = strategy.tp, strategy.cp
+    megatron = 2 * ring_bytes("all_reduce", tokens * config.hidden_size * 4, tp) if tp > 1 else 0
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if cp == 1:
+        return megatron, 0
+    if strategy.ring:
+        return megatron, (cp - 1) * tokens * 2 * kv_heads // tp * HEAD_DIM * 4
+    ulysses = sum(ring_bytes("all_to_all", tokens * n // tp * HEAD_DIM * 4, cp) for n in (heads, kv_heads, kv_heads, heads))
+    return megatron, ulysses
+
+
+def runs() -> list[tuple[str, dict]]:
+    """(family, strategy) pairs: every strategy a family's attention takes (Gemma-2's eager attention: no ring)."""
+    return [(f, s) for f in FAMILIES for s in STRATEGIES if not (f == "gemma2" and s.get("cp_algorithm") == "ring")]
+
+
+def naive_plans() -> list[tuple[str, ModelPlan]]:
+    """What a user gets without the zoo's knowledge: plain splits of fused weights; no residual outputs."""
+    phi3, gemma = plan_for(tiny_config("phi3")), plan_for(tiny_config("gemma2"))
+    unfused = {k: v.replace("[q k v]/tp", "out/tp").replace("[gate up]/tp", "out/tp") for k, v in phi3.params.items()}
+    return [("phi3", ModelPlan(params=unfused, residual=phi3.residual)),
+            ("gemma2", ModelPlan(params=gemma.params, residual=()))]
+
+
+def main() -> None:
+    results = []
+    for family, spec in runs():
+        results.append(measure(family, hp.Strategy.of(spec)))
+        print(json.dumps(results[-1]), flush=True)
+    for family, plan in naive_plans():
+        print(json.dumps(measure(family, hp.Strategy(tp=2), plan)), flush=True)
+    summary = {
+        "families": len({r["family"] for r in results}),
+        "all_match": all(r["loss_rel"] < TOLERANCE and r["grad_rel"] < TOLERANCE for r in results),
+        "megatron_bytes": all(r["bytes_vs_megatron"] in (None, 1.0) and r["cp_bytes_vs_formula"] in (None, 1.0)
+                              for r in results),
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
