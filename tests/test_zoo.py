@@ -16,8 +16,11 @@ LLAMA_MORE = [
     {"cp": 4, "cp_algorithm": "ring"}, {"cp": 2, "tp": 2, "cp_algorithm": "ring"},
     {"dp": 2, "cp": 2, "cp_algorithm": "ring"},
 ]
-# Gemma-2 runs eager attention (soft-capped logits): Ulysses wraps it; ring needs SDPA and is refused.
-CASES = [(f, s) for f in FAMILIES for s in CORE if not (f == "gemma2" and "cp_algorithm" in s)]
+# Gemma-2 runs eager attention (soft-capped logits): Ulysses wraps it; ring needs SDPA and is refused. Plain dp
+# (FSDP runs on gloo for every family) where the family adds to it: a tied, vocab-parallel embedding; fused weights.
+PLAIN_DP = ("llama", "phi3", "gemma2")
+CASES = [(f, s) for f in FAMILIES for s in CORE
+         if not (f == "gemma2" and "cp_algorithm" in s) and (f in PLAIN_DP or "dp" not in s)]
 CASES += [("llama", s) for s in LLAMA_MORE] + [("gemma2", {"cp": 2, "tp": 2}), ("gemma3_text", {"cp": 2, "tp": 2, "sp": True})]
 
 
