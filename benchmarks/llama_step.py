@@ -361,6 +361,7 @@ def adamw(params: Iterable) -> torch.optim.Optimizer:
 def hp_variant(
     name: str, config: LlamaConfig, device: torch.device, strategy: dict, compile_mlp: bool = False
 ) -> Variant:
+    import hp
     from hp.models import plan_for
 
     model = hp.apply_strategy(fresh_model(config, device), hp.strategy_mesh(strategy), strategy, plan_for(config))
@@ -776,6 +777,7 @@ def time_split(v: Variant, ids: torch.Tensor, device: torch.device) -> dict:
 
 
 def run_cp(s: Settings, device: torch.device, emit: Emit) -> None:
+    import hp
     from hp.models import plan_for
 
     config = llama_config(s, s.cp_layers, max(s.cp_seqs))

@@ -337,82 +337,19 @@ def test_a_fused_block_matches_one_device_with_megatrons_two_allreduces(tp):
     assert [(r.kind, r.axis) for r in backward] == [("all_reduce", "tp")] * 2  # Megatron's f, twice
 
 
-PHI3_PLAN = {
-    "*.qkv_proj.weight": "[q k v]/tp in", "*.gate_up_proj.weight": "[gate up]/tp in",
-    "*.o_proj.weight": "out in/tp", "*.down_proj.weight": "out in/tp", "lm_head.weight": "vocab/tp h",
-}
-
-
-def tiny_phi3():
-    from transformers import Phi3Config, Phi3ForCausalLM
-
-    config = Phi3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )
-    return Phi3ForCausalLM(config)
-
-
-def test_hf_phi3_matches_unsharded_with_two_allreduces_per_layer():
-    torch.manual_seed(0)
-    reference, model = tiny_phi3(), tiny_phi3()
-    model.load_state_dict(reference.state_dict())
-    ids = torch.randint(0, 128, (2, 16))
-    labels = ids.clone()
-    labels[:, :3] = -100
-    ref_loss = reference(input_ids=ids, labels=labels).loss
-    ref_loss.backward()
-    mesh = hp.mesh(tp=2, simulate=True)
-    with hp.simulated(mesh):
-        hp.parallelize(model, mesh, PHI3_PLAN)
-        assert hp.describe(model.model.layers[0].self_attn.qkv_proj.weight) == "f32[[q k v]=192/tp, in=64]"
-        layers = hp.comm.trace_each(model.model.layers)
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        assert abs(loss.full_tensor().item() - ref_loss.item()) / ref_loss.item() < 1e-5
-        for (name, p), r in zip(model.named_parameters(), reference.parameters()):
-            assert rel_err(p.grad.full_tensor(), r.grad) < 1e-5, name
-    megatron = 2 * ring_bytes("all_reduce", 2 * 16 * 64 * 4, 2)
-    for trace in layers:
-        assert [(r.kind, r.axis) for r in trace.select(phase="forward")] == [("all_reduce", "tp")] * 2
-        assert trace.bytes(phase="forward") == megatron
-
-
-def test_hf_phi3_adamw_steps_agree():
-    torch.manual_seed(0)
-    reference, model = tiny_phi3(), tiny_phi3()
-    model.load_state_dict(reference.state_dict())
-    batches = [torch.randint(0, 128, (2, 16)) for _ in range(3)]
-    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    want = []
-    for ids in batches:
-        loss = reference(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want.append(loss.item())
-    mesh = hp.mesh(tp=2, simulate=True)
-    with hp.simulated(mesh):
-        hp.parallelize(model, mesh, PHI3_PLAN)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        got = []
-        for ids in batches:
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            got.append(loss.full_tensor().item())
-        qkv = model.model.layers[1].self_attn.qkv_proj.weight.full_tensor()
-    assert got == pytest.approx(want, rel=1e-5)
-    assert rel_err(qkv, reference.model.layers[1].self_attn.qkv_proj.weight) < 1e-5
+# HF Phi-3 under every strategy (loss, gradients, collectives, AdamW steps) is in tests/test_zoo.py.
 
 
 def test_strict_passes_the_fused_path():
+    from transformers import AutoModelForCausalLM
+
+    from hp.models import phi3, tiny_config
+
     torch.manual_seed(0)
-    model = tiny_phi3()
+    model = AutoModelForCausalLM.from_config(tiny_config("phi3"))
     mesh = hp.mesh(tp=2, simulate=True)
     with hp.simulated(mesh):
-        hp.parallelize(model, mesh, PHI3_PLAN)
+        hp.parallelize(model, mesh, phi3.TP_PLAN)
         ids = torch.randint(0, 128, (2, 8))
         with hp.strict() as recorder:
             loss = model(input_ids=ids, labels=ids).loss
