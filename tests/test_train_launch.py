@@ -1,0 +1,133 @@
+"""`hp train` on models and launches: every zoo family, every strategy, several nodes, and what is refused.
+
+Every run is a real `hp train` subprocess, or one launch of its training loop
+for all families; bad configs must fail in the launcher, before any worker.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from gloo_launch import _free_port, torchrun
+from train_runs import DATA, QUICKSTART, WORKERS, first_batch, hp_train, local_hf_model, summary
+
+from hp.models import FAMILIES
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("parallel.tp=3", "parallel.tp = 3 does not divide num_attention_heads = 4 of the model"),
+        ("parallel.cp=4", "parallel.cp = 4 (Ulysses) does not divide the 2 heads per tp rank"),
+        ("learning_rate=fast", "learning_rate = 'fast'"),
+        ("stage=dpo", "stage = 'dpo'"),
+        ("lr=1e-4", "lr"),
+        ("resume_from_checkpoint=/nonexistent/checkpoint-3",
+         "resume_from_checkpoint = '/nonexistent/checkpoint-3': /nonexistent/checkpoint-3 is not a complete hp checkpoint"),
+    ],
+)
+def test_bad_configs_fail_before_any_worker_starts(tmp_path, override, message):
+    run = hp_train(override, f"output_dir={tmp_path / 'out'}")
+    assert run.returncode == 2
+    assert message in run.stderr and "torch.distributed" not in run.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_local_hf_model_directory_of_every_family_trains(tmp_path):
+    """hp's trainer on each family's local directory at tp=2, in one launch: HF's first loss."""
+    from transformers import AutoModelForCausalLM
+
+    for family in FAMILIES:
+        local_hf_model(tmp_path / family, family)
+    run = torchrun(str(WORKERS / "train_families.py"), 2, str(tmp_path), DATA, QUICKSTART)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    first = json.loads(run.stdout.strip().splitlines()[-1])
+    for family in FAMILIES:
+        ids, labels = first_batch([f"model_name_or_path={tmp_path / family}", "per_device_train_batch_size=8"])
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / family)
+        want = model(input_ids=ids, labels=labels).loss.item()
+        assert first[family] == pytest.approx(want, rel=1e-5), family
+
+
+def test_hp_train_loads_a_fused_family_rank_by_rank(tmp_path):
+    """The command itself (preflight, launcher, workers) on Phi-3, whose fused weights load through a stand-in."""
+    from transformers import AutoModelForCausalLM
+
+    local_hf_model(tmp_path / "model", "phi3")
+    overrides = [f"model_name_or_path={tmp_path / 'model'}", "max_steps=1", "per_device_train_batch_size=8",
+                 f"output_dir={tmp_path / 'out'}", f"dataset_dir={DATA}"]
+    result = summary(hp_train(*overrides))  # tp=2: each rank reads its halves of the weights
+    ids, labels = first_batch(overrides)
+    want = AutoModelForCausalLM.from_pretrained(tmp_path / "model")(input_ids=ids, labels=labels).loss.item()
+    assert result["first_loss"] == pytest.approx(want, rel=1e-5)
+    assert result["comm_bytes_per_step"]["tp"] > 0
+
+
+def test_a_model_type_without_a_plan_is_refused_before_any_worker_starts(tmp_path):
+    from transformers import GPT2Config
+
+    local_hf_model(tmp_path / "model")
+    GPT2Config(n_embd=64, n_layer=1, n_head=4).save_pretrained(tmp_path / "model")  # its config.json now says gpt2
+    run = hp_train(f"model_name_or_path={tmp_path / 'model'}", f"output_dir={tmp_path / 'out'}")
+    assert run.returncode == 2
+    assert "no model plan for model_type 'gpt2'; hp.models has plans for llama, mistral, qwen2, qwen3, gemma2" in run.stderr
+    assert "torch.distributed" not in run.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_device_this_machine_lacks_is_refused(tmp_path):
+    from hp.device import available
+
+    missing = next(d for d in ("cuda", "npu") if d != available())
+    run = hp_train(f"device={missing}", f"output_dir={tmp_path / 'out'}")
+    assert run.returncode == 2
+    assert f"device = '{missing}' is not available on this machine" in run.stderr
+
+
+def test_an_existing_run_is_neither_appended_to_nor_overwritten_unasked(tmp_path):
+    (tmp_path / "checkpoint-3").mkdir()
+    run = hp_train(f"output_dir={tmp_path}", "overwrite_output_dir=false")
+    assert run.returncode == 2
+    assert f"output_dir = '{tmp_path}' already holds a run; set overwrite_output_dir: true" in run.stderr
+    assert (tmp_path / "checkpoint-3").is_dir()
+
+
+def test_two_nodes_join_one_rendezvous(tmp_path):
+    """Two `hp train` launchers, node_rank 0 and 1 of nnodes=2, one worker each, form one tp=2 run."""
+    port = _free_port()
+    common = ["max_steps=3", "save_steps=3", f"output_dir={tmp_path}", "nnodes=2", "nproc_per_node=1",
+              f"master_port={port}"]
+    nodes = [hp_train(*common, f"node_rank={rank}", wait=False) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    for node, (out, err) in zip(nodes, outputs):
+        assert node.returncode == 0, err[-3000:]
+    result = json.loads(outputs[0][0].strip().splitlines()[-1])  # global rank 0 lives on node 0
+    assert result["steps"] == 3 and result["comm_bytes_per_step"]["tp"] > 0
+    assert (tmp_path / "checkpoint-3" / "trainer_state.pt").is_file()
+
+
+@pytest.mark.parametrize(
+    "strategy, axis",
+    [
+        (["parallel.tp=1", "parallel.dp=2", "parallel.fsdp=true"], "dp"),
+        (["parallel.tp=1", "parallel.cp=2", "parallel.cp_algorithm=ring"], "cp"),
+        (["parallel.sp=true"], "tp"),
+        (["parallel.dp=2", "parallel.fsdp=true", "parallel.sp=true"], "tp"),
+    ],
+)
+def test_every_strategy_of_the_zoo_trains_through_hp_train(tmp_path, strategy, axis):
+    """Same first loss as one device would give (the global batch is the same), bytes on the right axis."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from hp.train.model import tiny_llama_config
+    from hp.train.tokenizer import ByteTokenizer
+
+    overrides = [*strategy, "max_steps=1", "per_device_train_batch_size=4", f"output_dir={tmp_path}",
+                 f"dataset_dir={DATA}"]
+    result = summary(hp_train(*overrides))
+    ids, labels = first_batch(overrides)
+    torch.manual_seed(42)  # the quickstart's seed: the embedded model's initial weights
+    want = LlamaForCausalLM(tiny_llama_config(ByteTokenizer().vocab_size))(input_ids=ids, labels=labels).loss.item()
+    assert result["first_loss"] == pytest.approx(want, rel=1e-5)
+    assert result["comm_bytes_per_step"][axis] > 0
