@@ -34,6 +34,13 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
+def assert_same_loss_and_grads(loss, want, model, reference) -> None:
+    """The laid-out model's loss and every gradient equal the reference's (fp32: relative 1e-5)."""
+    assert abs(loss.full_tensor().item() - want.item()) / want.item() < 1e-5
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        assert rel_err(p.grad.full_tensor(), r.grad) < 1e-5, name
+
+
 def batch(vocab: int = 256, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, labels) with ignored positions, spread unevenly over the batch."""
     g = torch.Generator().manual_seed(seed)
