@@ -81,11 +81,12 @@ def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any
     """
     strategy = Strategy.of(strategy)
     params, inputs, outputs = layouts(strategy, plan)
-    params = _present(params, model)
+    params = _present(params, model.named_parameters(remove_duplicate=False))
+    outputs = _present(outputs, model.named_modules())
     if strategy.fsdp and strategy.dp > 1:
-        fully_shard_model(model, mesh, list(model.get_submodule(plan.blocks)), params, _present_modules(outputs, model))
+        fully_shard_model(model, mesh, list(model.get_submodule(plan.blocks)), params, outputs)
     else:
-        parallelize(model, mesh, params, inputs=inputs, outputs=_present_modules(outputs, model))
+        parallelize(model, mesh, params, inputs=inputs, outputs=outputs)
     if strategy.cp > 1:
         _context_parallel_attention(model, strategy)
     if strategy.splits_sequence:
@@ -109,7 +110,7 @@ def check_strategy(model: nn.Module, strategy: Strategy | Mapping[str, Any], pla
     strategy = Strategy.of(strategy)
     strategy.check_fits(model.config)
     params, _, _ = layouts(strategy, plan)
-    check_plan(model, strategy.mesh_axes, _present(params, model))
+    check_plan(model, strategy.mesh_axes, _present(params, model.named_parameters(remove_duplicate=False)))
     _check_attention(model, strategy)
 
 
@@ -129,13 +130,7 @@ def _context_parallel_attention(model: nn.Module, strategy: Strategy) -> None:
     forward_inside(model, lambda: context_parallel(strategy.cp_algorithm, order=order))
 
 
-def _present(params: dict[str, str], model: nn.Module) -> dict[str, str]:
-    """The plan entries that match some parameter (a family's optional biases, say)."""
-    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    return {k: v for k, v in params.items() if any(fnmatch.fnmatchcase(n, k) for n in names)}
-
-
-def _present_modules(outputs: dict[str, str], model: nn.Module) -> dict[str, str]:
-    """The output entries that match some module."""
-    names = [n for n, _ in model.named_modules()]
-    return {k: v for k, v in outputs.items() if any(fnmatch.fnmatchcase(n, k) for n in names)}
+def _present(entries: dict[str, str], names) -> dict[str, str]:
+    """The plan entries whose glob matches one of `names` (a family's optional biases, say)."""
+    names = [n for n, _ in names]
+    return {k: v for k, v in entries.items() if any(fnmatch.fnmatchcase(n, k) for n in names)}
