@@ -1,6 +1,8 @@
 """The `hp` command: `hp train CONFIG [key=value ...]`, `hp export CHECKPOINT OUT_DIR`, `hp explain SCRIPT`.
 
-`hp train` validates a LlamaFactory-style YAML and trains (`hp.train.launch`);
+`hp train` validates a LlamaFactory-style YAML and trains (`hp.train.launch`); it
+exits 0 when the run finished, 1 when it failed during training, 2 on bad
+input and 130 when interrupted (`hp.train.errors`);
 `hp export` writes a checkpoint as HF safetensors (`hp.train.export`).
 
 `hp explain` runs a script as `python SCRIPT ARGS` would, records every op on
@@ -12,7 +14,9 @@ and `--communicating` keeps only the ops that communicated.
 from __future__ import annotations
 
 import argparse
+import os
 import runpy
+import signal
 import sys
 
 from hp.explain import Explanation, _Recorder
@@ -31,20 +35,30 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from hp.train.config import ConfigError
+    from hp.train import errors
     from hp.train.launch import launch
 
+    if args.debug:
+        os.environ[errors.DEBUG_ENV] = "1"  # the workers inherit it
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops a run as Ctrl-C does
     try:
         return launch(args.config, args.overrides)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"hp train: {e}", file=sys.stderr)
-        return 2
+    except BaseException as error:  # noqa: BLE001 - every way a run ends gets its exit code and one message
+        return errors.report(error)
 
 
 def _export(args: argparse.Namespace) -> int:
+    from hp.train import errors
+    from hp.train.checkpoint import CheckpointError
+    from hp.train.config import ConfigError
     from hp.train.export import export
 
-    print(export(args.checkpoint, args.out_dir))
+    try:
+        print(export(args.checkpoint, args.out_dir))
+    except CheckpointError as error:
+        return errors.report(ConfigError(str(error)), "hp export")
+    except BaseException as error:  # noqa: BLE001
+        return errors.report(error, "hp export")
     return 0
 
 
@@ -52,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hp", description="named-axis layouts on PyTorch DTensor")
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train from a LlamaFactory-style YAML config")
+    train.add_argument("--debug", action="store_true", help="show tracebacks and the launcher's log (or HP_DEBUG=1)")
     train.add_argument("config", help="YAML file, e.g. examples/quickstart.yaml")
     train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.tp=2 max_steps=10")
     train.set_defaults(run=_train)

@@ -90,7 +90,7 @@ def test_defaults():
         "parallel": {"dp": 1, "cp": 1, "tp": 1, "sp": False, "cp_algorithm": "ulysses", "fsdp": False, "ep": 1,
                      "tp2d": False, "offload": None, "recompute": False},
         "use_hyper_parallel": False, "hyper_parallel_args": None,
-        "nproc_per_node": 1, "nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": 29500,
+        "nproc_per_node": 1, "nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": None,
         "device": "auto",
     }
 

@@ -3,18 +3,29 @@
 The model and optimizer go through `torch.distributed.checkpoint` (each rank
 writes its own blocks; loading reshards, so a run saved at tp=2 resumes at
 tp=1 or dp=2). Beside them, rank 0 writes `trainer_state.pt` (step,
-scheduler, data position, RNG states) and the model's `config.json`.
+scheduler, data position, RNG states), the model's `config.json` and the
+tokenizer's files, so that a checkpoint exports to a complete HF model.
 
 Atomicity: everything is written into `checkpoint-N.partial/`, and only when
 every rank has finished does rank 0 rename it to `checkpoint-N` (one rename,
 atomic on POSIX). A crash during a save leaves a `.partial` directory that
 `latest` ignores, and never touches the previous checkpoint. On several nodes
 `output_dir` must be a shared filesystem.
+
+Safety: a checkpoint may come from elsewhere (a shared run to resume), so
+nothing in it is unpickled freely. `trainer_state.pt` is read with
+`torch.load(weights_only=True)` (plain containers, tensors, numbers, RNG
+states), and DCP's `.metadata`, which torch reads with plain `pickle`, is
+first read here with an unpickler that builds only DCP's own metadata
+classes and torch's sizes, dtypes and layouts; anything else is refused
+with a `CheckpointError` naming the file and the object.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+import pickle
 import random
 import re
 import shutil
@@ -30,6 +41,14 @@ from hp.storable import from_storable, to_storable
 
 _NAME = re.compile(r"checkpoint-(\d+)\Z")
 TRAINER_STATE = "trainer_state.pt"
+_METADATA = ".metadata"  # DCP's index of the blocks, a pickle
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_METADATA_FUNCTIONS = {("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+                       ("collections", "OrderedDict")}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed or exported: incomplete, unreadable, or holding unsafe objects."""
 
 
 def latest(output_dir: str) -> str | None:
@@ -45,7 +64,8 @@ def latest(output_dir: str) -> str | None:
     return os.path.join(output_dir, f"checkpoint-{max(steps)}") if steps else None
 
 
-def save(output_dir: str, step: int, model: nn.Module, optimizer, extra: dict[str, Any], keep: int | None = None) -> str:
+def save(output_dir: str, step: int, model: nn.Module, optimizer, extra: dict[str, Any], *, tokenizer=None,
+         keep: int | None = None) -> str:
     """Write checkpoint-`step` atomically; `extra` (scheduler, data position, ...) goes into trainer_state.pt."""
     final = os.path.join(output_dir, f"checkpoint-{step}")
     partial = final + ".partial"
@@ -60,6 +80,8 @@ def save(output_dir: str, step: int, model: nn.Module, optimizer, extra: dict[st
         state = {"step": step, "rng": _rng_state(), **extra}
         torch.save(state, os.path.join(partial, TRAINER_STATE))
         model.config.to_json_file(os.path.join(partial, "config.json"))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(partial)
     _barrier()
     if rank() == 0:
         if os.path.exists(final):  # a stale checkpoint of this step (an earlier, diverged run)
@@ -72,20 +94,78 @@ def save(output_dir: str, step: int, model: nn.Module, optimizer, extra: dict[st
 
 def load(path: str, model: nn.Module, optimizer) -> dict[str, Any]:
     """Restore model, optimizer and RNG from checkpoint `path` into this run's layout; returns trainer state."""
-    require_complete(path)
+    trainer = trainer_state(path)
     model_state, optim_state = get_state_dict(model, optimizer)
     wanted = {"model": model_state, "optim": optim_state}
     state = to_storable(wanted)
     dcp.load(state, checkpoint_id=path, no_dist=not distributed())
     state = from_storable(state, wanted)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    trainer = torch.load(os.path.join(path, TRAINER_STATE), weights_only=False)
     _set_rng_state(trainer.pop("rng"))
     return trainer
 
 
+def trainer_state(path: str) -> dict[str, Any]:
+    """The trainer state of complete checkpoint `path`, after checking that nothing in it runs code on loading.
+
+    >>> trainer_state("/nonexistent")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    hp.train.checkpoint.CheckpointError: /nonexistent is not a complete hp checkpoint (no trainer_state.pt)
+    """
+    require_complete(path)
+    _check_metadata(path)
+    file = os.path.join(path, TRAINER_STATE)
+    try:
+        state = torch.load(file, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = found.group(1) if found else "an object that is not a tensor, number, string or container"
+        raise CheckpointError(f"{file} holds {what}, which loading would have to run as code; refusing it "
+                              "(a trainer state holds only tensors, numbers, strings and containers)") from None
+    except (OSError, RuntimeError, EOFError) as e:
+        raise CheckpointError(f"{file} cannot be read: {e}") from None
+    missing = [k for k in ("step", "rng", "scheduler", "data") if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise CheckpointError(f"{file} is not an hp trainer state: it lacks {', '.join(missing)}")
+    return state
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata classes and torch's sizes, dtypes and layouts; refuses every other global."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if _plain_metadata(module, name):
+            return super().find_class(module, name)
+        raise CheckpointError(f"{module}.{name}")
+
+
+def _plain_metadata(module: str, name: str) -> bool:
+    if module in _METADATA_MODULES:
+        found = getattr(importlib.import_module(module), name, None)
+        return isinstance(found, type) and found.__module__ == module
+    if module == "torch":
+        found = getattr(torch, name, None)
+        return found is torch.Size or isinstance(found, (torch.dtype, torch.layout, torch.memory_format))
+    return (module, name) in _METADATA_FUNCTIONS
+
+
+def _check_metadata(path: str) -> None:
+    """Read DCP's pickled index of `path` with `_MetadataUnpickler` before torch reads it with plain pickle."""
+    file = os.path.join(path, _METADATA)
+    try:
+        with open(file, "rb") as f:
+            _MetadataUnpickler(f).load()
+    except CheckpointError as e:
+        raise CheckpointError(f"{file} holds {e}, which loading would have to run as code; refusing it "
+                              "(DCP metadata holds only its own records, sizes and dtypes)") from None
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+        raise CheckpointError(f"{file} cannot be read as DCP metadata: {e}") from None
+
+
 def load_model_weights(path: str, model: nn.Module) -> None:
     """Only the model's weights of checkpoint `path` (for export and evaluation)."""
+    _check_metadata(path)
     wanted = {"model": model.state_dict()}
     state = to_storable(wanted)
     dcp.load(state, checkpoint_id=path, no_dist=not distributed())
@@ -129,7 +209,7 @@ def rank() -> int:
 def require_complete(path: str) -> None:
     """Refuse a directory that is not a finished checkpoint (a `.partial` one, or no checkpoint at all)."""
     if not os.path.isfile(os.path.join(path, TRAINER_STATE)):
-        raise FileNotFoundError(f"{path} is not a complete hp checkpoint (no {TRAINER_STATE})")
+        raise CheckpointError(f"{path} is not a complete hp checkpoint (no {TRAINER_STATE})")
 
 
 def _barrier() -> None:

@@ -43,7 +43,7 @@ from hp.strategy import CP_ALGORITHMS, Strategy, StrategyError
 from hp.train.templates import TEMPLATES as TEMPLATE_TABLE
 
 __all__ = [
-    "ACTIVATION_MODES", "DEVICES", "SCHEDULERS", "STAGES", "TEMPLATES",
+    "ACTIVATION_MODES", "DEFAULT_MASTER_PORT", "DEVICES", "SCHEDULERS", "STAGES", "TEMPLATES",
     "ConfigError", "TrainConfig",
     "apply_overrides", "load_config", "read_hyper_parallel_args", "to_dict", "validate",
 ]
@@ -55,6 +55,7 @@ DEVICES = ("auto", "cpu", "cuda", "npu")
 ACTIVATION_MODES = ("none", "recompute", "swap")  # what LlamaFactory's HyperParallel does with activations
 # The strategy fields each activation mode sets.
 _ACTIVATION_FIELDS = {"none": {}, "recompute": {"recompute": True}, "swap": {"offload": "host"}}
+DEFAULT_MASTER_PORT = 29500  # the rendezvous port of a run over several nodes when master_port is unset
 RESUME_LAST = "last"  # resume_from_checkpoint: the newest complete checkpoint in output_dir
 
 
@@ -114,7 +115,7 @@ class TrainConfig:
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
-    master_port: int = 29500
+    master_port: int | None = None  # None: a free port on one node, DEFAULT_MASTER_PORT over several
     device: str = "auto"  # one of DEVICES
 
     @property
@@ -183,7 +184,8 @@ _RULES: dict[str, _Rule] = {
     "nnodes": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
     "node_rank": _Rule("int", lambda v: v >= 0, "an integer >= 0"),
     "master_addr": _Rule("str", _nonempty, "a host name or address"),
-    "master_port": _Rule("int", lambda v: 1 <= v <= 65535, "a port in [1, 65535]"),
+    "master_port": _Rule("int", lambda v: 1 <= v <= 65535, "a port in [1, 65535], or null for a free one",
+                         optional=True),
     "device": _Rule("str", choices=DEVICES),
 }
 

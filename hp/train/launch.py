@@ -1,76 +1,111 @@
-"""`hp train CONFIG.yaml [key=value ...]`: validate, then run here or spawn the workers.
+"""`hp train CONFIG.yaml [key=value ...]`: check everything, then train here or start the workers.
 
-The config is validated in this process before anything starts, so a bad key
-fails in a second with a message, not in N workers. A one-rank run trains in
-this process; otherwise torch's elastic launcher (`torch.distributed.run`)
-starts `nproc_per_node` workers on this node, or joins a multi-node
-rendezvous (`nnodes`, `node_rank`, `master_addr`, `master_port`), and each
-worker re-reads the same config and overrides.
+The config and everything else the launcher can see (`hp.train.preflight`)
+are checked in this process first, so a mistake fails in a second with one
+message, not in N workers. A one-rank run then trains in this process;
+otherwise torch's elastic agent runs here and starts `nproc_per_node`
+workers on this node (`python -m hp.train.worker`), or joins a multi-node
+rendezvous, and each worker re-reads the same config and overrides.
+
+The run's rendezvous: on one node without `master_port`, a free port (as
+`torchrun --standalone` picks), so two runs on one machine do not collide;
+with `master_port`, or over several nodes, `master_addr:master_port`
+(DEFAULT_MASTER_PORT when unset) with this node's `node_rank`.
+
+How the run ends is `hp.train.errors`' business: workers record their
+failures there and the launcher prints one of them; SIGINT and SIGTERM stop
+the workers (exit 130), and the workers die with the launcher even when it
+is SIGKILLed (`hp.train.worker.die_with`). The agent's own log is shown only
+when debugging.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import subprocess
+import signal
 import sys
+import tempfile
+import uuid
 from collections.abc import Sequence
 
-from hp.train.config import ConfigError, TrainConfig, load_config
+from hp.train import errors, preflight
+from hp.train.config import DEFAULT_MASTER_PORT, TrainConfig, load_config
 
 
 def launch(config_path: str, overrides: Sequence[str] = ()) -> int:
-    """Train by `config_path` with `overrides`; returns the exit status.
+    """Train by `config_path` with `overrides`; returns the exit status (see `hp.train.errors`).
 
     >>> launch("missing.yaml")  # doctest: +IGNORE_EXCEPTION_DETAIL
     Traceback (most recent call last):
     hp.train.config.ConfigError: ...
     """
     config = load_config(config_path, overrides)
-    _preflight(config)
-    env = {**os.environ, "HP_DEVICE": config.device}
+    preflight.check(config)
+    os.environ["HP_DEVICE"] = config.device
     if config.nnodes == 1 and config.nproc_per_node == 1:
-        os.environ["HP_DEVICE"] = config.device
         from hp.train.loop import train
 
         train(config)
-        return 0
-    command = [sys.executable, "-m", "torch.distributed.run", *launcher_args(config)]
-    command += ["-m", "hp.train.worker", config_path, *overrides]
-    return subprocess.run(command, env=env).returncode
+        return errors.FINISHED
+    return _start_workers(config, ["-m", "hp.train.worker", str(config_path), *overrides])
 
 
-def _preflight(config: TrainConfig) -> None:
-    """Checks that need the filesystem, the model's config and its tokenizer, still before any worker starts."""
-    from hp.device import available
-    from hp.train.checkpoint import require_complete
-    from hp.train.model import check_fits, model_config
-    from hp.train.tokenizer import load_tokenizer
+def _start_workers(config: TrainConfig, command: list[str]) -> int:
+    """Run the elastic agent here over `python COMMAND` workers; their outcome as an exit code."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
 
-    found = available()
-    if config.device not in ("auto", "cpu") and found != config.device:
-        raise ConfigError(f"device = {config.device!r} is not available on this machine (found: {found})")
-    out = config.output_dir
-    if os.path.isdir(out) and os.listdir(out) and not (config.overwrite_output_dir or config.resume_from_checkpoint):
-        raise ConfigError(
-            f"output_dir = {out!r} already holds a run; set overwrite_output_dir: true to start over "
-            "or resume_from_checkpoint: last to continue it"
-        )
-    resume = config.resume_from_checkpoint
-    if resume not in (None, "last"):
+    from hp.train.worker import LAUNCHER_ENV
+
+    if not errors.debugging():
+        _quiet_agent()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: workers share this node's cores
+    os.environ[LAUNCHER_ENV] = str(os.getpid())
+    print(f"hp train: starting {config.nproc_per_node} workers on this node ({config.world_size} in all)",
+          file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="hp-errors-") as recorded:
+        os.environ[errors.ERRORS_ENV] = recorded
         try:
-            require_complete(resume)
-        except FileNotFoundError as e:
-            raise ConfigError(f"resume_from_checkpoint = {resume!r}: {e}") from None
-    try:
-        tokenizer = load_tokenizer(config.model_name_or_path)
-        check_fits(model_config(config.model_name_or_path, tokenizer.vocab_size), config.parallel)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+            elastic_launch(launch_config(config), sys.executable)(*command)
+        except SignalException:
+            raise KeyboardInterrupt from None
+        except ChildFailedError as failed:
+            return _report_workers(recorded, failed)
+    return errors.FINISHED
 
 
-def launcher_args(config: TrainConfig) -> list[str]:
-    """torch.distributed.run's arguments for the config's nodes and processes."""
-    return [
-        f"--nproc-per-node={config.nproc_per_node}", f"--nnodes={config.nnodes}", f"--node-rank={config.node_rank}",
-        f"--master-addr={config.master_addr}", f"--master-port={config.master_port}",
-    ]
+def launch_config(config: TrainConfig):
+    """The elastic agent's configuration for `config`'s nodes, workers and rendezvous."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    shared = {"min_nodes": config.nnodes, "max_nodes": config.nnodes, "nproc_per_node": config.nproc_per_node,
+              "max_restarts": 0, "start_method": "spawn"}
+    if config.nnodes == 1 and config.master_port is None:
+        return LaunchConfig(**shared, rdzv_backend="c10d", rdzv_endpoint="localhost:0", run_id=str(uuid.uuid4()))
+    port = config.master_port or DEFAULT_MASTER_PORT
+    return LaunchConfig(**shared, rdzv_backend="static", rdzv_endpoint=f"{config.master_addr}:{port}",
+                        rdzv_configs={"rank": config.node_rank}, run_id="hp-train")
+
+
+def _report_workers(recorded: str, failed) -> int:
+    """Print the failure rank 0 (or the lowest failed rank) recorded, else how the first worker died."""
+    first = errors.first_recorded(recorded)
+    if first is not None:
+        print(f"hp train: {first['message']}", file=sys.stderr, flush=True)
+        return int(first["exit_code"])
+    rank, failure = min(failed.failures.items())
+    how = (f"was killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
+           else f"exited with code {failure.exitcode}")
+    print(f"hp train: worker rank {rank} {how} without saying why (out of memory?); hp train --debug shows more",
+          file=sys.stderr, flush=True)
+    return errors.FAILED
+
+
+def _quiet_agent() -> None:
+    """Keep the elastic agent's log (startup notes, shutdown warnings, failure banners) off the console."""
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logger = logging.getLogger(name)
+        logger.addHandler(logging.NullHandler())
+        logger.propagate = False

@@ -9,7 +9,11 @@ tokens/s, memory), appends a JSON line per logging step to
 `output_dir/metrics.jsonl`, draws `training_loss.png` when matplotlib is
 installed, and prints a summary JSON object as its last stdout line:
 first/last loss, steps, tokens/s, collective bytes per step per mesh axis
-(one step traced with `hp.comm.trace()`), peak memory.
+(one step traced with `hp.comm.trace()`), peak memory. Metrics and
+summary are strict JSON: a loss or gradient norm that stops being finite
+ends the run with `TrainingError` naming the step, before that step's
+update is saved, so the last checkpoint stays the last good one. A resumed
+run first drops the metrics lines past its checkpoint (they would repeat).
 """
 
 from __future__ import annotations
@@ -30,8 +34,12 @@ import hp
 from hp.train import checkpoint
 from hp.train.config import TrainConfig, to_dict
 from hp.train.data import TokenBatches, load_examples
+from hp.train.errors import TrainingError
+from hp.train.preflight import resume_path
 from hp.train.model import build_model
 from hp.train.tokenizer import load_tokenizer
+
+METRICS = "metrics.jsonl"
 
 
 @dataclass
@@ -62,43 +70,57 @@ def train(config: TrainConfig) -> dict:
     step = _restore(config, model, optimizer, scheduler, batches)
     rank0 = checkpoint.rank() == 0
     if rank0:
-        _prepare_output_dir(config, fresh=step == 0 and _resume_path(config) is None)
+        _prepare_output_dir(config, step)
     progress = Progress()
     bar = _progress_bar(total, step) if rank0 else None
     device, first = mesh.device_type, step
-    while step < total:
-        start = time.perf_counter()
-        with hp.comm.trace() if step == first else nullcontext() as trace:  # every step moves the same bytes
-            loss, tokens = _step(model, batches, config, device)
-            hp.reduce_gradients(model)
-            if config.max_grad_norm is not None:
-                clip_gradients(model.parameters(), config.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-        progress.seconds += time.perf_counter() - start
-        progress.tokens += tokens
-        progress.losses.append(loss)
-        if trace is not None:
-            progress.comm = {axis: sum(kinds.values()) for axis, kinds in trace.per_axis().items()}
-        step += 1
-        if rank0:
-            _log(config, step, loss, scheduler.get_last_lr()[0], progress, bar, device)
-        if config.save_steps > 0 and (step % config.save_steps == 0 or step == total):
-            extra = {"scheduler": scheduler.state_dict(), "data": batches.state_dict()}
-            checkpoint.save(config.output_dir, step, model, optimizer, extra, keep=config.save_total_limit)
-    if bar is not None:
-        bar.close()
+    try:
+        while step < total:
+            start = time.perf_counter()
+            with hp.comm.trace() if step == first else nullcontext() as trace:  # every step moves the same bytes
+                loss, tokens = _step(model, batches, config, device)
+                hp.reduce_gradients(model)
+                norm = clip_gradients(model.parameters(), config.max_grad_norm or math.inf)
+                _require_finite(config, step + 1, loss, norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            progress.seconds += time.perf_counter() - start
+            progress.tokens += tokens
+            progress.losses.append(loss)
+            if trace is not None:
+                progress.comm = {axis: sum(kinds.values()) for axis, kinds in trace.per_axis().items()}
+            step += 1
+            if rank0:
+                _log(config, step, loss, scheduler.get_last_lr()[0], progress, bar, device)
+            if config.save_steps > 0 and (step % config.save_steps == 0 or step == total):
+                extra = {"scheduler": scheduler.state_dict(), "data": batches.state_dict()}
+                checkpoint.save(config.output_dir, step, model, optimizer, extra, tokenizer=tokenizer,
+                                keep=config.save_total_limit)
+    finally:
+        if bar is not None:
+            bar.close()  # ends its line, also before a failure's message
     summary = _summary(config, progress, step, device)
     if rank0:
         _plot(config.output_dir)
-        print(json.dumps(summary), flush=True)
+        print(json.dumps(summary, allow_nan=False), flush=True)
     return summary
+
+
+def _require_finite(config: TrainConfig, step: int, loss: float, grad_norm: float) -> None:
+    """Stop before a non-finite loss or gradient reaches the weights (and a checkpoint)."""
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return
+    what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {grad_norm}"
+    last = checkpoint.latest(config.output_dir)
+    kept = f"the last good checkpoint is {last}" if last else "no checkpoint was saved before it"
+    raise TrainingError(f"step {step}: {what}, so training diverged and stopped; {kept}. Lower learning_rate "
+                        f"(now {config.learning_rate:g}), raise warmup_ratio, or lower max_grad_norm")
 
 
 def _restore(config: TrainConfig, model, optimizer, scheduler, batches: TokenBatches) -> int:
     """Load the checkpoint to resume from, if any; returns the step it reached (0 for a fresh run)."""
-    resume = _resume_path(config)
+    resume = resume_path(config)
     if resume is None:
         return 0
     state = checkpoint.load(resume, model, optimizer)
@@ -107,11 +129,12 @@ def _restore(config: TrainConfig, model, optimizer, scheduler, batches: TokenBat
     return state["step"]
 
 
-def _prepare_output_dir(config: TrainConfig, fresh: bool) -> None:
-    """Rank 0: clear a run being overwritten, then record the resolved config."""
-    if fresh and config.overwrite_output_dir:
+def _prepare_output_dir(config: TrainConfig, step: int) -> None:
+    """Rank 0: clear a run being overwritten, or forget the metrics past a resumed step; record the config."""
+    if step == 0 and config.resume_from_checkpoint is None and config.overwrite_output_dir:
         _clear(config.output_dir)
     os.makedirs(config.output_dir, exist_ok=True)
+    _keep_metrics_until(os.path.join(config.output_dir, METRICS), step)
     with open(os.path.join(config.output_dir, "hp_config.json"), "w") as f:
         json.dump(to_dict(config), f, indent=2)
 
@@ -168,12 +191,14 @@ def _scheduler(config: TrainConfig, optimizer, total: int):
     return get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total)
 
 
-def _resume_path(config: TrainConfig) -> str | None:
-    if config.resume_from_checkpoint is None:
-        return None
-    if config.resume_from_checkpoint == "last":
-        return checkpoint.latest(config.output_dir)  # a fresh start when there is none yet
-    return config.resume_from_checkpoint
+def _keep_metrics_until(path: str, step: int) -> None:
+    """Drop the lines of `path` past `step`: a resumed run logs those steps again."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in records if r["step"] <= step)
 
 
 def _clear(output_dir: str) -> None:
@@ -184,7 +209,7 @@ def _clear(output_dir: str) -> None:
         path = os.path.join(output_dir, name)
         if name.startswith("checkpoint-") and os.path.isdir(path):
             shutil.rmtree(path)
-        elif name in ("metrics.jsonl", "training_loss.png", "hp_config.json"):
+        elif name in (METRICS, "training_loss.png", "hp_config.json"):
             os.remove(path)
 
 
@@ -201,8 +226,8 @@ def _log(config: TrainConfig, step: int, loss: float, lr: float, progress: Progr
     bar.update(1)
     if step % config.logging_steps == 0 or step == 1:
         record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "peak_memory_bytes": memory}
-        with open(os.path.join(config.output_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(record) + "\n")
+        with open(os.path.join(config.output_dir, METRICS), "a") as f:
+            f.write(json.dumps(record, allow_nan=False) + "\n")
 
 
 def _summary(config: TrainConfig, progress: Progress, step: int, device: str) -> dict:
@@ -234,7 +259,7 @@ def _plot(output_dir: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    path = os.path.join(output_dir, "metrics.jsonl")
+    path = os.path.join(output_dir, METRICS)
     if not os.path.isfile(path):
         return
     with open(path) as f:

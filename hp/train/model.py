@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -58,11 +59,13 @@ def model_config(name_or_path: str, vocab_size: int):
     return config
 
 
-def check_fits(config, strategy: Strategy) -> None:
-    """Refuse a model the zoo has no plan for, or a strategy its shapes cannot take, naming both.
+def check_fits(config, strategy: Strategy, *, weights: str | None = None) -> None:
+    """Refuse a model the zoo has no plan for, weights that do not fit it, or a strategy its shapes cannot take.
 
-    The model is built on the meta device (no memory, no weights) and every layout the
-    strategy would apply is bound to its parameter, as the workers would.
+    The model is built on the meta device (no memory, no weights); the
+    safetensors in the directory `weights` (when given) must hold each of its
+    parameters in its shape, and every layout the strategy would apply is
+    bound to its parameter, as the workers would.
 
     >>> check_fits(tiny_llama_config(259), Strategy(tp=3))
     Traceback (most recent call last):
@@ -79,6 +82,8 @@ def check_fits(config, strategy: Strategy) -> None:
         raise ConfigError(f"model_name_or_path: {e}") from None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    if weights is not None:
+        check_weights(model, weights)
     try:
         check_strategy(model, strategy, plan)
     except StrategyError as e:
@@ -86,6 +91,56 @@ def check_fits(config, strategy: Strategy) -> None:
     except PlanError as e:
         raise ConfigError(f"parallel: the {config.model_type} plan does not fit this model under {_given(strategy)}: "
                           f"{e}") from None
+
+
+def check_weights(model: nn.Module, directory: str) -> None:
+    """Refuse a directory whose safetensors lack one of `model`'s weights or hold it in another shape.
+
+    Only the files' headers are read.
+
+    >>> check_weights(torch.nn.Linear(2, 2), "/nonexistent")
+    Traceback (most recent call last):
+    ...
+    hp.train.config.ConfigError: model_name_or_path = '/nonexistent' holds no *.safetensors weights
+    """
+    stored = _stored_shapes(directory)
+    for name, param in _loaded_state(model).items():
+        if name not in stored:
+            raise ConfigError(f"model_name_or_path = {directory!r}: no weight {name!r} in its safetensors, which the "
+                              f"model its config.json describes needs ({len(stored)} weights found there)")
+        shape, file = stored[name]
+        if shape != tuple(param.shape):
+            raise ConfigError(f"model_name_or_path = {directory!r}: weight {name!r} has shape {list(shape)} in {file}, "
+                              f"but its config.json makes it {list(param.shape)}")
+
+
+def _stored_shapes(directory: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{weight name: (shape, file name)} over the safetensors files of `directory`, from their headers."""
+    from safetensors import SafetensorError, safe_open
+
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        pickled = sorted(p.name for p in Path(directory).glob("*.bin"))
+        hint = (f"; it has {', '.join(pickled)}: hp reads safetensors only (save the model with "
+                "save_pretrained(dir), which writes them)") if pickled else ""
+        raise ConfigError(f"model_name_or_path = {directory!r} holds no *.safetensors weights{hint}")
+    shapes = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                shapes.update({k: (tuple(f.get_slice(k).get_shape()), file.name) for k in f.keys()})
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ConfigError(f"model_name_or_path = {directory!r}: {file.name} is not a readable safetensors file "
+                              f"({e})") from None
+    return shapes
+
+
+def _loaded_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters and buffers a HF directory stores for `model` (a tied output layer is stored once)."""
+    state = model.state_dict()
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    return state
 
 
 def _given(strategy: Strategy) -> str:
@@ -131,9 +186,7 @@ def load_safetensors(model: nn.Module, directory: str) -> None:
 
     from hp.train.checkpoint import distributed
 
-    wanted = model.state_dict()
-    if model.config.tie_word_embeddings:
-        wanted.pop("lm_head.weight", None)  # stored once, as the embedding
+    wanted = _loaded_state(model)
     state = to_storable(wanted)
     dcp.load(state, storage_reader=HuggingFaceStorageReader(directory), no_dist=not distributed())
     model.load_state_dict(from_storable(state, wanted), strict=False)

@@ -9,7 +9,10 @@ tokenizer is loaded with `local_files_only=True` and wrapped to the same
 small interface (`Tokenizer`), which is all the data layer uses: `encode`
 without special tokens (templates place eos themselves), `decode`, and the
 special ids, with pad falling back to eos as most causal-LM tokenizers lack
-a pad token.
+a pad token. Both save themselves as HF tokenizer files
+(`save_pretrained`), so a checkpoint or an exported model carries its
+tokenizer: the byte tokenizer as the equivalent HF byte-level tokenizer
+(the same ids for every text).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+    def save_pretrained(self, directory: str) -> None: ...
 
 
 class ByteTokenizer:
@@ -60,8 +65,42 @@ class ByteTokenizer:
         # becomes U+FFFD rather than an exception mid-generation.
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def save_pretrained(self, directory: str) -> None:
+        """Write the HF byte-level tokenizer with the same ids into `directory` (`AutoTokenizer` loads it)."""
+        self.as_hf().save_pretrained(directory)
+
+    def as_hf(self):
+        """This tokenizer as a HF fast tokenizer: byte-level pre-tokenization, one token per byte, no merges.
+
+        >>> ByteTokenizer().as_hf().encode("hé", add_special_tokens=False)
+        [104, 195, 169]
+        """
+        from tokenizers import Tokenizer as Raw
+        from tokenizers import decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {char: byte for byte, char in enumerate(_byte_level_chars())}
+        specials = {"<pad>": self.pad_token_id, "<s>": self.bos_token_id, "</s>": self.eos_token_id}
+        raw = Raw(models.BPE(vocab={**vocab, **specials}, merges=[]))
+        raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        raw.decoder = decoders.ByteLevel()
+        return PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
     def __repr__(self) -> str:
         return "ByteTokenizer(vocab_size=259)"
+
+
+def _byte_level_chars() -> list[str]:
+    """The character byte-level BPE shows for each byte: printable Latin-1 bytes as themselves, others from U+0100."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    chars, shifted = [], 0
+    for byte in range(256):
+        if byte in printable:
+            chars.append(chr(byte))
+        else:
+            chars.append(chr(256 + shifted))
+            shifted += 1
+    return chars
 
 
 class HFTokenizer:
@@ -93,6 +132,9 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
+
+    def save_pretrained(self, directory: str) -> None:
+        self.hf.save_pretrained(directory)
 
     def __repr__(self) -> str:
         return f"HFTokenizer({type(self.hf).__name__}, vocab_size={self.vocab_size})"

@@ -1,34 +1,58 @@
-"""One launched worker of `hp train`: read the config, train, leave without gloo's exit-time abort.
+"""One launched worker of `hp train`: read the config, train, and end as the launcher expects.
 
-torch 2.13's gloo sometimes aborts in its destructors at interpreter exit
-("terminate called without an active exception") after a run has finished;
-the launcher would then report a failed run. The worker therefore tears the
-process group down itself, flushes its output and leaves with `os._exit`.
+Three things make a worker a good citizen of its launcher:
+
+- It dies with the launcher, however the launcher ends (even SIGKILL, which
+  nothing can catch): Linux's parent-death signal is set first thing, so no
+  training keeps running, orphaned, in the background.
+- A failure is recorded for the launcher (`hp.train.errors.record`), which
+  prints one message for the whole run, instead of every rank printing a
+  traceback.
+- torch 2.13's gloo sometimes aborts in its destructors at interpreter exit
+  ("terminate called without an active exception") after a run has
+  finished, and the launcher would report a failed run. The worker tears the
+  process group down itself, flushes its output and leaves with `os._exit`.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import sys
-import traceback
 
 import torch.distributed as dist
+
+from hp.train import errors
+
+LAUNCHER_ENV = "HP_LAUNCHER_PID"  # the process whose death must end this worker
+_PR_SET_PDEATHSIG = 1
 
 
 def main(argv: list[str] | None = None) -> None:
     from hp.train.config import load_config
     from hp.train.loop import train
 
+    die_with(int(os.environ.get(LAUNCHER_ENV, "0")))
     argv = sys.argv[1:] if argv is None else argv
     try:
         train(load_config(argv[0], argv[1:]))
-    except BaseException:
-        traceback.print_exc()  # before leaving: os._exit skips the interpreter's own report
-        _leave(1)
+    except BaseException as error:
+        _leave(errors.record(error, int(os.environ.get("RANK", "0"))))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    _leave(0)
+    _leave(errors.FINISHED)
+
+
+def die_with(parent: int) -> None:
+    """Have the kernel SIGKILL this process when its parent ends (Linux); leave now if it already has."""
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the signal was set
+        _leave(errors.INTERRUPTED)
 
 
 def _leave(status: int) -> None:

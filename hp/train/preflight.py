@@ -1,0 +1,140 @@
+"""What `hp train` checks in the launching process, before any worker starts.
+
+A mistake found by N workers costs N tracebacks and the time to start them;
+found here it costs a second and one message. So whatever does not need the
+workers is checked here, in the order a user would fix it: the device, the
+output directory, the checkpoint to resume from, the model directory (its
+tokenizer, its config, its weights' names and shapes against that config,
+the strategy against the model), and the data (every dataset file parses,
+holds the columns its template needs, and fills a batch). Each problem is a
+`ConfigError` naming the key and the file or record.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from hp.train.config import RESUME_LAST, ConfigError, TrainConfig
+
+
+def check(config: TrainConfig) -> None:
+    """Raise `ConfigError` for the first thing that would stop `config`'s workers.
+
+    >>> from hp.train.config import validate
+    >>> check(validate({"model_name_or_path": "hp/tiny-llama", "dataset": "nope", "output_dir": "/tmp/hp-doc"}))
+    Traceback (most recent call last):
+    ...
+    hp.train.config.ConfigError: dataset 'nope': data has no dataset_info.json and no file data/nope (name a .json/.jsonl file in dataset_dir, or add dataset_info.json)
+    """
+    from hp.train.tokenizer import load_tokenizer
+
+    _check_device(config.device)
+    _check_output_dir(config)
+    state = _trainer_state(config)
+    try:
+        tokenizer = load_tokenizer(config.model_name_or_path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(_model_words(config, e)) from None
+    _check_model(config, tokenizer.vocab_size)
+    _check_data(config, tokenizer, state)
+
+
+def _check_device(device: str) -> None:
+    from hp.device import available
+
+    found = available()
+    if device not in ("auto", "cpu") and found != device:
+        raise ConfigError(f"device = {device!r} is not available on this machine (found: {found})")
+
+
+def _check_output_dir(config: TrainConfig) -> None:
+    """A directory (or a path where one can be made) that is writable, and not a run nobody asked to touch."""
+    out = Path(config.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output_dir = {config.output_dir!r} is a file: expected a directory, or a path where "
+                          "one can be made")
+    existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"output_dir = {config.output_dir!r}: {existing} is a file, so no directory can be made there")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"output_dir = {config.output_dir!r}: {existing} is not writable")
+    if out.is_dir() and any(out.iterdir()) and not (config.overwrite_output_dir or config.resume_from_checkpoint):
+        raise ConfigError(
+            f"output_dir = {config.output_dir!r} already holds a run; set overwrite_output_dir: true to start over "
+            "or resume_from_checkpoint: last to continue it"
+        )
+
+
+def resume_path(config: TrainConfig) -> str | None:
+    """The checkpoint `config` resumes from (None for a fresh run); refuses 'last' when there is none.
+
+    >>> from hp.train.config import validate
+    >>> resume_path(validate({"model_name_or_path": "m", "dataset": "d", "output_dir": "/nonexistent",
+    ...                       "resume_from_checkpoint": "last"}))
+    Traceback (most recent call last):
+    ...
+    hp.train.config.ConfigError: resume_from_checkpoint = 'last': output_dir = '/nonexistent' holds no complete checkpoint; leave resume_from_checkpoint out to start a fresh run
+    """
+    from hp.train.checkpoint import latest
+
+    resume = config.resume_from_checkpoint
+    if resume != RESUME_LAST:
+        return resume
+    found = latest(config.output_dir)
+    if found is None:
+        raise ConfigError(f"resume_from_checkpoint = {RESUME_LAST!r}: output_dir = {config.output_dir!r} holds no "
+                          "complete checkpoint; leave resume_from_checkpoint out to start a fresh run")
+    return found
+
+
+def _trainer_state(config: TrainConfig) -> dict[str, Any] | None:
+    """The trainer state of the checkpoint to resume from, read safely; None for a fresh run."""
+    from hp.train.checkpoint import CheckpointError, trainer_state
+
+    path = resume_path(config)
+    if path is None:
+        return None
+    try:
+        return trainer_state(path)
+    except CheckpointError as e:
+        raise ConfigError(f"resume_from_checkpoint = {config.resume_from_checkpoint!r}: {e}") from None
+
+
+def _check_model(config: TrainConfig, vocab_size: int) -> None:
+    from hp.train.model import TINY_LLAMA, check_fits, model_config
+
+    try:
+        hf_config = model_config(config.model_name_or_path, vocab_size)
+    except (OSError, ValueError) as e:
+        raise ConfigError(_model_words(config, e)) from None
+    weights = None if config.model_name_or_path == TINY_LLAMA else config.model_name_or_path
+    check_fits(hf_config, config.parallel, weights=weights)
+
+
+def _model_words(config: TrainConfig, error: Exception) -> str:
+    text = str(error)
+    key = "model_name_or_path"
+    return text if text.startswith(key) else f"{key} = {config.model_name_or_path!r}: {text}"
+
+
+def _check_data(config: TrainConfig, tokenizer, state: dict[str, Any] | None) -> None:
+    """Every dataset parses into examples, enough to fill a global batch, at the resumed position if any."""
+    from hp.train.data import TokenBatches, load_examples
+
+    try:
+        examples = load_examples(config, tokenizer)
+    except (OSError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    rows = config.per_device_train_batch_size * config.parallel.dp
+    try:
+        batches = TokenBatches(examples, rows, config.seed, tokenizer.pad_token_id)
+    except ValueError as e:
+        raise ConfigError(f"per_device_train_batch_size = {config.per_device_train_batch_size} "
+                          f"(x dp = {config.parallel.dp}): {e}") from None
+    if state is not None:
+        try:
+            batches.load_state_dict(state["data"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"resume_from_checkpoint = {config.resume_from_checkpoint!r}: {e}") from None
