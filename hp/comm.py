@@ -1,12 +1,12 @@
 """`hp.comm.trace()`: count every collective, its bytes, mesh axis and source line.
 
 Communication is part of correctness here, so it must be measurable: tests
-assert the exact number and bytes of collectives a layout implies. The
-tracer is a dispatch mode that lets DTensor desugar its ops first (it returns
-`NotImplemented` for DTensor ops) and then sees the collectives DTensor
-issues on local tensors. It works on real gloo/nccl/hccl groups, on the
-`fake` backend and under `hp.simulated(mesh)` (LocalTensorMode), in either
-nesting order.
+assert the exact number and bytes of collectives a layout implies. A trace is
+an observer of `hp.watch`: it keeps every collective the hub reports, those
+DTensor issues inside its ops and those issued outside any op. It works on
+real gloo/nccl/hccl groups, on the `fake` backend and under
+`hp.simulated(mesh)` (LocalTensorMode), nested in any order with other
+traces, `hp.explain` and `hp.strict`.
 
 Bytes are those one rank sends under ring algorithms (`hp.cost.ring_bytes`,
 whose docstring gives the formulas); each rank receives as many as it sends.
@@ -16,145 +16,34 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
-from torch.distributed.distributed_c10d import _resolve_process_group
-from torch.distributed.tensor import DTensor
 
-from hp.cost import ring_bytes
-from hp.mesh import axis_of_group
-from hp.simulate import Watching
-from hp.source import in_backward, user_line
+from hp.watch import Collective, Observer, OpEvent
+
+__all__ = ["Collective", "Trace", "trace", "trace_each"]
 
 
-@dataclass(frozen=True)
-class Collective:
-    """One collective as one rank sees it."""
-
-    kind: str
-    axis: str
-    group_size: int
-    payload_bytes: int  # N in the module docstring
-    bytes: int  # sent (= received) by one rank
-    phase: str  # "forward" or "backward"
-    source: str
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return int(t.numel()) * t.element_size()
-
-
-def _group(ref) -> tuple[str, int]:
-    """(mesh axis, size) of a process group given by name or object."""
-    pg = _resolve_process_group(ref) if isinstance(ref, str) else ref
-    if isinstance(pg, torch.ScriptObject):  # c10d ops called from C++ (FSDP2) carry the boxed group
-        pg = torch.distributed.ProcessGroup.unbox(pg)
-    axis = axis_of_group(pg.group_name)
-    if axis is None:
-        desc = getattr(pg, "group_desc", "") or ""
-        axis = desc.removeprefix("mesh_") if desc.startswith("mesh_") else "world"
-    return axis, pg.size()
-
-
-def _one_rank(sizes) -> list[int]:
-    """Split sizes as the first simulated rank sees them (per-rank SymInts under LocalTensorMode)."""
-    out = []
-    for n in sizes:
-        node = getattr(n, "node", None)
-        local = getattr(node, "_local_ints", None)
-        out.append(int(local[min(local)]) if local else int(getattr(node, "val", n)))
-    return out
-
-
-def _all_to_all(t: torch.Tensor, input_splits, group):
-    """An all-to-all; one that sends to a single peer (a ring shift) is a `send_recv` of what it sends."""
-    splits = _one_rank(input_splits or [])
-    if sum(1 for n in splits if n) == 1:
-        rows = t.shape[0] if t.ndim else 1
-        return "send_recv", _nbytes(t) * max(splits) // max(rows, 1), group
-    return "all_to_all", _nbytes(t), group
-
-
-def _functional(kind: str, payload: Callable, group_arg: int):
-    return lambda args: (kind, payload(args), args[group_arg])
-
-
-# op name -> args -> (kind, payload bytes, group); functional collectives take a group name
-_FUNCTIONAL = {
-    "all_reduce": _functional("all_reduce", lambda a: _nbytes(a[0]), 2),
-    "all_reduce_coalesced": _functional("all_reduce", lambda a: sum(map(_nbytes, a[0])), 2),
-    "all_gather_into_tensor": _functional("all_gather", lambda a: _nbytes(a[0]) * a[1], 2),
-    "all_gather_into_tensor_coalesced": _functional(
-        "all_gather", lambda a: sum(map(_nbytes, a[0])) * a[1], 2
-    ),
-    "reduce_scatter_tensor": _functional("reduce_scatter", lambda a: _nbytes(a[0]), 3),
-    "reduce_scatter_tensor_coalesced": _functional(
-        "reduce_scatter", lambda a: sum(map(_nbytes, a[0])), 3
-    ),
-    "all_to_all_single": lambda a: _all_to_all(a[0], a[2], a[3]),
-    "broadcast": _functional("broadcast", lambda a: _nbytes(a[0]), 2),
-    "shard_dim_alltoall": _functional("all_to_all", lambda a: _nbytes(a[0]), 3),
-}
-# in-place c10d ops (dist.all_reduce and friends): args carry a ProcessGroup object
-_C10D = {
-    "allreduce_": lambda a: ("all_reduce", sum(map(_nbytes, a[0])), a[1]),
-    "allgather_": lambda a: ("all_gather", sum(map(_nbytes, a[0][0])), a[2]),
-    "_allgather_base_": lambda a: ("all_gather", _nbytes(a[0]), a[2]),
-    "reduce_scatter_": lambda a: ("reduce_scatter", sum(map(_nbytes, a[1][0])), a[2]),
-    "_reduce_scatter_base_": lambda a: ("reduce_scatter", _nbytes(a[1]), a[2]),
-    "alltoall_base_": lambda a: ("all_to_all", _nbytes(a[1]), a[2]),
-    "broadcast_": lambda a: ("broadcast", sum(map(_nbytes, a[0])), a[1]),
-    "scatter_": lambda a: ("scatter", sum(map(_nbytes, a[0])) * len(a[1][0]) if a[1] else 0, a[2]),
-}
-
-
-def _parse(func, args) -> tuple[str, int, object] | None:
-    ns, name = func.namespace, func._opname
-    table = {"_c10d_functional": _FUNCTIONAL, "_dtensor": _FUNCTIONAL, "c10d": _C10D}.get(ns)
-    if table is None or name not in table:
-        return None
-    return table[name](args)
-
-
-class Trace(Watching):
+class Trace(Observer):
     """The collectives seen while it was active; enter with `hp.comm.trace()`."""
 
     def __init__(self) -> None:
         super().__init__()
         self.records: list[Collective] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented  # let DTensor desugar; its collectives come back here
-        if isinstance(func, torch._ops.OpOverload):
-            self.observe(func, args)
-        return func(*args, **kwargs)
+    def on_op(self, event: OpEvent) -> None:
+        self.records.extend(event.collectives)
 
-    def observe(self, func, args) -> Collective | None:
-        parsed = _parse(func, args)
-        if parsed is None:
-            return None
-        kind, payload, group = parsed
-        axis, p = _group(group)
-        record = Collective(
-            kind=kind,
-            axis=axis,
-            group_size=p,
-            payload_bytes=payload,
-            bytes=ring_bytes(kind, payload, p),
-            phase="backward" if in_backward() else "forward",
-            source=user_line(),
-        )
-        self.records.append(record)
-        return record
+    def on_collective(self, event: OpEvent) -> None:
+        self.records.extend(event.collectives)
 
     # -- queries ------------------------------------------------------------
 
-    def select(self, kind: str | None = None, axis: str | None = None, phase: str | None = None):
+    def select(self, kind: str | None = None, axis: str | None = None, phase: str | None = None) -> list[Collective]:
+        """The records of that kind, axis and phase (None: any)."""
         return [
             r
             for r in self.records
@@ -198,7 +87,7 @@ class Trace(Watching):
 
 
 @contextmanager
-def trace():
+def trace() -> Iterator[Trace]:
     """Record the collectives issued inside the block.
 
     >>> import hp, torch
@@ -211,12 +100,11 @@ def trace():
     >>> t.count("all_reduce", axis="tp"), t.bytes()
     (1, 128)
     """
-    tracer = Trace()
-    with tracer:
+    with Trace() as tracer:
         yield tracer
 
 
-def trace_each(modules) -> list[Trace]:
+def trace_each(modules: Iterable[torch.nn.Module]) -> list[Trace]:
     """One trace per forward call of each module, in call order (e.g. per decoder layer).
 
     >>> import hp, torch

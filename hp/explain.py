@@ -1,30 +1,30 @@
 """`hp.explain` and `hp.strict`: what each op did with layouts, and where it communicated.
 
-Both watch a program at the dispatch level. For every op on DTensors they
-note the input layouts, run the op with a collective trace of its own
-(`hp.comm.Trace`) and note the output layouts and the collectives DTensor
-inserted to run it; collectives outside any op (an `hp.constrain`) are noted as
-explicit, and so are hp's own kernels (2D linear, vocab-parallel loss, ...),
-each one row with its layouts and the collectives it ran. `explain` returns the table; `strict`
-raises as soon as an op redistributes in the forward pass without having
-been asked to, naming the op, its layouts and the source line. (Backward
-communication mirrors the forward choices and is not checked.)
+Both are observers of `hp.watch`, which reports every op on DTensors with
+the collectives DTensor inserted to run it. `explain` notes each op's input
+and output layouts and those collectives; collectives outside any op (an
+`hp.constrain`) are noted as explicit, and so are hp's own kernels (2D
+linear, vocab-parallel loss, ...), each one row with its layouts and the
+collectives it ran. `explain` returns the table; `strict` raises as soon as
+an op redistributes in the forward pass without having been asked to, naming
+the op, its layouts and the source line. (Backward communication mirrors the
+forward choices and is not checked.) Both nest in any order with each other
+and with `hp.comm.trace()`, and see the same.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
-import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
-from hp.comm import Collective, Trace
 from hp.layouts import describe
-from hp.simulate import Watching
 from hp.source import in_backward, user_line
+from hp.watch import Collective, Observer, OpEvent
 
 
 class StrictError(RuntimeError):
@@ -66,15 +66,32 @@ class Explanation:
         return json.dumps([asdict(r) for r in self.records])
 
 
-class _Recorder(Watching):
-    def __init__(self, strict: bool = False) -> None:
-        super().__init__()
-        self.strict = strict
+class _Recorder(Observer):
+    """Keeps an `OpRecord` per op on DTensors, per kernel of hp's own and per collective outside both."""
+
+    def __init__(self) -> None:
         self.records: list[OpRecord] = []
-        self._bare = Trace()
         self._kernels: list[OpRecord] = []  # hp kernels running now, innermost last
 
-    def begin_kernel(self, name, inputs):
+    def on_op(self, event: OpEvent) -> None:
+        self.records.append(
+            OpRecord(
+                op=event.op,
+                inputs=[describe(a) for a in event.inputs],
+                outputs=[describe(o) for o in event.outputs],
+                collectives=list(event.collectives),
+                phase=event.phase,
+                source=event.source,
+            )
+        )
+
+    def on_collective(self, event: OpEvent) -> None:
+        if self._kernels:  # a kernel of hp's own ran it
+            self._kernels[-1].collectives.extend(event.collectives)
+        else:  # hp.constrain or FSDP ran it: asked for
+            self.records.append(OpRecord(event.op, [], [], list(event.collectives), False, event.phase, event.source))
+
+    def begin_kernel(self, name: str, inputs: list) -> OpRecord:
         record = OpRecord(
             op=f"hp kernel {name}",
             inputs=[describe(a) for a in inputs if isinstance(a, DTensor)],
@@ -86,43 +103,26 @@ class _Recorder(Watching):
         self._kernels.append(record)
         return record
 
-    def end_kernel(self, record, outputs):
-        self._kernels.remove(record)
+    def end_kernel(self, handle: OpRecord, outputs: list) -> None:
+        self._kernels.remove(handle)
         if outputs and outputs[0] is not NotImplemented:
-            record.outputs = [describe(o) for o in tree_flatten(outputs)[0] if isinstance(o, DTensor)]
-            self.records.append(record)
+            handle.outputs = [describe(o) for o in tree_flatten(outputs)[0] if isinstance(o, DTensor)]
+            self.records.append(handle)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        flat, _ = tree_flatten((args, kwargs))
-        if not any(isinstance(a, DTensor) for a in flat):
-            collective = self._bare.observe(func, args) if isinstance(func, torch._ops.OpOverload) else None
-            if collective is not None and self._kernels:
-                self._kernels[-1].collectives.append(collective)
-            elif collective is not None:
-                self.records.append(
-                    OpRecord(str(func), [], [], [collective], False, collective.phase, collective.source)
-                )
-            return func(*args, **kwargs)
-        with Trace() as inner:
-            out = func(*args, **kwargs)
-        record = OpRecord(
-            op=str(func),
-            inputs=[describe(a) for a in flat if isinstance(a, DTensor)],
-            outputs=[describe(o) for o in tree_flatten(out)[0] if isinstance(o, DTensor)],
-            collectives=inner.records,
-            phase="backward" if in_backward() else "forward",
-            source=user_line(),
-        )
-        self.records.append(record)
-        if self.strict and record.collectives and record.phase == "forward":
+
+class _Strict(_Recorder):
+    """Records like `explain`, and raises StrictError at an op that communicated in forward."""
+
+    def on_op(self, event: OpEvent) -> None:
+        super().on_op(event)
+        record = self.records[-1]
+        if record.collectives and record.phase == "forward":
             moved = ", ".join(f"{c.kind} over {c.axis} ({c.bytes} bytes/rank)" for c in record.collectives)
             raise StrictError(
                 f"hp.strict: {record.op} at {record.source} redistributed its inputs "
                 f"({moved}) but no hp.constrain or plan asked for it; inputs: "
                 f"{', '.join(record.inputs)}. Add hp.constrain(...) where the layout should change."
             )
-        return out
 
 
 def explain(fn, *args, **kwargs) -> Explanation:
@@ -138,15 +138,16 @@ def explain(fn, *args, **kwargs) -> Explanation:
     >>> [(r.op, r.inputs, r.outputs) for r in report.records][0]
     ('aten.mm.default', ['f32[b=4, h=8/tp]', 'f32[h=8/tp, f=6]'], ['f32[4, 6] +tp'])
     """
-    recorder = _Recorder()
-    with recorder:
+    with _Recorder() as recorder:
         result = fn(*args, **kwargs)
     return Explanation(recorder.records, result)
 
 
 @contextmanager
-def strict():
+def strict() -> Iterator[_Strict]:
     """Inside, an op that redistributes in forward without being asked raises StrictError.
+
+    It yields a recorder whose `.records` are those `hp.explain` would show.
 
     >>> import hp, torch
     >>> from torch.distributed._local_tensor import LocalTensorMode
@@ -161,5 +162,5 @@ def strict():
     ...             print(str(e).split(" at ")[0])
     hp.strict: aten.add.Tensor
     """
-    with _Recorder(strict=True) as recorder:
+    with _Strict() as recorder:
         yield recorder

@@ -23,14 +23,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hp.layouts import describe
+from hp.ops import fused, npu_attention, residual
 from hp.ops.context_parallel import sequence_parallel_attention
 from hp.ops.cross_entropy import vocab_parallel_cross_entropy
 from hp.ops.embedding import vocab_parallel_embedding
 from hp.ops.linear import linear
-from hp.ops import fused, npu_attention, residual
 from hp.ops.rule import RuleError
-from hp.simulate import kernel_scope
 from hp.source import user_line
+from hp.watch import kernel_scope
 
 
 def in_turn(*kernels):

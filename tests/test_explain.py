@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -9,6 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from hp.models import FAMILIES, plan_for
+from reference import batch, tiny_pair
+from torch.distributed.tensor import DTensor, Partial, Shard
 
 import hp
 
@@ -65,8 +69,6 @@ def test_strict_refuses_unrequested_redistribution_and_allows_constrain():
 
 
 def test_strict_passes_a_tensor_parallel_llama():
-    from reference import tiny_pair
-
     from hp.models.llama import TP_PLAN
 
     mesh = hp.mesh(tp=2, simulate=True)
@@ -83,7 +85,7 @@ def test_hp_explain_command_runs_a_script():
     run = subprocess.run(
         [sys.executable, "-m", "hp.cli", "explain", "--json", "--communicating",
          str(ROOT / "examples" / "annotate_mlp.py"), "--simulate", "2"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, check=False,
     )
     assert run.returncode == 0, run.stderr[-2000:]
     lines = run.stdout.strip().splitlines()
@@ -102,3 +104,129 @@ def test_explain_shows_hp_kernels_with_their_layouts_and_collectives():
     assert row.op == "hp kernel linear" and not row.implicit
     assert row.inputs == ["f32[t=4/y, h=8/x]", "f32[o=6/y, i=8/x]"] and row.outputs == ["f32[4/x, 6/y]"]
     assert [(c.kind, c.axis) for c in row.collectives] == [("all_gather", "y"), ("reduce_scatter", "x")]
+
+
+# -- every diagnostic sees the same, however they nest ------------------------------------------
+
+DIAGNOSTICS = ("strict", "explain", "trace", "trace_each", "simulated")
+
+
+class _Call(torch.nn.Module):
+    """A module whose forward runs a function: something for hp.comm.trace_each to hook."""
+
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self):
+        return self.fn()
+
+
+def _nested(order, mesh, body):
+    """Run body(mesh) inside the diagnostics of `order`, outermost first: (verdict, {diagnostic: records})."""
+    seen = {}
+
+    def enter(i):
+        if i == len(order):
+            return body(mesh)
+        name, inner = order[i], lambda: enter(i + 1)
+        if name == "explain":
+            seen["explain"] = hp.explain(inner).records
+        elif name == "trace_each":
+            layer = _Call(inner)
+            seen["trace_each"] = hp.comm.trace_each([layer])
+            layer()
+        elif name == "trace":
+            with hp.comm.trace() as t:
+                seen["trace"] = t
+                inner()
+        else:
+            with hp.strict() if name == "strict" else hp.simulated(mesh):
+                inner()
+
+    try:
+        enter(0)
+        verdict = "passed"
+    except hp.StrictError as e:
+        verdict = str(e)
+    seen["trace"] = seen["trace"].records
+    (each,) = seen["trace_each"]
+    seen["trace_each"] = each.records
+    return verdict, seen
+
+
+def _asked_for(mesh):
+    """Communicates only where asked: in an hp kernel (the residual add) and in a constrain's backward."""
+    with hp.region():
+        x = hp.shard(torch.arange(32.0).reshape(4, 8), "b h", mesh).requires_grad_()
+        y = hp.constrain(x, "b h/tp") + hp.shard(torch.ones(4, 8), "b h +tp", mesh)
+        (y * y).sum().backward()
+
+
+def _not_asked_for(mesh):
+    a = hp.shard(torch.ones(4, 8), "b/tp h", mesh)
+    hp.constrain(a, "b h")
+    return a + hp.shard(torch.ones(4, 8), "b h/tp", mesh)
+
+
+def test_strict_explain_and_traces_nest_in_any_order_inside_or_outside_simulation():
+    mesh = hp.mesh(tp=2, simulate=True)
+    quiet = {order: _nested(order, mesh, _asked_for) for order in itertools.permutations(DIAGNOSTICS)}
+    loud = {order: _nested(order, mesh, _not_asked_for) for order in itertools.permutations(DIAGNOSTICS)}
+    verdict, seen = quiet[DIAGNOSTICS]
+    assert verdict == "passed"
+    assert [(c.kind, c.phase) for c in seen["trace"]] == [("reduce_scatter", "forward"), ("all_gather", "backward")]
+    assert seen["trace_each"] == seen["trace"] == [c for r in seen["explain"] for c in r.collectives]
+    assert next(r.op for r in seen["explain"] if r.collectives) == "hp kernel residual_add"
+    assert all(result == quiet[DIAGNOSTICS] for result in quiet.values())
+    verdict, seen = loud[DIAGNOSTICS]
+    assert verdict.startswith("hp.strict: aten.add.Tensor at test_explain.py:") and "explain" not in seen
+    assert seen["trace_each"] == seen["trace"] and seen["trace"][0].kind == "all_gather" and len(seen["trace"]) > 1
+    assert all(result == loud[DIAGNOSTICS] for result in loud.values())
+
+
+# -- describe never raises --------------------------------------------------------------------
+
+
+def test_explain_and_strict_follow_a_dim_flattened_from_two_split_dims():
+    """Eager attention (Gemma-2/3) flattens batch and heads: under dp x tp a strided shard no layout names."""
+    mesh = hp.mesh(dp=2, tp=2, simulate=True)
+    with hp.simulated(mesh):
+        q = hp.shard(torch.randn(4, 8, 16, 8), "b/dp h/tp s d", mesh)
+        with hp.strict():
+            report = hp.explain(lambda: q.flatten(0, 1))
+    assert report.records[-1].inputs == ["f32[b=4/dp, h=8/tp, s=16, d=8]"]
+    assert report.records[-1].outputs == ["f32[32/dp/tp(strided 2), 16, 8]"]
+
+
+def test_describe_prints_placements_no_layout_expresses():
+    mesh = hp.mesh(dp=2, tp=2, simulate=True)
+    maxed = DTensor.from_local(torch.zeros(2), mesh, [Partial("max"), Shard(0)], run_check=False, shape=(4,), stride=(1,))
+    assert hp.describe(maxed) == "f32[4/tp] +dp(max)"
+
+
+# -- every family of the zoo ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_strict_and_explain_follow_every_familys_tensor_parallel_step(family):
+    _, model = tiny_pair(family, layers=1)
+    ids, labels = batch()
+    strategy = hp.Strategy.of({"tp": 2})
+    mesh = hp.strategy_mesh(strategy, simulate=True)
+    traces = []
+
+    def step():
+        with hp.strict(), hp.comm.trace() as trace:
+            traces.append(trace)
+            model(input_ids=ids, labels=labels).loss.backward()
+
+    with hp.simulated(mesh):
+        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
+        report = hp.explain(step)  # strict passed: nothing moved in forward that no plan asked for
+    (trace,) = traces
+    assert {"aten.mm.default", "hp kernel vocab_parallel_cross_entropy"} <= {r.op for r in report.records}
+    assert {r.phase for r in report.records} == {"forward", "backward"}
+    assert [c for r in report.communicating() for c in r.collectives] == trace.records
+    assert trace.count("all_reduce", phase="forward") >= 2 and trace.count(phase="backward") >= 2
+    assert not [r.op for r in report.communicating() if r.implicit and r.phase == "forward"]

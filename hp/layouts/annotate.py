@@ -15,14 +15,21 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch.distributed._local_tensor import LocalTensor, enabled_local_tensor_mode
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from hp.layouts.errors import LayoutError
-from hp.layouts.types import Layout
 from hp.layouts.parse import layout as parse
 from hp.layouts.placements import bind, from_placements, mesh_axes, to_placements
 from hp.layouts.reshard import reshard
 from hp.layouts.rules import Rules, resolve
+from hp.layouts.types import Layout
 
 LayoutLike = str | Layout
 RulesLike = Rules | Mapping[str, str | tuple[str, ...] | None] | None
@@ -215,17 +222,46 @@ _DTYPES = {
 def describe(x: torch.Tensor) -> str:
     """A JAX-style one-line summary: dtype, named sizes, mesh axes, partial sums.
 
+    A diagnostic, so it never raises: placements no layout reproduces (DTensor
+    flattening a dim split over two axes into a strided shard) print as DTensor
+    applies them, in mesh order, e.g. `64/dp/tp(strided 2)`.
+
     >>> import hp, torch
     >>> hp.describe(torch.zeros(2, 3, dtype=torch.bfloat16))
     'bf16[2, 3]'
+    >>> from torch.distributed.tensor.placement_types import _StridedShard
+    >>> mesh = hp.mesh(dp=2, tp=2, simulate=True)
+    >>> x = DTensor.from_local(torch.zeros(2, 4), mesh, [Shard(0), _StridedShard(0, split_factor=2)],
+    ...                        run_check=False, shape=(8, 4), stride=(4, 1))
+    >>> hp.describe(x)
+    'f32[8/dp/tp(strided 2), 4]'
     """
     dtype = _DTYPES.get(x.dtype, str(x.dtype).removeprefix("torch."))
     if not isinstance(x, DTensor):
         return f"{dtype}[{', '.join(str(s) for s in x.shape)}]"
-    layout = layout_of(x)
+    try:
+        layout = layout_of(x)
+    except LayoutError:
+        return f"{dtype}{_as_placed(x)}"
     dims = []
     for dim, size in zip(layout.dims, x.shape):
         label = str(size) if dim.size is not None else f"{dim.name}={size}"
         dims.append(label + "".join(f"/{a}" for a in dim.axes))
     marks = "".join(f" +{a}" for a in layout.partial)
     return f"{dtype}[{', '.join(dims)}]{marks}"
+
+
+def _as_placed(x: DTensor) -> str:
+    """`[sizes with their axes] +partials`, straight from the placements in mesh order."""
+    mesh = x.device_mesh
+    names = mesh.mesh_dim_names or tuple(f"mesh{m}" for m in range(mesh.ndim))
+    dims = [str(size) for size in x.shape]
+    marks = ""
+    for axis, p in zip(names, x.placements):
+        if isinstance(p, _StridedShard):
+            dims[p.dim] += f"/{axis}(strided {p.split_factor})"
+        elif isinstance(p, Shard):
+            dims[p.dim] += f"/{axis}"
+        elif isinstance(p, Partial):
+            marks += f" +{axis}" + ("" if p.reduce_op == "sum" else f"({p.reduce_op})")
+    return f"[{', '.join(dims)}]{marks}"
