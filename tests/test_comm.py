@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hp
 from hp.cost import ring_bytes
@@ -98,3 +99,22 @@ def test_fake_backend_counts_without_data():
         hp.constrain(x, "b/tp h")
     assert t.count("reduce_scatter", axis="tp") == 1
     assert t.bytes() == 63 * 64 * 128 * 4 // 64
+
+
+class _PassThrough(TorchDispatchMode):
+    """A dispatch mode of someone else's, between two of hp's."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_traces_on_either_side_of_another_dispatch_mode_count_each_collective_once():
+    mesh = hp.mesh(tp=2, simulate=True)
+    with hp.simulated(mesh):
+        a = hp.shard(torch.randn(4, 6), "b/tp h", mesh)
+        b = hp.shard(torch.randn(4, 6), "b h/tp", mesh)
+        with hp.comm.trace() as outer, _PassThrough(), hp.comm.trace() as inner:
+            hp.constrain(a, "b h")  # one all-gather, outside any op
+            a + b  # DTensor moves an operand inside the add
+    assert outer.records == inner.records
+    assert outer.count("all_gather") == 1 and outer.count() == 2
