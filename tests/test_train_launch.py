@@ -10,16 +10,9 @@ import json
 
 import pytest
 from gloo_launch import _free_port, torchrun
+from train_runs import DATA, QUICKSTART, WORKERS, first_batch, hp_train, local_hf_model, summary
+
 from hp.models import FAMILIES
-from train_runs import (
-    DATA,
-    QUICKSTART,
-    WORKERS,
-    first_batch,
-    hp_train,
-    local_hf_model,
-    summary,
-)
 
 
 def test_a_local_hf_model_directory_of_every_family_trains(tmp_path):
