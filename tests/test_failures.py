@@ -245,6 +245,17 @@ def test_a_device_this_machine_lacks(tmp_path, run_here):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_busy_master_port(tmp_path, run_here):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, err = run_here(f"master_port={port}", f"output_dir={tmp_path / 'out'}")
+    assert_one_message(code, err, f"master_port = {port} cannot be used on this machine")
+
+
 def test_bad_output_dirs(finished_run, tmp_path, run_here):
     (tmp_path / "file").write_text("not a directory")
     assert_one_message(*run_here(f"output_dir={tmp_path / 'file'}"), "output_dir = ")
