@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     try:
         train(load_config(argv[0], argv[1:]))
-    except BaseException as error:
+    except BaseException as error:  # noqa: BLE001 - every way a worker ends is recorded for the launcher
         _leave(errors.record(error, int(os.environ.get("RANK", "0"))))
     if dist.is_initialized():
         dist.barrier()
