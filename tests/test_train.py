@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from gloo_launch import clean_env
-from train_runs import WORKERS, hp_train, losses, summary
+from train_runs import DATA, WORKERS, first_batch, hp_train, losses, summary
 
 # six optimizer steps of 4 accumulated micro-batches: long enough to kill a run between two saves
 SHORT = ["max_steps=6", "save_steps=3", "logging_steps=1", "gradient_accumulation_steps=4",
@@ -54,6 +55,8 @@ def test_killed_run_resumes_with_the_same_losses(uninterrupted, tmp_path):
     summary(hp_train(*SHORT, f"output_dir={tmp_path}", "resume_from_checkpoint=last"))
     want, got = losses(uninterrupted), losses(tmp_path)
     assert [got[s] for s in (4, 5, 6)] == [want[s] for s in (4, 5, 6)]
+    logged = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3, 4, 5, 6]  # the steps logged after checkpoint-3 and before the kill are not repeated
 
 
 @pytest.mark.parametrize("strategy", [["parallel.tp=1"], ["parallel.tp=1", "parallel.dp=2", "per_device_train_batch_size=4"]])
@@ -76,6 +79,23 @@ def test_export_gives_hf_safetensors_with_the_same_logits(uninterrupted, tmp_pat
                            env=clean_env(), capture_output=True, text=True, timeout=300)
     assert check.returncode == 0, check.stderr[-3000:]
     assert json.loads(check.stdout.splitlines()[-1])["max_abs_diff"] == 0.0
+
+
+def test_hp_train_continues_from_an_exported_model(uninterrupted, tmp_path):
+    """The export carries the byte tokenizer as HF files: the same batches, and the exported weights' loss."""
+    from transformers import AutoModelForCausalLM
+
+    hf = tmp_path / "hf"
+    export = subprocess.run([sys.executable, "-m", "hp.cli", "export", str(uninterrupted / "checkpoint-6"), str(hf)],
+                            env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert export.returncode == 0, export.stderr[-3000:]
+    overrides = [f"model_name_or_path={hf}", "max_steps=1", "parallel.tp=1", f"output_dir={tmp_path / 'again'}",
+                 f"dataset_dir={DATA}"]
+    continued = summary(hp_train(*overrides))
+    ids, labels = first_batch(overrides)
+    assert torch.equal(ids, first_batch([f"dataset_dir={DATA}"])[0])  # the exported tokenizer gives the same ids
+    want = AutoModelForCausalLM.from_pretrained(hf)(input_ids=ids, labels=labels).loss.item()
+    assert continued["first_loss"] == pytest.approx(want, rel=1e-5)
 
 
 def test_a_crash_during_a_save_leaves_the_previous_checkpoint_usable(uninterrupted, tmp_path):

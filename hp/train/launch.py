@@ -95,7 +95,7 @@ def _report_workers(recorded: str, failed) -> int:
     if first is not None:
         print(f"hp train: {first['message']}", file=sys.stderr, flush=True)
         return int(first["exit_code"])
-    rank, failure = min(failed.failures.items())
+    rank, failure = failed.get_first_failure()
     how = (f"was killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
            else f"exited with code {failure.exitcode}")
     print(f"hp train: worker rank {rank} {how} without saying why (out of memory?); hp train --debug shows more",

@@ -35,8 +35,8 @@ from hp.train import checkpoint
 from hp.train.config import TrainConfig, to_dict
 from hp.train.data import TokenBatches, load_examples
 from hp.train.errors import TrainingError
-from hp.train.preflight import resume_path
 from hp.train.model import build_model
+from hp.train.preflight import resume_path
 from hp.train.tokenizer import load_tokenizer
 
 METRICS = "metrics.jsonl"

@@ -128,7 +128,7 @@ def _stored_shapes(directory: str) -> dict[str, tuple[tuple[int, ...], str]]:
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
-                shapes.update({k: (tuple(f.get_slice(k).get_shape()), file.name) for k in f.keys()})
+                shapes.update({k: (tuple(f.get_slice(k).get_shape()), file.name) for k in f.keys()})  # noqa: SIM118 (safe_open is no dict)
         except (SafetensorError, OSError, ValueError) as e:
             raise ConfigError(f"model_name_or_path = {directory!r}: {file.name} is not a readable safetensors file "
                               f"({e})") from None

@@ -3,16 +3,18 @@
 A mistake found by N workers costs N tracebacks and the time to start them;
 found here it costs a second and one message. So whatever does not need the
 workers is checked here, in the order a user would fix it: the device, the
-output directory, the checkpoint to resume from, the model directory (its
-tokenizer, its config, its weights' names and shapes against that config,
-the strategy against the model), and the data (every dataset file parses,
-holds the columns its template needs, and fills a batch). Each problem is a
-`ConfigError` naming the key and the file or record.
+rendezvous port, the output directory, the checkpoint to resume from, the
+model directory (its tokenizer, its config, its weights' names and shapes
+against that config, the strategy against the model), and the data (every
+dataset file parses, holds the columns its template needs, and fills a
+batch). Each problem is a `ConfigError` naming the key and the file or
+record.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ def check(config: TrainConfig) -> None:
     from hp.train.tokenizer import load_tokenizer
 
     _check_device(config.device)
+    _check_port(config)
     _check_output_dir(config)
     state = _trainer_state(config)
     try:
@@ -47,6 +50,18 @@ def _check_device(device: str) -> None:
     found = available()
     if device not in ("auto", "cpu") and found != device:
         raise ConfigError(f"device = {device!r} is not available on this machine (found: {found})")
+
+
+def _check_port(config: TrainConfig) -> None:
+    """A rendezvous port chosen on one node must be free here (several nodes: node 0 listens, the others call)."""
+    if config.master_port is None or config.nnodes > 1:
+        return
+    with socket.socket() as probe:
+        try:
+            probe.bind(("", config.master_port))
+        except OSError as e:
+            raise ConfigError(f"master_port = {config.master_port} cannot be used on this machine ({e.strerror}: "
+                              "another run?); leave master_port out to pick a free port") from None
 
 
 def _check_output_dir(config: TrainConfig) -> None:

@@ -4,7 +4,11 @@ Three things make a worker a good citizen of its launcher:
 
 - It dies with the launcher, however the launcher ends (even SIGKILL, which
   nothing can catch): Linux's parent-death signal is set first thing, so no
-  training keeps running, orphaned, in the background.
+  training keeps running, orphaned, in the background. SIGINT and SIGTERM
+  (Ctrl-C, or the launcher stopping its workers) end it at once and quietly:
+  a KeyboardInterrupt could land anywhere, even in a destructor, and print a
+  traceback; checkpoints are atomic, so stopping mid-save leaves none
+  half-written.
 - A failure is recorded for the launcher (`hp.train.errors.record`), which
   prints one message for the whole run, instead of every rank printing a
   traceback.
@@ -34,10 +38,12 @@ def main(argv: list[str] | None = None) -> None:
     from hp.train.loop import train
 
     die_with(int(os.environ.get(LAUNCHER_ENV, "0")))
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, _interrupted)
     argv = sys.argv[1:] if argv is None else argv
     try:
         train(load_config(argv[0], argv[1:]))
-    except BaseException as error:
+    except BaseException as error:  # noqa: BLE001 - every way a worker ends is recorded for the launcher
         _leave(errors.record(error, int(os.environ.get("RANK", "0"))))
     if dist.is_initialized():
         dist.barrier()
@@ -53,6 +59,12 @@ def die_with(parent: int) -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before the signal was set
         _leave(errors.INTERRUPTED)
+
+
+def _interrupted(signum, frame) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        sys.stderr.write("\n")  # end rank 0's progress bar line: the launcher's message follows
+    _leave(errors.INTERRUPTED)
 
 
 def _leave(status: int) -> None:

@@ -1,0 +1,392 @@
+"""`hp train` on bad input, divergence, signals and busy machines: one clear message, the right exit code.
+
+Each bad input runs the `hp` command's entry point in this process (what the
+launcher checks needs no worker) and must end with exit code 2 and one
+message naming the key, file or record, with no traceback, in under 15 lines
+of stderr, without starting a worker and without touching the checkpoints of
+the run already in `output_dir` (even with `overwrite_output_dir: true`).
+What only workers can meet (a diverging loss, signals, two runs at once) runs
+as real `hp train` subprocesses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from gloo_launch import clean_env
+from train_runs import DATA, QUICKSTART, ROOT, hp_train, local_hf_model, summary
+
+from hp.train import checkpoint
+
+FAST = ["max_steps=2", "save_steps=1", "per_device_train_batch_size=4"]
+PWNED = "hp-test-pwned"  # a file the planted pickles would create if they ran
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A real two-step run with a checkpoint per step: the existing run every bad input must leave alone."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    summary(hp_train(*FAST, "parallel.tp=1", f"output_dir={out}"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("model") / "llama"
+    local_hf_model(directory)
+    return directory
+
+
+@pytest.fixture
+def run_here(capfd):
+    """`hp train QUICKSTART *overrides` through the command's entry point in this process: (exit code, stderr)."""
+    from hp.cli import main
+
+    handler = signal.getsignal(signal.SIGTERM)
+
+    def run(*overrides: str, config: str = QUICKSTART) -> tuple[int, str]:
+        try:
+            code = main(["train", config, f"dataset_dir={DATA}", *FAST, *overrides])
+        finally:
+            signal.signal(signal.SIGTERM, handler)
+        return code, capfd.readouterr().err
+
+    return run
+
+
+def _snapshot(directory: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _lines(err: str) -> list[str]:
+    """stderr's lines as a terminal shows them (a progress bar redrawn with carriage returns is one)."""
+    return err.strip().split("\n")
+
+
+def assert_one_message(code: int, err: str, words: str, exit_code: int = 2) -> None:
+    assert code == exit_code, err
+    assert words in err, err
+    assert "Traceback" not in err and len(_lines(err)) < 15, err
+    assert err.startswith("hp train: ") and err.count("hp train: ") == 1, err
+    assert "workers on this node" not in err, "a worker started although the launcher could have known"
+
+
+# ---------------------------------------------------------------- bad inputs, each a function of a scratch dir
+
+
+def _data(tmp: Path, files: dict[str, str], info: dict | str | None = None) -> str:
+    """A dataset_dir holding `files`, and `info` as its dataset_info.json (a string is written as is)."""
+    data = tmp / "data"
+    data.mkdir(exist_ok=True)
+    for name, text in files.items():
+        (data / name).write_text(text)
+    if info is not None:
+        (data / "dataset_info.json").write_text(info if isinstance(info, str) else json.dumps(info))
+    return f"dataset_dir={data}"
+
+
+def _records(n: int = 40, **fields) -> str:
+    return json.dumps([{"instruction": f"say {i}", "output": f"{i}", **fields} for i in range(n)])
+
+
+def _model(tmp: Path, model_dir: Path, change: Callable[[Path], None]) -> str:
+    copy = tmp / "model"
+    shutil.copytree(model_dir, copy)
+    change(copy)
+    return f"model_name_or_path={copy}"
+
+
+def _drop_weights(copy: Path) -> None:
+    (copy / "model.safetensors").unlink()
+
+
+def _pickled_weights(copy: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    torch.save(load_file(copy / "model.safetensors"), copy / "pytorch_model.bin")
+    (copy / "model.safetensors").unlink()
+
+
+def _edit_weights(edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    def change(copy: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(copy / "model.safetensors")
+        edit(state)
+        save_file(state, copy / "model.safetensors", metadata={"format": "pt"})
+
+    return change
+
+
+def _gpt2(copy: Path) -> None:
+    from transformers import GPT2Config
+
+    GPT2Config(n_embd=64, n_layer=1, n_head=4).save_pretrained(copy)
+
+
+def _file(copy: Path, name: str, text: str | bytes) -> None:
+    (copy / name).write_bytes(text if isinstance(text, bytes) else text.encode())
+
+
+def _remove(*names: str) -> Callable[[Path], None]:
+    return lambda copy: [(copy / n).unlink() for n in names]
+
+
+def _sharegpt(messages: list[dict]) -> dict:
+    return {"chat": {"file_name": "chat.json", "formatting": "sharegpt"}}, json.dumps([{"conversations": messages}] * 40)
+
+
+_CHAT_INFO, _BAD_TURNS = _sharegpt([{"from": "human", "value": "hi"}, {"from": "human", "value": "again"}])
+
+# id -> (tmp, model_dir) -> (overrides, words the message must hold)
+BAD = {
+    "learning rate not a number": lambda t, m: (["learning_rate=fast"], "learning_rate = 'fast'"),
+    "misspelt key": lambda t, m: (["lr=1e-4"], "unknown key 'lr' = '1e-4'; did you mean 'learning_rate'?"),
+    "tp not dividing heads": lambda t, m: (["parallel.tp=3"], "parallel.tp = 3 does not divide num_attention_heads = 4"),
+    "cp not dividing heads": lambda t, m: (["parallel.cp=4"], "parallel.cp = 4 (Ulysses) does not divide the 2 heads"),
+    "stage not available": lambda t, m: (["stage=dpo"], "stage = 'dpo'"),
+    "port out of range": lambda t, m: (["master_port=70000"], "master_port = 70000: expected a port in [1, 65535]"),
+    "workers not matching degrees": lambda t, m: (["nproc_per_node=3"], "nproc_per_node = 3: expected 2"),
+    "bad override syntax": lambda t, m: (["bf16"], "override 'bf16': expected KEY=VALUE"),
+    "unknown dataset name": lambda t, m: (["dataset=nope"], f"dataset 'nope' is not in {DATA}/dataset_info.json"),
+    "no dataset_info and no file": lambda t, m: ([_data(t, {}), "dataset=alpaca"], "has no dataset_info.json and no file"),
+    "truncated dataset JSON": lambda t, m: (
+        [_data(t, {"a.json": _records()[:-40]}, {"a": {"file_name": "a.json"}}), "dataset=a"], "bad JSON in"),
+    "empty dataset": lambda t, m: (
+        [_data(t, {"a.json": "[]"}, {"a": {"file_name": "a.json"}}), "dataset=a"], "a.json): the file holds no records"),
+    "missing column": lambda t, m: (
+        [_data(t, {"a.json": json.dumps([{"instruction": "x"}] * 40)}, {"a": {"file_name": "a.json"}}), "dataset=a"],
+        "record 0): no column 'output' (the response)"),
+    "corrupt dataset_info.json": lambda t, m: (
+        [_data(t, {"a.json": _records()}, '{"a": {"file_name": '), "dataset=a"], "bad JSON in"),
+    "hub-only dataset": lambda t, m: (
+        [_data(t, {}, {"a": {"hf_hub_url": "org/data"}}), "dataset=a"], "it names only hf_hub_url, and hp downloads nothing"),
+    "dataset file missing": lambda t, m: (
+        [_data(t, {}, {"a": {"file_name": "gone.json"}}), "dataset=a"], "gone.json does not exist (file_name in"),
+    "record not an object": lambda t, m: (
+        [_data(t, {"a.json": json.dumps(["text"] * 40)}, {"a": {"file_name": "a.json"}}), "dataset=a"],
+        "record 0): expected an object, got str"),
+    "bad JSON line": lambda t, m: (
+        [_data(t, {"a.jsonl": '{"instruction": "x", "output": "y"}\n{"instruction": \n'}, {"a": {"file_name": "a.jsonl"}}),
+         "dataset=a"], "a.jsonl at line 2"),
+    "turns not alternating": lambda t, m: (
+        [_data(t, {"chat.json": _BAD_TURNS}, _CHAT_INFO), "dataset=chat"], "message 1 has from='human'"),
+    "mapped column in no record": lambda t, m: (
+        [_data(t, {"a.json": _records()}, {"a": {"file_name": "a.json", "columns": {"prompt": "text"}}}), "dataset=a"],
+        "column 'text' (the prompt, named in dataset_info.json) is in no record"),
+    "too few examples for a batch": lambda t, m: (["max_samples=3"], "3 examples cannot fill one batch of 4"),
+    "csv file": lambda t, m: (
+        [_data(t, {"a.csv": "a,b\n"}, {"a": {"file_name": "a.csv"}}), "dataset=a"], "only .json and .jsonl files are read"),
+    "sharegpt for pretraining": lambda t, m: (
+        [_data(t, {"chat.json": _BAD_TURNS}, _CHAT_INFO), "dataset=chat", "stage=pt"], "stage pt reads plain text"),
+    "template unknown": lambda t, m: (["template=nope"], "template = 'nope': expected one of"),
+    "model directory missing": lambda t, m: (
+        [f"model_name_or_path={t / 'nothing'}"], "is neither 'hp/tiny-llama' nor a local directory"),
+    "model without tokenizer": lambda t, m: (
+        [_model(t, m, _remove("tokenizer.json", "tokenizer_config.json"))], "holds no HF tokenizer"),
+    "model without weights": lambda t, m: ([_model(t, m, _drop_weights)], "holds no *.safetensors weights"),
+    "model with pickled weights only": lambda t, m: (
+        [_model(t, m, _pickled_weights)], "it has pytorch_model.bin: hp reads safetensors only"),
+    "weight of another shape": lambda t, m: (
+        [_model(t, m, _edit_weights(lambda s: s.update({"model.norm.weight": s["model.norm.weight"][:8]})))],
+        "weight 'model.norm.weight' has shape [8] in model.safetensors, but its config.json makes it [64]"),
+    "weight missing": lambda t, m: (
+        [_model(t, m, _edit_weights(lambda s: s.pop("model.layers.1.mlp.down_proj.weight")))],
+        "no weight 'model.layers.1.mlp.down_proj.weight' in its safetensors"),
+    "corrupt safetensors": lambda t, m: (
+        [_model(t, m, lambda c: _file(c, "model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{not json"))],
+        "model.safetensors is not a readable safetensors file"),
+    "corrupt config.json": lambda t, m: ([_model(t, m, lambda c: _file(c, "config.json", "{"))], "model_name_or_path = "),
+    "model type without a plan": lambda t, m: (
+        [_model(t, m, _gpt2)], "no model plan for model_type 'gpt2'; hp.models has plans for llama"),
+    "hyper_parallel_args file missing": lambda t, m: (
+        ["use_hyper_parallel=true", "hyper_parallel_args=nope.json"], "hyper_parallel_args = 'nope.json': expected the path"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_a_bad_input_is_one_message_before_any_worker(case, finished_run, model_dir, tmp_path, run_here):
+    out = tmp_path / "out"
+    shutil.copytree(finished_run, out)
+    before = _snapshot(out)
+    overrides, words = BAD[case](tmp_path, model_dir)
+    code, err = run_here(f"output_dir={out}", "overwrite_output_dir=true", *overrides)
+    assert_one_message(code, err, words)
+    assert _snapshot(out) == before
+
+
+def test_bad_config_files(tmp_path, run_here):
+    missing = run_here(config=str(tmp_path / "none.yaml"))
+    assert_one_message(*missing, "none.yaml' does not exist: expected the path of a YAML file")
+    (tmp_path / "bad.yaml").write_text("dataset: [unclosed\n")
+    assert_one_message(*run_here(config=str(tmp_path / "bad.yaml")), "is not valid YAML")
+    (tmp_path / "twice.yaml").write_text(Path(QUICKSTART).read_text() + "cutoff_len: 8\n")
+    assert_one_message(*run_here(config=str(tmp_path / "twice.yaml")), "key 'cutoff_len' is given twice")
+
+
+def test_a_device_this_machine_lacks(tmp_path, run_here):
+    from hp.device import available
+
+    missing = next(d for d in ("cuda", "npu") if d != available())
+    code, err = run_here(f"device={missing}", f"output_dir={tmp_path / 'out'}")
+    assert_one_message(code, err, f"device = '{missing}' is not available on this machine")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_busy_master_port(tmp_path, run_here):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, err = run_here(f"master_port={port}", f"output_dir={tmp_path / 'out'}")
+    assert_one_message(code, err, f"master_port = {port} cannot be used on this machine")
+
+
+def test_bad_output_dirs(finished_run, tmp_path, run_here):
+    (tmp_path / "file").write_text("not a directory")
+    assert_one_message(*run_here(f"output_dir={tmp_path / 'file'}"), "output_dir = ")
+    assert_one_message(*run_here(f"output_dir={tmp_path / 'file' / 'run'}"), "is a file, so no directory can be made")
+    assert (tmp_path / "file").read_text() == "not a directory"
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    before = _snapshot(out)
+    assert_one_message(*run_here(f"output_dir={out}", "overwrite_output_dir=false"),
+                       "already holds a run; set overwrite_output_dir: true")
+    assert _snapshot(out) == before
+
+
+def test_bad_resume_points(finished_run, tmp_path, run_here):
+    assert_one_message(*run_here(f"output_dir={tmp_path / 'new'}", "resume_from_checkpoint=last"),
+                       "resume_from_checkpoint = 'last': output_dir = ")
+    assert not (tmp_path / "new").exists()
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    before = _snapshot(out)
+    assert_one_message(*run_here(f"output_dir={out}", f"resume_from_checkpoint={out / 'checkpoint-9'}"),
+                       "checkpoint-9 is not a complete hp checkpoint")
+    (out / "checkpoint-2" / checkpoint.TRAINER_STATE).rename(out / "state")  # as a save cut short leaves it
+    assert_one_message(*run_here(f"output_dir={out}", f"resume_from_checkpoint={out / 'checkpoint-2'}"),
+                       "checkpoint-2 is not a complete hp checkpoint")
+    (out / "state").rename(out / "checkpoint-2" / checkpoint.TRAINER_STATE)
+    assert_one_message(*run_here(f"output_dir={out}", "resume_from_checkpoint=last", "seed=7"),
+                       "cannot resume the batch stream: seed 42 -> 7 since it was saved")
+    assert _snapshot(out) == before
+
+
+class _Payload:
+    """Unpickling this runs a shell command: what a malicious checkpoint would hold."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("planted", [checkpoint.TRAINER_STATE, ".metadata"])
+def test_a_checkpoint_holding_code_is_refused_unrun(planted, finished_run, tmp_path, run_here, capfd):
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    marker = tmp_path / PWNED
+    target = out / "checkpoint-2" / planted
+    if planted == ".metadata":  # DCP's index, which torch itself unpickles: keep it working, add the payload
+        with open(target, "rb") as f:
+            index = pickle.load(f)
+        index.storage_meta = _Payload(marker)
+        target.write_bytes(pickle.dumps(index))
+    else:
+        import torch
+
+        state = torch.load(target, weights_only=True)
+        torch.save({**state, "hook": _Payload(marker)}, target)
+    code, err = run_here(f"output_dir={out}", "resume_from_checkpoint=last")
+    assert_one_message(code, err, "which loading would have to run as code; refusing it")
+    assert "posix.system" in err or "os.system" in err
+    from hp.cli import main
+
+    exported = main(["export", str(out / "checkpoint-2"), str(tmp_path / "hf")])
+    err = capfd.readouterr().err
+    if planted == ".metadata":  # export reads the weights through DCP's index (and never the trainer state)
+        assert exported == 2 and err.startswith("hp export: ") and "refusing it" in err and "Traceback" not in err
+    assert not marker.exists(), "the planted pickle ran"
+
+
+# ---------------------------------------------------------------- what only the workers meet
+
+
+def _strict_json(line: str):
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_a_diverging_run_stops_at_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    run = hp_train("max_steps=30", "save_steps=1", "logging_steps=1", "learning_rate=1e4", f"output_dir={out}")
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr and len(_lines(run.stderr)) < 15, run.stderr
+    message = _lines(run.stderr)[-1]
+    assert message.startswith("hp train: step ") and "training diverged and stopped" in message, message
+    step = int(message.split("step ")[1].split(":")[0])
+    kept = checkpoint.latest(str(out))
+    assert kept == str(out / f"checkpoint-{step - 1}") and f"the last good checkpoint is {kept}" in message
+    assert checkpoint.trainer_state(kept)["step"] == step - 1
+    records = [_strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, step))
+
+
+def _workers(marker: str) -> list[int]:
+    """Processes (other than this one) whose command line holds `marker`."""
+    found = subprocess.run(["pgrep", "-f", marker], check=False, capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid in found if int(pid) != os.getpid()]
+
+
+@pytest.mark.parametrize("stop", ["SIGINT to the process group", "SIGTERM", "SIGKILL"])
+def test_stopping_the_launcher_stops_every_worker(stop, tmp_path):
+    out = tmp_path / "run"
+    run = hp_train("max_steps=500", "save_steps=1", f"output_dir={out}", wait=False)
+    deadline = time.time() + 300
+    while not (out / "checkpoint-1").is_dir():
+        assert run.poll() is None and time.time() < deadline, run.communicate()
+        time.sleep(0.05)
+    if stop.startswith("SIGINT"):
+        os.killpg(run.pid, signal.SIGINT)  # Ctrl-C in a terminal
+    else:
+        run.send_signal(getattr(signal, stop))
+    _, err = run.communicate(timeout=120)
+    deadline = time.time() + 30
+    while _workers(str(out)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert _workers(str(out)) == [], f"workers outlived the launcher after {stop}"
+    if stop != "SIGKILL":
+        assert run.returncode == 130, err[-3000:]
+        assert "Traceback" not in err and len(_lines(err)) < 15, err
+        assert _lines(err)[-1] == "hp train: interrupted"
+    steps = [p for p in out.iterdir() if p.name.startswith("checkpoint-") and not p.name.endswith(".partial")]
+    for saved in steps:  # stopped mid-save or not, every checkpoint is whole
+        assert checkpoint.trainer_state(str(saved))["step"] == int(saved.name.split("-")[1])
+
+
+def test_two_runs_on_one_machine_both_finish(tmp_path):
+    command = [sys.executable, "-m", "hp.cli", "train", QUICKSTART, f"dataset_dir={DATA}", *FAST]
+    runs = [subprocess.Popen([*command, f"output_dir={tmp_path / str(i)}"], cwd=ROOT, env=clean_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    for run in runs:
+        out, err = run.communicate(timeout=600)
+        assert run.returncode == 0, err[-3000:]
+        assert _strict_json(out.strip().splitlines()[-1])["steps"] == 2
