@@ -28,7 +28,7 @@ from train_runs import DATA, QUICKSTART, ROOT, hp_train, local_hf_model, summary
 
 from hp.train import checkpoint
 
-FAST = ["max_steps=2", "save_steps=1", "per_device_train_batch_size=4"]
+FAST = ["max_steps=2", "save_steps=1", "per_device_train_batch_size=4"]  # two checkpoints to leave alone
 PWNED = "hp-test-pwned"  # a file the planted pickles would create if they ran
 
 
@@ -383,10 +383,10 @@ def test_stopping_the_launcher_stops_every_worker(stop, tmp_path):
 
 
 def test_two_runs_on_one_machine_both_finish(tmp_path):
-    command = [sys.executable, "-m", "hp.cli", "train", QUICKSTART, f"dataset_dir={DATA}", *FAST]
+    command = [sys.executable, "-m", "hp.cli", "train", QUICKSTART, f"dataset_dir={DATA}", *FAST, "max_steps=1"]
     runs = [subprocess.Popen([*command, f"output_dir={tmp_path / str(i)}"], cwd=ROOT, env=clean_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
     for run in runs:
         out, err = run.communicate(timeout=600)
         assert run.returncode == 0, err[-3000:]
-        assert _strict_json(out.strip().splitlines()[-1])["steps"] == 2
+        assert _strict_json(out.strip().splitlines()[-1])["steps"] == 1

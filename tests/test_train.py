@@ -69,26 +69,19 @@ def test_checkpoint_resumes_under_another_strategy(uninterrupted, tmp_path, stra
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
 
 
-def test_export_gives_hf_safetensors_with_the_same_logits(uninterrupted, tmp_path):
-    checkpoint = uninterrupted / "checkpoint-6"
-    export = subprocess.run([sys.executable, "-m", "hp.cli", "export", str(checkpoint), str(tmp_path / "hf")],
+def test_export_gives_hf_safetensors_with_the_same_logits_and_hp_train_continues_from_it(uninterrupted, tmp_path):
+    """The export loads in `transformers` with the run's logits, and carries the byte tokenizer as HF files."""
+    from transformers import AutoModelForCausalLM
+
+    checkpoint, hf = uninterrupted / "checkpoint-6", tmp_path / "hf"
+    export = subprocess.run([sys.executable, "-m", "hp.cli", "export", str(checkpoint), str(hf)],
                             env=clean_env(), capture_output=True, text=True, timeout=300)
     assert export.returncode == 0, export.stderr[-3000:]
-    assert (tmp_path / "hf" / "model.safetensors").is_file()
-    check = subprocess.run([sys.executable, str(WORKERS / "export_check.py"), str(checkpoint), str(tmp_path / "hf")],
+    assert (hf / "model.safetensors").is_file()
+    check = subprocess.run([sys.executable, str(WORKERS / "export_check.py"), str(checkpoint), str(hf)],
                            env=clean_env(), capture_output=True, text=True, timeout=300)
     assert check.returncode == 0, check.stderr[-3000:]
     assert json.loads(check.stdout.splitlines()[-1])["max_abs_diff"] == 0.0
-
-
-def test_hp_train_continues_from_an_exported_model(uninterrupted, tmp_path):
-    """The export carries the byte tokenizer as HF files: the same batches, and the exported weights' loss."""
-    from transformers import AutoModelForCausalLM
-
-    hf = tmp_path / "hf"
-    export = subprocess.run([sys.executable, "-m", "hp.cli", "export", str(uninterrupted / "checkpoint-6"), str(hf)],
-                            env=clean_env(), capture_output=True, text=True, timeout=300)
-    assert export.returncode == 0, export.stderr[-3000:]
     overrides = [f"model_name_or_path={hf}", "max_steps=1", "parallel.tp=1", f"output_dir={tmp_path / 'again'}",
                  f"dataset_dir={DATA}"]
     continued = summary(hp_train(*overrides))
