@@ -351,9 +351,16 @@ def test_a_diverging_run_stops_at_the_step_and_keeps_the_last_good_checkpoint(tm
 
 
 def _workers(marker: str) -> list[int]:
-    """Processes (other than this one) whose command line holds `marker`."""
-    found = subprocess.run(["pgrep", "-f", marker], check=False, capture_output=True, text=True).stdout.split()
-    return [int(pid) for pid in found if int(pid) != os.getpid()]
+    """Live processes (other than this one) whose command line holds `marker` (Linux's /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # not a process, or one that just ended
+        if entry.name.isdigit() and int(entry.name) != os.getpid() and marker in command:
+            found.append(int(entry.name))
+    return found
 
 
 @pytest.mark.parametrize("stop", ["SIGINT to the process group", "SIGTERM", "SIGKILL"])
@@ -364,6 +371,7 @@ def test_stopping_the_launcher_stops_every_worker(stop, tmp_path):
     while not (out / "checkpoint-1").is_dir():
         assert run.poll() is None and time.time() < deadline, run.communicate()
         time.sleep(0.05)
+    assert len(_workers(str(out))) == 3  # the launcher and its two workers, found by their command lines
     if stop.startswith("SIGINT"):
         os.killpg(run.pid, signal.SIGINT)  # Ctrl-C in a terminal
     else:
