@@ -78,20 +78,21 @@ def test_good_config_round_trips(tmp_path):
         cfg.learning_rate = 1.0
 
 
-def test_defaults():
+def test_defaults_are_llamafactorys():
     cfg = validate(MINIMAL)
     assert to_dict(cfg) == {
         **MINIMAL, "stage": "sft", "do_train": True, "trust_remote_code": False, "finetuning_type": "full",
-        "weight_decay": 0.0, "max_grad_norm": 1.0, "dataset_dir": "data", "template": "default", "cutoff_len": 1024, "max_samples": None,
-        "overwrite_output_dir": False, "logging_steps": 10, "save_steps": 500, "save_total_limit": None,
+        "weight_decay": 0.0, "max_grad_norm": 1.0, "dataset_dir": "data", "template": "default", "cutoff_len": 2048, "max_samples": None,
+        "overwrite_output_dir": False, "logging_steps": 500, "save_steps": 500, "save_total_limit": None,
+        "save_only_model": False,
         "plot_loss": False, "resume_from_checkpoint": None, "per_device_train_batch_size": 1,
         "gradient_accumulation_steps": 1, "learning_rate": 5e-5, "num_train_epochs": 3.0, "max_steps": -1,
-        "lr_scheduler_type": "cosine", "warmup_ratio": 0.0, "bf16": False, "seed": 42,
+        "lr_scheduler_type": "linear", "warmup_ratio": 0.0, "bf16": False, "seed": 42,
         "parallel": {"dp": 1, "cp": 1, "tp": 1, "sp": False, "cp_algorithm": "ulysses", "fsdp": False, "ep": 1,
                      "tp2d": False, "offload": None, "recompute": False},
         "use_hyper_parallel": False, "hyper_parallel_args": None,
         "nproc_per_node": 1, "nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": None,
-        "device": "auto",
+        "ddp_timeout": 1800, "device": "auto",
     }
 
 
@@ -325,7 +326,41 @@ def test_the_config_and_its_strategy_import_no_torch():
 
 
 def test_train_config_fields_match_to_dict():
-    assert list(to_dict(validate(MINIMAL))) == [f.name for f in dataclasses.fields(TrainConfig)]
+    fields = [f.name for f in dataclasses.fields(TrainConfig) if f.name != "no_effect"]
+    assert list(to_dict(validate(MINIMAL))) == fields
+
+
+def test_llamafactory_keys_without_effect_are_kept_and_round_trip():
+    raw = {**MINIMAL, "report_to": "none", "preprocessing_num_workers": 16, "dataloader_num_workers": 4,
+           "overwrite_cache": True, "ddp_timeout": 180000000, "save_only_model": False}
+    cfg = validate(raw)
+    assert dict(cfg.no_effect) == {"report_to": "none", "preprocessing_num_workers": 16, "dataloader_num_workers": 4,
+                                   "overwrite_cache": True}
+    assert cfg.ddp_timeout == 180000000 and validate(to_dict(cfg)) == cfg
+
+
+def test_every_problem_of_a_config_is_listed_at_once():
+    raw = {**MINIMAL, "learnig_rate": 1e-4, "bf16": "yes", "lora_rank": 8, "pref_loss": "sigmoid",
+           "parallel": {"tpp": 2}}
+    with pytest.raises(ConfigError) as err:
+        validate(raw)
+    lines = str(err.value).splitlines()
+    assert lines[0] == "5 problems in the config:"
+    assert lines[1:] == [
+        "  - unknown key 'learnig_rate' = 0.0001; did you mean 'learning_rate'?",
+        "  - lora_rank = 8 is not taken by hp train yet (LoRA is not available yet); expected no lora_rank key",
+        "  - pref_loss = 'sigmoid' is not taken by hp train yet (preference training (DPO, KTO) is not available yet); "
+        "expected no pref_loss key",
+        "  - bf16 = 'yes': expected true or false",
+        "  - unknown key 'parallel.tpp' = 2; did you mean 'parallel.tp'?",
+    ]
+
+
+@pytest.mark.parametrize("key", ["pref_loss", "galore_rank"])
+def test_a_suggestion_only_for_a_likely_typo(key):
+    with pytest.raises(ConfigError) as err:
+        validate({**MINIMAL, key: 1})
+    assert "did you mean" not in str(err.value)
 
 
 def test_every_example_config_validates():

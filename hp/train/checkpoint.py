@@ -65,8 +65,12 @@ def latest(output_dir: str) -> str | None:
 
 
 def save(output_dir: str, step: int, model: nn.Module, optimizer, extra: dict[str, Any], *, tokenizer=None,
-         keep: int | None = None) -> str:
-    """Write checkpoint-`step` atomically; `extra` (scheduler, data position, ...) goes into trainer_state.pt."""
+         keep: int | None = None, model_only: bool = False) -> str:
+    """Write checkpoint-`step` atomically; `extra` (scheduler, data position, ...) goes into trainer_state.pt.
+
+    `model_only` leaves the optimizer state out (LlamaFactory's `save_only_model`): such a
+    checkpoint exports, but does not resume.
+    """
     final = os.path.join(output_dir, f"checkpoint-{step}")
     partial = final + ".partial"
     if rank() == 0:
@@ -74,10 +78,10 @@ def save(output_dir: str, step: int, model: nn.Module, optimizer, extra: dict[st
         os.makedirs(partial)
     _barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = to_storable({"model": model_state, "optim": optim_state})
-    dcp.save(state, checkpoint_id=partial, no_dist=not distributed())
+    state = {"model": model_state} if model_only else {"model": model_state, "optim": optim_state}
+    dcp.save(to_storable(state), checkpoint_id=partial, no_dist=not distributed())
     if rank() == 0:
-        state = {"step": step, "rng": _rng_state(), **extra}
+        state = {"step": step, "rng": _rng_state(), "model_only": model_only, **extra}
         torch.save(state, os.path.join(partial, TRAINER_STATE))
         model.config.to_json_file(os.path.join(partial, "config.json"))
         if tokenizer is not None:
@@ -128,6 +132,9 @@ def trainer_state(path: str) -> dict[str, Any]:
     missing = [k for k in ("step", "rng", "scheduler", "data") if not isinstance(state, dict) or k not in state]
     if missing:
         raise CheckpointError(f"{file} is not an hp trainer state: it lacks {', '.join(missing)}")
+    if state.get("model_only"):
+        raise CheckpointError(f"{path} was saved with save_only_model: true, so it holds no optimizer state to resume "
+                              f"from; `hp export {path} DIR` and train from DIR instead")
     return state
 
 

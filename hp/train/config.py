@@ -84,14 +84,15 @@ class TrainConfig:
     dataset: str  # comma-separated dataset names
     dataset_dir: str = "data"
     template: str = "default"  # one of TEMPLATES
-    cutoff_len: int = 1024  # tokens per sequence, at most
+    cutoff_len: int = 2048  # tokens per sequence, at most
     max_samples: int | None = None  # keep the first that many records of each dataset; null: all
     # output
     output_dir: str
     overwrite_output_dir: bool = False
-    logging_steps: int = 10
+    logging_steps: int = 500
     save_steps: int = 500
     save_total_limit: int | None = None  # None: keep every checkpoint
+    save_only_model: bool = False  # checkpoints without optimizer state: smaller, but they cannot be resumed
     plot_loss: bool = False
     resume_from_checkpoint: str | None = None  # None, a checkpoint directory, or "last"
     # train
@@ -100,7 +101,7 @@ class TrainConfig:
     learning_rate: float = 5e-5
     num_train_epochs: float = 3.0
     max_steps: int = -1  # > 0 overrides num_train_epochs; -1 (or 0): the epochs decide
-    lr_scheduler_type: str = "cosine"  # one of SCHEDULERS
+    lr_scheduler_type: str = "linear"  # one of SCHEDULERS
     warmup_ratio: float = 0.0  # in [0, 1)
     weight_decay: float = 0.0  # AdamW's
     max_grad_norm: float | None = 1.0  # gradient clipping (HF Trainer's default); null: none
@@ -116,7 +117,10 @@ class TrainConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port on one node, DEFAULT_MASTER_PORT over several
+    ddp_timeout: int = 1800  # seconds a collective may wait for the other ranks
     device: str = "auto"  # one of DEVICES
+    # LlamaFactory keys that change nothing here, as given (see NO_EFFECT; the launcher prints why)
+    no_effect: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def datasets(self) -> tuple[str, ...]:
@@ -168,6 +172,8 @@ _RULES: dict[str, _Rule] = {
     "logging_steps": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
     "save_steps": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
     "save_total_limit": _Rule("int", lambda v: v >= 1, "an integer >= 1, or null to keep every checkpoint", optional=True),
+    "save_only_model": _Rule("bool"),
+    "ddp_timeout": _Rule("int", lambda v: v >= 1, "a number of seconds >= 1"),
     "plot_loss": _Rule("bool"),
     "resume_from_checkpoint": _Rule("str", _nonempty, f"a checkpoint directory, {RESUME_LAST!r}, or null", optional=True),
     "per_device_train_batch_size": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
@@ -230,6 +236,56 @@ _NOT_YET = {
     "ep_style": "expert parallel is not available yet",
     "expert_module_cls": "expert parallel is not available yet",
     "activation_swap_inputs": "activation swap is not available yet (hp.offload is not built yet)",
+    "eval_dataset": "evaluation is not available yet",
+    "lora_dropout": "LoRA is not available yet",
+    "additional_target": "LoRA is not available yet",
+    "use_rslora": "LoRA is not available yet",
+    "use_dora": "LoRA is not available yet",
+    "pissa_init": "LoRA is not available yet",
+    "freeze_trainable_layers": "freeze tuning is not available yet",
+    "freeze_trainable_modules": "freeze tuning is not available yet",
+    "freeze_extra_modules": "freeze tuning is not available yet",
+    "pref_beta": "preference training (DPO, KTO) is not available yet",
+    "pref_loss": "preference training (DPO, KTO) is not available yet",
+    "pref_ftx": "preference training (DPO, KTO) is not available yet",
+    "kto_chosen_weight": "preference training (DPO, KTO) is not available yet",
+    "kto_rejected_weight": "preference training (DPO, KTO) is not available yet",
+    "use_galore": "GaLore is not available",
+    "galore_rank": "GaLore is not available",
+    "galore_target": "GaLore is not available",
+    "use_badam": "BAdam is not available",
+    "use_apollo": "APOLLO is not available",
+    "use_muon": "the Muon optimizer is not available",
+    "use_adam_mini": "Adam-mini is not available",
+    "optim": "hp train's optimizer is AdamW",
+    "flash_attn": "attention follows the model's attn_implementation",
+    "enable_liger_kernel": "Liger kernels are not available",
+    "use_unsloth": "Unsloth is not available",
+    "packing": "sft examples are not packed; pt documents are",
+    "neat_packing": "sft examples are not packed; pt documents are",
+    "mix_strategy": "datasets are concatenated in the order named",
+    "streaming": "datasets are read whole",
+    "tokenized_path": "tokenized datasets are not cached",
+    "image_max_pixels": "multimodal training is not available yet",
+    "video_max_pixels": "multimodal training is not available yet",
+    "freeze_vision_tower": "multimodal training is not available yet",
+    "ray_run_name": "Ray is not available",
+    "fsdp": "hp shards the model by the parallel: section (parallel.fsdp), not by HF Trainer's fsdp keys",
+    "fsdp_config": "hp shards the model by the parallel: section (parallel.fsdp), not by HF Trainer's fsdp keys",
+    "gradient_checkpointing": "activation recompute is not available yet",
+    "disable_gradient_checkpointing": "activation recompute is not available yet",
+}
+
+# LlamaFactory keys taken as given and changing nothing in hp train, with the reason its launcher prints.
+NO_EFFECT = {
+    "report_to": "hp train writes output_dir/metrics.jsonl (and training_loss.png), not to experiment trackers",
+    "run_name": "runs are named by output_dir",
+    "overwrite_cache": "hp train keeps no cache of tokenized data",
+    "preprocessing_num_workers": "the data is tokenized in one process (HF fast tokenizers use threads of their own)",
+    "dataloader_num_workers": "batches are drawn in the training process; a global batch is a slice of tokenized data",
+    "dataloader_pin_memory": "batches are drawn in the training process",
+    "disable_tqdm": "rank 0 always shows its progress bar",
+    "log_level": "hp train prints its own progress and one message per failure (hp train --debug shows everything)",
 }
 
 _KINDS = {"str": "a string", "int": "an integer", "float": "a finite number (1e-4 and 0.0001 both work)", "bool": "true or false"}
@@ -311,11 +367,15 @@ def _unknown(key: Any, value: Any, known: Sequence[str], section: str = "") -> C
     elif not section and key in _ALIASES:
         hint = f"did you mean {_ALIASES[key]!r}?"
     else:
-        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        # a likely typo, not any look-alike (section keys are short: a letter weighs more)
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6 if section else 0.8)
         if close:
             hint = f"did you mean {section + close[0]!r}?"
-    if hint is None:
+    if hint is None and section:
         return ConfigError(f"unknown key {name!r} = {value!r}; expected one of {', '.join(known)}")
+    if hint is None:
+        return ConfigError(f"unknown key {name!r} = {value!r}: neither a key hp train takes nor one of LlamaFactory's "
+                           "it knows (the README lists the keys)")
     return ConfigError(f"unknown key {name!r} = {value!r}; {hint}")
 
 
@@ -323,7 +383,7 @@ def _unknown(key: Any, value: Any, known: Sequence[str], section: str = "") -> C
 
 _REQUIRED = ("model_name_or_path", "dataset", "output_dir")
 _SECTIONS = ("parallel", "hyper_parallel_args")
-_TOP_KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig))
+_TOP_KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name != "no_effect")
 
 
 def validate(raw: Mapping[str, Any] | None, *, base_dir: str | os.PathLike | None = None) -> TrainConfig:
@@ -346,25 +406,41 @@ def validate(raw: Mapping[str, Any] | None, *, base_dir: str | os.PathLike | Non
         raw = {}
     if not isinstance(raw, Mapping):
         raise ConfigError(f"the config is {type(raw).__name__} {raw!r}: expected a mapping of keys to values")
+    problems: list[ConfigError] = []
     for key, value in raw.items():
-        if key not in _TOP_KEYS:
-            raise _unknown(key, value, _TOP_KEYS)
-    for key in _REQUIRED:
-        if raw.get(key) is None:
-            raise ConfigError(f"missing required key {key!r}: expected {_RULES[key].allowed}")
-
-    values = {key: _check(key, raw[key], rule) for key, rule in _RULES.items() if key in raw}
-    if "dataset" in values:
+        if key not in _TOP_KEYS and key not in NO_EFFECT:
+            problems.append(_unknown(key, value, _TOP_KEYS))
+    problems += [ConfigError(f"missing required key {key!r}: expected {_RULES[key].allowed}")
+                 for key in _REQUIRED if raw.get(key) is None]
+    values = {key: _noting(problems, _check, key, raw[key], rule) for key, rule in _RULES.items() if key in raw}
+    if values.get("dataset"):
         values["dataset"] = ",".join(name.strip() for name in values["dataset"].split(","))
-
-    given = _parallel_section(raw.get("parallel"))
-    hyper = _hyper_parallel(raw, values.get("use_hyper_parallel", False), base_dir)
+    given = _noting(problems, _parallel_section, raw.get("parallel"))
+    hyper = _noting(problems, _hyper_parallel, raw, values.get("use_hyper_parallel", False), base_dir)
+    if problems:
+        raise _together(problems)
     values["parallel"] = _parallel(given, hyper)
     values["hyper_parallel_args"] = None if hyper is None else MappingProxyType(hyper)
-
+    values["no_effect"] = MappingProxyType({k: v for k, v in raw.items() if k in NO_EFFECT})
     config = TrainConfig(**values)
     _check_training(config)
     return dataclasses.replace(config, nproc_per_node=_workers_per_node(config))
+
+
+def _noting(problems: list[ConfigError], check: Callable, *args: Any) -> Any:
+    """`check(*args)`, or None with its ConfigError added to `problems`: a config's mistakes are listed together."""
+    try:
+        return check(*args)
+    except ConfigError as e:
+        problems.append(e)
+        return None
+
+
+def _together(problems: list[ConfigError]) -> ConfigError:
+    """One ConfigError listing every problem (one alone keeps its own words)."""
+    if len(problems) == 1:
+        return problems[0]
+    return ConfigError(f"{len(problems)} problems in the config:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 def _parallel_section(section: Any) -> dict[str, Any]:
@@ -591,6 +667,9 @@ def to_dict(config: TrainConfig) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
+        if f.name == "no_effect":
+            out.update(value)
+            continue
         if isinstance(value, Strategy):
             value = value.as_dict()
         elif isinstance(value, Mapping):

@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Sequence
 
 from hp.train import errors, preflight
-from hp.train.config import DEFAULT_MASTER_PORT, TrainConfig, load_config
+from hp.train.config import DEFAULT_MASTER_PORT, NO_EFFECT, TrainConfig, load_config
 
 
 def launch(config_path: str, overrides: Sequence[str] = ()) -> int:
@@ -42,6 +42,8 @@ def launch(config_path: str, overrides: Sequence[str] = ()) -> int:
     """
     config = load_config(config_path, overrides)
     preflight.check(config)
+    for key, value in config.no_effect.items():
+        print(f"hp train: note: {key} = {value!r} has no effect here ({NO_EFFECT[key]})", file=sys.stderr)
     os.environ["HP_DEVICE"] = config.device
     if config.nnodes == 1 and config.nproc_per_node == 1:
         from hp.train.loop import train

@@ -26,11 +26,14 @@ import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import hp
+from hp.device import bind_local_device, detect
 from hp.train import checkpoint
 from hp.train.config import TrainConfig, to_dict
 from hp.train.data import TokenBatches, load_examples
@@ -58,6 +61,7 @@ def train(config: TrainConfig) -> dict:
     >>> # see `hp train examples/quickstart.yaml`; tests/test_train.py runs short configs
     """
     strategy = config.parallel
+    _join_workers(config.ddp_timeout)
     mesh = hp.strategy_mesh(strategy)
     tokenizer = load_tokenizer(config.model_name_or_path)
     examples = load_examples(config, tokenizer)
@@ -96,7 +100,7 @@ def train(config: TrainConfig) -> dict:
             if config.save_steps > 0 and (step % config.save_steps == 0 or step == total):
                 extra = {"scheduler": scheduler.state_dict(), "data": batches.state_dict()}
                 checkpoint.save(config.output_dir, step, model, optimizer, extra, tokenizer=tokenizer,
-                                keep=config.save_total_limit)
+                                keep=config.save_total_limit, model_only=config.save_only_model)
     finally:
         if bar is not None:
             bar.close()  # ends its line, also before a failure's message
@@ -105,6 +109,15 @@ def train(config: TrainConfig) -> dict:
         _plot(config.output_dir)
         print(json.dumps(summary, allow_nan=False), flush=True)
     return summary
+
+
+def _join_workers(timeout_s: int) -> None:
+    """A launched worker joins the others' process group, whose collectives wait at most `timeout_s` (ddp_timeout)."""
+    if "RANK" not in os.environ or dist.is_initialized():
+        return  # a one-rank run: hp.strategy_mesh makes its own one-rank world
+    device = detect()
+    bind_local_device(device)
+    dist.init_process_group(device.pg_backend, timeout=timedelta(seconds=timeout_s))
 
 
 def _require_finite(config: TrainConfig, step: int, loss: float, grad_norm: float) -> None:
