@@ -392,9 +392,32 @@ def test_stopping_the_launcher_stops_every_worker(stop, tmp_path):
 
 def test_two_runs_on_one_machine_both_finish(tmp_path):
     command = [sys.executable, "-m", "hp.cli", "train", QUICKSTART, f"dataset_dir={DATA}", *FAST, "max_steps=1"]
-    runs = [subprocess.Popen([*command, f"output_dir={tmp_path / str(i)}"], cwd=ROOT, env=clean_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    runs = [subprocess.Popen([*command, f"output_dir={tmp_path / str(i)}", "report_to=none"], cwd=ROOT,
+                             env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
     for run in runs:
         out, err = run.communicate(timeout=600)
         assert run.returncode == 0, err[-3000:]
         assert _strict_json(out.strip().splitlines()[-1])["steps"] == 1
+        assert "hp train: note: report_to = 'none' has no effect here (hp train writes" in err  # LlamaFactory's key
+
+
+def test_a_model_only_checkpoint_exports_but_does_not_resume(tmp_path, run_here):
+    """save_only_model: the optimizer state is left out, export still works, a resume is refused by name."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from hp.train.model import tiny_llama_config
+
+    model = LlamaForCausalLM(tiny_llama_config(259))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(input_ids=torch.ones(1, 4, dtype=torch.long), labels=torch.ones(1, 4, dtype=torch.long)).loss.backward()
+    optimizer.step()
+    saved = checkpoint.save(str(tmp_path), 1, model, optimizer, {"scheduler": {}, "data": {}}, model_only=True)
+    with open(Path(saved) / ".metadata", "rb") as f:
+        stored = pickle.load(f).state_dict_metadata
+    assert stored and all(key.startswith("model.") for key in stored)
+    copy = LlamaForCausalLM(tiny_llama_config(259))
+    checkpoint.load_model_weights(saved, copy)
+    assert torch.equal(copy.lm_head.weight, model.lm_head.weight)
+    code, err = run_here(f"output_dir={tmp_path}", "resume_from_checkpoint=last")
+    assert_one_message(code, err, "was saved with save_only_model: true, so it holds no optimizer state to resume")
