@@ -192,6 +192,13 @@ BAD = {
     "sharegpt for pretraining": lambda t, m: (
         [_data(t, {"chat.json": _BAD_TURNS}, _CHAT_INFO), "dataset=chat", "stage=pt"], "stage pt reads plain text"),
     "template unknown": lambda t, m: (["template=nope"], "template = 'nope': expected one of"),
+    "evaluation without data": lambda t, m: (["eval_strategy=steps"], "has nothing to evaluate on: expected val_size"),
+    "val_size holding out everything": lambda t, m: (
+        ["val_size=2000"], "val_size = 2000 holds out 2000 of the 2000 training examples"),
+    "unknown eval dataset": lambda t, m: (
+        ["eval_dataset=nope", "do_eval=true"], f"dataset 'nope' is not in {DATA}/dataset_info.json"),
+    "every problem at once": lambda t, m: (
+        ["lr=1e-4", "bf16=yes", "deepspeed=ds_z3.json"], "3 problems in the config:\n  - unknown key 'lr'"),
     "model directory missing": lambda t, m: (
         [f"model_name_or_path={t / 'nothing'}"], "is neither 'hp/tiny-llama' nor a local directory"),
     "model without tokenizer": lambda t, m: (

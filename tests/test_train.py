@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from gloo_launch import clean_env
-from train_runs import DATA, WORKERS, first_batch, hp_train, losses, summary
+from train_runs import DATA, QUICKSTART, WORKERS, first_batch, hp_train, losses, summary
 
 # six optimizer steps of 4 accumulated micro-batches: long enough to kill a run between two saves
 SHORT = ["max_steps=6", "save_steps=3", "logging_steps=1", "gradient_accumulation_steps=4",
@@ -89,6 +89,31 @@ def test_export_gives_hf_safetensors_with_the_same_logits_and_hp_train_continues
     assert torch.equal(ids, first_batch([f"dataset_dir={DATA}"])[0])  # the exported tokenizer gives the same ids
     want = AutoModelForCausalLM.from_pretrained(hf)(input_ids=ids, labels=labels).loss.item()
     assert continued["first_loss"] == pytest.approx(want, rel=1e-5)
+
+
+def test_the_evaluation_loss_is_the_held_out_loss_of_the_saved_weights(tmp_path):
+    """val_size holds examples out; at tp=2 their loss equals HF's on the checkpoint's weights, all in one batch."""
+    from transformers import LlamaForCausalLM
+
+    from hp.train.checkpoint import load_model_weights
+    from hp.train.config import load_config
+    from hp.train.data import collate, load_splits
+    from hp.train.model import tiny_llama_config
+    from hp.train.tokenizer import ByteTokenizer
+
+    overrides = ["max_steps=2", "save_steps=2", "val_size=0.05", "eval_strategy=steps", "eval_steps=2",
+                 "per_device_eval_batch_size=16", f"output_dir={tmp_path}", f"dataset_dir={DATA}"]
+    result = summary(hp_train(*overrides))
+    tokenizer = ByteTokenizer()
+    train, held = load_splits(load_config(QUICKSTART, overrides), tokenizer)
+    assert len(held) == 100 and len(train) == 1900  # 5% of the 2000 quickstart records
+    model = LlamaForCausalLM(tiny_llama_config(tokenizer.vocab_size))
+    load_model_weights(str(tmp_path / "checkpoint-2"), model)
+    ids, labels = collate(held.examples, tokenizer.pad_token_id)
+    want = model(input_ids=ids, labels=labels).loss.item()
+    assert result["eval_loss"] == pytest.approx(want, rel=1e-5)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {"step": 2, "eval_loss": result["eval_loss"], "eval_perplexity": result["eval_perplexity"]} in records
 
 
 def test_a_crash_during_a_save_leaves_the_previous_checkpoint_usable(uninterrupted, tmp_path):

@@ -35,7 +35,7 @@ def summary(run: subprocess.CompletedProcess) -> dict:
 
 def losses(output_dir: Path) -> dict[int, float]:
     with open(output_dir / "metrics.jsonl") as f:
-        return {r["step"]: r["loss"] for r in map(json.loads, f)}
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
 def first_batch(overrides: list[str]):

@@ -43,7 +43,7 @@ from hp.strategy import CP_ALGORITHMS, Strategy, StrategyError
 from hp.train.templates import TEMPLATES as TEMPLATE_TABLE
 
 __all__ = [
-    "ACTIVATION_MODES", "DEFAULT_MASTER_PORT", "DEVICES", "SCHEDULERS", "STAGES", "TEMPLATES",
+    "ACTIVATION_MODES", "DEFAULT_MASTER_PORT", "DEVICES", "EVAL_STRATEGIES", "SCHEDULERS", "STAGES", "TEMPLATES",
     "ConfigError", "TrainConfig",
     "apply_overrides", "load_config", "read_hyper_parallel_args", "to_dict", "validate",
 ]
@@ -51,6 +51,7 @@ __all__ = [
 STAGES = ("pt", "sft")  # training stages hp train runs; LlamaFactory's rm, ppo, dpo, kto are not here yet
 TEMPLATES = tuple(TEMPLATE_TABLE)
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+EVAL_STRATEGIES = ("no", "steps", "epoch")
 DEVICES = ("auto", "cpu", "cuda", "npu")
 ACTIVATION_MODES = ("none", "recompute", "swap")  # what LlamaFactory's HyperParallel does with activations
 # The strategy fields each activation mode sets.
@@ -86,6 +87,13 @@ class TrainConfig:
     template: str = "default"  # one of TEMPLATES
     cutoff_len: int = 2048  # tokens per sequence, at most
     max_samples: int | None = None  # keep the first that many records of each dataset; null: all
+    val_size: float = 0.0  # held out of the training data for evaluation: a fraction in (0, 1), or a count >= 1
+    eval_dataset: str | None = None  # comma-separated dataset names to evaluate on instead of a held-out split
+    # evaluation (as HF Trainer: eval_strategy decides when; do_eval alone evaluates once, at the end)
+    do_eval: bool = False
+    eval_strategy: str = "no"  # one of EVAL_STRATEGIES
+    eval_steps: int | None = None  # with eval_strategy "steps"; None: logging_steps
+    per_device_eval_batch_size: int = 8
     # output
     output_dir: str
     overwrite_output_dir: bool = False
@@ -128,6 +136,11 @@ class TrainConfig:
         return tuple(self.dataset.split(","))
 
     @property
+    def evaluates(self) -> bool:
+        """Whether the run computes an evaluation loss (every eval_steps, every epoch, or once at the end)."""
+        return self.eval_strategy != "no" or self.do_eval
+
+    @property
     def world_size(self) -> int:
         """Worker processes over all nodes: nnodes * nproc_per_node."""
         return self.nnodes * (self.nproc_per_node or 0)
@@ -167,6 +180,13 @@ _RULES: dict[str, _Rule] = {
     "template": _Rule("str", choices=TEMPLATES),
     "cutoff_len": _Rule("int", lambda v: v >= 2, "an integer >= 2"),
     "max_samples": _Rule("int", lambda v: v >= 1, "an integer >= 1, or null for every record", optional=True),
+    "val_size": _Rule("float", lambda v: v == 0 or 0 < v < 1 or (v >= 1 and v == int(v)),
+                      "a fraction in (0, 1), a whole number of examples >= 1, or 0 for none"),
+    "eval_dataset": _Rule("str", _dataset_names, "comma-separated dataset names, or null", optional=True),
+    "do_eval": _Rule("bool"),
+    "eval_strategy": _Rule("str", choices=EVAL_STRATEGIES),
+    "eval_steps": _Rule("int", lambda v: v >= 1, "an integer >= 1, or null for logging_steps", optional=True),
+    "per_device_eval_batch_size": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
     "output_dir": _Rule("str", _nonempty, "a directory"),
     "overwrite_output_dir": _Rule("bool"),
     "logging_steps": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
@@ -226,17 +246,11 @@ _NOT_YET = {
     "lora_target": "LoRA is not available yet",
     "deepspeed": "hp shards the model by the parallel: section, not by DeepSpeed",
     "fp16": "only bf16 mixed precision is available",
-    "do_eval": "evaluation is not available yet",
     "do_predict": "prediction is not available yet",
-    "eval_strategy": "evaluation is not available yet",
-    "eval_steps": "evaluation is not available yet",
-    "val_size": "evaluation is not available yet",
-    "per_device_eval_batch_size": "evaluation is not available yet",
     "quantization_bit": "quantized training is not available yet",
     "ep_style": "expert parallel is not available yet",
     "expert_module_cls": "expert parallel is not available yet",
     "activation_swap_inputs": "activation swap is not available yet (hp.offload is not built yet)",
-    "eval_dataset": "evaluation is not available yet",
     "lora_dropout": "LoRA is not available yet",
     "additional_target": "LoRA is not available yet",
     "use_rslora": "LoRA is not available yet",
@@ -543,6 +557,12 @@ def _check_training(config: TrainConfig) -> None:
                           "schedule has no warmup; expected warmup_ratio 0, or lr_scheduler_type 'constant_with_warmup'")
     if config.node_rank >= config.nnodes:
         raise ConfigError(f"node_rank = {config.node_rank}: expected an integer in [0, nnodes = {config.nnodes})")
+    if config.evaluates and not (config.val_size or config.eval_dataset):
+        raise ConfigError(f"eval_strategy = {config.eval_strategy!r} (do_eval = {config.do_eval}) has nothing to evaluate "
+                          "on: expected val_size > 0 or eval_dataset")
+    if config.val_size and config.eval_dataset:
+        raise ConfigError(f"val_size = {config.val_size:g} with eval_dataset = {config.eval_dataset!r}: expected one "
+                          "of them (a held-out split, or datasets of its own)")
 
 
 def _workers_per_node(config: TrainConfig) -> int:

@@ -9,7 +9,11 @@ tokens/s, memory), appends a JSON line per logging step to
 `output_dir/metrics.jsonl`, draws `training_loss.png` when matplotlib is
 installed, and prints a summary JSON object as its last stdout line:
 first/last loss, steps, tokens/s, collective bytes per step per mesh axis
-(one step traced with `hp.comm.trace()`), peak memory. Metrics and
+(one step traced with `hp.comm.trace()`), peak memory, and the latest
+evaluation loss and perplexity. Evaluation (HF Trainer's `eval_strategy`,
+`eval_steps`, `do_eval`) runs the held-out examples through the laid-out
+model without gradients; its loss is the mean over supervised tokens, as if
+all examples were one batch. Metrics and
 summary are strict JSON: a loss or gradient norm that stops being finite
 ends the run with `TrainingError` naming the step, before that step's
 update is saved, so the last checkpoint stays the last good one. A resumed
@@ -36,7 +40,7 @@ import hp
 from hp.device import bind_local_device, detect
 from hp.train import checkpoint
 from hp.train.config import TrainConfig, to_dict
-from hp.train.data import TokenBatches, load_examples
+from hp.train.data import IGNORE_INDEX, TokenBatches, eval_batches, load_splits
 from hp.train.errors import TrainingError
 from hp.train.model import build_model
 from hp.train.preflight import resume_path
@@ -53,6 +57,7 @@ class Progress:
     tokens: int = 0
     seconds: float = 0.0
     comm: dict[str, int] = field(default_factory=dict)  # mesh axis -> bytes per rank per step
+    eval_loss: float | None = None  # the latest evaluation's
 
 
 def train(config: TrainConfig) -> dict:
@@ -64,9 +69,11 @@ def train(config: TrainConfig) -> dict:
     _join_workers(config.ddp_timeout)
     mesh = hp.strategy_mesh(strategy)
     tokenizer = load_tokenizer(config.model_name_or_path)
-    examples = load_examples(config, tokenizer)
+    examples, held_out = load_splits(config, tokenizer)
     dp = config.parallel.dp
     batches = TokenBatches(examples, config.per_device_train_batch_size * dp, config.seed, tokenizer.pad_token_id)
+    evaluation = (eval_batches(held_out, config.per_device_eval_batch_size * dp, tokenizer.pad_token_id)
+                  if config.evaluates else [])
     model = build_model(config.model_name_or_path, tokenizer.vocab_size, mesh, strategy, seed=config.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     total = total_steps(config, len(batches))
@@ -80,6 +87,7 @@ def train(config: TrainConfig) -> dict:
     device, first = mesh.device_type, step
     try:
         while step < total:
+            epoch = batches.epoch
             start = time.perf_counter()
             with hp.comm.trace() if step == first else nullcontext() as trace:  # every step moves the same bytes
                 loss, tokens = _step(model, batches, config, device)
@@ -97,6 +105,10 @@ def train(config: TrainConfig) -> dict:
             step += 1
             if rank0:
                 _log(config, step, loss, scheduler.get_last_lr()[0], progress, bar, device)
+            if _evaluates_now(config, step, batches.epoch > epoch, step == total):
+                progress.eval_loss = evaluate(model, evaluation, config, device)
+                if rank0:
+                    _log_eval(config, step, progress.eval_loss, bar)
             if config.save_steps > 0 and (step % config.save_steps == 0 or step == total):
                 extra = {"scheduler": scheduler.state_dict(), "data": batches.state_dict()}
                 checkpoint.save(config.output_dir, step, model, optimizer, extra, tokenizer=tokenizer,
@@ -109,6 +121,42 @@ def train(config: TrainConfig) -> dict:
         _plot(config.output_dir)
         print(json.dumps(summary, allow_nan=False), flush=True)
     return summary
+
+
+def _evaluates_now(config: TrainConfig, step: int, epoch_ended: bool, last: bool) -> bool:
+    """HF Trainer's rule: every eval_steps (logging_steps when unset), or at each epoch's end; do_eval: at the end."""
+    if config.eval_strategy == "steps" and step % (config.eval_steps or config.logging_steps) == 0:
+        return True
+    if config.eval_strategy == "epoch" and epoch_ended:
+        return True
+    return last and config.do_eval
+
+
+def evaluate(model: nn.Module, batches, config: TrainConfig, device: str) -> float:
+    """The mean loss per supervised token over `batches`, computed under the training strategy without gradients."""
+    autocast = torch.autocast(device, dtype=torch.bfloat16) if config.bf16 else nullcontext()
+    total, tokens = 0.0, 0
+    model.eval()
+    with torch.no_grad(), autocast:
+        for input_ids, labels in batches:
+            supervised = int((labels[:, 1:] != IGNORE_INDEX).sum())  # HF shifts labels by one
+            if supervised:
+                loss = model(input_ids=input_ids.to(device), labels=labels.to(device)).loss
+                total += _value(loss) * supervised
+                tokens += supervised
+    model.train()
+    return total / tokens
+
+
+def _log_eval(config: TrainConfig, step: int, loss: float, bar) -> None:
+    record = {"step": step, "eval_loss": loss, "eval_perplexity": _perplexity(loss)}
+    bar.write(f"hp train: step {step}: eval_loss {loss:.4f}")
+    with open(os.path.join(config.output_dir, METRICS), "a") as f:
+        f.write(json.dumps(record, allow_nan=False) + "\n")
+
+
+def _perplexity(loss: float | None) -> float | None:
+    return math.exp(loss) if loss is not None and loss < 700 else None  # past that, exp overflows JSON's numbers
 
 
 def _join_workers(timeout_s: int) -> None:
@@ -251,6 +299,8 @@ def _summary(config: TrainConfig, progress: Progress, step: int, device: str) ->
         "steps_this_run": len(progress.losses),
         "tokens_per_s": progress.tokens / max(progress.seconds, 1e-9),
         "comm_bytes_per_step": progress.comm,
+        "eval_loss": progress.eval_loss,
+        "eval_perplexity": _perplexity(progress.eval_loss),
         "peak_memory_bytes": peak_memory_bytes(device),
         "output_dir": config.output_dir,
     }
@@ -276,7 +326,7 @@ def _plot(output_dir: str) -> None:
     if not os.path.isfile(path):
         return
     with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+        records = [r for r in map(json.loads, f) if "loss" in r]  # training steps, not evaluations
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([r["step"] for r in records], [r["loss"] for r in records])
     ax.set_xlabel("step")

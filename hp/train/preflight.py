@@ -6,9 +6,9 @@ workers is checked here, in the order a user would fix it: the device, the
 rendezvous port, the output directory, the checkpoint to resume from, the
 model directory (its tokenizer, its config, its weights' names and shapes
 against that config, the strategy against the model), and the data (every
-dataset file parses, holds the columns its template needs, and fills a
-batch). Each problem is a `ConfigError` naming the key and the file or
-record.
+dataset file parses, holds the columns its template needs, fills a batch,
+and leaves examples for evaluation when asked to). Each problem is a
+`ConfigError` naming the key and the file or record.
 """
 
 from __future__ import annotations
@@ -136,10 +136,10 @@ def _model_words(config: TrainConfig, error: Exception) -> str:
 
 def _check_data(config: TrainConfig, tokenizer, state: dict[str, Any] | None) -> None:
     """Every dataset parses into examples, enough to fill a global batch, at the resumed position if any."""
-    from hp.train.data import TokenBatches, load_examples
+    from hp.train.data import TokenBatches, load_splits
 
     try:
-        examples = load_examples(config, tokenizer)
+        examples, _ = load_splits(config, tokenizer)
     except (OSError, ValueError) as e:
         raise ConfigError(str(e)) from None
     rows = config.per_device_train_batch_size * config.parallel.dp
