@@ -6,8 +6,9 @@ residual stream's layout at every module the plan says adds to it (so a
 row-parallel projection's pending sum is reduced there, once: an all-reduce,
 or a reduce-scatter under sequence parallel, whatever norm follows it), the
 batch and sequence splits of the inputs, context-parallel attention, the
-sequence preparation of `hp.sequence`, and FSDP or the dp/cp gradient
-reduction of `hp.data_parallel`. Nothing here knows a model family.
+sequence preparation of `hp.sequence`, FSDP or the dp/cp gradient
+reduction of `hp.data_parallel`, and activation recompute of the plan's blocks
+(`hp.recompute`). Nothing here knows a model family.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from hp.mesh import mesh as make_mesh
 from hp.model_plan import ModelPlan
 from hp.ops.context_parallel import context_parallel
 from hp.parallelize import check_plan, forward_inside, parallelize
+from hp.recompute import recompute_blocks
 from hp.sequence import prepare_sequences
 from hp.strategy import Strategy, StrategyError
 
@@ -66,7 +68,8 @@ def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any
     """`model` laid out in place by `strategy` on `mesh` (from `strategy_mesh`), as `plan` describes it.
 
     To simulate ranks with real values, apply inside `hp.simulated(mesh)`, so each simulated
-    rank keeps its own blocks.
+    rank keeps its own blocks. With `recompute`, each of the plan's blocks recomputes its
+    activations in backward (`hp.recompute`); parameter names stay the model's.
 
     >>> import hp
     >>> from hp.models import plan_for, tiny_config
@@ -91,6 +94,8 @@ def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any
         _context_parallel_attention(model, strategy)
     if strategy.splits_sequence:
         prepare_sequences(model, strategy, plan)
+    if strategy.recompute:
+        recompute_blocks(model.get_submodule(plan.blocks))
     return model
 
 

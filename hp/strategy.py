@@ -50,6 +50,12 @@ class Strategy:
     Traceback (most recent call last):
     ...
     hp.strategy.StrategyError: cp_algorithm = 'flash': expected one of 'ulysses', 'ring'
+    >>> hp.Strategy(tp=2, recompute=True).recompute
+    True
+    >>> hp.Strategy(recompute="full")
+    Traceback (most recent call last):
+    ...
+    hp.strategy.StrategyError: recompute = 'full': expected true or false
     """
 
     dp: int = 1  # data parallel: the batch is split over dp ranks
@@ -61,7 +67,7 @@ class Strategy:
     ep: int = 1  # expert parallel degree (MoE models)
     tp2d: bool = False  # 2D tensor parallel
     offload: str | None = None  # hp.offload tier for what does not fit (None: nothing offloaded)
-    recompute: bool = False  # recompute activations in backward instead of saving them
+    recompute: bool = False  # each decoder block recomputes its activations in backward instead of keeping them
 
     def __post_init__(self) -> None:
         for key in ("dp", "cp", "tp", "ep"):
@@ -86,8 +92,6 @@ class Strategy:
         if self.offload is not None:
             raise StrategyError("offload", self.offload, ": activation swap and offload are not available yet "
                                 "(hp.offload is not built yet)")
-        if self.recompute:
-            raise StrategyError("recompute", True, ": activation recompute is not available yet")
         if self.fsdp and self.cp > 1:
             raise StrategyError("fsdp", True, f" with cp = {self.cp}: FSDP together with context parallel is not "
                                 "supported yet; expected fsdp false when cp > 1 (dp without fsdp works alongside cp)")

@@ -198,7 +198,7 @@ BAD = {
     "unknown eval dataset": lambda t, m: (
         ["eval_dataset=nope", "do_eval=true"], f"dataset 'nope' is not in {DATA}/dataset_info.json"),
     "every problem at once": lambda t, m: (
-        ["lr=1e-4", "bf16=yes", "deepspeed=ds_z3.json"], "3 problems in the config:\n  - unknown key 'lr'"),
+        ["lr=1e-4", "bf16=maybe", "deepspeed=ds_z3.json"], "3 problems in the config:\n  - unknown key 'lr'"),
     "model directory missing": lambda t, m: (
         [f"model_name_or_path={t / 'nothing'}"], "is neither 'hp/tiny-llama' nor a local directory"),
     "model without tokenizer": lambda t, m: (
