@@ -1,8 +1,9 @@
 """Worker for test_gloo.py: the zoo's strategies on 4 real gloo processes.
 
-Every family under (dp=2 fsdp, tp=2), and Llama under (dp=2, tp=2), (cp=4)
-Ulysses and (cp=4) ring: loss and every gradient equal the unsharded HF
-model, and 5 AdamW steps give its losses. Every check raises on failure.
+Every family under (dp=2 fsdp, tp=2) (Llama with activation recompute, which
+FSDP2 runs only here), and Llama under (dp=2, tp=2), (cp=4) Ulysses and (cp=4)
+ring: loss and every gradient equal the unsharded HF model, and 5 AdamW steps
+give its losses. Every check raises on failure.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def check(family: str, strategy: dict, rank: int) -> None:
     hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
     if strategy.get("fsdp"):  # FSDP2 shards the tp blocks again over dp
         assert str(hp.layout_of(model.model.layers[0].mlp.down_proj.weight)) == "64/dp 128/tp"
+    mlp_calls = []  # the block's MLP runs once per step, twice with recompute (again in backward)
+    model.model.layers[0].mlp.register_forward_pre_hook(lambda *args: mlp_calls.append(1))
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step, ids in enumerate(batches):
@@ -46,6 +49,7 @@ def check(family: str, strategy: dict, rank: int) -> None:
         if step == 0:
             for (name, p), r in zip(model.named_parameters(), reference.parameters()):
                 torch.testing.assert_close(p.grad.full_tensor(), r.grad, msg=f"{where}: {name}")
+        assert len(mlp_calls) == (2 if strategy.get("recompute") else 1) * (step + 1), f"{where}: {len(mlp_calls)} MLP calls"
         hp.reduce_gradients(model)
         for o in (ref_opt, opt):
             o.step()
@@ -55,7 +59,7 @@ def check(family: str, strategy: dict, rank: int) -> None:
 def main() -> None:
     rank = int(os.environ["RANK"])
     for family in FAMILIES:
-        check(family, {"dp": 2, "tp": 2, "fsdp": True}, rank)
+        check(family, {"dp": 2, "tp": 2, "fsdp": True, "recompute": family == "llama"}, rank)
     for strategy in ({"dp": 2, "tp": 2}, {"cp": 4}, {"cp": 4, "cp_algorithm": "ring"}):
         check("llama", strategy, rank)
     print(f"rank {rank} ok", flush=True)
