@@ -8,7 +8,14 @@ labels, backward, AdamW) on 2 real gloo ranks launched from this script, as
 - `hp`: `hp.strategy_mesh({"tp": 2})` + `hp.apply_strategy` with the Llama plan (Megatron layouts,
   vocab-parallel LM head and loss);
 - `hp_sp`: the same with sequence parallel (`"sp": True`), a candidate for hp's
-  fastest configuration ("best" = the fastest `hp*` configuration of the run);
+  fastest configuration ("best" = the fastest `hp*` configuration of the run,
+  `hp_recompute` aside);
+- `hp_recompute`: `hp` with activation recompute (`"recompute": True`): each
+  decoder layer keeps only its input and runs again in backward. It trades
+  step time for memory, so it is no candidate for "best"; the summary gives
+  its peak memory and step time over `hp`'s (`recompute_peak_memory_ratio`,
+  `recompute_step_ratio`) and its peak over forward + backward above the
+  model's own (`recompute_act_peak_ratio`, measured as for CP below);
   `--compile` adds `hp_compile`, each MLP under `torch.compile` (off by default:
   today it recompiles on every call, because hp's linear kernels cache their
   prepared input by `id()` and dynamo guards on that identity; whole layers do
@@ -69,8 +76,8 @@ forward + backward. `cp_mem_ratio` = the largest rank's saved bytes at cp=2 /
 those at cp=1, at the longest sequence. The cp loss must match cp=1 (1e-4).
 
 Prints one JSON object per measurement and a summary object last, nothing
-after it. The default run takes about 3 minutes on 2 CPU cores; `--quick`
-(2 layers, batch 2 x 256 tokens, CP up to 1024 tokens) under a minute.
+after it. The default run takes about 6 minutes on 2 shared CPU cores;
+`--quick` (2 layers, batch 2 x 256 tokens, CP up to 1024 tokens) about 1.5.
 
     python benchmarks/llama_step.py [--quick] [--cp-algorithm ring|ulysses] [--compile]
 """
@@ -104,6 +111,7 @@ if TYPE_CHECKING:
     from transformers import LlamaConfig
 
 RANKS = 2  # tp (and cp) degree, and the number of processes launched
+RECOMPUTE = "hp_recompute"  # the variant with activation recompute: memory for time, never "best"
 DONE = "worker_done"  # rank 0's last line, once every rank is past its last collective
 Emit = Callable[[dict], None]  # prints one record (on rank 0)
 
@@ -226,9 +234,10 @@ def summarize(records: list[dict], settings: Settings) -> dict:
     """The last line: the ratios, whether they meet their targets, and the inputs."""
     steps = {r["config"]: r for r in records if r["bench"] == "tp_step"}
     medians = {name: r["median_s"] for name, r in steps.items()}
-    hp_configs = {name: t for name, t in medians.items() if name.startswith("hp")}
+    hp_configs = {name: t for name, t in medians.items() if name.startswith("hp") and name != RECOMPUTE}
     best = min(hp_configs, key=hp_configs.get)
     peaks = {r["config"]: max(r["peak_bytes"]) for r in records if r["bench"] == "tp_memory"}
+    recompute = next(r for r in records if r["bench"] == "recompute_memory")
     longest = max(settings.cp_seqs)
     cp = {r["cp"]: r for r in records if r["bench"] == "cp_memory" and r["seq"] == longest}
     summary = {
@@ -249,6 +258,11 @@ def summarize(records: list[dict], settings: Settings) -> dict:
         "tp_peak_bytes_per_rank": peaks,
         "tp_peak_ratio_vs_torch": round(peaks["hp"] / peaks["torch"], 4),
         "tp_peak_ratio_vs_torch_loss_parallel": round(peaks["hp"] / peaks["torch_lp"], 4),
+        # what recompute saves at peak (max over ranks) against plain hp, and what it costs in time
+        "recompute_peak_memory_ratio": round(peaks[RECOMPUTE] / peaks["hp"], 4),
+        "recompute_peak_saved_bytes": peaks["hp"] - peaks[RECOMPUTE],
+        "recompute_act_peak_ratio": recompute["act_peak_ratio"],
+        "recompute_step_ratio": round(medians[RECOMPUTE] / medians["hp"], 4),
         "cp_mem_ratio": _ratio(cp, "saved_bytes"),
         "cp_attn_mem_ratio": _ratio(cp, "attn_saved_bytes"),
         "cp_act_peak_ratio": _ratio(cp, "act_peak_bytes"),
@@ -449,6 +463,7 @@ def run_tp(s: Settings, device: torch.device, emit: Emit) -> None:
         torch_variant("torch_lp", config, device, vocab_parallel=True),
         hp_variant("hp_sp", config, device, {"tp": RANKS, "sp": True}),
         unsharded_variant(config, device),
+        hp_variant(RECOMPUTE, config, device, {"tp": RANKS, "recompute": True}),  # last: hp runs right after it in rotated rounds
     ]
     if s.compile:
         variants.insert(4, hp_variant("hp_compile", config, device, {"tp": RANKS}, compile_mlp=True))
@@ -467,8 +482,12 @@ def run_tp(s: Settings, device: torch.device, emit: Emit) -> None:
             "min_s": round(min(times[v.name]), 4), "seconds": [round(t, 4) for t in times[v.name]],
             "batch": s.batch, "seq": s.seq,
         })
-    for v in variants:
-        emit({"bench": "tp_memory", "config": v.name, **peak_memory(v, ids, device)})
+    memory = {v.name: peak_memory(v, ids, device) for v in variants}
+    for name, record in memory.items():
+        emit({"bench": "tp_memory", "config": name, **record})
+    pair = {v.name: v for v in variants if v.name in ("hp", RECOMPUTE)}
+    activations = {name: _gathered(activation_peak(v.model, ids, device)) for name, v in pair.items()}
+    emit(recompute_memory(memory, activations))
     profiled = [v for v in variants if v.name in ("hp", "torch", "torch_lp")]
     for name, result in profile(profiled, ids, device, rounds=3).items():
         emit({"bench": "tp_profile", "config": name, **result})
@@ -509,6 +528,20 @@ def fixed_costs(s: Settings, device: torch.device, reps: int = 20) -> list[dict]
             **{k: parts[k] for k in ("step_compute_s", "step_collectives_s", "step_rest_s")},
         })
     return records
+
+
+def recompute_memory(memory: dict[str, dict], act_peaks: dict[str, list[int]]) -> dict:
+    """What recompute saves against `hp`, per rank: the step's peak bytes (`peak_memory`), and the peak
+    above the model's own over forward + backward (`activation_peak`, where the step's peak may lie in
+    the optimizer step instead once activations are small)."""
+    plain, recomputed = memory["hp"]["peak_bytes"], memory[RECOMPUTE]["peak_bytes"]
+    return {
+        "bench": "recompute_memory", "peak_bytes_hp": plain, "peak_bytes_recompute": recomputed,
+        "peak_saved_bytes": [a - b for a, b in zip(plain, recomputed)],
+        "peak_memory_ratio": round(max(recomputed) / max(plain), 4),
+        "act_peak_bytes_hp": act_peaks["hp"], "act_peak_bytes_recompute": act_peaks[RECOMPUTE],
+        "act_peak_ratio": round(max(act_peaks[RECOMPUTE]) / max(act_peaks["hp"]), 4),
+    }
 
 
 def check_losses(variants: list[Variant], ids: torch.Tensor, emit: Emit) -> None:
