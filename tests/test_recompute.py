@@ -81,8 +81,11 @@ def _one_step(strategy: dict, recompute: bool) -> tuple[list[tuple], list[tuple]
         with hp.comm.trace() as backward:
             loss.backward()
     (layer,) = layers
-    as_tuples = lambda records: [(r.kind, r.axis, r.bytes) for r in records]  # noqa: E731
-    return as_tuples(layer.select(phase="forward")), as_tuples(backward.select(phase="backward"))
+    return _as_tuples(layer.select(phase="forward")), _as_tuples(backward.select(phase="backward"))
+
+
+def _as_tuples(records) -> list[tuple]:
+    return [(r.kind, r.axis, r.bytes) for r in records]
 
 
 @pytest.mark.parametrize("strategy", [{"tp": 2, "sp": True}, {"cp": 2}, {"cp": 2, "cp_algorithm": "ring"}],
