@@ -68,7 +68,7 @@ def test_good_config_round_trips(tmp_path):
     assert cfg.num_train_epochs == 2.0 and isinstance(cfg.num_train_epochs, float)
     assert cfg.dataset == "alpaca_en_demo,identity" and cfg.datasets == ("alpaca_en_demo", "identity")
     assert (cfg.template, cfg.cutoff_len, cfg.save_total_limit, cfg.bf16) == ("alpaca", 512, 2, True)
-    assert cfg.parallel == Strategy(dp=2, tp=2, sp=True)
+    assert cfg.parallel == Strategy(dp=2, tp=2, sp=True, recompute=True)
     assert cfg.nproc_per_node == 4 and cfg.world_size == 4
 
     plain = to_dict(cfg)
@@ -83,29 +83,43 @@ def test_defaults_are_llamafactorys():
     assert to_dict(cfg) == {
         **MINIMAL, "stage": "sft", "do_train": True, "trust_remote_code": False, "finetuning_type": "full",
         "weight_decay": 0.0, "max_grad_norm": 1.0, "dataset_dir": "data", "template": "default", "cutoff_len": 2048, "max_samples": None,
+        "val_size": 0.0, "eval_dataset": None, "do_eval": False, "eval_strategy": "no", "eval_steps": None,
+        "per_device_eval_batch_size": 8,
         "overwrite_output_dir": False, "logging_steps": 500, "save_steps": 500, "save_total_limit": None,
         "save_only_model": False,
         "plot_loss": False, "resume_from_checkpoint": None, "per_device_train_batch_size": 1,
         "gradient_accumulation_steps": 1, "learning_rate": 5e-5, "num_train_epochs": 3.0, "max_steps": -1,
         "lr_scheduler_type": "linear", "warmup_ratio": 0.0, "bf16": False, "seed": 42,
+        "disable_gradient_checkpointing": False,
         "parallel": {"dp": 1, "cp": 1, "tp": 1, "sp": False, "cp_algorithm": "ulysses", "fsdp": False, "ep": 1,
-                     "tp2d": False, "offload": None, "recompute": False},
+                     "tp2d": False, "offload": None, "recompute": True},
         "use_hyper_parallel": False, "hyper_parallel_args": None,
         "nproc_per_node": 1, "nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": None,
         "ddp_timeout": 1800, "device": "auto",
     }
 
 
+@pytest.mark.parametrize("raw, recompute", [
+    ({}, True),  # LlamaFactory checkpoints gradients unless told not to
+    ({"disable_gradient_checkpointing": True}, False),
+    ({"parallel": {"recompute": False}}, False),
+    ({"disable_gradient_checkpointing": True, "parallel": {"activation_mode": "none"}}, False),
+    ({"use_hyper_parallel": True, "hyper_parallel_args": {"activation_mode": "recompute"}}, True),
+])
+def test_activation_recompute_as_llamafactory_sets_it(raw, recompute):
+    assert validate({**MINIMAL, **raw}).parallel.recompute is recompute
+
+
 def test_the_parallel_section_is_the_strategy_every_plan_takes():
     parallel = validate({**MINIMAL, "parallel": {"cp": 2, "tp": 2, "cp_algorithm": "ring"}}).parallel
-    assert parallel == Strategy(cp=2, tp=2, cp_algorithm="ring")
+    assert parallel == Strategy(cp=2, tp=2, cp_algorithm="ring", recompute=True)
 
 
 def test_overrides(tmp_path):
     path = _write(tmp_path, GOOD_YAML)
     cfg = load_config(path, ["parallel.tp=1", "parallel.dp=4", "bf16=false", "learning_rate=3e-4",
                              "dataset=identity", "save_total_limit=null", "max_steps=10", "parallel.fsdp=true"])
-    assert cfg.parallel == Strategy(dp=4, tp=1, sp=True, fsdp=True)
+    assert cfg.parallel == Strategy(dp=4, tp=1, sp=True, fsdp=True, recompute=True)
     assert (cfg.bf16, cfg.learning_rate, cfg.dataset, cfg.save_total_limit, cfg.max_steps) == (False, 3e-4, "identity", None, 10)
     assert cfg.nproc_per_node == 4
 
@@ -143,15 +157,15 @@ HYPER = {"tp_size": 2, "fsdp_size": 2, "activation_mode": "none"}
 
 def test_hyper_parallel_args_as_dict():
     cfg = validate({**MINIMAL, "use_hyper_parallel": True, "hyper_parallel_args": HYPER})
-    assert cfg.parallel == Strategy(dp=2, tp=2, fsdp=True)
+    assert cfg.parallel == Strategy(dp=2, tp=2, fsdp=True, recompute=True)
     assert cfg.nproc_per_node == 4 and dict(cfg.hyper_parallel_args) == HYPER
     assert validate(to_dict(cfg)) == cfg
     # the same degree in both places is fine; fsdp_size 1 asks for nothing
     same = validate({**MINIMAL, "use_hyper_parallel": True, "hyper_parallel_args": {**HYPER, "cp_size": 1},
                      "parallel": {"tp": 2, "dp": 2, "sp": True}})
-    assert same.parallel == Strategy(dp=2, tp=2, sp=True, fsdp=True)
-    assert validate({**MINIMAL, "use_hyper_parallel": True, "hyper_parallel_args": {"fsdp_size": 1}}).parallel == Strategy()
-    assert validate({**MINIMAL, "use_hyper_parallel": True}).parallel == Strategy()
+    assert same.parallel == Strategy(dp=2, tp=2, sp=True, fsdp=True, recompute=True)
+    assert validate({**MINIMAL, "use_hyper_parallel": True, "hyper_parallel_args": {"fsdp_size": 1}}).parallel == Strategy(recompute=True)
+    assert validate({**MINIMAL, "use_hyper_parallel": True}).parallel == Strategy(recompute=True)
 
 
 def test_hyper_parallel_args_as_json_file(tmp_path, monkeypatch):
@@ -160,14 +174,14 @@ def test_hyper_parallel_args_as_json_file(tmp_path, monkeypatch):
     path = _write(tmp_path, text)
     monkeypatch.chdir("/")  # a relative path is found next to the config file too
     cfg = load_config(path)
-    assert cfg.parallel == Strategy(cp=2, tp=2) and cfg.nproc_per_node == 4
+    assert cfg.parallel == Strategy(cp=2, tp=2, recompute=True) and cfg.nproc_per_node == 4
     assert dict(cfg.hyper_parallel_args) == {"cp_size": 2, "tp_size": 2}
     # from the current directory, and with an override reaching into the file's keys
     monkeypatch.chdir(tmp_path)
     cfg = validate({**MINIMAL, "use_hyper_parallel": True, "hyper_parallel_args": str(tmp_path / "hp.json")})
     assert cfg.parallel.cp == 2
     cfg = load_config(path, ["hyper_parallel_args.cp_size=1", "parallel.sp=true"])
-    assert cfg.parallel == Strategy(tp=2, sp=True) and cfg.nproc_per_node == 2
+    assert cfg.parallel == Strategy(tp=2, sp=True, recompute=True) and cfg.nproc_per_node == 2
 
 
 @pytest.mark.parametrize("content, words", [
@@ -259,8 +273,8 @@ BAD = [
     ({"parallel": {"tp2d": True}}, "parallel.tp2d = True: 2D tensor parallel is not available as a strategy yet"),
     ({"parallel": {"offload": "host"}}, "parallel.offload = 'host': activation swap and offload are not available yet (hp.offload is not built yet)"),
     ({"parallel": {"activation_mode": "swap"}}, "parallel.activation_mode = 'swap': activation swap and offload are not available yet"),
-    ({"parallel": {"activation_mode": "recompute"}},
-     "parallel.activation_mode = 'recompute': activation recompute is not available yet"),
+    ({"disable_gradient_checkpointing": True, "parallel": {"activation_mode": "recompute"}},
+     "disable_gradient_checkpointing = True conflicts with the parallel settings, which ask for recompute"),
     ({"parallel": {"fsdp": True, "cp": 2, "dp": 2}},
      "parallel.fsdp = True with cp = 2: FSDP together with context parallel is not supported yet"),
     # LlamaFactory's HyperParallel keys

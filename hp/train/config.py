@@ -115,6 +115,7 @@ class TrainConfig:
     max_grad_norm: float | None = 1.0  # gradient clipping (HF Trainer's default); null: none
     bf16: bool = False
     seed: int = 42
+    disable_gradient_checkpointing: bool = False  # LlamaFactory recomputes each block's activations unless this
     # parallel
     parallel: Strategy = field(default_factory=Strategy)
     use_hyper_parallel: bool = False
@@ -204,6 +205,7 @@ _RULES: dict[str, _Rule] = {
     "lr_scheduler_type": _Rule("str", choices=SCHEDULERS),
     "warmup_ratio": _Rule("float", lambda v: 0 <= v < 1, "a number in [0, 1)"),
     "bf16": _Rule("bool"),
+    "disable_gradient_checkpointing": _Rule("bool"),
     "seed": _Rule("int", lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)"),
     "use_hyper_parallel": _Rule("bool"),
     "nproc_per_node": _Rule("int", lambda v: v >= 1, "an integer >= 1, or null for dp*cp*tp / nnodes", optional=True),
@@ -286,8 +288,7 @@ _NOT_YET = {
     "ray_run_name": "Ray is not available",
     "fsdp": "hp shards the model by the parallel: section (parallel.fsdp), not by HF Trainer's fsdp keys",
     "fsdp_config": "hp shards the model by the parallel: section (parallel.fsdp), not by HF Trainer's fsdp keys",
-    "gradient_checkpointing": "activation recompute is not available yet",
-    "disable_gradient_checkpointing": "activation recompute is not available yet",
+    "gradient_checkpointing": "recompute is on unless disable_gradient_checkpointing: true (LlamaFactory's key)",
 }
 
 # LlamaFactory keys taken as given and changing nothing in hp train, with the reason its launcher prints.
@@ -433,7 +434,8 @@ def validate(raw: Mapping[str, Any] | None, *, base_dir: str | os.PathLike | Non
     hyper = _noting(problems, _hyper_parallel, raw, values.get("use_hyper_parallel", False), base_dir)
     if problems:
         raise _together(problems)
-    values["parallel"] = _parallel(given, hyper)
+    values["parallel"] = _with_recompute(_parallel(given, hyper), given, hyper,
+                                         values.get("disable_gradient_checkpointing", False))
     values["hyper_parallel_args"] = None if hyper is None else MappingProxyType(hyper)
     values["no_effect"] = MappingProxyType({k: v for k, v in raw.items() if k in NO_EFFECT})
     config = TrainConfig(**values)
@@ -534,6 +536,17 @@ def _parallel(given: dict[str, Any], hyper: dict[str, Any] | None) -> Strategy:
     except StrategyError as e:
         name, value = source.get(e.key, (f"parallel.{e.key}", e.value))
         raise ConfigError(f"{name} = {value!r}{e.problem}") from None
+
+
+def _with_recompute(strategy: Strategy, given: dict[str, Any], hyper: dict[str, Any] | None, disable: bool) -> Strategy:
+    """Activation recompute as LlamaFactory has it: on unless disable_gradient_checkpointing, or as parallel says."""
+    explicit = "recompute" in given or "activation_mode" in given or "activation_mode" in (hyper or {})
+    if not explicit:
+        return dataclasses.replace(strategy, recompute=not disable)
+    if disable and strategy.recompute:
+        raise ConfigError("disable_gradient_checkpointing = True conflicts with the parallel settings, which ask for "
+                          "recompute (parallel.recompute or activation_mode: recompute): expected one of them")
+    return strategy
 
 
 def _strategy_fields(key: str, value: Any) -> dict[str, Any]:
