@@ -157,13 +157,13 @@ HYPER = {"tp_size": 2, "fsdp_size": 2, "activation_mode": "none"}
 
 def test_hyper_parallel_args_as_dict():
     cfg = validate({**MINIMAL, "use_hyper_parallel": True, "hyper_parallel_args": HYPER})
-    assert cfg.parallel == Strategy(dp=2, tp=2, fsdp=True, recompute=True)
+    assert cfg.parallel == Strategy(dp=2, tp=2, fsdp=True)  # activation_mode none: no recompute
     assert cfg.nproc_per_node == 4 and dict(cfg.hyper_parallel_args) == HYPER
     assert validate(to_dict(cfg)) == cfg
     # the same degree in both places is fine; fsdp_size 1 asks for nothing
     same = validate({**MINIMAL, "use_hyper_parallel": True, "hyper_parallel_args": {**HYPER, "cp_size": 1},
                      "parallel": {"tp": 2, "dp": 2, "sp": True}})
-    assert same.parallel == Strategy(dp=2, tp=2, sp=True, fsdp=True, recompute=True)
+    assert same.parallel == Strategy(dp=2, tp=2, sp=True, fsdp=True)
     assert validate({**MINIMAL, "use_hyper_parallel": True, "hyper_parallel_args": {"fsdp_size": 1}}).parallel == Strategy(recompute=True)
     assert validate({**MINIMAL, "use_hyper_parallel": True}).parallel == Strategy(recompute=True)
 
