@@ -49,7 +49,8 @@ def check(family: str, strategy: dict, rank: int) -> None:
         if step == 0:
             for (name, p), r in zip(model.named_parameters(), reference.parameters()):
                 torch.testing.assert_close(p.grad.full_tensor(), r.grad, msg=f"{where}: {name}")
-        assert len(mlp_calls) == (2 if strategy.get("recompute") else 1) * (step + 1), f"{where}: {len(mlp_calls)} MLP calls"
+        runs = (2 if strategy.get("recompute") else 1) * (step + 1)
+        assert len(mlp_calls) == runs, f"{where}: {len(mlp_calls)} MLP calls, expected {runs}"
         hp.reduce_gradients(model)
         for o in (ref_opt, opt):
             o.step()
