@@ -408,23 +408,33 @@ def test_two_runs_on_one_machine_both_finish(tmp_path):
         assert "hp train: note: report_to = 'none' has no effect here (hp train writes" in err  # LlamaFactory's key
 
 
+_MODEL_ONLY = """
+import json, sys, torch
+from transformers import LlamaForCausalLM
+from hp.train import checkpoint
+from hp.train.model import tiny_llama_config
+
+model = LlamaForCausalLM(tiny_llama_config(259))
+optimizer = torch.optim.AdamW(model.parameters())
+ids = torch.ones(1, 4, dtype=torch.long)
+model(input_ids=ids, labels=ids).loss.backward()
+optimizer.step()
+saved = checkpoint.save(sys.argv[1], 1, model, optimizer, {"scheduler": {}, "data": {}}, model_only=True)
+copy = LlamaForCausalLM(tiny_llama_config(259))
+checkpoint.load_model_weights(saved, copy)
+print(json.dumps({"same": torch.equal(copy.lm_head.weight, model.lm_head.weight)}))
+"""
+
+
 def test_a_model_only_checkpoint_exports_but_does_not_resume(tmp_path, run_here):
-    """save_only_model: the optimizer state is left out, export still works, a resume is refused by name."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from hp.train.model import tiny_llama_config
-
-    model = LlamaForCausalLM(tiny_llama_config(259))
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(input_ids=torch.ones(1, 4, dtype=torch.long), labels=torch.ones(1, 4, dtype=torch.long)).loss.backward()
-    optimizer.step()
-    saved = checkpoint.save(str(tmp_path), 1, model, optimizer, {"scheduler": {}, "data": {}}, model_only=True)
-    with open(Path(saved) / ".metadata", "rb") as f:
+    """save_only_model: the optimizer state is left out, the weights still load, a resume is refused by name."""
+    # a process of its own: checkpoints read and write through the process group when one exists
+    made = subprocess.run([sys.executable, "-c", _MODEL_ONLY, str(tmp_path)], cwd=ROOT, env=clean_env(), check=False,
+                          capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-3000:]
+    assert json.loads(made.stdout.splitlines()[-1]) == {"same": True}
+    with open(tmp_path / "checkpoint-1" / ".metadata", "rb") as f:
         stored = pickle.load(f).state_dict_metadata
     assert stored and all(key.startswith("model.") for key in stored)
-    copy = LlamaForCausalLM(tiny_llama_config(259))
-    checkpoint.load_model_weights(saved, copy)
-    assert torch.equal(copy.lm_head.weight, model.lm_head.weight)
     code, err = run_here(f"output_dir={tmp_path}", "resume_from_checkpoint=last")
     assert_one_message(code, err, "was saved with save_only_model: true, so it holds no optimizer state to resume")
