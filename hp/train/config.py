@@ -84,7 +84,7 @@ class TrainConfig:
     # dataset
     dataset: str  # comma-separated dataset names
     dataset_dir: str = "data"
-    template: str = "default"  # one of TEMPLATES
+    template: str | None = None  # one of TEMPLATES; None: the tokenizer's own chat_template, else "empty"
     cutoff_len: int = 2048  # tokens per sequence, at most
     max_samples: int | None = None  # keep the first that many records of each dataset; null: all
     val_size: float = 0.0  # held out of the training data for evaluation: a fraction in (0, 1), or a count >= 1
@@ -178,7 +178,7 @@ _RULES: dict[str, _Rule] = {
     "max_grad_norm": _Rule("float", lambda v: v > 0, "a number > 0, or null for no clipping", optional=True),
     "dataset": _Rule("str", _dataset_names, "comma-separated dataset names, such as 'alpaca_en_demo,identity'"),
     "dataset_dir": _Rule("str", _nonempty, "a directory"),
-    "template": _Rule("str", choices=TEMPLATES),
+    "template": _Rule("str", choices=TEMPLATES, optional=True),
     "cutoff_len": _Rule("int", lambda v: v >= 2, "an integer >= 2"),
     "max_samples": _Rule("int", lambda v: v >= 1, "an integer >= 1, or null for every record", optional=True),
     "val_size": _Rule("float", lambda v: v == 0 or 0 < v < 1 or (v >= 1 and v == int(v)),
