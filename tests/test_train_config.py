@@ -82,7 +82,7 @@ def test_defaults_are_llamafactorys():
     cfg = validate(MINIMAL)
     assert to_dict(cfg) == {
         **MINIMAL, "stage": "sft", "do_train": True, "trust_remote_code": False, "finetuning_type": "full",
-        "weight_decay": 0.0, "max_grad_norm": 1.0, "dataset_dir": "data", "template": "default", "cutoff_len": 2048, "max_samples": None,
+        "weight_decay": 0.0, "max_grad_norm": 1.0, "dataset_dir": "data", "template": None, "cutoff_len": 2048, "max_samples": None,
         "val_size": 0.0, "eval_dataset": None, "do_eval": False, "eval_strategy": "no", "eval_steps": None,
         "per_device_eval_batch_size": 8,
         "overwrite_output_dir": False, "logging_steps": 500, "save_steps": 500, "save_total_limit": None,
@@ -91,9 +91,9 @@ def test_defaults_are_llamafactorys():
         "gradient_accumulation_steps": 1, "learning_rate": 5e-5, "num_train_epochs": 3.0, "max_steps": -1,
         "lr_scheduler_type": "linear", "warmup_ratio": 0.0, "bf16": False, "seed": 42,
         "disable_gradient_checkpointing": False,
-        "parallel": {"dp": 1, "cp": 1, "tp": 1, "sp": False, "cp_algorithm": "ulysses", "fsdp": False, "ep": 1,
-                     "tp2d": False, "offload": None, "recompute": True},
-        "use_hyper_parallel": False, "hyper_parallel_args": None,
+        "parallel": Strategy(recompute=True).as_dict(),
+        "use_hyper_parallel": False, "hyper_parallel_args": None, "hyper_parallel_cp_size": None,
+        "deepspeed": None, "fsdp": None, "fsdp_config": None,
         "nproc_per_node": 1, "nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": None,
         "ddp_timeout": 1800, "device": "auto",
     }
@@ -168,13 +168,70 @@ def test_hyper_parallel_args_as_dict():
     assert validate({**MINIMAL, "use_hyper_parallel": True}).parallel == Strategy(recompute=True)
 
 
+@pytest.mark.parametrize("extra, strategy, note", [
+    # fsdp_size unset: FSDP over every rank tp leaves; dp fills the launched ranks
+    ({"nproc_per_node": 4}, Strategy(dp=4, fsdp=True), "FSDP over all 4 dp * cp ranks"),
+    ({"nproc_per_node": 4, "hyper_parallel_args": {"cp_size": 2}}, Strategy(dp=2, cp=2, fsdp=True), "dp * cp ranks"),
+    # the top-level hyper_parallel_cp_size replaces cp_size, as LlamaFactory does
+    ({"nproc_per_node": 4, "hyper_parallel_args": {"cp_size": 4}, "hyper_parallel_cp_size": 2},
+     Strategy(dp=2, cp=2, fsdp=True), "hyper_parallel_cp_size = 2 replaces hyper_parallel_args.cp_size = 4"),
+    ({"hyper_parallel_args": {"fsdp_size": 4, "cp_size": 2, "tp_size": 2}}, Strategy(dp=2, cp=2, tp=2, fsdp=True), ""),
+    ({"nproc_per_node": 2, "hyper_parallel_args": {"fsdp_size": 1}}, Strategy(dp=2), ""),
+    ({"nproc_per_node": 2, "hyper_parallel_args": {"param_dtype": "bf16", "reduce_dtype": "float32",
+                                                   "reshard_after_forward": False}},
+     Strategy(dp=2, fsdp=True, param_dtype="bfloat16", reduce_dtype="float32", reshard_after_forward=False), ""),
+])
+def test_hyper_parallel_as_llamafactory_runs_it(extra, strategy, note):
+    hyper = {"hyper_parallel_args": {"activation_mode": "none", **extra.pop("hyper_parallel_args", {})}}
+    cfg = validate({**MINIMAL, "use_hyper_parallel": True, **hyper, **extra})
+    assert cfg.parallel == strategy
+    assert cfg.nproc_per_node == strategy.world_size
+    assert note in " ".join(cfg.notes)
+    assert validate(to_dict(cfg)).parallel == cfg.parallel
+
+
+@pytest.mark.parametrize("extra, strategy, note", [
+    ({"deepspeed": {"zero_optimization": {"stage": 3}}}, Strategy(dp=4, fsdp=True), "ZeRO-3 runs as FSDP"),
+    ({"deepspeed": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}}},
+     Strategy(dp=4, fsdp=True, reshard_after_forward=False), "ZeRO-2 runs as FSDP with reshard_after_forward false"),
+    ({"deepspeed": {"zero_optimization": {"stage": 0}}}, Strategy(dp=4), "ZeRO-0 runs as plain data parallel"),
+    ({"deepspeed": {"zero_optimization": {"stage": 2}, "tensor_parallel": {"autotp_size": 2}}},
+     Strategy(dp=2, tp=2, fsdp=True, reshard_after_forward=False), "AutoTP as tp = 2"),
+    ({"deepspeed": {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+                    "zero_optimization": {"stage": 3}}, "bf16": True}, Strategy(dp=4, fsdp=True), ""),
+    ({"fsdp": "full_shard auto_wrap"}, Strategy(dp=4, fsdp=True), "fsdp: runs as FSDP over the data-parallel ranks"),
+    ({"fsdp": ["shard_grad_op"]}, Strategy(dp=4, fsdp=True, reshard_after_forward=False), "reshard_after_forward"),
+    ({"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": "false",
+                                            "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}},
+     Strategy(dp=4, fsdp=True, reshard_after_forward=False), ""),
+    ({"fsdp": "no_shard"}, Strategy(dp=4), "plain data parallel"),
+    ({"fsdp_config": {"version": 2}}, Strategy(dp=4), "fsdp_config: has no effect without fsdp"),
+])
+def test_deepspeed_and_hf_fsdp_keys_map_to_the_strategy(extra, strategy, note):
+    cfg = validate({**MINIMAL, "nproc_per_node": 4, "disable_gradient_checkpointing": True, **extra})
+    assert cfg.parallel == strategy
+    assert note in " ".join(cfg.notes)
+    assert validate(to_dict(cfg)) == cfg
+
+
+def test_deepspeed_json_is_found_next_to_the_config(tmp_path, monkeypatch):
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "z3.json").write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}))
+    path = _write(tmp_path, yaml.safe_dump({**MINIMAL, "deepspeed": "ds/z3.json", "nproc_per_node": 2}))
+    monkeypatch.chdir("/")
+    cfg = load_config(path)
+    assert cfg.parallel.fsdp and cfg.parallel.dp == 2 and cfg.notes == ("deepspeed (z3.json): ZeRO-3 runs as FSDP over "
+                                                                        "the data-parallel ranks",)
+
+
 def test_hyper_parallel_args_as_json_file(tmp_path, monkeypatch):
     (tmp_path / "hp.json").write_text(json.dumps({"cp_size": 2, "tp_size": 2}))
     text = yaml.safe_dump({**MINIMAL, "use_hyper_parallel": True, "hyper_parallel_args": "hp.json"})
     path = _write(tmp_path, text)
     monkeypatch.chdir("/")  # a relative path is found next to the config file too
     cfg = load_config(path)
-    assert cfg.parallel == Strategy(cp=2, tp=2, recompute=True) and cfg.nproc_per_node == 4
+    # FSDP over every rank tp leaves (the 2 cp ranks), as LlamaFactory runs fsdp_size unset
+    assert cfg.parallel == Strategy(cp=2, tp=2, fsdp=True, recompute=True) and cfg.nproc_per_node == 4
     assert dict(cfg.hyper_parallel_args) == {"cp_size": 2, "tp_size": 2}
     # from the current directory, and with an override reaching into the file's keys
     monkeypatch.chdir(tmp_path)
@@ -275,8 +332,6 @@ BAD = [
     ({"parallel": {"activation_mode": "swap"}}, "parallel.activation_mode = 'swap': activation swap and offload are not available yet"),
     ({"disable_gradient_checkpointing": True, "parallel": {"activation_mode": "recompute"}},
      "disable_gradient_checkpointing = True conflicts with the parallel settings, which ask for recompute"),
-    ({"parallel": {"fsdp": True, "cp": 2, "dp": 2}},
-     "parallel.fsdp = True with cp = 2: FSDP together with context parallel is not supported yet"),
     # LlamaFactory's HyperParallel keys
     ({"hyper_parallel_args": {"tp_size": 2}}, "hyper_parallel_args = {'tp_size': 2} is given but use_hyper_parallel is not true"),
     ({"use_hyper_parallel": True, "hyper_parallel_args": 4}, "hyper_parallel_args = 4: expected a mapping of tp_size"),
@@ -286,8 +341,40 @@ BAD = [
      "hyper_parallel_args.activation_mode = 'swap': activation swap and offload are not available yet"),
     ({"use_hyper_parallel": True, "hyper_parallel_args": {"activation_mode": "full"}},
      "hyper_parallel_args.activation_mode = 'full': expected one of 'none', 'recompute', 'swap'"),
-    ({"use_hyper_parallel": True, "hyper_parallel_args": {"fsdp_size": 2, "cp_size": 2}},
-     "hyper_parallel_args.fsdp_size = 2 with cp = 2: FSDP together with context parallel"),
+    ({"use_hyper_parallel": True, "hyper_parallel_args": {"fsdp_size": 3, "cp_size": 2}},
+     "hyper_parallel_args.fsdp_size = 3: expected a multiple of cp = 2 (FSDP shards over the dp * cp ranks)"),
+    ({"use_hyper_parallel": True, "hyper_parallel_args": {"fsdp_size": 2}, "nproc_per_node": 4},
+     "hyper_parallel_args.fsdp_size = 2 with 4 ranks and tp = 1: FSDP over part of the ranks with replicas across "
+     "the rest (HSDP) is not available yet; expected fsdp_size = 4"),
+    ({"use_hyper_parallel": True, "hyper_parallel_args": {"efsdp_size": 2}},
+     "hyper_parallel_args.efsdp_size = 2 is not taken by hp train yet (FSDP of expert weights needs expert parallel"),
+    ({"use_hyper_parallel": True, "hyper_parallel_args": {"param_dtype": "int8"}},
+     "hyper_parallel_args.param_dtype = 'int8': expected one of 'float32', 'bfloat16', 'float16', 'fp32'"),
+    ({"hyper_parallel_cp_size": 2}, "hyper_parallel_cp_size = 2 is given but use_hyper_parallel is not true"),
+    ({"use_hyper_parallel": True, "parallel": {"fsdp": False}, "nproc_per_node": 2},
+     "parallel.fsdp = False conflicts with use_hyper_parallel = True (fsdp_size unset"),
+    ({"parallel": {"tp": 2}, "nproc_per_node": 3},
+     "nproc_per_node = 3 (x nnodes = 1): 3 ranks do not split into groups of cp * tp = 2"),
+    # DeepSpeed and HF Trainer's fsdp keys
+    ({"deepspeed": {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}},
+     "deepspeed: zero_optimization.offload_param = {'device': 'cpu'}: offloading to the CPU or NVMe is not available"),
+    ({"deepspeed": {"zero_optimization": {"stage": 4}}}, "deepspeed: zero_optimization.stage = 4: expected 0, 1, 2 or 3"),
+    ({"deepspeed": {"optimizer": {"type": "Adam"}, "scheduler": {}}},
+     "deepspeed: optimizer, scheduler have no counterpart in hp train"),
+    ({"deepspeed": {"train_batch_size": 64}}, "deepspeed: train_batch_size = 64: expected 'auto'"),
+    ({"deepspeed": {"train_micro_batch_size_per_gpu": 4}},
+     "deepspeed: sets per_device_train_batch_size to 4, but the config has per_device_train_batch_size = 1"),
+    ({"deepspeed": {"fp16": {"enabled": True}}}, "deepspeed: fp16.enabled = True: only bf16 mixed precision"),
+    ({"deepspeed": "nope/ds.json"}, "deepspeed = 'nope/ds.json': expected the path of a JSON file"),
+    ({"deepspeed": {}, "fsdp": "full_shard"}, "both pick how the model is sharded; expected one of them"),
+    ({"fsdp": "hybrid_shard auto_wrap"}, "fsdp = 'hybrid_shard auto_wrap': hybrid sharding"),
+    ({"fsdp": "full_shard offload"}, "fsdp = 'full_shard offload': offloading parameters to the CPU is not available"),
+    ({"fsdp": "full_sharded"}, "'full_sharded' is not one of HF Trainer's fsdp options"),
+    ({"fsdp": "full_shard", "fsdp_config": {"fsdp_offload_params": True}},
+     "fsdp_config: fsdp_offload_params = True: offloading parameters to the CPU is not available yet"),
+    ({"fsdp": "full_shard", "fsdp_config": {"use_xyz": 1}}, "fsdp_config: use_xyz = 1 has no counterpart in hp train"),
+    ({"fsdp": "full_shard", "fsdp_config": {"activation_checkpointing": True}, "disable_gradient_checkpointing": True},
+     "disable_gradient_checkpointing = True conflicts with the parallel settings"),
     ({"use_hyper_parallel": True, "hyper_parallel_args": {"tp_size": 4}, "parallel": {"tp": 2}},
      "parallel.tp = 2 conflicts with hyper_parallel_args.tp_size = 4"),
     ({"use_hyper_parallel": True, "hyper_parallel_args": {"fsdp_size": 4}, "parallel": {"dp": 2}},
@@ -336,11 +423,11 @@ def test_the_config_and_its_strategy_import_no_torch():
         imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
         assert not {name for name in imported if name.split(".")[0] == "torch"}, imported
-        assert {name for name in imported if name.split(".")[0] == "hp"} <= {"hp.strategy", "hp.train.templates"}, imported
+        assert {name for name in imported if name.split(".")[0] == "hp"} <= {"hp.strategy", "hp.train.templates", "hp.train.sharding_keys"}, imported
 
 
 def test_train_config_fields_match_to_dict():
-    fields = [f.name for f in dataclasses.fields(TrainConfig) if f.name != "no_effect"]
+    fields = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in ("no_effect", "notes")]
     assert list(to_dict(validate(MINIMAL))) == fields
 
 

@@ -40,10 +40,11 @@ from typing import Any
 import yaml
 
 from hp.strategy import CP_ALGORITHMS, Strategy, StrategyError
+from hp.train.sharding_keys import ShardingKeyError, Translation, from_deepspeed, from_hf_fsdp, read_json
 from hp.train.templates import TEMPLATES as TEMPLATE_TABLE
 
 __all__ = [
-    "ACTIVATION_MODES", "DEFAULT_MASTER_PORT", "DEVICES", "EVAL_STRATEGIES", "SCHEDULERS", "STAGES", "TEMPLATES",
+    "ACTIVATION_MODES", "DEFAULT_MASTER_PORT", "DEVICES", "DTYPES", "EVAL_STRATEGIES", "SCHEDULERS", "STAGES", "TEMPLATES",
     "ConfigError", "TrainConfig",
     "apply_overrides", "load_config", "read_hyper_parallel_args", "to_dict", "validate",
 ]
@@ -53,6 +54,8 @@ TEMPLATES = tuple(TEMPLATE_TABLE)
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 EVAL_STRATEGIES = ("no", "steps", "epoch")
 DEVICES = ("auto", "cpu", "cuda", "npu")
+DTYPES = ("float32", "bfloat16", "float16")  # FSDP's mixed-precision dtypes, as hp.Strategy names them
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # HyperParallel's short spellings
 ACTIVATION_MODES = ("none", "recompute", "swap")  # what LlamaFactory's HyperParallel does with activations
 # The strategy fields each activation mode sets.
 _ACTIVATION_FIELDS = {"none": {}, "recompute": {"recompute": True}, "swap": {"offload": "host"}}
@@ -120,6 +123,11 @@ class TrainConfig:
     parallel: Strategy = field(default_factory=Strategy)
     use_hyper_parallel: bool = False
     hyper_parallel_args: Mapping[str, Any] | None = None
+    hyper_parallel_cp_size: int | None = None  # LlamaFactory's override of hyper_parallel_args' cp_size
+    # sharding set the DeepSpeed or HF Trainer way (hp.train.sharding_keys), folded into `parallel`
+    deepspeed: str | Mapping[str, Any] | None = None  # a DeepSpeed JSON path, or its mapping
+    fsdp: str | list[str] | None = None  # HF Trainer's fsdp options, such as "full_shard auto_wrap"
+    fsdp_config: str | Mapping[str, Any] | None = None
     # launch
     nproc_per_node: int | None = None  # None: dp * cp * tp / nnodes
     nnodes: int = 1
@@ -130,6 +138,8 @@ class TrainConfig:
     device: str = "auto"  # one of DEVICES
     # LlamaFactory keys that change nothing here, as given (see NO_EFFECT; the launcher prints why)
     no_effect: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    # what was made of sharding keys from elsewhere (DeepSpeed, HF fsdp, HyperParallel); the launcher prints them
+    notes: tuple[str, ...] = ()
 
     @property
     def datasets(self) -> tuple[str, ...]:
@@ -208,6 +218,8 @@ _RULES: dict[str, _Rule] = {
     "disable_gradient_checkpointing": _Rule("bool"),
     "seed": _Rule("int", lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)"),
     "use_hyper_parallel": _Rule("bool"),
+    "hyper_parallel_cp_size": _Rule("int", lambda v: v >= 1, "an integer >= 1, or null for hyper_parallel_args' cp_size",
+                                    optional=True),
     "nproc_per_node": _Rule("int", lambda v: v >= 1, "an integer >= 1, or null for dp*cp*tp / nnodes", optional=True),
     "nnodes": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
     "node_rank": _Rule("int", lambda v: v >= 0, "an integer >= 0"),
@@ -229,6 +241,9 @@ _PARALLEL_RULES: dict[str, _Rule] = {
     "offload": _Rule("str", optional=True),
     "recompute": _Rule("bool"),
     "activation_mode": _Rule("str", choices=ACTIVATION_MODES),
+    "reshard_after_forward": _Rule("bool"),
+    "param_dtype": _Rule("str", choices=DTYPES, optional=True),
+    "reduce_dtype": _Rule("str", choices=DTYPES, optional=True),
 }
 
 # LlamaFactory's HyperParallel keys, and the parallel key each one sets.
@@ -236,10 +251,19 @@ _HYPER_RULES: dict[str, _Rule] = {
     "tp_size": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
     "cp_size": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
     "ep_size": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
-    "fsdp_size": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
+    "fsdp_size": _Rule("int", lambda v: v >= 1, "an integer >= 1 (the ranks FSDP shards over: dp * cp)"),
     "activation_mode": _Rule("str", choices=ACTIVATION_MODES),
+    "reshard_after_forward": _Rule("bool"),
+    "param_dtype": _Rule("str", choices=DTYPES + tuple(_DTYPE_ALIASES)),
+    "reduce_dtype": _Rule("str", choices=DTYPES + tuple(_DTYPE_ALIASES)),
 }
 _HYPER_TO_PARALLEL = {"tp_size": "tp", "cp_size": "cp", "ep_size": "ep"}
+# HyperParallel keys hp knows but cannot honour yet, and why.
+_HYPER_NOT_YET = {
+    "efsdp_size": "FSDP of expert weights needs expert parallel, which is not available yet",
+    "token_dispatcher": "MoE token dispatch needs expert parallel, which is not available yet",
+    "plan_overrides": "hp's model plans are data of each family in hp.models; a run does not override them",
+}
 
 # Keys of LlamaFactory (or its HyperParallel JSON) that hp train knows but does not take yet.
 _NOT_YET = {
@@ -398,7 +422,7 @@ def _unknown(key: Any, value: Any, known: Sequence[str], section: str = "") -> C
 
 _REQUIRED = ("model_name_or_path", "dataset", "output_dir")
 _SECTIONS = ("parallel", "hyper_parallel_args")
-_TOP_KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name != "no_effect")
+_TOP_KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not in ("no_effect", "notes"))
 
 
 def validate(raw: Mapping[str, Any] | None, *, base_dir: str | os.PathLike | None = None) -> TrainConfig:
@@ -432,14 +456,20 @@ def validate(raw: Mapping[str, Any] | None, *, base_dir: str | os.PathLike | Non
         values["dataset"] = ",".join(name.strip() for name in values["dataset"].split(","))
     given = _noting(problems, _parallel_section, raw.get("parallel"))
     hyper = _noting(problems, _hyper_parallel, raw, values.get("use_hyper_parallel", False), base_dir)
+    elsewhere = _noting(problems, _sharding_elsewhere, raw, base_dir)
     if problems:
         raise _together(problems)
-    values["parallel"] = _with_recompute(_parallel(given, hyper), given, hyper,
+    strategy, notes = _parallel(given, hyper, elsewhere, values)
+    values["parallel"] = _with_recompute(strategy, given, hyper, elsewhere,
                                          values.get("disable_gradient_checkpointing", False))
     values["hyper_parallel_args"] = None if hyper is None else MappingProxyType(hyper)
+    values["notes"] = notes
+    values.update({key: MappingProxyType(dict(raw[key])) if isinstance(raw[key], Mapping) else raw[key]
+                   for key in _ELSEWHERE_KEYS if raw.get(key) is not None})
     values["no_effect"] = MappingProxyType({k: v for k, v in raw.items() if k in NO_EFFECT})
     config = TrainConfig(**values)
     _check_training(config)
+    _check_agreement(config, elsewhere)
     return dataclasses.replace(config, nproc_per_node=_workers_per_node(config))
 
 
@@ -475,9 +505,10 @@ def _hyper_parallel(raw: Mapping[str, Any], enabled: bool, base_dir: str | os.Pa
     """LlamaFactory's hyper_parallel_args as a checked dict (read from JSON when a path), or None."""
     args = raw.get("hyper_parallel_args")
     if not enabled:
-        if args is not None:
-            raise ConfigError(f"hyper_parallel_args = {args!r} is given but use_hyper_parallel is not true: "
-                              "expected use_hyper_parallel: true alongside it, or no hyper_parallel_args")
+        for key in ("hyper_parallel_args", "hyper_parallel_cp_size"):
+            if raw.get(key) is not None:
+                raise ConfigError(f"{key} = {raw[key]!r} is given but use_hyper_parallel is not true: "
+                                  f"expected use_hyper_parallel: true alongside it, or no {key}")
         return None
     if args is None:
         args = {}
@@ -487,10 +518,14 @@ def _hyper_parallel(raw: Mapping[str, Any], enabled: bool, base_dir: str | os.Pa
         raise _refuse("hyper_parallel_args", args, "a mapping of tp_size, cp_size, ep_size, fsdp_size, activation_mode, "
                       "or the path of a JSON file holding one")
     for key, value in args.items():
+        if key in _HYPER_NOT_YET:
+            raise ConfigError(f"hyper_parallel_args.{key} = {value!r} is not taken by hp train yet "
+                              f"({_HYPER_NOT_YET[key]}); expected no {key} key")
         if key not in _HYPER_RULES:
             raise _unknown(key, value, tuple(_HYPER_RULES), "hyper_parallel_args.")
-    return {key: _check(f"hyper_parallel_args.{key}", args[key], rule)
-            for key, rule in _HYPER_RULES.items() if key in args}
+    checked = {key: _check(f"hyper_parallel_args.{key}", args[key], rule)
+               for key, rule in _HYPER_RULES.items() if key in args}
+    return {key: _DTYPE_ALIASES.get(value, value) if key.endswith("_dtype") else value for key, value in checked.items()}
 
 
 def read_hyper_parallel_args(path: str | os.PathLike, base_dir: str | os.PathLike | None = None) -> dict[str, Any]:
@@ -501,51 +536,154 @@ def read_hyper_parallel_args(path: str | os.PathLike, base_dir: str | os.PathLik
     ...
     hp.train.config.ConfigError: hyper_parallel_args = 'no/such.json': expected the path of a JSON file, ...
     """
-    tried = [Path(path)]
-    if base_dir is not None and not Path(path).is_absolute():
-        tried.append(Path(base_dir) / path)
-    found = next((p for p in tried if p.is_file()), None)
-    if found is None:
-        raise _refuse("hyper_parallel_args", str(path),
-                      f"the path of a JSON file, but there is no file at {' or '.join(str(p) for p in tried)}")
     try:
-        args = json.loads(found.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise _refuse("hyper_parallel_args", str(path), f"a JSON file, but {found} does not read as JSON ({err})") from None
-    if not isinstance(args, dict):
-        raise _refuse("hyper_parallel_args", str(path), f"a JSON object in {found}, found {type(args).__name__}")
-    return args
+        return read_json("hyper_parallel_args", path, base_dir)[0]
+    except ShardingKeyError as e:
+        raise ConfigError(str(e)) from None
 
 
-def _parallel(given: dict[str, Any], hyper: dict[str, Any] | None) -> Strategy:
-    """The parallel section with hyper_parallel_args folded in, as a checked `hp.Strategy`."""
-    values: dict[str, Any] = {}
-    source: dict[str, tuple[str, Any]] = {}  # strategy field -> (the key that set it, the value given there)
-    for section, pairs in (("parallel", given.items()), ("hyper_parallel_args", (hyper or {}).items())):
-        for key, value in pairs:
-            for name, wanted in _strategy_fields(key, value).items():
-                if name in values and values[name] != wanted:
-                    first, first_value = source[name]
-                    raise ConfigError(
-                        f"{first} = {first_value!r} conflicts with {section}.{key} = {value!r} (which sets {name} = "
-                        f"{wanted!r}): expected the same value, or the degree set in one place")
-                values[name] = wanted
-                source.setdefault(name, (f"{section}.{key}", value))
+_ELSEWHERE_KEYS = ("deepspeed", "fsdp", "fsdp_config")  # sharding keys of DeepSpeed and HF Trainer
+
+
+def _sharding_elsewhere(raw: Mapping[str, Any], base_dir: str | os.PathLike | None) -> list[Translation]:
+    """What DeepSpeed's or HF Trainer's sharding keys ask of the strategy (`hp.train.sharding_keys`)."""
+    if raw.get("deepspeed") is not None and raw.get("fsdp"):
+        raise ConfigError(f"deepspeed = {raw['deepspeed']!r} with fsdp = {raw['fsdp']!r}: both pick how the model is "
+                          "sharded; expected one of them")
     try:
-        return Strategy(**values)
-    except StrategyError as e:
-        name, value = source.get(e.key, (f"parallel.{e.key}", e.value))
-        raise ConfigError(f"{name} = {value!r}{e.problem}") from None
+        if raw.get("deepspeed") is not None:
+            return [from_deepspeed(raw["deepspeed"], base_dir)]
+        if raw.get("fsdp"):  # HF's default is the empty string: no FSDP
+            return [from_hf_fsdp(raw["fsdp"], raw.get("fsdp_config"), base_dir)]
+    except ShardingKeyError as e:
+        raise ConfigError(str(e)) from None
+    if raw.get("fsdp_config") is not None:
+        return [Translation("fsdp_config", note="fsdp_config: has no effect without fsdp (as in HF Trainer)")]
+    return []
 
 
-def _with_recompute(strategy: Strategy, given: dict[str, Any], hyper: dict[str, Any] | None, disable: bool) -> Strategy:
+class _Fold:
+    """Strategy fields gathered from several keys, each remembered with the key that set it first."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {}
+        self.source: dict[str, str] = {}  # field -> "key = value" that set it
+
+    def get(self, name: str) -> Any:
+        return self.values.get(name, getattr(_DEFAULT_STRATEGY, name))
+
+    def add(self, label: str, fields: Mapping[str, Any]) -> None:
+        for name, wanted in fields.items():
+            if name in self.values and self.values[name] != wanted:
+                raise ConfigError(f"{self.source[name]} conflicts with {label} (which sets {name} = {wanted!r}): "
+                                  "expected the same value, or the degree set in one place")
+            self.values[name] = wanted
+            self.source.setdefault(name, label)
+
+    def strategy(self) -> Strategy:
+        try:
+            return Strategy(**self.values)
+        except StrategyError as e:
+            label = self.source.get(e.key, f"parallel.{e.key} = {e.value!r}")
+            raise ConfigError(f"{label}{e.problem}") from None
+
+
+_DEFAULT_STRATEGY = Strategy()
+
+
+def _parallel(given: dict[str, Any], hyper: dict[str, Any] | None, elsewhere: list[Translation],
+              values: Mapping[str, Any]) -> tuple[Strategy, tuple[str, ...]]:
+    """The strategy the parallel section, hyper_parallel_args and DeepSpeed/HF fsdp keys ask for, and the notes.
+
+    dp left unset takes the ranks cp and tp leave (nproc_per_node * nnodes / (cp * tp)), as a
+    LlamaFactory run is data parallel over every launched rank.
+    """
+    fold, notes = _Fold(), []
+    for key, value in given.items():
+        fold.add(f"parallel.{key} = {value!r}", _strategy_fields(key, value))
+    if hyper is not None:
+        hyper, note = _hyper_cp_override(hyper, values.get("hyper_parallel_cp_size"))
+        notes += [note] if note else []
+        for key, value in hyper.items():
+            if key != "fsdp_size":
+                fold.add(f"hyper_parallel_args.{key} = {value!r}", _strategy_fields(key, value))
+    for translation in elsewhere:
+        fold.add(translation.source, translation.fields)
+        notes.append(translation.note)
+    if hyper is not None:
+        notes += _hyper_fsdp(fold, hyper.get("fsdp_size"), values)
+    else:
+        _derive_dp(fold, values)
+    return fold.strategy(), tuple(notes)
+
+
+def _hyper_cp_override(hyper: dict[str, Any], cp_size: int | None) -> tuple[dict[str, Any], str]:
+    """LlamaFactory's top-level hyper_parallel_cp_size replaces hyper_parallel_args' cp_size."""
+    if cp_size is None:
+        return hyper, ""
+    note = ""
+    if hyper.get("cp_size", cp_size) != cp_size:
+        note = (f"hyper_parallel_cp_size = {cp_size} replaces hyper_parallel_args.cp_size = {hyper['cp_size']} "
+                "(as LlamaFactory does)")
+    return {**hyper, "cp_size": cp_size}, note
+
+
+def _hyper_fsdp(fold: _Fold, size: int | None, values: Mapping[str, Any]) -> list[str]:
+    """HyperParallel's FSDP: over fsdp_size = dp * cp ranks, every launched rank when unset, none when 1."""
+    if size == 1:
+        _derive_dp(fold, values)
+        return []
+    cp, tp = fold.get("cp"), fold.get("tp")
+    if size is not None:
+        label = f"hyper_parallel_args.fsdp_size = {size}"
+        if size % cp:
+            raise ConfigError(f"{label}: expected a multiple of cp = {cp} (FSDP shards over the dp * cp ranks)")
+        fold.add(label, {"dp": size // cp, "fsdp": True})
+        world = _world(values)
+        if world is not None and size * tp != world:
+            raise ConfigError(f"{label} with {world} ranks and tp = {tp}: FSDP over part of the ranks with replicas "
+                              f"across the rest (HSDP) is not available yet; expected fsdp_size = {world // tp} "
+                              "(the ranks tp leaves), or no fsdp_size")
+        return []
+    _derive_dp(fold, values)
+    ranks = fold.get("dp") * cp
+    if ranks == 1:
+        return []
+    fold.add("use_hyper_parallel = True (fsdp_size unset: FSDP over every rank tp leaves; fsdp_size: 1 for none)",
+             {"fsdp": True})
+    return [f"use_hyper_parallel: FSDP over all {ranks} dp * cp ranks (fsdp_size unset, as in LlamaFactory)"]
+
+
+def _world(values: Mapping[str, Any]) -> int | None:
+    """Every launched rank, when nproc_per_node says it."""
+    nproc = values.get("nproc_per_node")
+    return None if nproc is None else nproc * values.get("nnodes", 1)
+
+
+def _derive_dp(fold: _Fold, values: Mapping[str, Any]) -> None:
+    """dp, when unset, from the launched ranks that cp and tp leave."""
+    world = _world(values)
+    if "dp" in fold.values or world is None:
+        return
+    inner = fold.get("cp") * fold.get("tp")
+    if world % inner:
+        raise ConfigError(f"nproc_per_node = {values['nproc_per_node']} (x nnodes = {values.get('nnodes', 1)}): "
+                          f"{world} ranks do not split into groups of cp * tp = {inner}; expected a multiple of {inner}")
+    if world // inner > 1:
+        fold.add(f"nproc_per_node = {values['nproc_per_node']}", {"dp": world // inner})
+
+
+def _with_recompute(strategy: Strategy, given: dict[str, Any], hyper: dict[str, Any] | None,
+                    elsewhere: list[Translation], disable: bool) -> Strategy:
     """Activation recompute as LlamaFactory has it: on unless disable_gradient_checkpointing, or as parallel says."""
-    explicit = "recompute" in given or "activation_mode" in given or "activation_mode" in (hyper or {})
+    explicit = ("recompute" in given or "activation_mode" in given or "activation_mode" in (hyper or {})
+                or any("recompute" in t.fields for t in elsewhere))
     if not explicit:
         return dataclasses.replace(strategy, recompute=not disable)
     if disable and strategy.recompute:
         raise ConfigError("disable_gradient_checkpointing = True conflicts with the parallel settings, which ask for "
-                          "recompute (parallel.recompute or activation_mode: recompute): expected one of them")
+                          "recompute (parallel.recompute, activation_mode: recompute or fsdp_config's "
+                          "activation_checkpointing): expected one of them")
     return strategy
 
 
@@ -553,11 +691,19 @@ def _strategy_fields(key: str, value: Any) -> dict[str, Any]:
     """The strategy fields that one parallel or hyper_parallel_args key sets."""
     if key == "activation_mode":
         return _ACTIVATION_FIELDS[value]
-    if key == "fsdp_size":
-        return {} if value == 1 else {"dp": value, "fsdp": True}
     if key == "tp2d":
         return {"tp2d": bool(value)}
     return {_HYPER_TO_PARALLEL.get(key, key): value}
+
+
+def _check_agreement(config: TrainConfig, elsewhere: list[Translation]) -> None:
+    """Values a DeepSpeed file fixes (other than 'auto') must be the YAML's, as HF Trainer requires."""
+    for translation in elsewhere:
+        for key, wanted in translation.agree.items():
+            have = getattr(config, key)
+            if have != wanted:
+                raise ConfigError(f"{translation.source}: sets {key} to {wanted!r}, but the config has {key} = "
+                                  f"{have!r}: expected 'auto' in the file, or the same value in both")
 
 
 def _check_training(config: TrainConfig) -> None:
@@ -702,6 +848,8 @@ def to_dict(config: TrainConfig) -> dict[str, Any]:
         value = getattr(config, f.name)
         if f.name == "no_effect":
             out.update(value)
+            continue
+        if f.name == "notes":
             continue
         if isinstance(value, Strategy):
             value = value.as_dict()

@@ -44,6 +44,8 @@ def launch(config_path: str, overrides: Sequence[str] = ()) -> int:
     preflight.check(config)
     for key, value in config.no_effect.items():
         print(f"hp train: note: {key} = {value!r} has no effect here ({NO_EFFECT[key]})", file=sys.stderr)
+    for note in config.notes:
+        print(f"hp train: note: {note}", file=sys.stderr)
     os.environ["HP_DEVICE"] = config.device
     if config.nnodes == 1 and config.nproc_per_node == 1:
         from hp.train.loop import train
