@@ -83,6 +83,7 @@ def test_defaults_are_llamafactorys():
     assert to_dict(cfg) == {
         **MINIMAL, "stage": "sft", "do_train": True, "trust_remote_code": False, "finetuning_type": "full",
         "weight_decay": 0.0, "max_grad_norm": 1.0, "dataset_dir": "data", "template": None, "cutoff_len": 2048, "max_samples": None,
+        "preprocessing_num_workers": None, "dataloader_num_workers": 0, "report_to": [],
         "val_size": 0.0, "eval_dataset": None, "do_eval": False, "eval_strategy": "no", "eval_steps": None,
         "per_device_eval_batch_size": 8,
         "overwrite_output_dir": False, "logging_steps": 500, "save_steps": 500, "save_total_limit": None,
@@ -212,6 +213,15 @@ def test_deepspeed_and_hf_fsdp_keys_map_to_the_strategy(extra, strategy, note):
     assert cfg.parallel == strategy
     assert note in " ".join(cfg.notes)
     assert validate(to_dict(cfg)) == cfg
+
+
+@pytest.mark.parametrize("value, names, note", [
+    ("none", (), ""), ("tensorboard", ("tensorboard",), ""), ("all", ("tensorboard",), ""),
+    (["wandb", "tensorboard"], ("wandb", "tensorboard"), "report_to: wandb is not written to"),
+])
+def test_report_to_writes_tensorboard_and_notes_the_other_trackers(value, names, note):
+    cfg = validate({**MINIMAL, "report_to": value})
+    assert cfg.report_to == names and note in " ".join(cfg.notes)
 
 
 def test_deepspeed_json_is_found_next_to_the_config(tmp_path, monkeypatch):
@@ -355,6 +365,9 @@ BAD = [
      "parallel.fsdp = False conflicts with use_hyper_parallel = True (fsdp_size unset"),
     ({"parallel": {"tp": 2}, "nproc_per_node": 3},
      "nproc_per_node = 3 (x nnodes = 1): 3 ranks do not split into groups of cp * tp = 2"),
+    ({"report_to": "wandbb"}, "report_to = 'wandbb': 'wandbb' is not a tracker HF Trainer knows"),
+    ({"report_to": {"tensorboard": 1}}, "expected a tracker's name, a list of them, 'none' or 'all'"),
+    ({"dataloader_num_workers": -1}, "dataloader_num_workers = -1: expected an integer >= 0"),
     # DeepSpeed and HF Trainer's fsdp keys
     ({"deepspeed": {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}},
      "deepspeed: zero_optimization.offload_param = {'device': 'cpu'}: offloading to the CPU or NVMe is not available"),
@@ -435,8 +448,8 @@ def test_llamafactory_keys_without_effect_are_kept_and_round_trip():
     raw = {**MINIMAL, "report_to": "none", "preprocessing_num_workers": 16, "dataloader_num_workers": 4,
            "overwrite_cache": True, "ddp_timeout": 180000000, "save_only_model": False}
     cfg = validate(raw)
-    assert dict(cfg.no_effect) == {"report_to": "none", "preprocessing_num_workers": 16, "dataloader_num_workers": 4,
-                                   "overwrite_cache": True}
+    assert dict(cfg.no_effect) == {"overwrite_cache": True}
+    assert cfg.report_to == () and cfg.preprocessing_num_workers == 16 and cfg.dataloader_num_workers == 4
     assert cfg.ddp_timeout == 180000000 and validate(to_dict(cfg)) == cfg
 
 

@@ -90,6 +90,8 @@ class TrainConfig:
     template: str | None = None  # one of TEMPLATES; None: the tokenizer's own chat_template, else "empty"
     cutoff_len: int = 2048  # tokens per sequence, at most
     max_samples: int | None = None  # keep the first that many records of each dataset; null: all
+    preprocessing_num_workers: int | None = None  # processes that tokenize the datasets; None: this one
+    dataloader_num_workers: int = 0  # processes that collate batches ahead of the step; 0: the training process
     val_size: float = 0.0  # held out of the training data for evaluation: a fraction in (0, 1), or a count >= 1
     eval_dataset: str | None = None  # comma-separated dataset names to evaluate on instead of a held-out split
     # evaluation (as HF Trainer: eval_strategy decides when; do_eval alone evaluates once, at the end)
@@ -105,6 +107,7 @@ class TrainConfig:
     save_total_limit: int | None = None  # None: keep every checkpoint
     save_only_model: bool = False  # checkpoints without optimizer state: smaller, but they cannot be resumed
     plot_loss: bool = False
+    report_to: tuple[str, ...] = ()  # experiment trackers (HF's names); hp writes "tensorboard", notes the others
     resume_from_checkpoint: str | None = None  # None, a checkpoint directory, or "last"
     # train
     per_device_train_batch_size: int = 1
@@ -190,6 +193,8 @@ _RULES: dict[str, _Rule] = {
     "dataset_dir": _Rule("str", _nonempty, "a directory"),
     "template": _Rule("str", choices=TEMPLATES, optional=True),
     "cutoff_len": _Rule("int", lambda v: v >= 2, "an integer >= 2"),
+    "preprocessing_num_workers": _Rule("int", lambda v: v >= 1, "an integer >= 1, or null for one process", optional=True),
+    "dataloader_num_workers": _Rule("int", lambda v: v >= 0, "an integer >= 0"),
     "max_samples": _Rule("int", lambda v: v >= 1, "an integer >= 1, or null for every record", optional=True),
     "val_size": _Rule("float", lambda v: v == 0 or 0 < v < 1 or (v >= 1 and v == int(v)),
                       "a fraction in (0, 1), a whole number of examples >= 1, or 0 for none"),
@@ -317,11 +322,8 @@ _NOT_YET = {
 
 # LlamaFactory keys taken as given and changing nothing in hp train, with the reason its launcher prints.
 NO_EFFECT = {
-    "report_to": "hp train writes output_dir/metrics.jsonl (and training_loss.png), not to experiment trackers",
     "run_name": "runs are named by output_dir",
     "overwrite_cache": "hp train keeps no cache of tokenized data",
-    "preprocessing_num_workers": "the data is tokenized in one process (HF fast tokenizers use threads of their own)",
-    "dataloader_num_workers": "batches are drawn in the training process; a global batch is a slice of tokenized data",
     "dataloader_pin_memory": "batches are drawn in the training process",
     "disable_tqdm": "rank 0 always shows its progress bar",
     "log_level": "hp train prints its own progress and one message per failure (hp train --debug shows everything)",
@@ -457,13 +459,14 @@ def validate(raw: Mapping[str, Any] | None, *, base_dir: str | os.PathLike | Non
     given = _noting(problems, _parallel_section, raw.get("parallel"))
     hyper = _noting(problems, _hyper_parallel, raw, values.get("use_hyper_parallel", False), base_dir)
     elsewhere = _noting(problems, _sharding_elsewhere, raw, base_dir)
+    trackers = _noting(problems, _report_to, raw.get("report_to"))
     if problems:
         raise _together(problems)
     strategy, notes = _parallel(given, hyper, elsewhere, values)
     values["parallel"] = _with_recompute(strategy, given, hyper, elsewhere,
                                          values.get("disable_gradient_checkpointing", False))
     values["hyper_parallel_args"] = None if hyper is None else MappingProxyType(hyper)
-    values["notes"] = notes
+    values["report_to"], values["notes"] = trackers[0], notes + trackers[1]
     values.update({key: MappingProxyType(dict(raw[key])) if isinstance(raw[key], Mapping) else raw[key]
                    for key in _ELSEWHERE_KEYS if raw.get(key) is not None})
     values["no_effect"] = MappingProxyType({k: v for k, v in raw.items() if k in NO_EFFECT})
@@ -540,6 +543,31 @@ def read_hyper_parallel_args(path: str | os.PathLike, base_dir: str | os.PathLik
         return read_json("hyper_parallel_args", path, base_dir)[0]
     except ShardingKeyError as e:
         raise ConfigError(str(e)) from None
+
+
+TRACKERS = ("tensorboard",)  # what report_to can name and hp train writes
+# HF Trainer's other integrations: accepted, and said to be left out.
+_OTHER_TRACKERS = ("azure_ml", "clearml", "codecarbon", "comet_ml", "dagshub", "dvclive", "flyte", "mlflow", "neptune",
+                   "swanlab", "trackio", "wandb")
+
+
+def _report_to(value: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """HF's report_to (a name, a list of them, "none" or "all") as the names, and notes for those hp leaves out."""
+    if value is None or value == "none":
+        return (), ()
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"report_to = {value!r}: expected a tracker's name, a list of them, 'none' or 'all'")
+    if "all" in names:
+        names = list(TRACKERS)
+    unknown = [n for n in names if n not in TRACKERS + _OTHER_TRACKERS + ("none",)]
+    if unknown:
+        raise ConfigError(f"report_to = {value!r}: {', '.join(map(repr, unknown))} is not a tracker HF Trainer knows; "
+                          f"expected {_one_of(TRACKERS + _OTHER_TRACKERS)}, 'none' or 'all'")
+    left_out = [n for n in names if n in _OTHER_TRACKERS]
+    notes = (f"report_to: {', '.join(left_out)} {'is' if len(left_out) == 1 else 'are'} not written to; hp train writes "
+             "output_dir/metrics.jsonl, and TensorBoard events with report_to: tensorboard",) if left_out else ()
+    return tuple(n for n in dict.fromkeys(names) if n != "none"), notes
 
 
 _ELSEWHERE_KEYS = ("deepspeed", "fsdp", "fsdp_config")  # sharding keys of DeepSpeed and HF Trainer
@@ -855,5 +883,7 @@ def to_dict(config: TrainConfig) -> dict[str, Any]:
             value = value.as_dict()
         elif isinstance(value, Mapping):
             value = dict(value)
+        elif isinstance(value, tuple):
+            value = list(value)
         out[f.name] = value
     return out
