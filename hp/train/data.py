@@ -655,13 +655,22 @@ class TokenBatches:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        order = self._permutation(self.epoch)
-        start = self.index * self.batch_size
+        batch = self.batch_at(self.epoch, self.index)
+        self.advance()
+        return batch
+
+    def batch_at(self, epoch: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `index`-th batch of `epoch`, without moving the stream (a loader's workers collate ahead with it)."""
+        order = self._permutation(epoch)
+        start = index * self.batch_size
         rows = [self.examples[i] for i in order[start : start + self.batch_size]]
+        return collate(rows, self.pad_id, self.pad_to_multiple_of)
+
+    def advance(self) -> None:
+        """Move to the next batch's position."""
         self.index += 1
         if self.index == len(self):
             self.epoch, self.index = self.epoch + 1, 0
-        return collate(rows, self.pad_id, self.pad_to_multiple_of)
 
     def _permutation(self, epoch: int) -> list[int]:
         if self._order is None or self._order[0] != epoch:
