@@ -44,7 +44,7 @@ def test_quickstart_loss_falls(tmp_path):
 
 
 def test_killed_run_resumes_with_the_same_losses(uninterrupted, tmp_path):
-    run = hp_train(*SHORT, f"output_dir={tmp_path}", wait=False)
+    run = hp_train(*SHORT, f"output_dir={tmp_path}", "report_to=tensorboard", wait=False)
     deadline = time.time() + 300
     while not (tmp_path / "checkpoint-3").is_dir():  # renamed into place only when complete
         assert run.poll() is None and time.time() < deadline, run.communicate()
@@ -52,11 +52,20 @@ def test_killed_run_resumes_with_the_same_losses(uninterrupted, tmp_path):
     os.killpg(run.pid, signal.SIGKILL)  # the launcher and both workers, mid-run
     run.wait()
     assert not (tmp_path / "checkpoint-6").exists(), "the kill came too late to interrupt the run"
-    summary(hp_train(*SHORT, f"output_dir={tmp_path}", "resume_from_checkpoint=last"))
+    # collated ahead by two loader processes: the same batches, so the same losses
+    summary(hp_train(*SHORT, f"output_dir={tmp_path}", "resume_from_checkpoint=last", "report_to=tensorboard",
+                     "dataloader_num_workers=2"))
     want, got = losses(uninterrupted), losses(tmp_path)
     assert [got[s] for s in (4, 5, 6)] == [want[s] for s in (4, 5, 6)]
     logged = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert logged == [1, 2, 3, 4, 5, 6]  # the steps logged after checkpoint-3 and before the kill are not repeated
+    # TensorBoard holds the same losses, each step once (what the killed run wrote past step 3 is purged)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "runs"))
+    events.Reload()
+    assert {e.step: e.value for e in events.Scalars("train/loss")} == pytest.approx(got)
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
 
 
 @pytest.mark.parametrize("strategy", [["parallel.tp=1"], ["parallel.tp=1", "parallel.dp=2", "per_device_train_batch_size=4"]])

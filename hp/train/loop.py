@@ -42,11 +42,11 @@ from hp.train import checkpoint
 from hp.train.config import TrainConfig, to_dict
 from hp.train.data import IGNORE_INDEX, TokenBatches, eval_batches, load_splits
 from hp.train.errors import TrainingError
+from hp.train.loader import loader
 from hp.train.model import build_model
 from hp.train.preflight import resume_path
+from hp.train.report import METRICS, TENSORBOARD_DIR, Reporter
 from hp.train.tokenizer import load_tokenizer
-
-METRICS = "metrics.jsonl"
 
 
 @dataclass
@@ -79,9 +79,11 @@ def train(config: TrainConfig) -> dict:
     total = total_steps(config, len(batches))
     scheduler = _scheduler(config, optimizer, total)
     step = _restore(config, model, optimizer, scheduler, batches)
+    stream = loader(batches, config.dataloader_num_workers)
     rank0 = checkpoint.rank() == 0
     if rank0:
         _prepare_output_dir(config, step)
+    report = Reporter(config.output_dir, config.report_to, resumed_at=step) if rank0 else None
     progress = Progress()
     bar = _progress_bar(total, step) if rank0 else None
     device, first = mesh.device_type, step
@@ -90,7 +92,7 @@ def train(config: TrainConfig) -> dict:
             epoch = batches.epoch
             start = time.perf_counter()
             with hp.comm.trace() if step == first else nullcontext() as trace:  # every step moves the same bytes
-                loss, tokens = _step(model, batches, config, device)
+                loss, tokens = _step(model, stream, config, device)
                 hp.reduce_gradients(model)
                 norm = clip_gradients(model.parameters(), config.max_grad_norm or math.inf)
                 _require_finite(config, step + 1, loss, norm)
@@ -104,11 +106,11 @@ def train(config: TrainConfig) -> dict:
                 progress.comm = {axis: sum(kinds.values()) for axis, kinds in trace.per_axis().items()}
             step += 1
             if rank0:
-                _log(config, step, loss, scheduler.get_last_lr()[0], progress, bar, device)
+                _log(config, step, loss, scheduler.get_last_lr()[0], progress, bar, report, device)
             if _evaluates_now(config, step, batches.epoch > epoch, step == total):
                 progress.eval_loss = evaluate(model, evaluation, config, device)
                 if rank0:
-                    _log_eval(config, step, progress.eval_loss, bar)
+                    _log_eval(step, progress.eval_loss, bar, report)
             if config.save_steps > 0 and (step % config.save_steps == 0 or step == total):
                 extra = {"scheduler": scheduler.state_dict(), "data": batches.state_dict()}
                 checkpoint.save(config.output_dir, step, model, optimizer, extra, tokenizer=tokenizer,
@@ -116,6 +118,8 @@ def train(config: TrainConfig) -> dict:
     finally:
         if bar is not None:
             bar.close()  # ends its line, also before a failure's message
+        if report is not None:
+            report.close()
     summary = _summary(config, progress, step, device)
     if rank0:
         _plot(config.output_dir)
@@ -148,11 +152,9 @@ def evaluate(model: nn.Module, batches, config: TrainConfig, device: str) -> flo
     return total / tokens
 
 
-def _log_eval(config: TrainConfig, step: int, loss: float, bar) -> None:
-    record = {"step": step, "eval_loss": loss, "eval_perplexity": _perplexity(loss)}
+def _log_eval(step: int, loss: float, bar, report: Reporter) -> None:
     bar.write(f"hp train: step {step}: eval_loss {loss:.4f}")
-    with open(os.path.join(config.output_dir, METRICS), "a") as f:
-        f.write(json.dumps(record, allow_nan=False) + "\n")
+    report.write({"step": step, "eval_loss": loss, "eval_perplexity": _perplexity(loss)})
 
 
 def _perplexity(loss: float | None) -> float | None:
@@ -191,11 +193,10 @@ def _restore(config: TrainConfig, model, optimizer, scheduler, batches: TokenBat
 
 
 def _prepare_output_dir(config: TrainConfig, step: int) -> None:
-    """Rank 0: clear a run being overwritten, or forget the metrics past a resumed step; record the config."""
+    """Rank 0: clear a run being overwritten; record the config."""
     if step == 0 and config.resume_from_checkpoint is None and config.overwrite_output_dir:
         _clear(config.output_dir)
     os.makedirs(config.output_dir, exist_ok=True)
-    _keep_metrics_until(os.path.join(config.output_dir, METRICS), step)
     with open(os.path.join(config.output_dir, "hp_config.json"), "w") as f:
         json.dump(to_dict(config), f, indent=2)
 
@@ -207,7 +208,7 @@ def total_steps(config: TrainConfig, batches_per_epoch: int) -> int:
     return max(1, math.ceil(config.num_train_epochs * batches_per_epoch / config.gradient_accumulation_steps))
 
 
-def _step(model: nn.Module, batches: TokenBatches, config: TrainConfig, device: str) -> tuple[float, int]:
+def _step(model: nn.Module, batches, config: TrainConfig, device: str) -> tuple[float, int]:
     """One optimizer step's forward and backward over the accumulated micro-batches; (loss, tokens)."""
     accumulate = config.gradient_accumulation_steps
     autocast = torch.autocast(device, dtype=torch.bfloat16) if config.bf16 else nullcontext()
@@ -252,23 +253,13 @@ def _scheduler(config: TrainConfig, optimizer, total: int):
     return get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total)
 
 
-def _keep_metrics_until(path: str, step: int) -> None:
-    """Drop the lines of `path` past `step`: a resumed run logs those steps again."""
-    if not os.path.isfile(path):
-        return
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    with open(path, "w") as f:
-        f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in records if r["step"] <= step)
-
-
 def _clear(output_dir: str) -> None:
     """Start over in `output_dir` (overwrite_output_dir): the old metrics, plot and checkpoints go."""
     if not os.path.isdir(output_dir):
         return
     for name in os.listdir(output_dir):
         path = os.path.join(output_dir, name)
-        if name.startswith("checkpoint-") and os.path.isdir(path):
+        if (name.startswith("checkpoint-") or name == TENSORBOARD_DIR) and os.path.isdir(path):
             shutil.rmtree(path)
         elif name in (METRICS, "training_loss.png", "hp_config.json"):
             os.remove(path)
@@ -280,15 +271,14 @@ def _progress_bar(total: int, done: int):
     return tqdm(total=total, initial=done, desc="hp train", dynamic_ncols=True)
 
 
-def _log(config: TrainConfig, step: int, loss: float, lr: float, progress: Progress, bar, device: str) -> None:
+def _log(config: TrainConfig, step: int, loss: float, lr: float, progress: Progress, bar, report: Reporter,
+         device: str) -> None:
     tokens_per_s = progress.tokens / max(progress.seconds, 1e-9)
     memory = peak_memory_bytes(device)
     bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:.0f}", mem=f"{memory / 2**20:.0f}MiB")
     bar.update(1)
     if step % config.logging_steps == 0 or step == 1:
-        record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "peak_memory_bytes": memory}
-        with open(os.path.join(config.output_dir, METRICS), "a") as f:
-            f.write(json.dumps(record, allow_nan=False) + "\n")
+        report.write({"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "peak_memory_bytes": memory})
 
 
 def _summary(config: TrainConfig, progress: Progress, step: int, device: str) -> dict:
