@@ -252,6 +252,13 @@ def test_a_device_this_machine_lacks(tmp_path, run_here):
     assert not (tmp_path / "out").exists()
 
 
+def test_tensorboard_asked_for_but_not_installed(tmp_path, run_here, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if the package were absent: import fails
+    code, err = run_here("report_to=tensorboard", f"output_dir={tmp_path / 'out'}")
+    assert_one_message(code, err, "report_to = 'tensorboard' needs the tensorboard package, which is not installed")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_busy_master_port(tmp_path, run_here):
     import socket
 

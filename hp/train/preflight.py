@@ -33,6 +33,7 @@ def check(config: TrainConfig) -> None:
     from hp.train.tokenizer import load_tokenizer
 
     _check_device(config.device)
+    _check_trackers(config.report_to)
     _check_port(config)
     _check_output_dir(config)
     state = _trainer_state(config)
@@ -42,6 +43,15 @@ def check(config: TrainConfig) -> None:
         raise ConfigError(_model_words(config, e)) from None
     _check_model(config, tokenizer.vocab_size)
     _check_data(config, tokenizer, state)
+
+
+def _check_trackers(report_to: tuple[str, ...]) -> None:
+    if "tensorboard" in report_to:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise ConfigError("report_to = 'tensorboard' needs the tensorboard package, which is not installed here: "
+                              "expected `pip install tensorboard` (or hp[tensorboard]), or report_to: none") from None
 
 
 def _check_device(device: str) -> None:
