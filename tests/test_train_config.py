@@ -429,14 +429,16 @@ def test_config_error_is_a_value_error():
 def test_the_config_and_its_strategy_import_no_torch():
     """Checked before any worker starts: these modules do no tensor or distributed work."""
     import hp.strategy
+    import hp.train.llamafactory_keys
     import hp.train.templates
 
-    for module in (config_module, hp.strategy, hp.train.templates):
+    for module in (config_module, hp.strategy, hp.train.templates, hp.train.llamafactory_keys):
         tree = ast.parse(Path(module.__file__).read_text())
         imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
         assert not {name for name in imported if name.split(".")[0] == "torch"}, imported
-        assert {name for name in imported if name.split(".")[0] == "hp"} <= {"hp.strategy", "hp.train.templates", "hp.train.sharding_keys"}, imported
+        assert {name for name in imported if name.split(".")[0] == "hp"} <= {"hp.strategy", "hp.train.templates", "hp.train.sharding_keys",
+                                                                          "hp.train.llamafactory_keys"}, imported
 
 
 def test_train_config_fields_match_to_dict():
@@ -454,7 +456,7 @@ def test_llamafactory_keys_without_effect_are_kept_and_round_trip():
 
 
 def test_every_problem_of_a_config_is_listed_at_once():
-    raw = {**MINIMAL, "learnig_rate": 1e-4, "bf16": "yes", "lora_rank": 8, "pref_loss": "sigmoid",
+    raw = {**MINIMAL, "learnig_rate": 1e-4, "bf16": "yes", "lora_rank": 16, "pref_loss": "orpo",
            "parallel": {"tpp": 2}}
     with pytest.raises(ConfigError) as err:
         validate(raw)
@@ -462,9 +464,10 @@ def test_every_problem_of_a_config_is_listed_at_once():
     assert lines[0] == "5 problems in the config:"
     assert lines[1:] == [
         "  - unknown key 'learnig_rate' = 0.0001; did you mean 'learning_rate'?",
-        "  - lora_rank = 8 is not taken by hp train yet (LoRA is not available yet); expected no lora_rank key",
-        "  - pref_loss = 'sigmoid' is not taken by hp train yet (preference training (DPO, KTO) is not available yet); "
-        "expected no pref_loss key",
+        ("  - lora_rank = 16 is not taken by hp train (adapter tuning (LoRA, OFT) is not available yet: every weight "
+         "trains, as finetuning_type: full says); expected no lora_rank key, or a value that changes nothing here: 8"),
+        ("  - pref_loss = 'orpo' is not taken by hp train (reward and preference training (stages rm, ppo, dpo, kto) "
+         "is not available yet); expected no pref_loss key, or a value that changes nothing here: sigmoid"),
         "  - bf16 = 'yes': expected true or false",
         "  - unknown key 'parallel.tpp' = 2; did you mean 'parallel.tp'?",
     ]

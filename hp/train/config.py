@@ -40,6 +40,7 @@ from typing import Any
 import yaml
 
 from hp.strategy import CP_ALGORITHMS, Strategy, StrategyError
+from hp.train.llamafactory_keys import verdict
 from hp.train.sharding_keys import ShardingKeyError, Translation, from_deepspeed, from_hf_fsdp, read_json
 from hp.train.templates import TEMPLATES as TEMPLATE_TABLE
 
@@ -139,7 +140,7 @@ class TrainConfig:
     master_port: int | None = None  # None: a free port on one node, DEFAULT_MASTER_PORT over several
     ddp_timeout: int = 1800  # seconds a collective may wait for the other ranks
     device: str = "auto"  # one of DEVICES
-    # LlamaFactory keys that change nothing here, as given (see NO_EFFECT; the launcher prints why)
+    # LlamaFactory keys that change nothing here, as given (hp.train.llamafactory_keys; the launcher prints why)
     no_effect: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     # what was made of sharding keys from elsewhere (DeepSpeed, HF fsdp, HyperParallel); the launcher prints them
     notes: tuple[str, ...] = ()
@@ -268,66 +269,11 @@ _HYPER_NOT_YET = {
     "efsdp_size": "FSDP of expert weights needs expert parallel, which is not available yet",
     "token_dispatcher": "MoE token dispatch needs expert parallel, which is not available yet",
     "plan_overrides": "hp's model plans are data of each family in hp.models; a run does not override them",
-}
-
-# Keys of LlamaFactory (or its HyperParallel JSON) that hp train knows but does not take yet.
-_NOT_YET = {
-    "lora_rank": "LoRA is not available yet",
-    "lora_alpha": "LoRA is not available yet",
-    "lora_target": "LoRA is not available yet",
-    "deepspeed": "hp shards the model by the parallel: section, not by DeepSpeed",
-    "fp16": "only bf16 mixed precision is available",
-    "do_predict": "prediction is not available yet",
-    "quantization_bit": "quantized training is not available yet",
     "ep_style": "expert parallel is not available yet",
     "expert_module_cls": "expert parallel is not available yet",
     "activation_swap_inputs": "activation swap is not available yet (hp.offload is not built yet)",
-    "lora_dropout": "LoRA is not available yet",
-    "additional_target": "LoRA is not available yet",
-    "use_rslora": "LoRA is not available yet",
-    "use_dora": "LoRA is not available yet",
-    "pissa_init": "LoRA is not available yet",
-    "freeze_trainable_layers": "freeze tuning is not available yet",
-    "freeze_trainable_modules": "freeze tuning is not available yet",
-    "freeze_extra_modules": "freeze tuning is not available yet",
-    "pref_beta": "preference training (DPO, KTO) is not available yet",
-    "pref_loss": "preference training (DPO, KTO) is not available yet",
-    "pref_ftx": "preference training (DPO, KTO) is not available yet",
-    "kto_chosen_weight": "preference training (DPO, KTO) is not available yet",
-    "kto_rejected_weight": "preference training (DPO, KTO) is not available yet",
-    "use_galore": "GaLore is not available",
-    "galore_rank": "GaLore is not available",
-    "galore_target": "GaLore is not available",
-    "use_badam": "BAdam is not available",
-    "use_apollo": "APOLLO is not available",
-    "use_muon": "the Muon optimizer is not available",
-    "use_adam_mini": "Adam-mini is not available",
-    "optim": "hp train's optimizer is AdamW",
-    "flash_attn": "attention follows the model's attn_implementation",
-    "enable_liger_kernel": "Liger kernels are not available",
-    "use_unsloth": "Unsloth is not available",
-    "packing": "sft examples are not packed; pt documents are",
-    "neat_packing": "sft examples are not packed; pt documents are",
-    "mix_strategy": "datasets are concatenated in the order named",
-    "streaming": "datasets are read whole",
-    "tokenized_path": "tokenized datasets are not cached",
-    "image_max_pixels": "multimodal training is not available yet",
-    "video_max_pixels": "multimodal training is not available yet",
-    "freeze_vision_tower": "multimodal training is not available yet",
-    "ray_run_name": "Ray is not available",
-    "fsdp": "hp shards the model by the parallel: section (parallel.fsdp), not by HF Trainer's fsdp keys",
-    "fsdp_config": "hp shards the model by the parallel: section (parallel.fsdp), not by HF Trainer's fsdp keys",
-    "gradient_checkpointing": "recompute is on unless disable_gradient_checkpointing: true (LlamaFactory's key)",
 }
 
-# LlamaFactory keys taken as given and changing nothing in hp train, with the reason its launcher prints.
-NO_EFFECT = {
-    "run_name": "runs are named by output_dir",
-    "overwrite_cache": "hp train keeps no cache of tokenized data",
-    "dataloader_pin_memory": "batches are drawn in the training process",
-    "disable_tqdm": "rank 0 always shows its progress bar",
-    "log_level": "hp train prints its own progress and one message per failure (hp train --debug shows everything)",
-}
 
 _KINDS = {"str": "a string", "int": "an integer", "float": "a finite number (1e-4 and 0.0001 both work)", "bool": "true or false"}
 
@@ -394,8 +340,6 @@ _ALIASES = {
 def _unknown(key: Any, value: Any, known: Sequence[str], section: str = "") -> ConfigError:
     """ConfigError for a key that is not in `known`, with the closest known key."""
     name = f"{section}{key}"
-    if isinstance(key, str) and key in _NOT_YET:
-        return ConfigError(f"{name} = {value!r} is not taken by hp train yet ({_NOT_YET[key]}); expected no {name} key")
     hint = None
     if not isinstance(key, str):
         hint = "keys are names"
@@ -448,9 +392,11 @@ def validate(raw: Mapping[str, Any] | None, *, base_dir: str | os.PathLike | Non
     if not isinstance(raw, Mapping):
         raise ConfigError(f"the config is {type(raw).__name__} {raw!r}: expected a mapping of keys to values")
     problems: list[ConfigError] = []
+    foreign = {key: verdict(key, value, raw.get("stage", TrainConfig.stage)) if isinstance(key, str) else None
+               for key, value in raw.items() if key not in _TOP_KEYS}  # LlamaFactory keys hp takes no setting from
     for key, value in raw.items():
-        if key not in _TOP_KEYS and key not in NO_EFFECT:
-            problems.append(_unknown(key, value, _TOP_KEYS))
+        if key in foreign and (foreign[key] is None or not foreign[key].accepted):
+            problems.append(ConfigError(foreign[key].message) if foreign[key] else _unknown(key, value, _TOP_KEYS))
     problems += [ConfigError(f"missing required key {key!r}: expected {_RULES[key].allowed}")
                  for key in _REQUIRED if raw.get(key) is None]
     values = {key: _noting(problems, _check, key, raw[key], rule) for key, rule in _RULES.items() if key in raw}
@@ -469,7 +415,7 @@ def validate(raw: Mapping[str, Any] | None, *, base_dir: str | os.PathLike | Non
     values["report_to"], values["notes"] = trackers[0], notes + trackers[1]
     values.update({key: MappingProxyType(dict(raw[key])) if isinstance(raw[key], Mapping) else raw[key]
                    for key in _ELSEWHERE_KEYS if raw.get(key) is not None})
-    values["no_effect"] = MappingProxyType({k: v for k, v in raw.items() if k in NO_EFFECT})
+    values["no_effect"] = MappingProxyType({k: found.kept for k, found in foreign.items() if found})
     config = TrainConfig(**values)
     _check_training(config)
     _check_agreement(config, elsewhere)
