@@ -406,13 +406,13 @@ def test_stopping_the_launcher_stops_every_worker(stop, tmp_path):
 
 def test_two_runs_on_one_machine_both_finish(tmp_path):
     command = [sys.executable, "-m", "hp.cli", "train", QUICKSTART, f"dataset_dir={DATA}", *FAST, "max_steps=1"]
-    runs = [subprocess.Popen([*command, f"output_dir={tmp_path / str(i)}", "report_to=none"], cwd=ROOT,
+    runs = [subprocess.Popen([*command, f"output_dir={tmp_path / str(i)}", "run_name=twin"], cwd=ROOT,
                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
     for run in runs:
         out, err = run.communicate(timeout=600)
         assert run.returncode == 0, err[-3000:]
         assert _strict_json(out.strip().splitlines()[-1])["steps"] == 1
-        assert "hp train: note: report_to = 'none' has no effect here (hp train writes" in err  # LlamaFactory's key
+        assert "hp train: note: run_name = 'twin' has no effect here (runs are named by output_dir" in err  # LlamaFactory's
 
 
 _MODEL_ONLY = """

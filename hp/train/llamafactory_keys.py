@@ -74,9 +74,9 @@ def verdict(key: str, value: Any, stage: str | None = None) -> Verdict | None:
     whose harmless values depend on it; None: only the values harmless in
     every stage.
 
-    >>> print(verdict("fp16", True).message)
-    fp16 = True is not taken by hp train (only bf16 mixed precision is available: bf16: true); expected no fp16 key, or \
-a value that changes nothing here: false
+    >>> refused = verdict("fp16", True)
+    >>> refused.accepted, refused.message.split("; ")[-1]
+    (False, 'expected no fp16 key, or a value that changes nothing here: false')
     >>> verdict("fp16", False)
     Verdict(accepted=True, message=None, kept=False)
     >>> verdict("cache_dir", "/data/hf").message
@@ -92,7 +92,8 @@ a value that changes nothing here: false
     harmless = entry.harmless + dict(entry.harmless_in).get(stage, ())
     if entry.refused and not any(_same(value, h) for h in harmless):
         allowed = f", or a value that changes nothing here: {', '.join(map(_yaml, harmless))}" if harmless else ""
-        return Verdict(False, f"{key} = {value!r} is not taken by hp train ({entry.reason}); expected no {key} key{allowed}")
+        return Verdict(False, f"{key} = {value!r} is not taken by hp train ({entry.reason}); "
+                              f"expected no {key} key{allowed}")
     kept = HIDDEN if entry.secret and value is not None else value
     if entry.refused:
         return Verdict(True, None, kept)
@@ -126,7 +127,8 @@ def _yaml(value: Any) -> str:
 
 # ---------------------------------------------------------------- helpers: one reason, many keys
 
-def _refused(reason: str, defaults: Mapping[str, Any], also: Mapping[str, tuple] | None = None) -> dict[str, ForeignKey]:
+def _refused(reason: str, defaults: Mapping[str, Any],
+             also: Mapping[str, tuple] | None = None) -> dict[str, ForeignKey]:
     """Keys refused with `reason` unless at their default (LlamaFactory's or HF's), or at a value in `also`."""
     also = also or {}
     return {key: ForeignKey(reason, True, (default, *also.get(key, ()))) for key, default in defaults.items()}
@@ -146,11 +148,6 @@ def _optimizer(name: str, defaults: Mapping[str, Any]) -> dict[str, ForeignKey]:
     return _refused(f"{name} is not available: hp train's optimizer is torch's AdamW", defaults)
 
 
-def _only_with(switch: str, *keys: str) -> dict[str, ForeignKey]:
-    """Keys read only together with `switch`, which the table refuses (or hp never turns on)."""
-    return _noted(f"only read with {switch}, which hp train does not take", *keys)
-
-
 _ADAPTERS = "adapter tuning (LoRA, OFT) is not available yet: every weight trains, as finetuning_type: full says"
 _FREEZE = "freeze tuning is not available yet: every weight trains, as finetuning_type: full says"
 _PREFERENCE = "reward and preference training (stages rm, ppo, dpo, kto) is not available yet"
@@ -159,8 +156,8 @@ _MULTIMODAL = "multimodal training is not available yet: hp train reads text mod
 _KTRANSFORMERS = "KTransformers (MoE experts on the CPU) is not available"
 _FP8 = "FP8 training is not available: bf16: true is the only mixed precision"
 _LOSS = "only the cross-entropy loss of the supervised tokens is available (DFT, ASFT and EAFT are not)"
-_NO_DATALOADER = ("batches are drawn in the training process, with no DataLoader: each global batch is a slice of "
-                  "data tokenized at the start")
+_LOADER = ("batches are collated by torch's DataLoader with its defaults (dataloader_num_workers processes, or the "
+           "training process); this changes speed, not which batches a step sees")
 _GENERATION = ("hp train does not generate text (do_predict and predict_with_generate are not available), so "
                "decoding settings are not read")
 _TRACKERS = "hp train writes output_dir/metrics.jsonl, and TensorBoard events with report_to: tensorboard"
@@ -232,14 +229,15 @@ _TABLE: dict[str, ForeignKey] = {
     **_refused("datasets are concatenated in the order named; interleaving them is not available",
                {"mix_strategy": "concat", "interleave_probs": None}),
     **_noted("hp train keeps no cache of tokenized data: it tokenizes at every start", "overwrite_cache"),
-    **_noted("the data is tokenized example by example in one process", "preprocessing_batch_size"),
+    **_noted("hp train does not tokenize through HF datasets' map, so there are no groups of examples to size",
+             "preprocessing_batch_size"),
     **_refused("tokenized datasets are neither saved nor loaded: the data is tokenized at every start",
                {"tokenized_path": None}),
     **_noted("every rank reads and tokenizes the data itself", "data_shared_file_system"),
     **_refused("padding never carries loss here: its labels are always -100", {"ignore_pad_token_for_loss": True}),
     **_noted("evaluation reports one eval_loss over all of eval_dataset", "eval_on_each_dataset"),
     "packing": ForeignKey("hp packs pt documents into cutoff_len blocks and never packs sft examples (each is padded "
-                            "to its batch's longest)", True, (None,), (("pt", (True,)), ("sft", (False,)))),
+                          "to its batch's longest)", True, (None,), (("pt", (True,)), ("sft", (False,)))),
     **_refused("sft examples are never packed here (each is padded to its batch's longest)", {"neat_packing": False}),
     **_refused("tool formats are not available yet: a dataset's tools column is read and ignored",
                {"tool_format": None}),
@@ -328,8 +326,7 @@ _TABLE: dict[str, ForeignKey] = {
     **_refused("the batch size is per_device_train_batch_size, as given", {"auto_find_batch_size": False}),
     **_refused("the batch size is per_device_train_batch_size (per_gpu_* are HF's old names)",
                {"per_gpu_train_batch_size": None, "per_gpu_eval_batch_size": None}),
-    **_refused("padding is never past the model's inputs; past_index is for models that return past states",
-               {"past_index": -1}),
+    **_refused("feeding a model's past states back as input (past_index) is not available", {"past_index": -1}),
     # ------------------------------------------------ HF Trainer: logging and trackers
     **_noted(f"rank 0 logs every logging_steps steps and step 1; {_TRACKERS}", "logging_strategy",
              "logging_first_step", "log_on_each_node", "log_level_replica", "logging_dir"),
@@ -361,10 +358,12 @@ _TABLE: dict[str, ForeignKey] = {
              secrets=("hub_token", "push_to_hub_token")),
     **_refused("the last checkpoint is the model; keeping the best one is not available",
                {"load_best_model_at_end": False}),
-    **_only_with("load_best_model_at_end or early_stopping_steps", "metric_for_best_model", "greater_is_better"),
+    **_noted("only read with load_best_model_at_end or early_stopping_steps, which hp train does not take",
+             "metric_for_best_model", "greater_is_better"),
     **_refused("a resumed run continues the data exactly where its checkpoint left it",
                {"ignore_data_skip": False}),
-    **_noted("there are no callbacks: the trainer's state is restored whole", "restore_callback_states_from_checkpoint"),
+    **_noted("there are no callbacks: the trainer's state is restored whole",
+             "restore_callback_states_from_checkpoint"),
     # ------------------------------------------------ HF Trainer: seeds, devices, data loading, distribution
     **_refused("seed makes the data order and initial weights reproducible, but PyTorch's deterministic algorithms "
                "are not switched on", {"full_determinism": False}),
@@ -378,9 +377,10 @@ _TABLE: dict[str, ForeignKey] = {
     **_refused("parallelism is hp's parallel: section", {"parallelism_config": None}),
     **_noted("every batch is full: the examples that do not fill a last one wait for a later epoch's order",
              "dataloader_drop_last"),
-    **_noted(_NO_DATALOADER, "dataloader_pin_memory", "dataloader_persistent_workers", "dataloader_prefetch_factor",
-             "dataloader_multiprocessing_context", "dataloader_in_order", "remove_unused_columns",
-             "length_column_name"),
+    **_noted(_LOADER, "dataloader_pin_memory", "dataloader_persistent_workers", "dataloader_prefetch_factor",
+             "dataloader_multiprocessing_context"),
+    **_noted("batches are always handed to the step in their order", "dataloader_in_order"),
+    **_noted("the tokenized examples hold input_ids and labels only", "remove_unused_columns", "length_column_name"),
     **_refused("the training examples are drawn in a seeded random order", {"train_sampling_strategy": "random",
                                                                             "group_by_length": False}),
     **_noted("there is no DistributedDataParallel: gradients are reduced by the strategy, over the process group "
@@ -412,7 +412,8 @@ _TABLE: dict[str, ForeignKey] = {
     **_refused(f"{_MEGATRON}: activations are recomputed per decoder block (disable_gradient_checkpointing, "
                "parallel.recompute)", {"recompute_granularity": None, "recompute_method": None,
                                        "recompute_num_layers": None}),
-    **_refused(f"{_MEGATRON}: precision is bf16: true", {"mixed_precision": "bf16_mixed"}),
+    **_refused("precision is bf16: true here (Megatron's and Accelerate's mixed_precision are not read)",
+               {"mixed_precision": "bf16_mixed"}),
     **_refused(f"{_MEGATRON}: its checkpoints are not read", {"megatron_pretrained_checkpoint": None,
                                                               "extra_config": None}),
     **_refused(f"{_MEGATRON}: sft examples are never packed here", {"use_packed_sequences": False}),
@@ -430,7 +431,7 @@ _TABLE: dict[str, ForeignKey] = {
         "micro_batch_size": "write per_device_train_batch_size",
         "global_batch_size": "write per_device_train_batch_size and gradient_accumulation_steps",
         "batching_strategy": "sft examples are padded to their batch's longest, never packed",
-        "batching_workers": _NO_DATALOADER,
+        "batching_workers": "write dataloader_num_workers",
         "enable_activation_checkpointing": "write disable_gradient_checkpointing or parallel.recompute",
         "dist_config": "write the parallel: section", "dp_size": "write parallel.dp", "cp_size": "write parallel.cp",
         "cp_mode": "write parallel.cp_algorithm", "mp_replicate_size": "write the parallel: section",
