@@ -323,7 +323,7 @@ BAD = [
     ({"stage": "dpo"}, "stage = 'dpo': expected one of 'pt', 'sft'"),
     ({"lr_scheduler_type": "polynomial"},
      "lr_scheduler_type = 'polynomial': expected one of 'linear', 'cosine', 'constant', 'constant_with_warmup'"),
-    ({"template": "llama3"}, "template = 'llama3': expected one of 'default', 'empty', 'alpaca'"),
+    ({"template": "llama30"}, "template = 'llama30': expected one of 'default', 'empty', 'alpaca', 'chatml', 'qwen'"),
     ({"device": "tpu"}, "device = 'tpu': expected one of 'auto', 'cpu', 'cuda', 'npu'"),
     ({"parallel": {"cp_algorithm": "zigzag"}}, "parallel.cp_algorithm = 'zigzag': expected one of 'ulysses', 'ring'"),
     ({"do_train": False}, "do_train = False: expected true (only training is available yet)"),

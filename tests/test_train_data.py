@@ -91,27 +91,34 @@ def test_alpaca_sft_supervises_exactly_the_response(tmp_path):
         {"instruction": "hi", "output": "yo", "sys": "be brief", "hist": [["q1", "a1"]]},
     ]
     info = {"d": {"file_name": "d.json", "columns": {"system": "sys", "history": "hist"}}}
-    data = build_examples("d", write_data(tmp_path, info, {"d.json": records}), TOK, cutoff_len=128)
+    data = build_examples("d", write_data(tmp_path, info, {"d.json": records}), TOK, template="default",
+                          cutoff_len=128)
     first, second = data[0], data[1]
-    assert first["input_ids"][0] == TOK.bos_token_id and first["input_ids"][-1] == TOK.eos_token_id
-    assert TOK.decode(first["input_ids"]) == "Human: add\n1 2\nAssistant: 3"
-    assert masked_text(first) == "Human: add\n1 2\nAssistant: "
-    assert supervised_text(first) == "3" and first["labels"][-1] == TOK.eos_token_id
+    # LlamaFactory's default template: no bos; eos ends the user's and the system's text as well as each answer
+    assert first["input_ids"][0] == ord("H") and first["input_ids"][-2:] == [TOK.eos_token_id, ord("\n")]
+    assert TOK.decode(first["input_ids"]) == "Human: add\n1 2\nAssistant:3\n"
+    assert masked_text(first) == "Human: add\n1 2\nAssistant:"
+    assert supervised_text(first) == "3\n" and first["labels"][-2] == TOK.eos_token_id
     # history answers are supervised too; the system prompt and every user turn are not
-    assert masked_text(second) == "System: be brief\nHuman: q1\nAssistant: \nHuman: hi\nAssistant: "
-    assert supervised_text(second) == "a1yo"
-    assert second["labels"].count(TOK.eos_token_id) == 2
+    assert masked_text(second) == "System: be brief\nHuman: q1\nAssistant:Human: hi\nAssistant:"
+    assert supervised_text(second) == "a1\nyo\n"
+    assert second["labels"].count(TOK.eos_token_id) == 2 and second["input_ids"].count(TOK.eos_token_id) == 5
     assert len(first["input_ids"]) == len(first["labels"])
 
 
-@pytest.mark.parametrize("template, prompt", [
-    ("empty", "add\n1 2"),
-    ("alpaca", "### Instruction:\nadd\n1 2\n\n### Response:\n"),
+ALPACA_SYSTEM = "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
+
+
+@pytest.mark.parametrize("template, prompt, answer", [
+    (None, "add\n1 2", "3"),  # unset: the byte tokenizer has no chat_template, so `empty` (no eos at all)
+    ("empty", "add\n1 2", "3"),
+    ("alpaca", ALPACA_SYSTEM + "### Instruction:\nadd\n1 2\n\n### Response:\n", "3\n\n"),
+    ("mistral", "[INST] add\n1 2[/INST]", " 3"),
 ])
-def test_other_templates(tmp_path, template, prompt):
+def test_other_templates(tmp_path, template, prompt, answer):
     d = write_data(tmp_path, None, {"a.json": [{"instruction": "add", "input": "1 2", "output": "3"}]})
     (example,) = build_examples("a.json", d, TOK, template=template).examples
-    assert masked_text(example) == prompt and supervised_text(example) == "3"
+    assert masked_text(example) == prompt and supervised_text(example) == answer
     assert TOK.decode(encode_prompt("add\n1 2", TOK, template)) == prompt  # generation sees the same prompt
 
 
@@ -132,24 +139,27 @@ def test_sharegpt_multi_turn_supervises_every_assistant_turn(tmp_path):
                          "assistant_tag": "assistant", "system_tag": "system"}},
     }
     d = write_data(tmp_path, info, {"s.json": [default_tags], "o.jsonl": json.dumps(openai_style) + "\n\n"})
-    data = build_examples("share, oai", d, TOK)
+    data = build_examples("share, oai", d, TOK, template="default")
     assert len(data) == 2 and data[0] == data[1]  # both spellings mean the same conversation
     example = data[0]
-    assert masked_text(example) == "System: s\nHuman: u1\nAssistant: \nHuman: u2\nAssistant: "
-    assert supervised_text(example) == "a1a2"
+    assert masked_text(example) == "System: s\nHuman: u1\nAssistant:Human: u2\nAssistant:"
+    assert supervised_text(example) == "a1\na2\n"
     ends = [i for i, t in enumerate(example["input_ids"]) if t == TOK.eos_token_id]
-    assert len(ends) == 2 and all(example["labels"][i] == TOK.eos_token_id for i in ends)
+    assert len(ends) == 5 and [example["labels"][i] == TOK.eos_token_id for i in ends] == [0, 0, 1, 0, 1]
 
 
-def test_truncation_and_dropping_long_prompts(tmp_path):
-    records = [{"instruction": "x" * 10, "output": "y" * 30}, {"instruction": "z" * 40, "output": "w"}]
+def test_truncation_shares_cutoff_len_and_drops_what_has_no_answer(tmp_path):
+    records = [{"instruction": "x" * 10, "output": "y" * 30}, {"instruction": "z" * 40, "output": "w"},
+               {"instruction": "q", "output": ""}]
     d = write_data(tmp_path, None, {"a.json": records})
     data = build_examples("a.json", d, TOK, template="empty", cutoff_len=20)
-    assert len(data) == 1 and data.dropped == 1  # the second prompt (bos + 40 bytes) leaves no room for its answer
-    (example,) = data.examples
-    assert len(example["input_ids"]) == len(example["labels"]) == 20  # cut at the right
-    assert masked_text(example) == "x" * 10 and supervised_text(example) == "y" * 9
-    assert "1 examples" in data.summary() and "1 dropped" in data.summary()
+    assert len(data) == 2 and data.dropped == 1  # the empty answer has nothing to supervise (`empty` has no eos)
+    long_answer, long_prompt = data.examples
+    assert len(long_answer["input_ids"]) == len(long_answer["labels"]) == 20
+    # as LlamaFactory's infer_seqlen: both long, each keeps its share (30/40 of 20); a short answer stays whole
+    assert masked_text(long_answer) == "x" * 5 and supervised_text(long_answer) == "y" * 15
+    assert masked_text(long_prompt) == "z" * 19 and supervised_text(long_prompt) == "w"
+    assert "2 examples" in data.summary() and "1 dropped" in data.summary()
 
 
 # ---------------------------------------------------------------- pt
@@ -265,8 +275,8 @@ GOOD = [{"instruction": "i", "output": "o"}]
     ({"s": {"file_name": "s.json", "formatting": "sharegpt"}},
      {"s.json": [{"conversations": [{"from": "human", "value": "u"}]}]}, "s",
      r"record 0\): the conversation ends with a user turn"),
-    ({"a": {"file_name": "a.json"}}, {"a.json": [{"instruction": "long prompt", "output": "o"}]}, "a",
-     r"no example left: all 1 prompts are at least cutoff_len=8 tokens long"),
+    ({"a": {"file_name": "a.json"}}, {"a.json": [{"instruction": "prompt", "output": ""}]}, "a",
+     r"no example left: none of the 1 examples keeps a supervised token within cutoff_len=8"),
     ({"a": {"file_name": "a.json"}}, {"a.json": GOOD}, " , ", r"no dataset named"),
 ])
 def test_bad_input_is_a_clear_error(tmp_path, info, files, dataset, message):
@@ -280,8 +290,8 @@ def test_bad_stage_template_and_pt_on_sharegpt(tmp_path):
                    {"s.json": [{"conversations": [{"from": "human", "value": "u"}, {"from": "gpt", "value": "a"}]}]})
     with pytest.raises(ValueError, match="stage 'dpo' is not one of pt, sft"):
         build_examples("s", d, TOK, stage="dpo")
-    with pytest.raises(ValueError, match="template 'llama3' is unknown; known: default, empty, alpaca"):
-        build_examples("s", d, TOK, template="llama3")
+    with pytest.raises(ValueError, match="template 'llama30' is unknown; known: default, empty, alpaca, chatml"):
+        build_examples("s", d, TOK, template="llama30")
     with pytest.raises(ValueError, match=r"dataset 's' \(.*s.json\): stage pt reads plain text; the sharegpt"):
         build_examples("s", d, TOK, stage="pt")
 
@@ -298,7 +308,7 @@ def test_quickstart_files_load_and_are_reproducible(tmp_path):
     assert max(len(e["input_ids"]) for e in data.examples) <= 48
     prompt = masked_text(data[0])
     word = prompt.split("\n")[1]
-    assert prompt == f"Human: uppercase\n{word}\nAssistant: " and supervised_text(data[0]) == word.upper()
+    assert prompt == f"Human: uppercase\n{word}\nAssistant:" and supervised_text(data[0]) == word.upper() + "\n"
     quickstart_data.write(tmp_path, 2000, 0)  # what examples/make_quickstart_data.py writes
     for name in ("quickstart.json", "dataset_info.json"):
         assert (tmp_path / name).read_bytes() == (data_dir / name).read_bytes()
@@ -308,6 +318,7 @@ def test_quickstart_files_load_and_are_reproducible(tmp_path):
 def test_encode_conversation_matches_the_loader():
     conv = Conversation([("user", "uppercase\nabc"), ("assistant", "ABC")])
     ids, labels = encode_conversation(conv, TOK, TEMPLATES["default"])
-    assert ids[: len(encode_prompt("uppercase\nabc", TOK))] == encode_prompt("uppercase\nabc", TOK)
-    assert labels[-4:] == TOK.encode("ABC") + [TOK.eos_token_id]
+    prompt = encode_prompt("uppercase\nabc", TOK, "default")
+    assert ids[: len(prompt)] == prompt and labels[: len(prompt)] == [IGNORE_INDEX] * len(prompt)
+    assert labels[len(prompt):] == TOK.encode("ABC") + [TOK.eos_token_id] + TOK.encode("\n")
 

@@ -19,25 +19,27 @@ Only local `.json` (a list of objects) and `.jsonl` (one object a line) files
 are read: nothing is downloaded, so hub-only entries are refused. Datasets
 are concatenated in the order named; `tools` is read and ignored.
 
-Stage "sft" renders each record as a conversation with a small template
-(`TEMPLATES`) and supervises only the assistant turns, each followed by eos;
-every assistant turn of a multi-turn record is supervised (alpaca's
-`history` included). Stage "pt" trains on plain text: an alpaca record
+Stage "sft" renders each record as a conversation with a chat template
+(`hp.train.templates`; unset, the tokenizer's own chat_template, else
+`empty`) and encodes it as LlamaFactory's supervised stage does
+(`hp.train.encoding`): the same ids, every answer supervised (alpaca's
+`history` included) and every prompt masked, `cutoff_len` shared between
+prompt and answer turn by turn. A template whose special tokens the
+tokenizer lacks is refused. Stage "pt" trains on plain text: an alpaca record
 gives its prompt, query and response columns that are present, joined by
 newlines (so `"columns": {"prompt": "text"}` reads a `text` column, as in
 LlamaFactory), or, lacking the prompt column, its `text` key; each
-document ends with eos and all documents are packed back to back into
-`cutoff_len` blocks (the last block may be shorter); sharegpt is refused
-for pt, as in LlamaFactory. The
-tokenizer's bos, when it has one, starts every sft example and every pt
-document. Labels are aligned with `input_ids` (HF causal LMs shift them);
--100 marks tokens without loss.
+document ends with the template's eos (llama3's `<|end_of_text|>`, as in
+LlamaFactory) and starts with the tokenizer's bos when it has one, and all
+documents are packed back to back into `cutoff_len` blocks (the last block
+may be shorter); sharegpt is refused for pt, as in LlamaFactory. Labels are
+aligned with `input_ids` (HF causal LMs shift them); -100 marks tokens
+without loss.
 
-An sft example longer than `cutoff_len` is cut at the right (its last
-response may lose its end and eos). One left with no supervised token (its
-prompt alone fills `cutoff_len`) is dropped and counted in
-`Examples.dropped`, since it would only cost compute; if every example is
-dropped the load fails. Malformed data (unknown names, missing files or
+An sft example left with no supervised token (a tiny `cutoff_len`) is
+dropped and counted in `Examples.dropped`, since it would only cost
+compute (LlamaFactory keeps it); if every example is dropped the load
+fails. Malformed data (unknown names, missing files or
 columns, bad JSON, a conversation whose roles do not alternate) is a
 ValueError naming the dataset, file and record: training on silently
 skipped data hides configuration mistakes.
@@ -55,10 +57,12 @@ from typing import Any
 import torch
 
 from hp.train.config import STAGES
-from hp.train.templates import TEMPLATES, Template
+from hp.train.encoding import (  # noqa: F401 - encode_prompt and get_template are re-exported for callers
+    IGNORE_INDEX, Conversation, document_end_id, encode_conversation, encode_prompt, get_template, template_for,
+)
+from hp.train.templates import TEMPLATES, Template  # noqa: F401 - TEMPLATES re-exported
 from hp.train.tokenizer import Tokenizer
 
-IGNORE_INDEX = -100
 FORMATTINGS = ("alpaca", "sharegpt")
 INFO_FILE = "dataset_info.json"
 
@@ -71,18 +75,6 @@ SHAREGPT_TAGS: dict[str, str] = {
     "role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
     "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system",
 }
-
-
-@dataclass(frozen=True)
-class Conversation:
-    """A system prompt and turns ("user" or "assistant", text), alternating from a user turn.
-
-    >>> Conversation([("user", "2+2?"), ("assistant", "4")]).turns[1]
-    ('assistant', '4')
-    """
-
-    turns: list[tuple[str, str]]
-    system: str = ""
 
 
 @dataclass(frozen=True)
@@ -111,7 +103,7 @@ class Examples:
     """
 
     examples: list[dict[str, list[int]]]
-    dropped: int = 0  # sft examples whose prompt alone filled cutoff_len
+    dropped: int = 0  # sft examples left with no supervised token
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -360,62 +352,6 @@ def pt_text(record: Mapping[str, Any], spec: DatasetSpec, index: int = 0) -> str
 # ---------------------------------------------------------------- tokens
 
 
-def encode_conversation(conv: Conversation, tokenizer: Tokenizer, template: Template) -> tuple[list[int], list[int]]:
-    """(input_ids, labels) of a conversation: labels are -100 except on assistant content and its eos.
-
-    >>> from hp.train.tokenizer import ByteTokenizer
-    >>> ids, labels = encode_conversation(Conversation([("user", "a"), ("assistant", "b")]),
-    ...                                   ByteTokenizer(), TEMPLATES["empty"])
-    >>> ids, labels
-    ([257, 97, 98, 258], [-100, -100, 98, 258])
-    """
-    ids: list[int] = []
-    labels: list[int] = []
-
-    def add(tokens: list[int], supervised: bool) -> None:
-        ids.extend(tokens)
-        labels.extend(tokens if supervised else [IGNORE_INDEX] * len(tokens))
-
-    if tokenizer.bos_token_id is not None:
-        add([tokenizer.bos_token_id], False)
-    if conv.system:
-        add(tokenizer.encode(template.system.format(content=conv.system)), False)
-    for k, (role, content) in enumerate(conv.turns):
-        if role == "user":
-            text = (template.separator if k else "") + template.user.format(content=content)
-            add(tokenizer.encode(text), False)
-        else:
-            add(tokenizer.encode(template.assistant.format(content=content)) + [tokenizer.eos_token_id], True)
-    return ids, labels
-
-
-def encode_prompt(
-    prompt: str, tokenizer: Tokenizer, template: str | Template = "default", system: str = ""
-) -> list[int]:
-    """The ids to generate from: one user turn rendered as in training, ending where the answer starts.
-
-    >>> from hp.train.tokenizer import ByteTokenizer
-    >>> tok = ByteTokenizer()
-    >>> tok.decode(encode_prompt("reverse\\nabc", tok))
-    'Human: reverse\\nabc\\nAssistant: '
-    """
-    ids, _ = encode_conversation(Conversation([("user", prompt)], system), tokenizer, get_template(template))
-    return ids
-
-
-def get_template(template: str | Template) -> Template:
-    """The template named `template` (a Template passes through).
-
-    >>> get_template("alpaca").user
-    '### Instruction:\\n{content}\\n\\n### Response:\\n'
-    """
-    if isinstance(template, Template):
-        return template
-    if template not in TEMPLATES:
-        raise ValueError(f"template {template!r} is unknown; known: {', '.join(TEMPLATES)}")
-    return TEMPLATES[template]
-
-
 def pack(documents: Sequence[list[int]], cutoff_len: int) -> list[dict[str, list[int]]]:
     """Token documents laid back to back and cut into `cutoff_len` blocks, all supervised.
 
@@ -511,13 +447,14 @@ def build_examples(
     tokenizer: Tokenizer,
     *,
     stage: str = "sft",
-    template: str | Template = "default",
+    template: str | Template | None = None,
     cutoff_len: int = 1024,
     max_samples: int | None = None,
 ) -> Examples:
     """Read, render and tokenize the named datasets (see the module docstring for the rules).
 
-    `max_samples` keeps the first that many records of each dataset.
+    `max_samples` keeps the first that many records of each dataset; `template` None reads the
+    tokenizer's chat_template, else uses `empty` (see `hp.train.encoding.get_template`).
 
     >>> from hp.train.tokenizer import ByteTokenizer
     >>> data_dir = Path(__file__).parents[2] / "examples" / "data"  # the repository's quickstart data
@@ -529,7 +466,8 @@ def build_examples(
         raise ValueError(f"stage {stage!r} is not one of {', '.join(STAGES)}")
     if cutoff_len < 1:
         raise ValueError(f"cutoff_len must be positive, got {cutoff_len}")
-    tmpl = get_template(template)
+    tmpl = template_for(template, tokenizer, stage)
+    end = document_end_id(tmpl, tokenizer) if stage == "pt" else None
     documents: list[list[int]] = []
     examples: list[dict[str, list[int]]] = []
     dropped = 0
@@ -538,24 +476,23 @@ def build_examples(
         _check_mapped_columns(spec, records)
         for i, record in enumerate(records):
             if stage == "pt":
-                documents.append(_document(pt_text(record, spec, i), tokenizer))
+                documents.append(_document(pt_text(record, spec, i), tokenizer, end))
                 continue
             read = alpaca_conversation if spec.formatting == "alpaca" else sharegpt_conversation
             conv = read(record, spec, i)
             if conv.turns[-1][0] != "assistant":
                 raise ValueError(f"{spec.where(i)}: the conversation ends with a user turn; sft needs a response last")
-            ids, labels = encode_conversation(conv, tokenizer, tmpl)
-            ids, labels = ids[:cutoff_len], labels[:cutoff_len]  # cut at the right: the prompt stays whole
+            ids, labels = encode_conversation(conv, tokenizer, tmpl, cutoff_len)
             if all(label == IGNORE_INDEX for label in labels):
-                dropped += 1  # the prompt alone fills cutoff_len: nothing to learn
+                dropped += 1  # nothing to learn (an empty answer, or no room left for one): it would only cost
                 continue
             examples.append({"input_ids": ids, "labels": labels})
     if stage == "pt":
         examples = pack(documents, cutoff_len)
     if not examples:
         raise ValueError(
-            f"dataset {dataset!r}: no example left: all {dropped} prompts are at least cutoff_len={cutoff_len} "
-            "tokens long; raise cutoff_len"
+            f"dataset {dataset!r}: no example left: none of the {dropped} examples keeps a supervised token within "
+            f"cutoff_len={cutoff_len} (empty answers, or too small a cutoff_len)"
         )
     return Examples(examples, dropped)
 
@@ -571,9 +508,9 @@ def _check_mapped_columns(spec: DatasetSpec, records: list[dict[str, Any]]) -> N
             )
 
 
-def _document(text: str, tokenizer: Tokenizer) -> list[int]:
+def _document(text: str, tokenizer: Tokenizer, end: int) -> list[int]:
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    return bos + tokenizer.encode(text) + [tokenizer.eos_token_id]
+    return bos + tokenizer.encode(text) + [end]
 
 
 # ---------------------------------------------------------------- batches

@@ -5,7 +5,9 @@ found here it costs a second and one message. So whatever does not need the
 workers is checked here, in the order a user would fix it: the device, the
 rendezvous port, the output directory, the checkpoint to resume from, the
 model directory (its tokenizer, its config, its weights' names and shapes
-against that config, the strategy against the model), and the data (every
+against that config, the strategy against the model), the chat template
+against the tokenizer (its special tokens, or the tokenizer's own
+chat_template when `template` is unset), and the data (every
 dataset file parses, holds the columns its template needs, fills a batch,
 and leaves examples for evaluation when asked to). Each problem is a
 `ConfigError` naming the key and the file or record.
@@ -42,6 +44,7 @@ def check(config: TrainConfig) -> None:
     except (OSError, ValueError) as e:
         raise ConfigError(_model_words(config, e)) from None
     _check_model(config, tokenizer.vocab_size)
+    _check_template(config, tokenizer)
     _check_data(config, tokenizer, state)
 
 
@@ -142,6 +145,17 @@ def _model_words(config: TrainConfig, error: Exception) -> str:
     text = str(error)
     key = "model_name_or_path"
     return text if text.startswith(key) else f"{key} = {config.model_name_or_path!r}: {text}"
+
+
+def _check_template(config: TrainConfig, tokenizer) -> None:
+    """The template can encode with this tokenizer: each special token it spells is one token, or, unset,
+    the tokenizer's chat_template reads as a template."""
+    from hp.train.encoding import template_for
+
+    try:
+        template_for(config.template, tokenizer, config.stage)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None  # the message names the template (or says it is unset) and the tokens
 
 
 def _check_data(config: TrainConfig, tokenizer, state: dict[str, Any] | None) -> None:

@@ -6,18 +6,22 @@ two CPU cores, and the result must be checkable by eye. Uppercasing a fixed
 number of letters is such a task: each answer byte sits a fixed distance
 after its source byte, so one attention head with rotary positions can
 learn the lookup, while the random letters (26^6 strings) keep it from
-being memorized: held-out prompts come out right. With the default
-template an example is 43 tokens (41 bytes, bos and eos):
+being memorized: held-out prompts come out right. With LlamaFactory's
+`default` template an example is 43 tokens (41 bytes and two eos):
 
-    <bos>Human: uppercase\\nqwerty\\nAssistant: QWERTY<eos>
+    Human: uppercase\\nqwerty<eos>\\nAssistant:QWERTY<eos>\\n
 
-The loss (mean over the 7 supervised tokens: 6 letters and eos) starts at
-about ln(259) = 5.6, sits near 3 (uppercase letters guessed at random,
-ln 26 = 3.3) for 50-100 steps while no head has found the lookup yet, then
-drops within a few dozen steps. Measured over 200 AdamW steps at batch 32
-(lr 3e-3 with 10 warmup steps and linear decay, lr 1e-3 and 2e-3 with cosine decay): below 0.2
-by step 100, 0.01-0.07 at the end, and greedy answers to 50 unseen prompts
-all exact. Batch 16 is noisier: lr 1e-3 (constant or cosine) ends at
+The loss (mean over the 8 supervised tokens: 6 letters, eos and newline)
+starts at about ln(259) = 5.6, sits near 2.5 (the letters guessed at
+random: 6/8 ln 26 = 2.4) while no head has found the lookup yet, then
+drops within a few dozen steps: `examples/quickstart.yaml` (batch 32, lr
+2e-3 with cosine decay) measured 1.5 at step 100, below 0.2 by step 140
+and 0.05 at step 200. Earlier measurements, with a rendering that started
+with bos and had no eos after the prompt (the plateau then sat near 3 for
+50-100 steps): over 200 AdamW steps at batch 32 (lr 3e-3 with 10 warmup
+steps and linear decay, lr 1e-3 and 2e-3 with cosine decay) below 0.2 by
+step 100, 0.01-0.07 at the end, and greedy answers to 50 unseen prompts
+all exact; batch 16 was noisier: lr 1e-3 (constant or cosine) ended at
 0.01-0.5 with all answers exact, but lr 3e-3 with cosine decay stayed on
 the plateau for all 200 steps. The files are seeded, so they are the same
 on every run; `examples/make_quickstart_data.py` writes the copy in

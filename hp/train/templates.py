@@ -1,40 +1,178 @@
-"""Chat templates: how a conversation becomes text, by name (torch-free, so the config can list them).
+"""Chat templates: LlamaFactory's, by name, as small frozen values (torch-free, so the config can list them).
 
-The config validates `template` against these names before any worker
-starts; the data layer renders conversations with them. One table serves both.
+A template says how each turn of a conversation becomes tokens. Each of its
+slots (prefix, system, user, assistant) is a tuple of parts: a text, in
+which `{{content}}` stands for the turn's text, or a `Special` placed by id
+(the tokenizer's bos or eos, or a token named in the vocabulary). Each text
+part is tokenized on its own, as LlamaFactory does, so the ids are its ids;
+`hp.train.encoding` does that and builds the labels.
+
+The names and what they render are LlamaFactory's (`default`, `empty` and
+`alpaca` included: `default` puts eos after the user's and the system's
+text too, and `empty` has no eos at all). Special tokens that a template
+spells in its text (`<|im_start|>`, ...) are listed in `special_tokens`:
+the tokenizer must hold each as one token, or `missing_tokens` names it
+(LlamaFactory would add it to the vocabulary and resize the embeddings;
+hp train refuses instead of training on different ids). Stop words other
+than the one that replaces eos only stop generation, so they are not
+required. The config validates `template` against `TEMPLATES` before any
+worker starts, and the data layer encodes with the same values.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+CONTENT = "{{content}}"  # LlamaFactory's placeholder; replaced once, so braces in the text itself stay as they are
+
+
+@dataclass(frozen=True)
+class Special:
+    """A token placed by id: the tokenizer's `bos` or `eos` (role), or the token named `name` (role `token`).
+
+    >>> Special("token", "<|im_end|>").name
+    '<|im_end|>'
+    """
+
+    role: str  # "bos", "eos" or "token"
+    name: str = ""
+
+
+BOS = Special("bos")  # dropped when the tokenizer has no bos, as in LlamaFactory
+EOS = Special("eos")  # the template's eos: see `Template.eos_token`
+
+Part = str | Special
+Slot = tuple[Part, ...]
 
 
 @dataclass(frozen=True)
 class Template:
-    """How a conversation becomes text: `{content}` is replaced by each turn's text.
+    """How a conversation becomes token parts (see the module docstring).
 
-    `separator` goes before every user turn but the first (eos, which ends
-    each assistant turn, is a token and not text). Everything but the
-    assistant's content and the eos after it is masked out of the loss.
+    The first user turn is preceded by `prefix` and, when there is a system
+    prompt (the record's, else `default_system`), by the `system` slot; with
+    `system_in_user` the system slot's text is put in front of the first
+    user's text instead (LlamaFactory's Llama-2 style). The user slot ends
+    where the answer starts. A `thought` pair marks a reasoning template:
+    an answer that spells neither tag gets an empty thought (the two
+    joined) at its head, supervised, as LlamaFactory does with
+    `enable_thinking: true`. `efficient_eos` templates leave eos out of the
+    assistant slot and supervise it once, at the end, and after each answer
+    in the label of the next prompt's first token. With `replace_eos` the
+    first stop word is the eos (of the eos slots and of pt documents).
 
-    >>> TEMPLATES["default"].user.format(content="hi")
-    'Human: hi\\nAssistant: '
+    >>> TEMPLATES["alpaca"].user
+    ('### Instruction:\\n{{content}}\\n\\n### Response:\\n',)
+    >>> TEMPLATES["qwen"].eos_token
+    '<|im_end|>'
     """
 
     name: str
-    system: str
-    user: str
-    assistant: str
-    separator: str = ""
+    user: Slot = (CONTENT,)
+    assistant: Slot = (CONTENT, EOS)
+    system: Slot = (CONTENT,)
+    prefix: Slot = ()
+    default_system: str = ""
+    stop_words: tuple[str, ...] = ()
+    replace_eos: bool = False
+    efficient_eos: bool = False
+    system_in_user: bool = False
+    thought: tuple[str, str] | None = None
+    special_tokens: tuple[str, ...] = ()  # spelled in the slots' text: each must be one token of the tokenizer
+    document_end: str | None = None  # what ends a pt document when not the eos (llama3's <|end_of_text|>)
 
+    @property
+    def eos_token(self) -> str | None:
+        """The token that replaces the tokenizer's eos, or None to keep the tokenizer's."""
+        return self.stop_words[0] if self.replace_eos else None
+
+    def required_tokens(self, stage: str = "sft") -> tuple[str, ...]:
+        """Tokens the tokenizer must hold, one id each: for sft the spelled specials, the eos
+        replacement and named tokens; for pt only what ends a document.
+
+        >>> TEMPLATES["chatml"].required_tokens()
+        ('<|im_start|>', '<|im_end|>')
+        >>> TEMPLATES["llama3"].required_tokens("pt"), TEMPLATES["default"].required_tokens()
+        (('<|end_of_text|>',), ())
+        """
+        if stage == "pt":
+            end = self.document_end or self.eos_token
+            return (end,) if end else ()
+        named = [p.name for slot in (self.prefix, self.system, self.user, self.assistant) for p in slot
+                 if isinstance(p, Special) and p.role == "token"]
+        wanted = [*self.special_tokens, *([self.eos_token] if self.eos_token else []), *named]
+        return tuple(dict.fromkeys(wanted))
+
+
+def fill(slot: Slot, content: str) -> list[Part]:
+    """The slot's parts with `{{content}}` replaced (first occurrence of each text part, as LlamaFactory).
+
+    >>> fill(TEMPLATES["default"].user, "hi")
+    ['Human: hi', Special(role='eos', name=''), '\\nAssistant:']
+    """
+    return [p.replace(CONTENT, content, 1) if isinstance(p, str) else p for p in slot]
+
+
+def missing_tokens(template: Template, encode: Callable[[str], list[int]], stage: str = "sft") -> list[str]:
+    """The tokens `template` needs for `stage` that `encode` (text -> ids, no specials added) does not make one id of.
+
+    >>> missing_tokens(TEMPLATES["chatml"], lambda text: list(text.encode()))
+    ['<|im_start|>', '<|im_end|>']
+    """
+    return [token for token in template.required_tokens(stage) if len(encode(token)) != 1]
+
+
+_QWEN_USER = "<|im_start|>user\n{{content}}<|im_end|>\n<|im_start|>assistant\n"
+_QWEN_SYSTEM = "<|im_start|>system\n{{content}}<|im_end|>\n"
+_QWEN_ANSWER = "{{content}}<|im_end|>\n"
+_IM = ("<|im_start|>", "<|im_end|>")
+_LLAMA3_HEADERS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+_GEMMA_TURN = "<start_of_turn>user\n{{content}}<end_of_turn>\n<start_of_turn>model\n"
 
 TEMPLATES: dict[str, Template] = {
     t.name: t
     for t in (
-        Template("default", system="System: {content}\n", user="Human: {content}\nAssistant: ",
-                 assistant="{content}", separator="\n"),
-        Template("empty", system="{content}", user="{content}", assistant="{content}"),
-        Template("alpaca", system="{content}\n\n", user="### Instruction:\n{content}\n\n### Response:\n",
-                 assistant="{content}", separator="\n\n"),
+        Template("default", user=("Human: {{content}}", EOS, "\nAssistant:"), assistant=(CONTENT, EOS, "\n"),
+                 system=("System: {{content}}", EOS, "\n")),
+        Template("empty", assistant=(CONTENT,)),
+        Template("alpaca", user=("### Instruction:\n{{content}}\n\n### Response:\n",),
+                 assistant=(CONTENT, EOS, "\n\n"),
+                 default_system="Below is an instruction that describes a task. "
+                                "Write a response that appropriately completes the request.\n\n"),
+        Template("chatml", user=(_QWEN_USER,), assistant=(_QWEN_ANSWER,), system=(_QWEN_SYSTEM,),
+                 stop_words=_IM, replace_eos=True, special_tokens=_IM),
+        Template("qwen", user=(_QWEN_USER,), assistant=(_QWEN_ANSWER,), system=(_QWEN_SYSTEM,),
+                 default_system="You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
+                 stop_words=("<|im_end|>",), replace_eos=True, special_tokens=_IM),
+        Template("qwen3", user=(_QWEN_USER,), assistant=(_QWEN_ANSWER,), system=(_QWEN_SYSTEM,),
+                 stop_words=("<|im_end|>",), replace_eos=True, special_tokens=_IM,
+                 thought=("<think>\n", "\n</think>\n\n")),
+        Template("qwen3_nothink", user=(_QWEN_USER,), assistant=(_QWEN_ANSWER,), system=(_QWEN_SYSTEM,),
+                 stop_words=("<|im_end|>",), replace_eos=True, special_tokens=_IM),
+        Template("llama3",
+                 user=("<|start_header_id|>user<|end_header_id|>\n\n{{content}}<|eot_id|>"
+                       "<|start_header_id|>assistant<|end_header_id|>\n\n",),
+                 assistant=("{{content}}<|eot_id|>",),
+                 system=("<|start_header_id|>system<|end_header_id|>\n\n{{content}}<|eot_id|>",),
+                 prefix=(BOS,), stop_words=("<|eot_id|>", "<|eom_id|>"), replace_eos=True,
+                 special_tokens=_LLAMA3_HEADERS, document_end="<|end_of_text|>"),
+        Template("llama2", user=(BOS, "[INST] {{content}} [/INST]"), system=("<<SYS>>\n{{content}}\n<</SYS>>\n\n",),
+                 system_in_user=True),
+        Template("mistral", user=("[INST] {{content}}[/INST]",), assistant=(" {{content}}", EOS),
+                 system=("{{content}}\n\n",), prefix=(BOS,), system_in_user=True),
+        Template("gemma", user=(_GEMMA_TURN,), assistant=("{{content}}<end_of_turn>\n",), system=("{{content}}\n\n",),
+                 prefix=(BOS,), stop_words=("<end_of_turn>",), replace_eos=True, system_in_user=True,
+                 special_tokens=("<start_of_turn>", "<end_of_turn>")),
+        Template("gemma2", user=(_GEMMA_TURN,), assistant=("{{content}}<end_of_turn>\n",), system=("{{content}}\n\n",),
+                 prefix=(BOS,), stop_words=("<eos>", "<end_of_turn>"), efficient_eos=True, system_in_user=True,
+                 special_tokens=("<start_of_turn>", "<end_of_turn>")),
+        Template("phi", user=("<|user|>\n{{content}}<|end|>\n<|assistant|>\n",), assistant=("{{content}}<|end|>\n",),
+                 system=("<|system|>\n{{content}}<|end|>\n",), stop_words=("<|end|>",), replace_eos=True,
+                 special_tokens=("<|user|>", "<|end|>", "<|assistant|>", "<|system|>")),
+        Template("vicuna", user=("USER: {{content}} ASSISTANT:",),
+                 default_system="A chat between a curious user and an artificial intelligence assistant. "
+                                "The assistant gives helpful, detailed, and polite answers to the user's questions."),
+        Template("falcon", user=("User: {{content}}\nFalcon:",), assistant=("{{content}}\n",), efficient_eos=True),
     )
 }

@@ -1,0 +1,242 @@
+"""Conversations to token ids and labels with a chat template, as LlamaFactory's supervised (sft) stage does.
+
+Each turn is rendered with its slot (`hp.train.templates`) and each text
+part of it tokenized on its own, without special tokens added: the prefix
+and the system prompt (the record's, else the template's default) lead the
+first user turn. A conversation becomes (prompt, answer) pairs; every
+prompt is masked (-100) and every answer supervised, history included.
+There is no bos but the template's: `default`, `alpaca` and `empty` start
+with the first text, `llama3`, `mistral`, `gemma` with the tokenizer's bos.
+
+`cutoff_len` is shared out as LlamaFactory's `infer_seqlen` does
+(`fit_lengths`): turn by turn, a short answer stays whole and the prompt is
+cut at its right; when both are long each keeps a share in proportion to
+its length. Turns that find no room left are dropped, and an
+`efficient_eos` template keeps one token for its final eos.
+
+`template` unset (None) means, as in LlamaFactory, the tokenizer's own
+`chat_template` read back by `hp.train.chat_template`, or `empty` when the
+tokenizer has none (the byte tokenizer of `hp/tiny-llama` has none). A
+template spelled with special tokens needs each of them to be one token of
+the tokenizer: `check_template` refuses, naming them, where LlamaFactory
+would add them to the vocabulary and resize the embeddings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hp.train.chat_template import parse_chat_template
+from hp.train.templates import BOS, EOS, TEMPLATES, Part, Special, Template, fill, missing_tokens
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A system prompt and turns ("user" or "assistant", text), alternating from a user turn.
+
+    >>> Conversation([("user", "2+2?"), ("assistant", "4")]).turns[1]
+    ('assistant', '4')
+    """
+
+    turns: list[tuple[str, str]]
+    system: str = ""
+
+
+def get_template(template: str | Template | None, tokenizer: Any = None) -> Template:
+    """The template named `template`; None: the tokenizer's chat_template, else `empty` (a Template passes through).
+
+    >>> get_template("alpaca").user
+    ('### Instruction:\\n{{content}}\\n\\n### Response:\\n',)
+    >>> get_template(None).name  # no tokenizer, or one without a chat_template
+    'empty'
+    """
+    if isinstance(template, Template):
+        return template
+    if template is None:
+        hf = getattr(tokenizer, "hf", None)  # only a transformers tokenizer carries a chat_template
+        if isinstance(getattr(hf, "chat_template", None), str):
+            return parse_chat_template(hf)
+        return TEMPLATES["empty"]
+    if template not in TEMPLATES:
+        raise ValueError(f"template {template!r} is unknown; known: {', '.join(TEMPLATES)}")
+    return TEMPLATES[template]
+
+
+def check_template(template: Template, tokenizer: Any, stage: str = "sft") -> None:
+    """Refuse a template whose special tokens the tokenizer lacks (each must be one token).
+
+    >>> from hp.train.tokenizer import ByteTokenizer
+    >>> check_template(TEMPLATES["qwen"], ByteTokenizer())
+    Traceback (most recent call last):
+    ...
+    ValueError: template 'qwen' needs '<|im_start|>', '<|im_end|>' as special tokens, which the tokenizer (ByteTokenizer(vocab_size=259)) lacks (each must be one token); LlamaFactory would add them to the vocabulary and resize the embeddings, which hp train does not do: use a model whose tokenizer has them, or a template without special tokens (default, empty, alpaca, llama2, mistral, vicuna, falcon)
+    """
+    missing = missing_tokens(template, tokenizer.encode, stage)
+    if not missing:
+        return
+    text_only = [name for name, t in TEMPLATES.items() if not t.required_tokens()]
+    kind, them = ("a special token", "it") if len(missing) == 1 else ("special tokens", "them")
+    raise ValueError(
+        f"template {template.name!r} needs {', '.join(map(repr, missing))} as {kind}, which the tokenizer "
+        f"({tokenizer!r}) lacks (each must be one token); LlamaFactory would add {them} to the vocabulary and "
+        f"resize the embeddings, which hp train does not do: use a model whose tokenizer has {them}, or a template "
+        f"without special tokens ({', '.join(text_only)})"
+    )
+
+
+def template_for(template: str | Template | None, tokenizer: Any, stage: str = "sft") -> Template:
+    """The template a `stage` dataset is encoded with (`get_template`), checked against the tokenizer.
+
+    >>> from hp.train.tokenizer import ByteTokenizer
+    >>> template_for(None, ByteTokenizer()).name
+    'empty'
+    """
+    if stage == "pt" and template is None:
+        # pt renders no conversation; a template read from a chat_template never replaces eos, so `empty`
+        # ends documents alike without reading a chat_template that pt does not need.
+        tmpl = TEMPLATES["empty"]
+    else:
+        tmpl = get_template(template, tokenizer)
+    check_template(tmpl, tokenizer, stage)
+    return tmpl
+
+
+def eos_id(template: Template, tokenizer: Any) -> int:
+    """The id ending the template's turns: its replacing stop word's (`replace_eos`), else the tokenizer's eos.
+
+    >>> from hp.train.tokenizer import ByteTokenizer
+    >>> eos_id(TEMPLATES["default"], ByteTokenizer())
+    258
+    """
+    return _token_id(template.eos_token, tokenizer) if template.eos_token else tokenizer.eos_token_id
+
+
+def document_end_id(template: Template, tokenizer: Any) -> int:
+    """The id ending each pt document: llama3's <|end_of_text|>, else the template's eos (as LlamaFactory's pt).
+
+    >>> from hp.train.tokenizer import ByteTokenizer
+    >>> document_end_id(TEMPLATES["empty"], ByteTokenizer())
+    258
+    """
+    return _token_id(template.document_end, tokenizer) if template.document_end else eos_id(template, tokenizer)
+
+
+def _token_id(token: str, tokenizer: Any) -> int:
+    ids = tokenizer.encode(token)
+    if len(ids) != 1:  # check_template names these before any worker starts; this guards direct callers
+        raise ValueError(f"the tokenizer ({tokenizer!r}) has no single token {token!r}")
+    return ids[0]
+
+
+def _ids(parts: list[Part], template: Template, tokenizer: Any) -> list[int]:
+    """Token ids of a turn's parts, each text tokenized on its own (as LlamaFactory, so its ids are ours)."""
+    ids: list[int] = []
+    for part in parts:
+        if isinstance(part, str):
+            ids += tokenizer.encode(part) if part else []
+        elif part == BOS:
+            ids += [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        elif part == EOS:
+            ids.append(eos_id(template, tokenizer))
+        elif isinstance(part, Special) and part.role == "token":
+            ids.append(_token_id(part.name, tokenizer))
+        else:
+            raise ValueError(f"template {template.name!r}: a slot part must be text or a Special, got {part!r}")
+    return ids
+
+
+def encode_pairs(conv: Conversation, tokenizer: Any, template: Template) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, answer ids) for each user turn and the answer after it (an empty answer when none).
+
+    >>> from hp.train.tokenizer import ByteTokenizer
+    >>> encode_pairs(Conversation([("user", "a"), ("assistant", "b")]), ByteTokenizer(), TEMPLATES["empty"])
+    [([97], [98])]
+    """
+    system = conv.system or template.default_system
+    turns = list(conv.turns) + ([("assistant", "")] if len(conv.turns) % 2 else [])
+    encoded = []
+    for i, (role, content) in enumerate(turns):
+        parts: list[Part] = []
+        if i == 0:
+            parts += template.prefix
+            if system and not template.system_in_user:
+                parts += fill(template.system, system)
+            elif system:  # Llama-2 style: the system text opens the first user message
+                content = str(fill(template.system, system)[0]) + content
+        slot = template.user if role == "user" else template.assistant
+        ids = _ids(parts + fill(slot, content), template, tokenizer)
+        if role == "assistant" and template.thought and not _has_thought(content, template.thought):
+            ids = tokenizer.encode(template.thought[0] + template.thought[1]) + ids
+        encoded.append(ids)
+    return [(encoded[i], encoded[i + 1]) for i in range(0, len(encoded), 2)]
+
+
+def _has_thought(content: str, thought: tuple[str, str]) -> bool:
+    return thought[0].strip() in content or thought[1].strip() in content
+
+
+def fit_lengths(prompt_len: int, answer_len: int, room: int) -> tuple[int, int]:
+    """(prompt, answer) lengths kept within `room` tokens, shared as LlamaFactory's `infer_seqlen`.
+
+    A short answer (under half the room) stays whole; else a short prompt
+    does; else each keeps a share in proportion to its length.
+
+    >>> fit_lengths(100, 4, 20), fit_lengths(4, 100, 20), fit_lengths(30, 10, 20)
+    ((16, 4), (4, 16), (15, 5))
+    """
+    if answer_len * 2 < room:
+        answer_room = room
+    elif prompt_len * 2 < room:
+        answer_room = room - prompt_len
+    else:
+        answer_room = int(room * (answer_len / (prompt_len + answer_len)))
+    answer = min(answer_room, answer_len)
+    return min(max(room - answer, 0), prompt_len), answer
+
+
+def encode_conversation(
+    conv: Conversation, tokenizer: Any, template: Template, cutoff_len: int | None = None
+) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of a conversation, at most `cutoff_len` long: labels are -100 but on the answers.
+
+    >>> from hp.train.tokenizer import ByteTokenizer
+    >>> encode_conversation(Conversation([("user", "a"), ("assistant", "b")]), ByteTokenizer(), TEMPLATES["default"])
+    ([72, 117, 109, 97, 110, 58, 32, 97, 258, 10, 65, 115, 115, 105, 115, 116, 97, 110, 116, 58, 98, 258, 10], [-100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, 98, 258, 10])
+    """
+    pairs = encode_pairs(conv, tokenizer, template)
+    limit = cutoff_len if cutoff_len is not None else sum(len(p) + len(a) for p, a in pairs) + 1
+    eos = eos_id(template, tokenizer)
+    used = 1 if template.efficient_eos else 0  # the final eos is kept room for
+    ids: list[int] = []
+    labels: list[int] = []
+    for k, (prompt, answer) in enumerate(pairs):
+        if used >= limit:
+            break
+        p, a = fit_lengths(len(prompt), len(answer), limit - used)
+        used += p + a
+        masked = [IGNORE_INDEX] * p
+        if template.efficient_eos and k and p:
+            masked[0] = eos  # eos is not in the input: the previous answer learns to end here
+        ids += prompt[:p] + answer[:a]
+        labels += masked + answer[:a]
+    if template.efficient_eos:
+        ids.append(eos)
+        labels.append(eos)
+    return ids, labels
+
+
+def encode_prompt(prompt: str, tokenizer: Any, template: str | Template | None = None, system: str = "") -> list[int]:
+    """The ids to generate from: one user turn rendered as in training, ending where the answer starts.
+
+    >>> from hp.train.tokenizer import ByteTokenizer
+    >>> tok = ByteTokenizer()
+    >>> tok.decode(encode_prompt("reverse\\nabc", tok, "alpaca", system="Be brief.\\n\\n"))
+    'Be brief.\\n\\n### Instruction:\\nreverse\\nabc\\n\\n### Response:\\n'
+    """
+    tmpl = get_template(template, tokenizer)
+    check_template(tmpl, tokenizer)
+    ((ids, _),) = encode_pairs(Conversation([("user", prompt)], system), tokenizer, tmpl)
+    return ids
