@@ -1,0 +1,103 @@
+"""The tokenizer and records the template goldens are made of, built in code (no download).
+
+`make_template_goldens.py` (which runs LlamaFactory) and `tests/test_templates.py`
+(which runs hp) both import this module, so both sides tokenize with the
+same ids: hp's byte-level HF tokenizer (bytes 0-255, pad 256, bos `<s>` 257,
+eos `</s>` 258) plus, from 259 on, the special tokens the templates spell
+and two ordinary added tokens for Qwen3's thought tags. Byte-level with no
+merges, a text's ids do not depend on how it is split, which lets a test
+compare hp's ids with one `apply_chat_template` rendering.
+"""
+
+from __future__ import annotations
+
+from hp.train.tokenizer import ByteTokenizer
+
+SPECIAL_TOKENS = (
+    "<|im_start|>", "<|im_end|>",  # chatml, qwen
+    "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>",  # llama3
+    "<start_of_turn>", "<end_of_turn>", "<eos>",  # gemma
+    "<|user|>", "<|assistant|>", "<|system|>", "<|end|>",  # phi
+)
+THOUGHT_TOKENS = ("<think>", "</think>")  # added, not special, as in Qwen3's tokenizer
+
+# Jinja chat templates for the template-unset rule: name -> (template, whether encode("") gives bos).
+CHAT_TEMPLATES: dict[str, tuple[str, bool]] = {
+    "chatml": (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
+        False,
+    ),
+    "chatml_default_system": (
+        "{% if messages[0]['role'] != 'system' %}"
+        "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
+        False,
+    ),
+    "chatml_thinking": (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+        "{% if m['role'] == 'assistant' and '<think>' not in m['content'] %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+        "{% endif %}{{ m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
+        False,
+    ),
+    "llama3_bos": (
+        "{{ bos_token }}{% for m in messages %}"
+        "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] + '<|eot_id|>' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+        "{% endif %}",
+        True,
+    ),
+}
+
+# Conversations: (role, text) turns alternating from a user turn, ending with an answer; "" = no system prompt.
+RECORDS: dict[str, dict] = {
+    "single": {"system": "", "turns": [["user", "What is 2+2?"], ["assistant", "4"]]},
+    "system": {"system": "You are terse.", "turns": [["user", "Name a colour."], ["assistant", "Blue."]]},
+    "multi": {"system": "", "turns": [
+        ["user", "Hi"], ["assistant", "Hello! How can I help?"],
+        ["user", "Tell me a joke."], ["assistant", "Why did the chicken cross the road?"],
+        ["user", "Why?"], ["assistant", "To get to the other side."],
+    ]},
+    "unicode": {"system": "Réponds en allemand.", "turns": [
+        ["user", "Übersetze: 你好, 世界 🌍"], ["assistant", "Hallo, Welt 🌍 — ça va?"],
+        ["user", "Et « merci » ?"], ["assistant", "Danke ✓"],
+    ]},
+    "braces_and_thought": {"system": "", "turns": [
+        ["user", "Fill {x} in {{content}}"], ["assistant", "<think>\nx is 1\n</think>\n\n{x} = 1"],
+    ]},
+}
+
+# (record, cutoff_len) pairs: every record whole, and the long ones cut at a few lengths.
+CASES = [(name, 1024) for name in RECORDS] + [("multi", 12), ("multi", 40), ("multi", 70), ("unicode", 30)]
+
+
+def golden_tokenizer(chat_template: str | None = None):
+    """The goldens' HF tokenizer; with `chat_template` (a CHAT_TEMPLATES name) it carries that Jinja template.
+
+    >>> tok = golden_tokenizer()
+    >>> tok.encode("<|im_start|>hi<think>", add_special_tokens=False)
+    [259, 104, 105, 273]
+    >>> golden_tokenizer("llama3_bos").encode("")  # this one adds bos, like Llama's tokenizers
+    [257]
+    """
+    hf = ByteTokenizer().as_hf()
+    hf.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS)})
+    hf.add_tokens(list(THOUGHT_TOKENS))
+    if chat_template is not None:
+        text, adds_bos = CHAT_TEMPLATES[chat_template]
+        hf.chat_template = text
+        if adds_bos:
+            from tokenizers import processors
+
+            hf.backend_tokenizer.post_processor = processors.TemplateProcessing(
+                single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", hf.bos_token_id)]
+            )
+    return hf
+
+
+def messages(record: dict) -> list[dict[str, str]]:
+    """A record's turns as chat messages (role and content), the system prompt first when there is one."""
+    system = [{"role": "system", "content": record["system"]}] if record["system"] else []
+    return system + [{"role": role, "content": text} for role, text in record["turns"]]
