@@ -50,8 +50,16 @@ def first_batch(overrides: list[str]):
     return next(TokenBatches(load_examples(config, tokenizer), batch, config.seed, tokenizer.pad_token_id))
 
 
-def local_hf_model(directory: Path, family: str = "llama") -> None:
-    """A tiny model of `family` saved as a HF directory: config, safetensors and a locally trained BPE tokenizer."""
+QWEN_TOKENS = {"specials": ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), "bos": None, "eos": "<|im_end|>",
+               "pad": "<|endoftext|>"}  # how Qwen's instruct tokenizers name theirs (no bos)
+
+
+def local_hf_model(directory: Path, family: str = "llama", *, specials: tuple[str, ...] = ("<s>", "</s>"),
+                   bos: str | None = "<s>", eos: str = "</s>", pad: str | None = None) -> None:
+    """A tiny model of `family` saved as a HF directory: config, safetensors and a locally trained BPE tokenizer.
+
+    `specials` are the tokenizer's special tokens after `<unk>` (Qwen's chat tokens with `**QWEN_TOKENS`).
+    """
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -62,11 +70,14 @@ def local_hf_model(directory: Path, family: str = "llama") -> None:
     text = [" ".join(r.values()) for r in records[:200]]
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
-    bpe.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    bpe.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", *specials]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token=bos, eos_token=eos,
+                                        pad_token=pad)
     tokenizer.save_pretrained(directory)
     torch.manual_seed(3)
-    config = tiny_config(family, layers=2, vocab_size=320, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(token) if token else None
+           for name, token in (("bos", bos), ("eos", eos), ("pad", pad or "<unk>"))}
+    config = tiny_config(family, layers=2, vocab_size=320, **ids)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
 
 
