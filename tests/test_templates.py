@@ -147,10 +147,24 @@ def test_a_missing_special_token_is_named_with_the_template():
     only_start = Template("mine", special_tokens=("<|im_start|>", "<|nope|>"))
     with pytest.raises(ValueError, match=r"template 'mine' needs '<\|nope\|>' as a special token, which"):
         check_template(only_start, tokenizer())
+    # a vocabulary that reads it as its unknown token does not have it either
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    word_level = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1}, unk_token="<unk>"))
+    unknowing = HFTokenizer(PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="<unk>", eos_token="</s>"))
+    with pytest.raises(ValueError, match=r"template 'phi' needs '<\|user\|>', '<\|end\|>', '<\|assistant\|>', "
+                                         r"'<\|system\|>' as special tokens"):
+        check_template(TEMPLATES["phi"], unknowing)
     # pt needs only what ends a document
     check_template(TEMPLATES["gemma"], tokenizer(), stage="pt")
     with pytest.raises(ValueError, match=r"'<\|end_of_text\|>' as a special token"):
         check_template(TEMPLATES["llama3"], ByteTokenizer(), stage="pt")
+
+
+def test_a_template_without_a_place_for_the_text_is_refused():
+    with pytest.raises(ValueError, match=r"template 'mine': the assistant slot has no \{\{content\}\}"):
+        Template("mine", assistant=("answer",))
 
 
 def test_preflight_refuses_a_template_the_tokenizer_cannot_encode(tmp_path):
@@ -173,3 +187,6 @@ def test_an_unreadable_chat_template_is_a_clear_error():
     with pytest.raises(ValueError, match=r"template is unset and the tokenizer's chat_template cannot be read as a "
                                          r"template \(.*no system role\); set `template`"):
         get_template(None, HFTokenizer(hf))
+    hf.chat_template = "{% for m in messages %}{% if m['role'] != 'system' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    with pytest.raises(ValueError, match=r"cannot be read as a template \(ValueError: .*the system slot has no"):
+        get_template(None, HFTokenizer(hf))  # a template that drops system prompts

@@ -38,21 +38,25 @@ def parse_chat_template(hf: Any) -> Template:
     ('<user>{{content}}\\n<assistant>',)
     """
     try:
-        prefix = hf.decode(hf.encode(""))
-
-        def render(messages: list[dict[str, str]], generation: bool) -> str:
-            text = hf.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
-            return text[len(prefix):]
-
-        system = render([_turn("system", CONTENT)], False)
-        user_after_empty_system = render([_turn("system", ""), _turn("user", CONTENT)], True)
-        user = render([_turn("user", CONTENT)], True)
-        assistant = render([_turn("user", CONTENT), _turn("assistant", CONTENT)], False)[len(user):]
-    except Exception as e:  # a Jinja error, or a template that refuses one of the probes (no system role, ...)
+        return _parse(hf)
+    except Exception as e:  # noqa: BLE001 - a Jinja error, a template refusing a probe (no system role, ...)
         raise ValueError(
             f"template is unset and the tokenizer's chat_template cannot be read as a template "
             f"({type(e).__name__}: {e}); set `template` to one of hp train's templates"
         ) from None
+
+
+def _parse(hf: Any) -> Template:
+    prefix = hf.decode(hf.encode(""))
+
+    def render(messages: list[dict[str, str]], generation: bool) -> str:
+        text = hf.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
+        return text[len(prefix):]
+
+    system = render([_turn("system", CONTENT)], False)
+    user_after_empty_system = render([_turn("system", ""), _turn("user", CONTENT)], True)
+    user = render([_turn("user", CONTENT)], True)
+    assistant = render([_turn("user", CONTENT), _turn("assistant", CONTENT)], False)[len(user):]
     thinking = "<think>" in assistant
     assistant = assistant.replace("<think>", "").replace("</think>", "").lstrip("\n")
     default_system = ""

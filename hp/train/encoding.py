@@ -25,10 +25,13 @@ would add them to the vocabulary and resize the embeddings.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hp.train.chat_template import parse_chat_template
 from hp.train.templates import BOS, EOS, TEMPLATES, Part, Special, Template, fill, missing_tokens
+
+if TYPE_CHECKING:
+    from hp.train.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
 
@@ -45,7 +48,7 @@ class Conversation:
     system: str = ""
 
 
-def get_template(template: str | Template | None, tokenizer: Any = None) -> Template:
+def get_template(template: str | Template | None, tokenizer: Tokenizer | None = None) -> Template:
     """The template named `template`; None: the tokenizer's chat_template, else `empty` (a Template passes through).
 
     >>> get_template("alpaca").user
@@ -65,7 +68,7 @@ def get_template(template: str | Template | None, tokenizer: Any = None) -> Temp
     return TEMPLATES[template]
 
 
-def check_template(template: Template, tokenizer: Any, stage: str = "sft") -> None:
+def check_template(template: Template, tokenizer: Tokenizer, stage: str = "sft") -> None:
     """Refuse a template whose special tokens the tokenizer lacks (each must be one token).
 
     >>> from hp.train.tokenizer import ByteTokenizer
@@ -74,7 +77,7 @@ def check_template(template: Template, tokenizer: Any, stage: str = "sft") -> No
     ...
     ValueError: template 'qwen' needs '<|im_start|>', '<|im_end|>' as special tokens, which the tokenizer (ByteTokenizer(vocab_size=259)) lacks (each must be one token); LlamaFactory would add them to the vocabulary and resize the embeddings, which hp train does not do: use a model whose tokenizer has them, or a template without special tokens (default, empty, alpaca, llama2, mistral, vicuna, falcon)
     """
-    missing = missing_tokens(template, tokenizer.encode, stage)
+    missing = missing_tokens(template, lambda token: single_id(token, tokenizer), stage)
     if not missing:
         return
     text_only = [name for name, t in TEMPLATES.items() if not t.required_tokens()]
@@ -87,7 +90,7 @@ def check_template(template: Template, tokenizer: Any, stage: str = "sft") -> No
     )
 
 
-def template_for(template: str | Template | None, tokenizer: Any, stage: str = "sft") -> Template:
+def template_for(template: str | Template | None, tokenizer: Tokenizer, stage: str = "sft") -> Template:
     """The template a `stage` dataset is encoded with (`get_template`), checked against the tokenizer.
 
     >>> from hp.train.tokenizer import ByteTokenizer
@@ -104,7 +107,7 @@ def template_for(template: str | Template | None, tokenizer: Any, stage: str = "
     return tmpl
 
 
-def eos_id(template: Template, tokenizer: Any) -> int:
+def eos_id(template: Template, tokenizer: Tokenizer) -> int:
     """The id ending the template's turns: its replacing stop word's (`replace_eos`), else the tokenizer's eos.
 
     >>> from hp.train.tokenizer import ByteTokenizer
@@ -114,7 +117,7 @@ def eos_id(template: Template, tokenizer: Any) -> int:
     return _token_id(template.eos_token, tokenizer) if template.eos_token else tokenizer.eos_token_id
 
 
-def document_end_id(template: Template, tokenizer: Any) -> int:
+def document_end_id(template: Template, tokenizer: Tokenizer) -> int:
     """The id ending each pt document: llama3's <|end_of_text|>, else the template's eos (as LlamaFactory's pt).
 
     >>> from hp.train.tokenizer import ByteTokenizer
@@ -124,14 +127,27 @@ def document_end_id(template: Template, tokenizer: Any) -> int:
     return _token_id(template.document_end, tokenizer) if template.document_end else eos_id(template, tokenizer)
 
 
-def _token_id(token: str, tokenizer: Any) -> int:
+def single_id(token: str, tokenizer: Tokenizer) -> int | None:
+    """The id `tokenizer` has for `token` as one token of its own, else None (split, or read as unknown).
+
+    >>> from hp.train.tokenizer import ByteTokenizer
+    >>> single_id("a", ByteTokenizer()), single_id("<|im_end|>", ByteTokenizer())
+    (97, None)
+    """
     ids = tokenizer.encode(token)
-    if len(ids) != 1:  # check_template names these before any worker starts; this guards direct callers
+    # A word-level vocabulary reads a token it lacks as its unknown token: one id, but not the token's own.
+    unknown = getattr(getattr(tokenizer, "hf", None), "unk_token_id", None)
+    return ids[0] if len(ids) == 1 and ids[0] != unknown else None
+
+
+def _token_id(token: str, tokenizer: Tokenizer) -> int:
+    found = single_id(token, tokenizer)
+    if found is None:  # check_template names these before any worker starts; this guards direct callers
         raise ValueError(f"the tokenizer ({tokenizer!r}) has no single token {token!r}")
-    return ids[0]
+    return found
 
 
-def _ids(parts: list[Part], template: Template, tokenizer: Any) -> list[int]:
+def _ids(parts: list[Part], template: Template, tokenizer: Tokenizer) -> list[int]:
     """Token ids of a turn's parts, each text tokenized on its own (as LlamaFactory, so its ids are ours)."""
     ids: list[int] = []
     for part in parts:
@@ -148,7 +164,7 @@ def _ids(parts: list[Part], template: Template, tokenizer: Any) -> list[int]:
     return ids
 
 
-def encode_pairs(conv: Conversation, tokenizer: Any, template: Template) -> list[tuple[list[int], list[int]]]:
+def encode_pairs(conv: Conversation, tokenizer: Tokenizer, template: Template) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, answer ids) for each user turn and the answer after it (an empty answer when none).
 
     >>> from hp.train.tokenizer import ByteTokenizer
@@ -198,7 +214,7 @@ def fit_lengths(prompt_len: int, answer_len: int, room: int) -> tuple[int, int]:
 
 
 def encode_conversation(
-    conv: Conversation, tokenizer: Any, template: Template, cutoff_len: int | None = None
+    conv: Conversation, tokenizer: Tokenizer, template: Template, cutoff_len: int | None = None
 ) -> tuple[list[int], list[int]]:
     """(input_ids, labels) of a conversation, at most `cutoff_len` long: labels are -100 but on the answers.
 
@@ -228,7 +244,7 @@ def encode_conversation(
     return ids, labels
 
 
-def encode_prompt(prompt: str, tokenizer: Any, template: str | Template | None = None, system: str = "") -> list[int]:
+def encode_prompt(prompt: str, tokenizer: Tokenizer, template: str | Template | None = None, system: str = "") -> list[int]:
     """The ids to generate from: one user turn rendered as in training, ending where the answer starts.
 
     >>> from hp.train.tokenizer import ByteTokenizer

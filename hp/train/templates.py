@@ -82,6 +82,16 @@ class Template:
     special_tokens: tuple[str, ...] = ()  # spelled in the slots' text: each must be one token of the tokenizer
     document_end: str | None = None  # what ends a pt document when not the eos (llama3's <|end_of_text|>)
 
+    def __post_init__(self) -> None:
+        # A slot without the placeholder would drop the turn's text; LlamaFactory refuses those as well.
+        for role in ("user", "assistant", "system"):
+            if not any(isinstance(p, str) and CONTENT in p for p in getattr(self, role)):
+                raise ValueError(f"template {self.name!r}: the {role} slot has no {CONTENT} for the turn's text")
+        if self.system_in_user and not isinstance(self.system[0], str):
+            raise ValueError(f"template {self.name!r}: system_in_user needs a system slot that starts with its text")
+        if self.replace_eos and not self.stop_words:
+            raise ValueError(f"template {self.name!r}: replace_eos needs a stop word to be the eos")
+
     @property
     def eos_token(self) -> str | None:
         """The token that replaces the tokenizer's eos, or None to keep the tokenizer's."""
@@ -114,13 +124,13 @@ def fill(slot: Slot, content: str) -> list[Part]:
     return [p.replace(CONTENT, content, 1) if isinstance(p, str) else p for p in slot]
 
 
-def missing_tokens(template: Template, encode: Callable[[str], list[int]], stage: str = "sft") -> list[str]:
-    """The tokens `template` needs for `stage` that `encode` (text -> ids, no specials added) does not make one id of.
+def missing_tokens(template: Template, token_id: Callable[[str], int | None], stage: str = "sft") -> list[str]:
+    """The tokens `template` needs for `stage` that have no id of their own (`token_id` gives None).
 
-    >>> missing_tokens(TEMPLATES["chatml"], lambda text: list(text.encode()))
-    ['<|im_start|>', '<|im_end|>']
+    >>> missing_tokens(TEMPLATES["chatml"], {"<|im_start|>": 7}.get)
+    ['<|im_end|>']
     """
-    return [token for token in template.required_tokens(stage) if len(encode(token)) != 1]
+    return [token for token in template.required_tokens(stage) if token_id(token) is None]
 
 
 _QWEN_USER = "<|im_start|>user\n{{content}}<|im_end|>\n<|im_start|>assistant\n"
@@ -138,8 +148,8 @@ TEMPLATES: dict[str, Template] = {
         Template("empty", assistant=(CONTENT,)),
         Template("alpaca", user=("### Instruction:\n{{content}}\n\n### Response:\n",),
                  assistant=(CONTENT, EOS, "\n\n"),
-                 default_system="Below is an instruction that describes a task. "
-                                "Write a response that appropriately completes the request.\n\n"),
+                 default_system=("Below is an instruction that describes a task. "
+                                 "Write a response that appropriately completes the request.\n\n")),
         Template("chatml", user=(_QWEN_USER,), assistant=(_QWEN_ANSWER,), system=(_QWEN_SYSTEM,),
                  stop_words=_IM, replace_eos=True, special_tokens=_IM),
         Template("qwen", user=(_QWEN_USER,), assistant=(_QWEN_ANSWER,), system=(_QWEN_SYSTEM,),
@@ -171,8 +181,8 @@ TEMPLATES: dict[str, Template] = {
                  system=("<|system|>\n{{content}}<|end|>\n",), stop_words=("<|end|>",), replace_eos=True,
                  special_tokens=("<|user|>", "<|end|>", "<|assistant|>", "<|system|>")),
         Template("vicuna", user=("USER: {{content}} ASSISTANT:",),
-                 default_system="A chat between a curious user and an artificial intelligence assistant. "
-                                "The assistant gives helpful, detailed, and polite answers to the user's questions."),
+                 default_system=("A chat between a curious user and an artificial intelligence assistant. "
+                                 "The assistant gives helpful, detailed, and polite answers to the user's questions.")),
         Template("falcon", user=("User: {{content}}\nFalcon:",), assistant=("{{content}}\n",), efficient_eos=True),
     )
 }
