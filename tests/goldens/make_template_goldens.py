@@ -10,10 +10,10 @@ encodes each record (`golden_tokenizer.RECORDS`) at each cutoff_len of
 `tests/test_templates.py` checks that hp's encoding gives the same.
 
 Made with LlamaFactory at commit ff6d4d12eeb035d6ce06805a5733dd7b29f2ac30
-(version 0.9.6.dev0) and transformers 5.24.0. To regenerate, from the
-repository root:
+(version 0.9.6.dev0) and transformers 5.24.0. To regenerate, put a
+checkout of LlamaFactory's GitHub repository (hiyouga/LLaMA-Factory) at
+/tmp/LLaMA-Factory, then, from hp's repository root:
 
-    git clone https://github.com/hiyouga/LLaMA-Factory /tmp/LLaMA-Factory
     git -C /tmp/LLaMA-Factory checkout ff6d4d12eeb035d6ce06805a5733dd7b29f2ac30
     pip install --no-deps --target /tmp/lfdeps peft==0.18.1 datasets==4.0.0 pyarrow dill multiprocess \\
         xxhash pandas python-dateutil pytz tzdata omegaconf antlr4-python3-runtime==4.9.3
@@ -24,8 +24,8 @@ PYTHONPATH works too, for a released version.) LlamaFactory stays out of
 hp's environment: it is only put on PYTHONPATH for this script, with the
 few pure-Python packages its import chain needs in a folder of their own.
 The script sets DISABLE_VERSION_CHECK=1, since LlamaFactory pins an older
-transformers than hp uses (its template code calls only tokenizer methods
-that did not change), and puts an empty module in place of torchaudio
+transformers than hp uses (its template code runs on the newer one: where
+add_special_tokens lost an argument it falls back on its own), and puts an empty module in place of torchaudio
 when that cannot load (a torchaudio built for another torch): LlamaFactory
 imports it for audio inputs only, which no text record reaches.
 """
