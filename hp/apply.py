@@ -43,15 +43,14 @@ def strategy_mesh(strategy: Strategy | Mapping[str, Any], *, simulate: bool = Fa
 def layouts(strategy: Strategy, plan: ModelPlan) -> tuple[dict[str, str], dict, dict]:
     """(parameter layouts, input layouts, output layouts) that `hp.parallelize` applies.
 
-    Under FSDP the layouts live on the mesh without dp (FSDP owns that axis,
-    and each rank feeds its own batch slice), so they never name dp.
+    The same with or without FSDP: FSDP shards the laid-out parameters again afterwards.
 
     >>> from hp.models import plan_for_type
     >>> params, inputs, outputs = layouts(Strategy(tp=2, sp=True), plan_for_type("llama"))
     >>> outputs["model.embed_tokens"], outputs["*.self_attn.o_proj"]
     ('b s/tp h', 'b s/tp h')
     """
-    batch = "b/dp" if strategy.dp > 1 and not strategy.fsdp else "b"
+    batch = "b/dp" if strategy.dp > 1 else "b"
     seq = "s/cp" if strategy.cp > 1 else "s"
     tokens = f"{batch} {seq}"
     split = batch != "b" or strategy.cp > 1
@@ -86,10 +85,9 @@ def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any
     params, inputs, outputs = layouts(strategy, plan)
     params = _present(params, model.named_parameters(remove_duplicate=False))
     outputs = _present(outputs, model.named_modules())
-    if strategy.fsdp and strategy.dp > 1:
-        fully_shard_model(model, mesh, list(model.get_submodule(plan.blocks)), params, outputs)
-    else:
-        parallelize(model, mesh, params, inputs=inputs, outputs=outputs)
+    parallelize(model, mesh, params, inputs=inputs, outputs=outputs)
+    if strategy.fsdp_axes:
+        fully_shard_model(model, mesh, list(model.get_submodule(plan.blocks)), strategy)
     if strategy.cp > 1:
         _context_parallel_attention(model, strategy)
     if strategy.splits_sequence:

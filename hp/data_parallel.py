@@ -1,79 +1,63 @@
-"""Data parallelism around layouts: FSDP2 on the dp axis, and the gradient reduction.
+"""Data parallelism around layouts: FSDP2 over dp x cp, and the gradient reduction.
 
-Without FSDP, the batch is laid out `b/dp` like any other tensor, parameters
-are replicated over dp, and their gradients come back as pending sums over
-dp (and cp): `reduce_gradients` resolves them where the training step wants,
-before the optimizer. With FSDP, FSDP2 (`fully_shard`, one unit per decoder
-block plus the root) shards the tensor-parallel blocks again over dp
-(`64/tp/dp 64`) and reduce-scatters their gradients itself; each rank feeds
-its own slice of the batch, which `fully_shard_model` cuts from the global
-batch every rank passes, so both modes take the same inputs.
+The batch is laid out `b/dp` (and the sequence `s/cp`) like any other tensor,
+so parameter gradients come back as pending sums over dp and cp. Without
+FSDP, parameters are replicated over dp and cp and `reduce_gradients`
+resolves those sums where the training step wants, before the optimizer.
+With FSDP, FSDP2 (`fully_shard`, one unit per decoder block plus the root)
+shards the laid-out parameters again over the flattened dp x cp ranks
+(`64/tp/dp 64`, torchtitan's `dp_shard_cp`) and its reduce-scatter resolves
+the pending sums itself; both modes take the same inputs and give the same
+loss.
 """
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import nn
 
-from hp.parallelize import parallelize
-from hp.sequence import BATCHED, IGNORE_INDEX, as_keywords
+from hp.strategy import Strategy
 
 
-class _ScaleGradient(torch.autograd.Function):
-    """Identity forward; multiplies the gradient by `factor`."""
+def fully_shard_model(model: nn.Module, mesh, blocks: list[nn.Module], strategy: Strategy) -> None:
+    """FSDP2 over `strategy.fsdp_axes` of `mesh`, around the layout `hp.parallelize` gave `model` on it.
 
-    @staticmethod
-    def forward(ctx, x, factor: float):
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.factor, None
-
-
-def fully_shard_model(model: nn.Module, mesh, blocks: list[nn.Module], params: dict, outputs: dict) -> None:
-    """FSDP2 over dp around the tensor-parallel layout (applied on the mesh without dp).
-
-    Every rank still passes the global batch (as with plain dp) and keeps its dp slice. The
-    loss is summed over the global count of labelled tokens (HF's `num_items_in_batch`), so the
-    dp ranks' losses add up to one device's; FSDP averages gradients over dp (gloo has no
-    pre-scaled sum), so the loss's gradient is scaled by dp to make them a sum. The loss comes
-    back as a DTensor pending a sum over dp (`loss.full_tensor()` is the global one).
+    FSDP2 runs on the whole mesh (its `dp_mesh_dims`): parameters stay DTensors replicated
+    over dp and cp and laid out over tp, and each gradient reaches FSDP still pending its sum
+    over dp and cp, which FSDP keeps and resolves in its reduce-scatter over the flattened
+    dp x cp ranks (redistributing only the tp part). So that reduce-scatter must sum, not
+    average: the loss is already a sum over the global count of labelled tokens. Mixed
+    precision applies to every unit; `reshard_after_forward` to the blocks, while the root
+    keeps FSDP's own choice (gathered after forward: backward starts with it).
     """
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.distributed.fsdp import DataParallelMeshDims, MixedPrecisionPolicy, fully_shard
 
-    inner = tuple(name for name in mesh.mesh_dim_names if name != "dp")
-    if inner:
-        parallelize(model, mesh[inner], params, outputs=outputs)
-    for unit in [*blocks, model]:
-        fully_shard(unit, mesh=mesh["dp"], shard_placement_fn=_fsdp_dim)
-    dp, dp_rank, signature = mesh.size(mesh.mesh_dim_names.index("dp")), mesh.get_local_rank("dp"), inspect.signature(model.forward)
+    _onto(model, mesh)
+    precision = MixedPrecisionPolicy(_dtype(strategy.param_dtype), _dtype(strategy.reduce_dtype))
+    common = {"mesh": mesh, "dp_mesh_dims": DataParallelMeshDims(shard=strategy.fsdp_axes), "mp_policy": precision,
+              "shard_placement_fn": _fsdp_dim}
+    units = [fully_shard(block, reshard_after_forward=strategy.reshard_after_forward, **common) for block in blocks]
+    for unit in [*units, fully_shard(model, **common)]:
+        unit.set_gradient_divide_factor(1.0)  # a sum: the gradients are pending sums, not per-rank means
+        unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-scaled one)
 
-    def before(mod, args, kwargs):
-        kwargs = as_keywords(signature, args, kwargs)
-        kwargs.setdefault("num_items_in_batch", _labelled_tokens(kwargs))
-        for key in BATCHED:
-            if kwargs.get(key) is None:
-                continue
-            if kwargs[key].shape[0] % dp:
-                raise ValueError(f"{key} has batch {kwargs[key].shape[0]}, not divisible by dp={dp}")
-            kwargs[key] = kwargs[key].chunk(dp)[dp_rank]
-        return (), kwargs
 
-    def after(mod, args, kwargs, out):
-        if getattr(out, "loss", None) is not None:
-            local = out.loss.to_local() if isinstance(out.loss, DTensor) else out.loss
-            local = _ScaleGradient.apply(local, dp)  # FSDP averages over dp; the loss is a sum
-            placements = [Partial() if n == "dp" else Replicate() for n in mesh.mesh_dim_names]
-            out.loss = DTensor.from_local(local, mesh, placements, run_check=False)
-        return out
+def _onto(model: nn.Module, mesh) -> None:
+    """Put every parameter's DTensor on `mesh` itself, not on an equal mesh made earlier in the process.
 
-    model.register_forward_pre_hook(before, with_kwargs=True, prepend=True)
-    model.register_forward_hook(after, with_kwargs=True)
+    FSDP2 wants the very mesh object it is given, and DTensor's op cache can hand a new parameter
+    (`nn.Parameter` detaches) the mesh of an earlier, equal layout: a second model laid out in one process.
+    """
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    for param in model.parameters():
+        if param.device_mesh is not mesh:
+            param._spec = DTensorSpec(mesh, param.placements, tensor_meta=param._spec.tensor_meta)
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    """The torch dtype a strategy names ("bfloat16"), or None (FSDP keeps the tensor's own)."""
+    return None if name is None else getattr(torch, name)
 
 
 def _fsdp_dim(param):
@@ -85,15 +69,6 @@ def _fsdp_dim(param):
         isinstance(p, _StridedShard) and p.dim == 0 for p in param.placements
     ):
         return Shard(1)
-    return None
-
-
-def _labelled_tokens(kwargs: dict) -> int | None:
-    """The global count of tokens with a label (after the shift), or None without labels."""
-    if kwargs.get("shift_labels") is not None:  # already shifted (by hp.sequence)
-        return int((kwargs["shift_labels"] != IGNORE_INDEX).sum())
-    if kwargs.get("labels") is not None:
-        return int((kwargs["labels"][:, 1:] != IGNORE_INDEX).sum())
     return None
 
 

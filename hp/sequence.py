@@ -33,7 +33,6 @@ from hp.ops.ring_attention import head_tail_order
 from hp.strategy import Strategy
 
 IGNORE_INDEX = -100
-BATCHED = ("input_ids", "inputs_embeds", "labels", "shift_labels", "attention_mask", "position_ids")
 
 
 def as_keywords(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:

@@ -2,13 +2,14 @@
 
 A strategy names the degrees of each kind of parallelism (data, context,
 tensor, expert), the algorithms and switches that go with them (sequence
-parallel, ring or Ulysses attention, FSDP on the data axis, offload,
-recompute) and nothing about any particular model. The trainer, the launcher
-and every model plan take the same value: it is built and validated here, in
-plain Python (no torch), so that `hp train` can refuse a bad strategy before
-any worker starts. What a strategy means for a model's shapes (a tp that does
-not divide the heads, say) is checked by `Strategy.check_fits`, given the
-model's config, also before any worker starts.
+parallel, ring or Ulysses attention, FSDP over the data and context axes with
+its mixed precision and resharding, offload, recompute) and nothing about any
+particular model. The trainer, the launcher and every model plan take the
+same value: it is built and validated here, in plain Python (no torch), so
+that `hp train` can refuse a bad strategy before any worker starts. What a
+strategy means for a model's shapes (a tp that does not divide the heads,
+say) is checked by `Strategy.check_fits`, given the model's config, also
+before any worker starts.
 
 Every refusal is a `StrategyError` whose `key` names the field, so a caller
 that read the strategy from somewhere else (a YAML section, HyperParallel's
@@ -25,6 +26,8 @@ from typing import Any
 CP_ALGORITHMS = ("ulysses", "ring")  # how attention runs on a sequence split over cp
 MESH_AXES = ("dp", "cp", "tp")  # mesh order: data outermost, tensor innermost (neighbouring ranks)
 OFFLOAD_TIERS = ("host", "disk")
+DTYPES = ("float32", "bfloat16", "float16")  # what FSDP may gather parameters and reduce gradients in
+FSDP_OPTIONS = ("reshard_after_forward", "param_dtype", "reduce_dtype")  # FSDP2's own, passed to every unit
 
 
 class StrategyError(ValueError):
@@ -63,7 +66,10 @@ class Strategy:
     tp: int = 1  # tensor parallel (Megatron) degree
     sp: bool = False  # sequence parallel over tp: the residual stream is split by tokens
     cp_algorithm: str = "ulysses"  # one of CP_ALGORITHMS
-    fsdp: bool = False  # FSDP2 shards parameters over dp instead of replicating them
+    fsdp: bool = False  # FSDP2 shards parameters over dp x cp instead of replicating them
+    reshard_after_forward: bool = True  # FSDP frees a block's gathered parameters after forward (false: kept)
+    param_dtype: str | None = None  # FSDP gathers and computes parameters in this dtype (None: their own)
+    reduce_dtype: str | None = None  # FSDP reduces gradients in this dtype (None: the gradients' own)
     ep: int = 1  # expert parallel degree (MoE models)
     tp2d: bool = False  # 2D tensor parallel
     offload: str | None = None  # hp.offload tier for what does not fit (None: nothing offloaded)
@@ -74,14 +80,28 @@ class Strategy:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise StrategyError(key, value, ": expected an integer >= 1")
-        for key in ("sp", "fsdp", "tp2d", "recompute"):
+        for key in ("sp", "fsdp", "reshard_after_forward", "tp2d", "recompute"):
             if not isinstance(getattr(self, key), bool):
                 raise StrategyError(key, getattr(self, key), ": expected true or false")
+        for key in ("param_dtype", "reduce_dtype"):
+            if getattr(self, key) is not None and getattr(self, key) not in DTYPES:
+                raise StrategyError(key, getattr(self, key), f": expected {_one_of(DTYPES)} or null")
         if self.cp_algorithm not in CP_ALGORITHMS:
             raise StrategyError("cp_algorithm", self.cp_algorithm, f": expected {_one_of(CP_ALGORITHMS)}")
         if self.offload is not None and self.offload not in OFFLOAD_TIERS:
             raise StrategyError("offload", self.offload, f": expected {_one_of(OFFLOAD_TIERS)} or null")
+        self._refuse_fsdp_options_without_fsdp()
         self._refuse_what_is_not_built()
+
+    def _refuse_fsdp_options_without_fsdp(self) -> None:
+        """FSDP's own options given where FSDP does not run would silently change nothing."""
+        given = {key: getattr(self, key) for key in FSDP_OPTIONS if getattr(self, key) != DEFAULTS[key]}
+        for key, value in given.items():
+            if not self.fsdp:
+                raise StrategyError(key, value, ": only FSDP has this option; set fsdp true, or leave it out")
+            if not self.fsdp_axes:
+                raise StrategyError(key, value, ": FSDP has no ranks to shard over (dp x cp = 1), so it does not "
+                                    "run; raise dp or cp, or leave it out")
 
     def _refuse_what_is_not_built(self) -> None:
         if self.ep > 1:
@@ -92,9 +112,6 @@ class Strategy:
         if self.offload is not None:
             raise StrategyError("offload", self.offload, ": activation swap and offload are not available yet "
                                 "(hp.offload is not built yet)")
-        if self.fsdp and self.cp > 1:
-            raise StrategyError("fsdp", True, f" with cp = {self.cp}: FSDP together with context parallel is not "
-                                "supported yet; expected fsdp false when cp > 1 (dp without fsdp works alongside cp)")
 
     @classmethod
     def of(cls, spec: Strategy | Mapping[str, Any] | None) -> Strategy:
@@ -105,7 +122,7 @@ class Strategy:
         >>> Strategy.of({"pp": 2})
         Traceback (most recent call last):
         ...
-        hp.strategy.StrategyError: pp = 2: unknown strategy key; expected one of dp, cp, tp, sp, cp_algorithm, fsdp, ep, tp2d, offload, recompute
+        hp.strategy.StrategyError: pp = 2: unknown strategy key; expected one of dp, cp, tp, sp, cp_algorithm, fsdp, reshard_after_forward, param_dtype, reduce_dtype, ep, tp2d, offload, recompute
         """
         if spec is None:
             return cls()
@@ -134,6 +151,19 @@ class Strategy:
         """
         degrees = {"dp": self.dp, "cp": self.cp, "tp": self.tp}
         return {name: n for name, n in degrees.items() if n > 1} or {"tp": 1}
+
+    @property
+    def fsdp_axes(self) -> tuple[str, ...]:
+        """The mesh axes FSDP shards parameters over, flattened: dp and cp of size > 1 (none without fsdp).
+
+        Every rank of a cp group holds a different shard (torchtitan's `dp_shard_cp`): the cp
+        ranks hold the same parameters anyway, and FSDP's reduce-scatter over dp x cp does the
+        sum over cp that the gradients need, as the one over dp.
+
+        >>> Strategy(dp=2, cp=2, tp=2, fsdp=True).fsdp_axes, Strategy(cp=2, fsdp=True).fsdp_axes
+        (('dp', 'cp'), ('cp',))
+        """
+        return tuple(axis for axis in ("dp", "cp") if self.fsdp and getattr(self, axis) > 1)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -179,6 +209,7 @@ class Strategy:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Strategy))
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(Strategy)}
 
 
 def _split_sizes(config: Any) -> dict[str, int]:

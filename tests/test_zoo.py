@@ -133,7 +133,13 @@ def test_cp_refuses_masks_and_positions_it_cannot_honour(kwargs, message):
     [
         ({"tp": 2, "pp": 2}, r"pp = 2: unknown strategy key; expected one of dp, cp, tp, sp"),
         ({"cp": 2, "cp_algorithm": "star"}, r"cp_algorithm = 'star': expected one of 'ulysses', 'ring'"),
-        ({"dp": 2, "cp": 2, "fsdp": True}, r"fsdp = True with cp = 2: FSDP together with context parallel is not supported"),
+        ({"dp": 2, "fsdp": True, "param_dtype": "fp8"}, r"param_dtype = 'fp8': expected one of 'float32', 'bfloat16', "
+                                                        r"'float16' or null"),
+        ({"dp": 2, "fsdp": True, "reshard_after_forward": "no"}, r"reshard_after_forward = 'no': expected true or false"),
+        ({"dp": 2, "reduce_dtype": "float32"}, r"reduce_dtype = 'float32': only FSDP has this option; set fsdp true"),
+        ({"cp": 2, "reshard_after_forward": False}, r"reshard_after_forward = False: only FSDP has this option"),
+        ({"tp": 2, "fsdp": True, "param_dtype": "bfloat16"}, r"param_dtype = 'bfloat16': FSDP has no ranks to shard "
+                                                             r"over \(dp x cp = 1\), so it does not run"),
         ({"tp": 0}, r"tp = 0: expected an integer >= 1"),
         ({"sp": "yes"}, r"sp = 'yes': expected true or false"),
         ({"ep": 2}, r"ep = 2: expert parallel is not available yet"),
@@ -142,6 +148,16 @@ def test_cp_refuses_masks_and_positions_it_cannot_honour(kwargs, message):
 def test_bad_strategies_are_refused_with_the_key(spec, message):
     with pytest.raises(hp.StrategyError, match=message):
         hp.strategy_mesh(spec, simulate=True)
+
+
+def test_fsdp_shards_over_dp_and_cp_and_takes_fsdp2_options():
+    """FSDP with cp is a strategy (run on gloo processes: FSDP2 cannot run simulated); its options round-trip."""
+    spec = {"dp": 2, "cp": 2, "tp": 2, "fsdp": True, "reshard_after_forward": False, "param_dtype": "bfloat16",
+            "reduce_dtype": "float32"}
+    strategy = hp.Strategy.of(spec)
+    assert strategy.fsdp_axes == ("dp", "cp") and hp.Strategy.of(strategy.as_dict()) == strategy
+    assert hp.Strategy(cp=2, fsdp=True, cp_algorithm="ring").fsdp_axes == ("cp",)
+    assert hp.Strategy(dp=2, cp=2).fsdp_axes == () and hp.Strategy(tp=2, fsdp=True).fsdp_axes == ()
 
 
 def test_shapes_a_strategy_cannot_take_are_refused_before_any_model_is_built():

@@ -1,16 +1,21 @@
 """Worker for test_gloo.py: the zoo's strategies on 4 real gloo processes.
 
 Every family under (dp=2 fsdp, tp=2) (Llama with activation recompute, which
-FSDP2 runs only here), and Llama under (dp=2, tp=2), (cp=4) Ulysses and (cp=4)
-ring: loss and every gradient equal the unsharded HF model, and 5 AdamW steps
-give its losses. Every check raises on failure.
+FSDP2 runs only here), and Llama under (dp=2, tp=2), (cp=4) Ulysses, (cp=4)
+ring, and FSDP over the context axis: (dp=2, cp=2 fsdp) Ulysses, sharded over
+all 4 ranks, and (cp=2 fsdp, tp=2) ring with parameters kept gathered between
+forward and backward: loss and every gradient equal the unsharded HF model,
+and 5 AdamW steps give its losses. Then FSDP's mixed precision: parameters
+gathered in bf16, gradients reduced in fp32. Every check raises on failure.
 """
 
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 import torch
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import hp
@@ -25,26 +30,37 @@ def tiny_pair(family: str):
     return reference, model
 
 
+def labelled(ids: torch.Tensor) -> torch.Tensor:
+    labels = ids.clone()
+    labels[:, :2] = -100
+    labels[0, 2:9] = -100  # unevenly over the batch: the loss must divide by the global count
+    return labels
+
+
 def check(family: str, strategy: dict, rank: int) -> None:
     reference, model = tiny_pair(family)
     batches = [torch.randint(0, 256, (4, 16)) for _ in range(5)]
     mesh = hp.strategy_mesh(strategy)
     hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
-    if strategy.get("fsdp"):  # FSDP2 shards the tp blocks again over dp
-        assert str(hp.layout_of(model.model.layers[0].mlp.down_proj.weight)) == "64/dp 128/tp"
+    down = lambda: model.model.layers[0].mlp.down_proj.weight  # noqa: E731 (FSDP swaps the parameter)
+    fsdp_axes = hp.Strategy.of(strategy).fsdp_axes
+    if fsdp_axes:  # FSDP2 shards the blocks again over dp x cp, flattened: every rank holds a different shard
+        tp = "/tp" if strategy.get("tp", 1) > 1 else ""
+        assert str(hp.layout_of(down())) == f"64/{'_'.join(fsdp_axes)} 128{tp}", hp.layout_of(down())
     mlp_calls = []  # the block's MLP runs once per step, twice with recompute (again in backward)
     model.model.layers[0].mlp.register_forward_pre_hook(lambda *args: mlp_calls.append(1))
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step, ids in enumerate(batches):
-        labels = ids.clone()
-        labels[:, :2] = -100
-        labels[0, 2:9] = -100  # unevenly over the batch: the loss must divide by the global count
+        labels = labelled(ids)
         want = reference(input_ids=ids, labels=labels).loss
         want.backward()
         got = model(input_ids=ids, labels=labels).loss
-        got.backward()
         where = f"rank {rank} {family} {strategy} step {step}"
+        if fsdp_axes:  # the block's parameters are still gathered only when not resharded after forward
+            kept = not strategy.get("reshard_after_forward", True)
+            assert (down().to_local().shape[0] == 64) == kept, f"{where}: {hp.layout_of(down())} after forward"
+        got.backward()
         torch.testing.assert_close(got.full_tensor(), want, rtol=1e-5, atol=0, msg=where)
         if step == 0:
             for (name, p), r in zip(model.named_parameters(), reference.parameters()):
@@ -57,12 +73,42 @@ def check(family: str, strategy: dict, rank: int) -> None:
             o.zero_grad()
 
 
+def check_mixed_precision(rank: int) -> None:
+    """bf16 gathered and computed in, fp32 reduced in and kept: the loss within bf16's error of HF's fp32 one."""
+    strategy = {"cp": 4, "fsdp": True, "param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    reference, model = tiny_pair("llama")
+    ids = torch.randint(0, 256, (4, 16))
+    want = reference(input_ids=ids, labels=labelled(ids)).loss
+    want.backward()
+    mesh = hp.strategy_mesh(strategy)
+    hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
+    gathered = []  # runs after FSDP's own pre-forward hook, which gathers the block
+    model.model.layers[0].register_forward_pre_hook(lambda block, args: gathered.append(block.mlp.down_proj.weight.dtype))
+    with mock.patch.object(dist, "reduce_scatter_single", wraps=dist.reduce_scatter_single) as reduce_scatter:
+        got = model(input_ids=ids, labels=labelled(ids)).loss
+        got.backward()
+    where = f"rank {rank} {strategy}"
+    assert gathered == [torch.bfloat16], f"{where}: gathered {gathered}"
+    reduced = {call.kwargs["input"].dtype for call in reduce_scatter.call_args_list}
+    assert reduced == {torch.float32}, f"{where}: reduce-scattered {reduced}"
+    kept = {(p.dtype, p.grad.dtype) for p in model.parameters()}
+    assert kept == {(torch.float32, torch.float32)}, f"{where}: sharded parameters and gradients {kept}"
+    torch.testing.assert_close(got.full_tensor(), want, rtol=2e-2, atol=0, msg=where)  # bf16 keeps 8 bits
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        error = float((p.grad.full_tensor() - r.grad).norm() / r.grad.norm())
+        assert error < 3e-2, f"{where}: {name} gradient off by {error:.3f} of its norm"
+
+
 def main() -> None:
     rank = int(os.environ["RANK"])
     for family in FAMILIES:
         check(family, {"dp": 2, "tp": 2, "fsdp": True, "recompute": family == "llama"}, rank)
-    for strategy in ({"dp": 2, "tp": 2}, {"cp": 4}, {"cp": 4, "cp_algorithm": "ring"}):
+    for strategy in (
+        {"dp": 2, "tp": 2}, {"cp": 4}, {"cp": 4, "cp_algorithm": "ring"}, {"dp": 2, "cp": 2, "fsdp": True},
+        {"cp": 2, "tp": 2, "cp_algorithm": "ring", "fsdp": True, "reshard_after_forward": False},
+    ):
         check("llama", strategy, rank)
+    check_mixed_precision(rank)
     print(f"rank {rank} ok", flush=True)
 
 
