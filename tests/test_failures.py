@@ -158,7 +158,10 @@ BAD = {
     "cp not dividing heads": lambda t, m: (["parallel.cp=4"], "parallel.cp = 4 (Ulysses) does not divide the 2 heads"),
     "stage not available": lambda t, m: (["stage=dpo"], "stage = 'dpo'"),
     "port out of range": lambda t, m: (["master_port=70000"], "master_port = 70000: expected a port in [1, 65535]"),
-    "workers not matching degrees": lambda t, m: (["nproc_per_node=3"], "nproc_per_node = 3: expected 2"),
+    "workers not matching degrees": lambda t, m: (["nproc_per_node=3"],
+                                                  "nproc_per_node = 3 (x nnodes = 1): 3 ranks do not split into groups "
+                                                  "of cp * tp = 2"),
+    "workers not matching dp": lambda t, m: (["nproc_per_node=4", "parallel.dp=1"], "nproc_per_node = 4: expected 2"),
     "bad override syntax": lambda t, m: (["bf16"], "override 'bf16': expected KEY=VALUE"),
     "unknown dataset name": lambda t, m: (["dataset=nope"], f"dataset 'nope' is not in {DATA}/dataset_info.json"),
     "no dataset_info and no file": lambda t, m: ([_data(t, {}), "dataset=alpaca"], "has no dataset_info.json and no file"),

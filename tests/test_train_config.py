@@ -83,7 +83,8 @@ def test_defaults_are_llamafactorys():
     assert to_dict(cfg) == {
         **MINIMAL, "stage": "sft", "do_train": True, "trust_remote_code": False, "finetuning_type": "full",
         "weight_decay": 0.0, "max_grad_norm": 1.0, "dataset_dir": "data", "template": None, "cutoff_len": 2048, "max_samples": None,
-        "preprocessing_num_workers": None, "dataloader_num_workers": 0, "report_to": [],
+        "preprocessing_num_workers": None, "dataloader_num_workers": 0, "report_to": [], "logging_dir": None,
+        "fsdp_transformer_layer_cls_to_wrap": None,
         "val_size": 0.0, "eval_dataset": None, "do_eval": False, "eval_strategy": "no", "eval_steps": None,
         "per_device_eval_batch_size": 8,
         "overwrite_output_dir": False, "logging_steps": 500, "save_steps": 500, "save_total_limit": None,
@@ -215,6 +216,11 @@ def test_deepspeed_and_hf_fsdp_keys_map_to_the_strategy(extra, strategy, note):
     assert validate(to_dict(cfg)) == cfg
 
 
+def test_an_unset_finetuning_type_is_said_to_differ_from_llamafactorys():
+    assert any("finetuning_type unset: LlamaFactory's default is lora" in n for n in validate(MINIMAL).notes)
+    assert not validate({**MINIMAL, "finetuning_type": "full"}).notes
+
+
 @pytest.mark.parametrize("value, names, note", [
     ("none", (), ""), ("tensorboard", ("tensorboard",), ""), ("all", ("tensorboard",), ""),
     (["wandb", "tensorboard"], ("wandb", "tensorboard"), "report_to: wandb is not written to"),
@@ -230,8 +236,8 @@ def test_deepspeed_json_is_found_next_to_the_config(tmp_path, monkeypatch):
     path = _write(tmp_path, yaml.safe_dump({**MINIMAL, "deepspeed": "ds/z3.json", "nproc_per_node": 2}))
     monkeypatch.chdir("/")
     cfg = load_config(path)
-    assert cfg.parallel.fsdp and cfg.parallel.dp == 2 and cfg.notes == ("deepspeed (z3.json): ZeRO-3 runs as FSDP over "
-                                                                        "the data-parallel ranks",)
+    assert cfg.parallel.fsdp and cfg.parallel.dp == 2
+    assert cfg.notes[0] == "deepspeed (z3.json): ZeRO-3 runs as FSDP over the data-parallel ranks"
 
 
 def test_hyper_parallel_args_as_json_file(tmp_path, monkeypatch):

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -41,7 +40,13 @@ import yaml
 
 from hp.strategy import CP_ALGORITHMS, Strategy, StrategyError
 from hp.train.llamafactory_keys import verdict
-from hp.train.sharding_keys import ShardingKeyError, Translation, from_deepspeed, from_hf_fsdp, read_json
+from hp.train.sharding_keys import (
+    ShardingKeyError,
+    Translation,
+    from_deepspeed,
+    from_hf_fsdp,
+    read_json,
+)
 from hp.train.templates import TEMPLATES as TEMPLATE_TABLE
 
 __all__ = [
@@ -109,6 +114,7 @@ class TrainConfig:
     save_only_model: bool = False  # checkpoints without optimizer state: smaller, but they cannot be resumed
     plot_loss: bool = False
     report_to: tuple[str, ...] = ()  # experiment trackers (HF's names); hp writes "tensorboard", notes the others
+    logging_dir: str | None = None  # where TensorBoard events go; None: output_dir/runs
     resume_from_checkpoint: str | None = None  # None, a checkpoint directory, or "last"
     # train
     per_device_train_batch_size: int = 1
@@ -132,6 +138,7 @@ class TrainConfig:
     deepspeed: str | Mapping[str, Any] | None = None  # a DeepSpeed JSON path, or its mapping
     fsdp: str | list[str] | None = None  # HF Trainer's fsdp options, such as "full_shard auto_wrap"
     fsdp_config: str | Mapping[str, Any] | None = None
+    fsdp_transformer_layer_cls_to_wrap: str | list[str] | None = None  # HF's older spelling; hp wraps every block
     # launch
     nproc_per_node: int | None = None  # None: dp * cp * tp / nnodes
     nnodes: int = 1
@@ -143,7 +150,7 @@ class TrainConfig:
     # LlamaFactory keys that change nothing here, as given (hp.train.llamafactory_keys; the launcher prints why)
     no_effect: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     # what was made of sharding keys from elsewhere (DeepSpeed, HF fsdp, HyperParallel); the launcher prints them
-    notes: tuple[str, ...] = ()
+    notes: tuple[str, ...] = field(default=(), compare=False)  # messages about how it was written, not the config
 
     @property
     def datasets(self) -> tuple[str, ...]:
@@ -212,6 +219,7 @@ _RULES: dict[str, _Rule] = {
     "save_only_model": _Rule("bool"),
     "ddp_timeout": _Rule("int", lambda v: v >= 1, "a number of seconds >= 1"),
     "plot_loss": _Rule("bool"),
+    "logging_dir": _Rule("str", _nonempty, "a directory, or null for output_dir/runs", optional=True),
     "resume_from_checkpoint": _Rule("str", _nonempty, f"a checkpoint directory, {RESUME_LAST!r}, or null", optional=True),
     "per_device_train_batch_size": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
     "gradient_accumulation_steps": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
@@ -412,7 +420,7 @@ def validate(raw: Mapping[str, Any] | None, *, base_dir: str | os.PathLike | Non
     values["parallel"] = _with_recompute(strategy, given, hyper, elsewhere,
                                          values.get("disable_gradient_checkpointing", False))
     values["hyper_parallel_args"] = None if hyper is None else MappingProxyType(hyper)
-    values["report_to"], values["notes"] = trackers[0], notes + trackers[1]
+    values["report_to"], values["notes"] = trackers[0], notes + trackers[1] + _unset_notes(raw)
     values.update({key: MappingProxyType(dict(raw[key])) if isinstance(raw[key], Mapping) else raw[key]
                    for key in _ELSEWHERE_KEYS if raw.get(key) is not None})
     values["no_effect"] = MappingProxyType({k: found.kept for k, found in foreign.items() if found})
@@ -491,6 +499,15 @@ def read_hyper_parallel_args(path: str | os.PathLike, base_dir: str | os.PathLik
         raise ConfigError(str(e)) from None
 
 
+def _unset_notes(raw: Mapping[str, Any]) -> tuple[str, ...]:
+    """Where an unset key means something else in LlamaFactory, and hp cannot follow it yet."""
+    if "finetuning_type" in raw:
+        return ()
+    note = ("finetuning_type unset: LlamaFactory's default is lora; hp train trains every weight (full), as LoRA is "
+            "not available yet")
+    return (note,)
+
+
 TRACKERS = ("tensorboard",)  # what report_to can name and hp train writes
 # HF Trainer's other integrations: accepted, and said to be left out.
 _OTHER_TRACKERS = ("azure_ml", "clearml", "codecarbon", "comet_ml", "dagshub", "dvclive", "flyte", "mlflow", "neptune",
@@ -511,12 +528,14 @@ def _report_to(value: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
         raise ConfigError(f"report_to = {value!r}: {', '.join(map(repr, unknown))} is not a tracker HF Trainer knows; "
                           f"expected {_one_of(TRACKERS + _OTHER_TRACKERS)}, 'none' or 'all'")
     left_out = [n for n in names if n in _OTHER_TRACKERS]
-    notes = (f"report_to: {', '.join(left_out)} {'is' if len(left_out) == 1 else 'are'} not written to; hp train writes "
-             "output_dir/metrics.jsonl, and TensorBoard events with report_to: tensorboard",) if left_out else ()
+    note = (f"report_to: {', '.join(left_out)} {'is' if len(left_out) == 1 else 'are'} not written to; hp train "
+            "writes output_dir/metrics.jsonl, and TensorBoard events with report_to: tensorboard")
+    notes = (note,) if left_out else ()
     return tuple(n for n in dict.fromkeys(names) if n != "none"), notes
 
 
-_ELSEWHERE_KEYS = ("deepspeed", "fsdp", "fsdp_config")  # sharding keys of DeepSpeed and HF Trainer
+# sharding keys of DeepSpeed and HF Trainer (the last changes nothing: FSDP wraps every decoder block anyway)
+_ELSEWHERE_KEYS = ("deepspeed", "fsdp", "fsdp_config", "fsdp_transformer_layer_cls_to_wrap")
 
 
 def _sharding_elsewhere(raw: Mapping[str, Any], base_dir: str | os.PathLike | None) -> list[Translation]:

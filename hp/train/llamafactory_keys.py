@@ -329,7 +329,7 @@ _TABLE: dict[str, ForeignKey] = {
     **_refused("feeding a model's past states back as input (past_index) is not available", {"past_index": -1}),
     # ------------------------------------------------ HF Trainer: logging and trackers
     **_noted(f"rank 0 logs every logging_steps steps and step 1; {_TRACKERS}", "logging_strategy",
-             "logging_first_step", "log_on_each_node", "log_level_replica", "logging_dir"),
+             "logging_first_step", "log_on_each_node", "log_level_replica"),
     **_noted("a loss or gradient norm that is not finite stops the run", "logging_nan_inf_filter"),
     **_noted("hp train prints its own progress and one message per failure (hp train --debug shows everything)",
              "log_level"),

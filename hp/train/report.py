@@ -2,7 +2,7 @@
 
 One record per logging step or evaluation (a dict of numbers with its
 `step`) is appended to metrics.jsonl as strict JSON, and written as scalars
-to TensorBoard's event files in `output_dir/runs` when the config's
+to TensorBoard's event files in `logging_dir` (default `output_dir/runs`) when the config's
 `report_to` holds "tensorboard" (HF Trainer's tag names: `train/loss`,
 `train/lr`, `eval/loss`, ...). A resumed run first drops what was recorded
 past its checkpoint, in both, so every step appears once.
@@ -29,16 +29,17 @@ class Reporter:
     {"step": 1, "loss": 2.5}
     """
 
-    def __init__(self, output_dir: str, report_to: tuple[str, ...], *, resumed_at: int) -> None:
+    def __init__(self, output_dir: str, report_to: tuple[str, ...], *, resumed_at: int,
+                 logging_dir: str | None = None) -> None:
         self.path = os.path.join(output_dir, METRICS)
         _keep_until(self.path, resumed_at)
         self.tensorboard = None
         if "tensorboard" in report_to:
             from torch.utils.tensorboard import SummaryWriter
 
-            # purge_step: events past the checkpoint (a crashed run's) are dropped on resume
-            self.tensorboard = SummaryWriter(os.path.join(output_dir, TENSORBOARD_DIR),
-                                             purge_step=resumed_at or None)
+            # purge_step: the events from it on (a crashed run's, past the checkpoint) are dropped on resume
+            self.tensorboard = SummaryWriter(logging_dir or os.path.join(output_dir, TENSORBOARD_DIR),
+                                             purge_step=resumed_at + 1 if resumed_at else None)
 
     def write(self, record: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
