@@ -135,7 +135,7 @@ def test_cp_refuses_masks_and_positions_it_cannot_honour(kwargs, message):
         ({"cp": 2, "cp_algorithm": "star"}, r"cp_algorithm = 'star': expected one of 'ulysses', 'ring'"),
         ({"dp": 2, "fsdp": True, "param_dtype": "fp8"}, r"param_dtype = 'fp8': expected one of 'float32', 'bfloat16', "
                                                         r"'float16' or null"),
-        ({"dp": 2, "fsdp": True, "reshard_after_forward": "no"}, r"reshard_after_forward = 'no': expected true or false"),
+        ({"dp": 2, "fsdp": True, "reshard_after_forward": "no"}, r"reshard_after_forward = 'no': expected true or f"),
         ({"dp": 2, "reduce_dtype": "float32"}, r"reduce_dtype = 'float32': only FSDP has this option; set fsdp true"),
         ({"cp": 2, "reshard_after_forward": False}, r"reshard_after_forward = False: only FSDP has this option"),
         ({"tp": 2, "fsdp": True, "param_dtype": "bfloat16"}, r"param_dtype = 'bfloat16': FSDP has no ranks to shard "

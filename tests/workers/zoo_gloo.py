@@ -37,16 +37,21 @@ def labelled(ids: torch.Tensor) -> torch.Tensor:
     return labels
 
 
+def down_proj(model) -> torch.Tensor:
+    """The block's down projection as registered now (FSDP registers the sharded or the gathered one)."""
+    return model.model.layers[0].mlp.down_proj.weight
+
+
 def check(family: str, strategy: dict, rank: int) -> None:
     reference, model = tiny_pair(family)
     batches = [torch.randint(0, 256, (4, 16)) for _ in range(5)]
     mesh = hp.strategy_mesh(strategy)
     hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
-    down = lambda: model.model.layers[0].mlp.down_proj.weight  # noqa: E731 (FSDP swaps the parameter)
     fsdp_axes = hp.Strategy.of(strategy).fsdp_axes
     if fsdp_axes:  # FSDP2 shards the blocks again over dp x cp, flattened: every rank holds a different shard
         tp = "/tp" if strategy.get("tp", 1) > 1 else ""
-        assert str(hp.layout_of(down())) == f"64/{'_'.join(fsdp_axes)} 128{tp}", hp.layout_of(down())
+        layout = str(hp.layout_of(down_proj(model)))
+        assert layout == f"64/{'_'.join(fsdp_axes)} 128{tp}", f"rank {rank} {strategy}: {layout}"
     mlp_calls = []  # the block's MLP runs once per step, twice with recompute (again in backward)
     model.model.layers[0].mlp.register_forward_pre_hook(lambda *args: mlp_calls.append(1))
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
@@ -57,9 +62,9 @@ def check(family: str, strategy: dict, rank: int) -> None:
         want.backward()
         got = model(input_ids=ids, labels=labels).loss
         where = f"rank {rank} {family} {strategy} step {step}"
-        if fsdp_axes:  # the block's parameters are still gathered only when not resharded after forward
-            kept = not strategy.get("reshard_after_forward", True)
-            assert (down().to_local().shape[0] == 64) == kept, f"{where}: {hp.layout_of(down())} after forward"
+        if fsdp_axes:  # the block is still gathered after forward only when not resharded
+            gathered = down_proj(model).to_local().shape[0] == 64
+            assert gathered != strategy.get("reshard_after_forward", True), f"{where}: gathered {gathered}"
         got.backward()
         torch.testing.assert_close(got.full_tensor(), want, rtol=1e-5, atol=0, msg=where)
         if step == 0:
@@ -83,7 +88,7 @@ def check_mixed_precision(rank: int) -> None:
     mesh = hp.strategy_mesh(strategy)
     hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
     gathered = []  # runs after FSDP's own pre-forward hook, which gathers the block
-    model.model.layers[0].register_forward_pre_hook(lambda block, args: gathered.append(block.mlp.down_proj.weight.dtype))
+    model.model.layers[0].register_forward_pre_hook(lambda block, args: gathered.append(down_proj(model).dtype))
     with mock.patch.object(dist, "reduce_scatter_single", wraps=dist.reduce_scatter_single) as reduce_scatter:
         got = model(input_ids=ids, labels=labelled(ids)).loss
         got.backward()
