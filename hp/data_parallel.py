@@ -6,7 +6,7 @@ FSDP, parameters are replicated over dp and cp and `reduce_gradients`
 resolves those sums where the training step wants, before the optimizer.
 With FSDP, FSDP2 (`fully_shard`, one unit per decoder block plus the root)
 shards the laid-out parameters again over the flattened dp x cp ranks
-(`64/tp/dp 64`, torchtitan's `dp_shard_cp`) and its reduce-scatter resolves
+(`64/tp/dp_cp 64`, torchtitan's `dp_shard_cp`) and its reduce-scatter resolves
 the pending sums itself; both modes take the same inputs and give the same
 loss.
 """
@@ -26,9 +26,10 @@ def fully_shard_model(model: nn.Module, mesh, blocks: list[nn.Module], strategy:
     over dp and cp and laid out over tp, and each gradient reaches FSDP still pending its sum
     over dp and cp, which FSDP keeps and resolves in its reduce-scatter over the flattened
     dp x cp ranks (redistributing only the tp part). So that reduce-scatter must sum, not
-    average: the loss is already a sum over the global count of labelled tokens. Mixed
-    precision applies to every unit; `reshard_after_forward` to the blocks, while the root
-    keeps FSDP's own choice (gathered after forward: backward starts with it).
+    average: each rank's part of the loss is already divided by the global count of labelled
+    tokens, so the parts' gradients add up to one device's. Mixed precision applies to every
+    unit; `reshard_after_forward` to the blocks, while the root keeps FSDP's own choice
+    (gathered after forward: backward starts with it).
     """
     from torch.distributed.fsdp import DataParallelMeshDims, MixedPrecisionPolicy, fully_shard
 

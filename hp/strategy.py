@@ -27,7 +27,7 @@ CP_ALGORITHMS = ("ulysses", "ring")  # how attention runs on a sequence split ov
 MESH_AXES = ("dp", "cp", "tp")  # mesh order: data outermost, tensor innermost (neighbouring ranks)
 OFFLOAD_TIERS = ("host", "disk")
 DTYPES = ("float32", "bfloat16", "float16")  # what FSDP may gather parameters and reduce gradients in
-FSDP_OPTIONS = ("reshard_after_forward", "param_dtype", "reduce_dtype")  # FSDP2's own, passed to every unit
+FSDP_OPTIONS = ("reshard_after_forward", "param_dtype", "reduce_dtype")  # FSDP2's own: refused without FSDP
 
 
 class StrategyError(ValueError):
