@@ -24,8 +24,11 @@ Stage "sft" renders each record as a conversation with a chat template
 `empty`) and encodes it as LlamaFactory's supervised stage does
 (`hp.train.encoding`): the same ids, every answer supervised (alpaca's
 `history` included) and every prompt masked, `cutoff_len` shared between
-prompt and answer turn by turn. A template whose special tokens the
-tokenizer lacks is refused. Stage "pt" trains on plain text: an alpaca record
+prompt and answer turn by turn. LlamaFactory's `default_system`,
+`train_on_prompt`, `mask_history`, `enable_thinking` and
+`preserve_thinking` change that as they do there (`SFT_OPTIONS`; the two
+supervision keys are refused in pt, as there). A template whose special
+tokens the tokenizer lacks is refused. Stage "pt" trains on plain text: an alpaca record
 gives its prompt, query and response columns that are present, joined by
 newlines (so `"columns": {"prompt": "text"}` reads a `text` column, as in
 LlamaFactory), or, lacking the prompt column, its `text` key; each
@@ -58,7 +61,8 @@ import torch
 
 from hp.train.config import STAGES
 from hp.train.encoding import (  # noqa: F401 - encode_prompt and get_template are re-exported for callers
-    IGNORE_INDEX, Conversation, document_end_id, encode_conversation, encode_prompt, get_template, template_for,
+    IGNORE_INDEX, Conversation, check_supervision, document_end_id, encode_conversation, encode_prompt, get_template,
+    template_for,
 )
 from hp.train.templates import TEMPLATES, Template  # noqa: F401 - TEMPLATES re-exported
 from hp.train.tokenizer import Tokenizer
@@ -71,6 +75,11 @@ ALPACA_COLUMNS: dict[str, str | None] = {
     "prompt": "instruction", "query": "input", "response": "output", "system": None, "history": None,
 }
 SHAREGPT_COLUMNS: dict[str, str | None] = {"messages": "conversations", "system": None, "tools": None}
+# LlamaFactory's data arguments that change the sft encoding, with its defaults (config keys of the same names).
+SFT_OPTIONS: dict[str, Any] = {
+    "default_system": None, "train_on_prompt": False, "mask_history": False, "enable_thinking": True,
+    "preserve_thinking": False,
+}
 SHAREGPT_TAGS: dict[str, str] = {
     "role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
     "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system",
@@ -370,7 +379,8 @@ def pack(documents: Sequence[list[int]], cutoff_len: int) -> list[dict[str, list
 def load_examples(config: Any, tokenizer: Tokenizer) -> Examples:
     """`build_examples` with the arguments a training config holds under LlamaFactory's key names.
 
-    `config` needs `dataset`, `dataset_dir`, `stage`, `template`, `cutoff_len` and `max_samples`.
+    `config` needs `dataset`, `dataset_dir`, `stage`, `template`, `cutoff_len` and `max_samples`; the keys
+    of `SFT_OPTIONS` that it lacks take LlamaFactory's defaults (a `TrainConfig` has them all).
 
     >>> from types import SimpleNamespace
     >>> from hp.train.tokenizer import ByteTokenizer
@@ -381,8 +391,12 @@ def load_examples(config: Any, tokenizer: Tokenizer) -> Examples:
     """
     return build_examples(
         config.dataset, config.dataset_dir, tokenizer, stage=config.stage, template=config.template,
-        cutoff_len=config.cutoff_len, max_samples=config.max_samples,
+        cutoff_len=config.cutoff_len, max_samples=config.max_samples, **_sft_options(config),
     )
+
+
+def _sft_options(config: Any) -> dict[str, Any]:
+    return {key: getattr(config, key, default) for key, default in SFT_OPTIONS.items()}
 
 
 def load_splits(config: Any, tokenizer: Tokenizer) -> tuple[Examples, Examples | None]:
@@ -403,7 +417,8 @@ def load_splits(config: Any, tokenizer: Tokenizer) -> tuple[Examples, Examples |
     examples = load_examples(config, tokenizer)
     if config.eval_dataset:
         held = build_examples(config.eval_dataset, config.dataset_dir, tokenizer, stage=config.stage,
-                              template=config.template, cutoff_len=config.cutoff_len, max_samples=config.max_samples)
+                              template=config.template, cutoff_len=config.cutoff_len, max_samples=config.max_samples,
+                              **_sft_options(config))
         return examples, held
     if config.val_size:
         return split_for_eval(examples, config.val_size, config.seed)
@@ -450,11 +465,18 @@ def build_examples(
     template: str | Template | None = None,
     cutoff_len: int = 1024,
     max_samples: int | None = None,
+    default_system: str | None = None,
+    train_on_prompt: bool = False,
+    mask_history: bool = False,
+    enable_thinking: bool | None = True,
+    preserve_thinking: bool = False,
 ) -> Examples:
     """Read, render and tokenize the named datasets (see the module docstring for the rules).
 
     `max_samples` keeps the first that many records of each dataset; `template` None reads the
-    tokenizer's chat_template, else uses `empty` (see `hp.train.encoding.get_template`).
+    tokenizer's chat_template, else uses `empty` (see `hp.train.encoding.get_template`). The
+    keys of `SFT_OPTIONS` are LlamaFactory's (see `hp.train.encoding.configure` and
+    `encode_conversation`).
 
     >>> from hp.train.tokenizer import ByteTokenizer
     >>> data_dir = Path(__file__).parents[2] / "examples" / "data"  # the repository's quickstart data
@@ -466,7 +488,15 @@ def build_examples(
         raise ValueError(f"stage {stage!r} is not one of {', '.join(STAGES)}")
     if cutoff_len < 1:
         raise ValueError(f"cutoff_len must be positive, got {cutoff_len}")
-    tmpl = template_for(template, tokenizer, stage)
+    for key, value in (("train_on_prompt", train_on_prompt), ("mask_history", mask_history)):
+        if stage == "pt" and value is True:
+            raise ValueError(f"{key} = true with stage 'pt': pt supervises every token of its documents, and "
+                             f"LlamaFactory takes train_on_prompt and mask_history in sft only; expected {key}: false, "
+                             "or stage: sft")
+    tmpl = template_for(template, tokenizer, stage, default_system=default_system, enable_thinking=enable_thinking,
+                        preserve_thinking=preserve_thinking)
+    if stage == "sft":
+        check_supervision(tmpl, train_on_prompt=train_on_prompt, mask_history=mask_history)
     end = document_end_id(tmpl, tokenizer) if stage == "pt" else None
     documents: list[list[int]] = []
     examples: list[dict[str, list[int]]] = []
@@ -482,7 +512,8 @@ def build_examples(
             conv = read(record, spec, i)
             if conv.turns[-1][0] != "assistant":
                 raise ValueError(f"{spec.where(i)}: the conversation ends with a user turn; sft needs a response last")
-            ids, labels = encode_conversation(conv, tokenizer, tmpl, cutoff_len)
+            ids, labels = encode_conversation(conv, tokenizer, tmpl, cutoff_len, train_on_prompt=train_on_prompt,
+                                              mask_history=mask_history)
             if all(label == IGNORE_INDEX for label in labels):
                 dropped += 1  # nothing to learn (an empty answer, or no room left for one): it would only cost
                 continue

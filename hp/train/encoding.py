@@ -8,11 +8,20 @@ prompt is masked (-100) and every answer supervised, history included.
 There is no bos but the template's: `default`, `alpaca` and `empty` start
 with the first text, `llama3`, `mistral`, `gemma` with the tokenizer's bos.
 
+LlamaFactory's data arguments that change this are honoured as it honours
+them: `default_system`, `enable_thinking` and `preserve_thinking` make a
+changed copy of the template (`configure`); `train_on_prompt` supervises
+the prompts too, and `mask_history` only the last answer, its turns being
+given room last turn first (`encode_conversation`). What LlamaFactory
+refuses is refused (`check_supervision`): `train_on_prompt` with an
+`efficient_eos` template, or together with `mask_history`.
+
 `cutoff_len` is shared out as LlamaFactory's `infer_seqlen` does
-(`fit_lengths`): turn by turn, a short answer stays whole and the prompt is
-cut at its right; when both are long each keeps a share in proportion to
-its length. Turns that find no room left are dropped, and an
-`efficient_eos` template keeps one token for its final eos.
+(`fit_lengths`): turn by turn (the last first under `mask_history`), a
+short answer stays whole and the prompt is cut at its right; when both are
+long each keeps a share in proportion to its length. Turns that find no
+room left are dropped, and an `efficient_eos` template keeps one token for
+its final eos.
 
 `template` unset (None) means, as in LlamaFactory, the tokenizer's own
 `chat_template` read back by `hp.train.chat_template`, or `empty` when the
@@ -24,6 +33,8 @@ would add them to the vocabulary and resize the embeddings.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -90,8 +101,16 @@ def check_template(template: Template, tokenizer: Tokenizer, stage: str = "sft")
     )
 
 
-def template_for(template: str | Template | None, tokenizer: Tokenizer, stage: str = "sft") -> Template:
-    """The template a `stage` dataset is encoded with (`get_template`), checked against the tokenizer.
+def template_for(
+    template: str | Template | None,
+    tokenizer: Tokenizer,
+    stage: str = "sft",
+    *,
+    default_system: str | None = None,
+    enable_thinking: bool | None = True,
+    preserve_thinking: bool = False,
+) -> Template:
+    """The template a `stage` dataset is encoded with (`get_template`, then `configure`), checked against the tokenizer.
 
     >>> from hp.train.tokenizer import ByteTokenizer
     >>> template_for(None, ByteTokenizer()).name
@@ -103,8 +122,69 @@ def template_for(template: str | Template | None, tokenizer: Tokenizer, stage: s
         tmpl = TEMPLATES["empty"]
     else:
         tmpl = get_template(template, tokenizer)
+    tmpl = configure(tmpl, default_system=default_system, enable_thinking=enable_thinking,
+                     preserve_thinking=preserve_thinking)
     check_template(tmpl, tokenizer, stage)
     return tmpl
+
+
+def configure(
+    template: Template,
+    *,
+    default_system: str | None = None,
+    enable_thinking: bool | None = True,
+    preserve_thinking: bool = False,
+) -> Template:
+    """`template` as LlamaFactory's data arguments set it (its `get_template_and_fix_tokenizer`): a changed copy.
+
+    `default_system`, unless None, replaces the template's default system
+    prompt ("" leaves none). `enable_thinking` and `preserve_thinking` are
+    set on reasoning templates (those with a `thought`) only: the others
+    ignore them, as LlamaFactory's do.
+
+    >>> configure(TEMPLATES["alpaca"], default_system="Be brief.").default_system
+    'Be brief.'
+    >>> configure(TEMPLATES["qwen3"], enable_thinking=False).enable_thinking
+    False
+    >>> configure(TEMPLATES["qwen"], enable_thinking=False) is TEMPLATES["qwen"]
+    True
+    """
+    if not (default_system is None or isinstance(default_system, str)):
+        raise ValueError(f"default_system = {default_system!r}: expected a string, or None for the template's own")
+    for key, value, allowed in (("enable_thinking", enable_thinking, (True, False, None)),
+                                ("preserve_thinking", preserve_thinking, (True, False))):
+        if not any(value is a for a in allowed):
+            raise ValueError(f"{key} = {value!r}: expected {' or '.join(map(str, allowed))}")
+    wanted: dict[str, object] = {"default_system": default_system} if default_system is not None else {}
+    if template.thought is not None:
+        wanted.update(enable_thinking=enable_thinking, preserve_thinking=preserve_thinking)
+    changes = {key: value for key, value in wanted.items() if getattr(template, key) != value}
+    return dataclasses.replace(template, **changes) if changes else template
+
+
+def check_supervision(template: Template, *, train_on_prompt: bool = False, mask_history: bool = False) -> None:
+    """Refuse what LlamaFactory refuses: `train_on_prompt` with an `efficient_eos` template, or with `mask_history`.
+
+    >>> check_supervision(TEMPLATES["falcon"], train_on_prompt=True)
+    Traceback (most recent call last):
+    ...
+    ValueError: train_on_prompt = true with template 'falcon': an efficient_eos template supervises each answer's eos at the first token of the next prompt, which a supervised prompt would overwrite (LlamaFactory refuses this too: "Current template does not support `train_on_prompt`"); expected train_on_prompt: false, or a template without efficient_eos (not gemma2, falcon)
+    """
+    for key, value in (("train_on_prompt", train_on_prompt), ("mask_history", mask_history)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{key} = {value!r}: expected true or false")
+    if train_on_prompt and mask_history:
+        raise ValueError("train_on_prompt = true with mask_history = true: train_on_prompt supervises every prompt and "
+                         "mask_history nothing but the last answer (LlamaFactory refuses them together: "
+                         "\"`mask_history` is incompatible with `train_on_prompt`\"); expected at most one of them")
+    if train_on_prompt and template.efficient_eos:
+        efficient = [name for name, t in TEMPLATES.items() if t.efficient_eos]
+        raise ValueError(
+            f"train_on_prompt = true with template {template.name!r}: an efficient_eos template supervises each "
+            "answer's eos at the first token of the next prompt, which a supervised prompt would overwrite "
+            "(LlamaFactory refuses this too: \"Current template does not support `train_on_prompt`\"); expected "
+            f"train_on_prompt: false, or a template without efficient_eos (not {', '.join(efficient)})"
+        )
 
 
 def eos_id(template: Template, tokenizer: Tokenizer) -> int:
@@ -164,8 +244,18 @@ def _ids(parts: list[Part], template: Template, tokenizer: Tokenizer) -> list[in
     return ids
 
 
-def encode_pairs(conv: Conversation, tokenizer: Tokenizer, template: Template) -> list[tuple[list[int], list[int]]]:
+def encode_pairs(
+    conv: Conversation, tokenizer: Tokenizer, template: Template, *, drop_history_thoughts: bool = False
+) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, answer ids) for each user turn and the answer after it (an empty answer when none).
+
+    A reasoning template (one with a `thought`) treats thoughts as
+    LlamaFactory's ReasoningTemplate does: `enable_thinking` False removes
+    them from every answer; `drop_history_thoughts` (mask_history without
+    preserve_thinking) removes them from all answers but the last, and then
+    only the last may get an empty thought. An answer left without a thought
+    gets the empty one at its head, or at the end of its prompt when
+    `enable_thinking` is not True.
 
     >>> from hp.train.tokenizer import ByteTokenizer
     >>> encode_pairs(Conversation([("user", "a"), ("assistant", "b")]), ByteTokenizer(), TEMPLATES["empty"])
@@ -173,6 +263,12 @@ def encode_pairs(conv: Conversation, tokenizer: Tokenizer, template: Template) -
     """
     system = conv.system or template.default_system
     turns = list(conv.turns) + ([("assistant", "")] if len(conv.turns) % 2 else [])
+    thought = template.thought
+    if thought is not None:
+        for i, (role, content) in enumerate(turns):
+            earlier = i < len(turns) - 1
+            if role == "assistant" and (template.enable_thinking is False or (drop_history_thoughts and earlier)):
+                turns[i] = (role, _without_thought(content, thought))
     encoded = []
     for i, (role, content) in enumerate(turns):
         parts: list[Part] = []
@@ -183,15 +279,31 @@ def encode_pairs(conv: Conversation, tokenizer: Tokenizer, template: Template) -
             elif system:  # Llama-2 style: the system text opens the first user message
                 content = str(fill(template.system, system)[0]) + content
         slot = template.user if role == "user" else template.assistant
-        ids = _ids(parts + fill(slot, content), template, tokenizer)
-        if role == "assistant" and template.thought and not _has_thought(content, template.thought):
-            ids = tokenizer.encode(template.thought[0] + template.thought[1]) + ids
-        encoded.append(ids)
-    return [(encoded[i], encoded[i + 1]) for i in range(0, len(encoded), 2)]
+        encoded.append(_ids(parts + fill(slot, content), template, tokenizer))
+    pairs = [(encoded[i], encoded[i + 1]) for i in range(0, len(encoded), 2)]
+    if thought is None:
+        return pairs
+    empty = tokenizer.encode(thought[0] + thought[1])
+    for k in [len(pairs) - 1] if drop_history_thoughts else range(len(pairs)):
+        if not _has_thought(turns[2 * k + 1][1], thought):
+            prompt, answer = pairs[k]
+            # enable_thinking True: the empty thought is learnt; False or None: it is given, in the prompt
+            pairs[k] = (prompt, empty + answer) if template.enable_thinking else (prompt + empty, answer)
+    return pairs
 
 
 def _has_thought(content: str, thought: tuple[str, str]) -> bool:
     return thought[0].strip() in content or thought[1].strip() in content
+
+
+def _without_thought(content: str, thought: tuple[str, str]) -> str:
+    """`content` without its thoughts (each opening and closing pair, whole), as LlamaFactory's `remove_thought`.
+
+    >>> _without_thought("<think>\\nhm\\n</think>\\n\\n4", ("<think>\\n", "\\n</think>\\n\\n"))
+    '4'
+    """
+    pattern = re.compile(f"{re.escape(thought[0])}(.*?){re.escape(thought[1])}", re.DOTALL)
+    return pattern.sub("", content).lstrip("\n")
 
 
 def fit_lengths(prompt_len: int, answer_len: int, room: int) -> tuple[int, int]:
@@ -214,45 +326,76 @@ def fit_lengths(prompt_len: int, answer_len: int, room: int) -> tuple[int, int]:
 
 
 def encode_conversation(
-    conv: Conversation, tokenizer: Tokenizer, template: Template, cutoff_len: int | None = None
+    conv: Conversation,
+    tokenizer: Tokenizer,
+    template: Template,
+    cutoff_len: int | None = None,
+    *,
+    train_on_prompt: bool = False,
+    mask_history: bool = False,
 ) -> tuple[list[int], list[int]]:
     """(input_ids, labels) of a conversation, at most `cutoff_len` long: labels are -100 but on the answers.
+
+    `train_on_prompt` supervises the prompts as well; `mask_history`
+    supervises the last answer only and shares `cutoff_len` out from the
+    last turn back, so that a cut drops the oldest turns (LlamaFactory's
+    supervised processor; its efficient_eos label then follows the reversed
+    order too, as there).
 
     >>> from hp.train.tokenizer import ByteTokenizer
     >>> encode_conversation(Conversation([("user", "a"), ("assistant", "b")]), ByteTokenizer(), TEMPLATES["default"])
     ([72, 117, 109, 97, 110, 58, 32, 97, 258, 10, 65, 115, 115, 105, 115, 116, 97, 110, 116, 58, 98, 258, 10], [-100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, 98, 258, 10])
     """
-    pairs = encode_pairs(conv, tokenizer, template)
+    check_supervision(template, train_on_prompt=train_on_prompt, mask_history=mask_history)
+    pairs = encode_pairs(conv, tokenizer, template,
+                         drop_history_thoughts=mask_history and not template.preserve_thinking)
     limit = cutoff_len if cutoff_len is not None else sum(len(p) + len(a) for p, a in pairs) + 1
     eos = eos_id(template, tokenizer)
     used = 1 if template.efficient_eos else 0  # the final eos is kept room for
-    ids: list[int] = []
-    labels: list[int] = []
+    if mask_history:
+        pairs = pairs[::-1]  # the last turns first: they are given the room
+    turns: list[tuple[list[int], list[int]]] = []
     for k, (prompt, answer) in enumerate(pairs):
         if used >= limit:
             break
         p, a = fit_lengths(len(prompt), len(answer), limit - used)
         used += p + a
-        masked = [IGNORE_INDEX] * p
+        prompt, answer = prompt[:p], answer[:a]
+        prompt_labels = list(prompt) if train_on_prompt else [IGNORE_INDEX] * p
         if template.efficient_eos and k and p:
-            masked[0] = eos  # eos is not in the input: the previous answer learns to end here
-        ids += prompt[:p] + answer[:a]
-        labels += masked + answer[:a]
+            prompt_labels[0] = eos  # eos is not in the input: the previous answer learns to end here
+        answer_labels = [IGNORE_INDEX] * a if mask_history and k else answer
+        turns.append((prompt + answer, prompt_labels + answer_labels))
+    if mask_history:
+        turns.reverse()
+    ids = [i for turn_ids, _ in turns for i in turn_ids]
+    labels = [label for _, turn_labels in turns for label in turn_labels]
     if template.efficient_eos:
         ids.append(eos)
         labels.append(eos)
     return ids, labels
 
 
-def encode_prompt(prompt: str, tokenizer: Tokenizer, template: str | Template | None = None, system: str = "") -> list[int]:
+def encode_prompt(
+    prompt: str,
+    tokenizer: Tokenizer,
+    template: str | Template | None = None,
+    system: str = "",
+    *,
+    default_system: str | None = None,
+    enable_thinking: bool | None = True,
+) -> list[int]:
     """The ids to generate from: one user turn rendered as in training, ending where the answer starts.
+
+    `default_system` replaces the template's (for a prompt without `system`),
+    and with `enable_thinking` False (or None) a reasoning template's prompt
+    ends with the empty thought, as LlamaFactory's chat does.
 
     >>> from hp.train.tokenizer import ByteTokenizer
     >>> tok = ByteTokenizer()
     >>> tok.decode(encode_prompt("reverse\\nabc", tok, "alpaca", system="Be brief.\\n\\n"))
     'Be brief.\\n\\n### Instruction:\\nreverse\\nabc\\n\\n### Response:\\n'
     """
-    tmpl = get_template(template, tokenizer)
-    check_template(tmpl, tokenizer)
+    tmpl = template_for(template, tokenizer, default_system=default_system, enable_thinking=enable_thinking)
     ((ids, _),) = encode_pairs(Conversation([("user", prompt)], system), tokenizer, tmpl)
     return ids

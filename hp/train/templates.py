@@ -57,7 +57,14 @@ class Template:
     where the answer starts. A `thought` pair marks a reasoning template:
     an answer that spells neither tag gets an empty thought (the two
     joined) at its head, supervised, as LlamaFactory does with
-    `enable_thinking: true`. `efficient_eos` templates leave eos out of the
+    `enable_thinking: true`; `enable_thinking` False removes every thought
+    and puts the empty one at the end of the prompt instead, unsupervised,
+    and None keeps the thoughts given but puts the empty one in the prompt
+    too (LlamaFactory's ReasoningTemplate). `preserve_thinking` keeps the
+    thoughts of earlier answers under `mask_history`, which otherwise drops
+    them. These two mean nothing to a template without `thought`, as in
+    LlamaFactory; `hp.train.encoding.configure` sets them and
+    `default_system` from a config. `efficient_eos` templates leave eos out of the
     assistant slot and supervise it once, at the end, and after each answer
     in the label of the next prompt's first token. With `replace_eos` the
     first stop word is the eos (of the eos slots and of pt documents).
@@ -81,6 +88,8 @@ class Template:
     thought: tuple[str, str] | None = None
     special_tokens: tuple[str, ...] = ()  # spelled in the slots' text: each must be one token of the tokenizer
     document_end: str | None = None  # what ends a pt document when not the eos (llama3's <|end_of_text|>)
+    enable_thinking: bool | None = True  # reasoning templates: where the empty thought goes (see above)
+    preserve_thinking: bool = False  # reasoning templates: earlier answers keep their thoughts under mask_history
 
     def __post_init__(self) -> None:
         # A slot without the placeholder would drop the turn's text; LlamaFactory refuses those as well.
