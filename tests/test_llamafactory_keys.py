@@ -22,8 +22,7 @@ FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} - {"no_effect", "note
 # Keys the config module reads and maps itself, beside TrainConfig's fields (sharding, trackers, templates).
 BY_THE_CONFIG = {
     "deepspeed", "fsdp", "fsdp_config", "fsdp_transformer_layer_cls_to_wrap", "hyper_parallel_cp_size", "report_to",
-    "dataloader_num_workers", "preprocessing_num_workers", "template", "enable_thinking", "default_system",
-    "train_on_prompt", "mask_history",
+    "dataloader_num_workers", "preprocessing_num_workers", "template",
 }
 
 # LlamaFactory's keys and their defaults beside HF's, as its hparams define them (hiyouga/LLaMA-Factory at

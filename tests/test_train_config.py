@@ -83,6 +83,8 @@ def test_defaults_are_llamafactorys():
     assert to_dict(cfg) == {
         **MINIMAL, "stage": "sft", "do_train": True, "trust_remote_code": False, "finetuning_type": "full",
         "weight_decay": 0.0, "max_grad_norm": 1.0, "dataset_dir": "data", "template": None, "cutoff_len": 2048, "max_samples": None,
+        "default_system": None, "train_on_prompt": False, "mask_history": False, "enable_thinking": True,
+        "preserve_thinking": False,
         "preprocessing_num_workers": None, "dataloader_num_workers": 0, "report_to": [], "logging_dir": None,
         "fsdp_transformer_layer_cls_to_wrap": None,
         "val_size": 0.0, "eval_dataset": None, "do_eval": False, "eval_strategy": "no", "eval_steps": None,

@@ -94,6 +94,11 @@ class TrainConfig:
     dataset: str  # comma-separated dataset names
     dataset_dir: str = "data"
     template: str | None = None  # one of TEMPLATES; None: the tokenizer's own chat_template, else "empty"
+    default_system: str | None = None  # replaces the template's default system prompt; None: the template's own
+    train_on_prompt: bool = False  # sft: the prompts are supervised too (not with an efficient_eos template)
+    mask_history: bool = False  # sft: only the last answer is supervised; cutoff_len keeps the last turns first
+    enable_thinking: bool | None = True  # reasoning templates (qwen3): false drops thoughts, the empty one not learnt
+    preserve_thinking: bool = False  # reasoning templates: with mask_history, earlier answers keep their thoughts
     cutoff_len: int = 2048  # tokens per sequence, at most
     max_samples: int | None = None  # keep the first that many records of each dataset; null: all
     preprocessing_num_workers: int | None = None  # processes that tokenize the datasets; None: this one
@@ -174,7 +179,7 @@ class TrainConfig:
 class _Rule:
     """What one key takes: its type, and a test with the words that say what the test allows."""
 
-    kind: str  # "str", "int", "float" or "bool"
+    kind: str  # "str", "int", "float" or "bool"; "text": a string kept as written, not stripped
     test: Callable[[Any], bool] | None = None
     allowed: str = ""
     optional: bool = False  # null is a value
@@ -200,6 +205,11 @@ _RULES: dict[str, _Rule] = {
     "dataset": _Rule("str", _dataset_names, "comma-separated dataset names, such as 'alpaca_en_demo,identity'"),
     "dataset_dir": _Rule("str", _nonempty, "a directory"),
     "template": _Rule("str", choices=TEMPLATES, optional=True),
+    "default_system": _Rule("text", optional=True),
+    "train_on_prompt": _Rule("bool"),
+    "mask_history": _Rule("bool"),
+    "enable_thinking": _Rule("bool", optional=True),
+    "preserve_thinking": _Rule("bool"),
     "cutoff_len": _Rule("int", lambda v: v >= 2, "an integer >= 2"),
     "preprocessing_num_workers": _Rule("int", lambda v: v >= 1, "an integer >= 1, or null for one process", optional=True),
     "dataloader_num_workers": _Rule("int", lambda v: v >= 0, "an integer >= 0"),
@@ -283,7 +293,8 @@ _HYPER_NOT_YET = {
 }
 
 
-_KINDS = {"str": "a string", "int": "an integer", "float": "a finite number (1e-4 and 0.0001 both work)", "bool": "true or false"}
+_KINDS = {"str": "a string", "text": "a string", "int": "an integer",
+          "float": "a finite number (1e-4 and 0.0001 both work)", "bool": "true or false"}
 
 
 _WRONG = object()  # what _convert returns for a value of the wrong type
@@ -316,8 +327,8 @@ def _convert(value: Any, kind: str) -> Any:
         return value if isinstance(value, bool) else _WRONG
     if kind == "int":
         return value if isinstance(value, int) and not isinstance(value, bool) else _WRONG
-    if kind == "str":
-        return value.strip() if isinstance(value, str) else _WRONG
+    if kind in ("str", "text"):  # text: as written (a system prompt's spaces and newlines are tokens)
+        return (value.strip() if kind == "str" else value) if isinstance(value, str) else _WRONG
     # float: YAML 1.1 reads 1e-4 (no dot) as a string, so numeric strings count
     if isinstance(value, bool):
         return _WRONG

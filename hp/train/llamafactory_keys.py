@@ -239,10 +239,8 @@ _TABLE: dict[str, ForeignKey] = {
     "packing": ForeignKey("hp packs pt documents into cutoff_len blocks and never packs sft examples (each is padded "
                           "to its batch's longest)", True, (None,), (("pt", (True,)), ("sft", (False,)))),
     **_refused("sft examples are never packed here (each is padded to its batch's longest)", {"neat_packing": False}),
-    **_refused("tool formats are not available yet: a dataset's tools column is read and ignored",
-               {"tool_format": None}),
-    **_refused("templates that keep the thinking of earlier turns are not available yet",
-               {"preserve_thinking": False}),
+    **_refused("tool formats are not available yet: a dataset's tools column is read and ignored, and a function "
+               "call is encoded as a plain answer", {"tool_format": None}),
     # ------------------------------------------------ finetuning: methods, losses, optimizers
     **_refused(_FREEZE, {"freeze_trainable_layers": 2, "freeze_trainable_modules": "all",
                          "freeze_extra_modules": None}),
