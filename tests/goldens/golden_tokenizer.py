@@ -67,10 +67,42 @@ RECORDS: dict[str, dict] = {
     "braces_and_thought": {"system": "", "turns": [
         ["user", "Fill {x} in {{content}}"], ["assistant", "<think>\nx is 1\n</think>\n\n{x} = 1"],
     ]},
+    "thoughts": {"system": "", "turns": [  # a thought in an earlier answer, none in the next, one in the last
+        ["user", "2+2?"], ["assistant", "<think>\nadd them\n</think>\n\n4"],
+        ["user", "And 3+3?"], ["assistant", "6"],
+        ["user", "Sure?"], ["assistant", "<think>\ncheck: 3+3 is 6\n</think>\n\nYes, 6."],
+    ]},
 }
 
 # (record, cutoff_len) pairs: every record whole, and the long ones cut at a few lengths.
 CASES = [(name, 1024) for name in RECORDS] + [("multi", 12), ("multi", 40), ("multi", 70), ("unicode", 30)]
+
+# LlamaFactory's data arguments that change the sft encoding, each set tried on some templates (by name), some
+# Jinja chat templates of CHAT_TEMPLATES (read with `template` unset) and some (record, cutoff_len) pairs. The
+# sets LlamaFactory refuses are here too: the goldens keep its error instead of ids.
+_SYSTEM = "Answer in one word.\n"  # a newline of its own: the text is taken as written
+OPTION_CASES: list[tuple[dict, tuple[str, ...], tuple[str, ...], list[tuple[str, int]]]] = [
+    ({"train_on_prompt": True}, ("default", "qwen", "llama3", "llama2", "gemma"),
+     ("chatml_default_system", "llama3_bos"), [("system", 1024), ("multi", 1024), ("multi", 40)]),
+    ({"train_on_prompt": True}, ("gemma2", "falcon"), (), [("single", 1024)]),  # efficient_eos: refused
+    ({"train_on_prompt": True, "mask_history": True}, ("default",), (), [("single", 1024)]),  # refused
+    ({"mask_history": True}, ("default", "qwen", "llama3", "mistral", "gemma2", "falcon", "qwen3"),
+     ("chatml", "chatml_thinking"),
+     [("multi", 1024), ("multi", 40), ("multi", 70), ("unicode", 30), ("thoughts", 1024)]),
+    ({"mask_history": True, "preserve_thinking": True}, ("qwen3",), ("chatml_thinking",),
+     [("thoughts", 1024), ("thoughts", 40)]),
+    ({"preserve_thinking": True}, ("qwen3",), (), [("thoughts", 1024)]),  # nothing to preserve without mask_history
+    ({"default_system": _SYSTEM}, ("default", "alpaca", "qwen", "llama2", "gemma", "vicuna"),
+     ("chatml_default_system",), [("single", 1024), ("system", 1024)]),
+    ({"default_system": ""}, ("alpaca", "qwen"), ("chatml_default_system",), [("single", 1024)]),
+    ({"enable_thinking": False}, ("qwen3", "qwen3_nothink", "qwen"), ("chatml_thinking",),
+     [("single", 1024), ("braces_and_thought", 1024), ("thoughts", 1024), ("multi", 40)]),
+    ({"enable_thinking": None}, ("qwen3",), ("chatml_thinking",), [("single", 1024), ("thoughts", 1024)]),
+    ({"enable_thinking": False, "train_on_prompt": True}, ("qwen3",), (), [("thoughts", 1024)]),
+    ({"enable_thinking": False, "mask_history": True}, ("qwen3",), ("chatml_thinking",),
+     [("thoughts", 1024), ("thoughts", 50)]),
+    ({"mask_history": True, "default_system": _SYSTEM}, ("llama2", "qwen"), (), [("multi", 60)]),
+]
 
 
 def golden_tokenizer(chat_template: str | None = None):
