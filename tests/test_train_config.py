@@ -223,6 +223,10 @@ def test_an_unset_finetuning_type_is_said_to_differ_from_llamafactorys():
     assert not validate({**MINIMAL, "finetuning_type": "full"}).notes
 
 
+def test_hyper_parallel_cp_size_at_its_default_needs_no_hyper_parallel():
+    assert validate({**MINIMAL, "hyper_parallel_cp_size": 1}).parallel.cp == 1
+
+
 @pytest.mark.parametrize("value, names, note", [
     ("none", (), ""), ("tensorboard", ("tensorboard",), ""), ("all", ("tensorboard",), ""),
     (["wandb", "tensorboard"], ("wandb", "tensorboard"), "report_to: wandb is not written to"),

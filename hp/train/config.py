@@ -473,8 +473,8 @@ def _hyper_parallel(raw: Mapping[str, Any], enabled: bool, base_dir: str | os.Pa
     """LlamaFactory's hyper_parallel_args as a checked dict (read from JSON when a path), or None."""
     args = raw.get("hyper_parallel_args")
     if not enabled:
-        for key in ("hyper_parallel_args", "hyper_parallel_cp_size"):
-            if raw.get(key) is not None:
+        for key, harmless in (("hyper_parallel_args", None), ("hyper_parallel_cp_size", 1)):  # 1: LlamaFactory's default
+            if raw.get(key, harmless) != harmless:
                 raise ConfigError(f"{key} = {raw[key]!r} is given but use_hyper_parallel is not true: "
                                   f"expected use_hyper_parallel: true alongside it, or no {key}")
         return None
