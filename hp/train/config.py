@@ -474,7 +474,7 @@ def _hyper_parallel(raw: Mapping[str, Any], enabled: bool, base_dir: str | os.Pa
     args = raw.get("hyper_parallel_args")
     if not enabled:
         for key, harmless in (("hyper_parallel_args", None), ("hyper_parallel_cp_size", 1)):  # 1: LlamaFactory's default
-            if raw.get(key, harmless) != harmless:
+            if raw.get(key) not in (None, harmless):
                 raise ConfigError(f"{key} = {raw[key]!r} is given but use_hyper_parallel is not true: "
                                   f"expected use_hyper_parallel: true alongside it, or no {key}")
         return None
