@@ -322,3 +322,15 @@ def test_encode_conversation_matches_the_loader():
     assert ids[: len(prompt)] == prompt and labels[: len(prompt)] == [IGNORE_INDEX] * len(prompt)
     assert labels[len(prompt):] == TOK.encode("ABC") + [TOK.eos_token_id] + TOK.encode("\n")
 
+
+
+def test_tokenizing_in_worker_processes_gives_the_same_examples_in_order():
+    from hp.train.data import build_examples
+    from hp.train.tokenizer import ByteTokenizer
+
+    for stage in ("sft", "pt"):
+        one = build_examples("quickstart", ROOT / "examples" / "data", ByteTokenizer(), stage=stage, template="alpaca", cutoff_len=48,
+                             max_samples=300)
+        three = build_examples("quickstart", ROOT / "examples" / "data", ByteTokenizer(), stage=stage, template="alpaca", cutoff_len=48,
+                               max_samples=300, workers=3)
+        assert three.examples == one.examples and three.dropped == one.dropped

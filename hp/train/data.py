@@ -51,6 +51,7 @@ skipped data hides configuration mistakes.
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -391,12 +392,14 @@ def load_examples(config: Any, tokenizer: Tokenizer) -> Examples:
     """
     return build_examples(
         config.dataset, config.dataset_dir, tokenizer, stage=config.stage, template=config.template,
-        cutoff_len=config.cutoff_len, max_samples=config.max_samples, **_sft_options(config),
+        cutoff_len=config.cutoff_len, max_samples=config.max_samples, **_options(config),
     )
 
 
-def _sft_options(config: Any) -> dict[str, Any]:
-    return {key: getattr(config, key, default) for key, default in SFT_OPTIONS.items()}
+def _options(config: Any) -> dict[str, Any]:
+    """The config's sft options and its preprocessing_num_workers, as build_examples takes them."""
+    options = {key: getattr(config, key, default) for key, default in SFT_OPTIONS.items()}
+    return {**options, "workers": getattr(config, "preprocessing_num_workers", None)}
 
 
 def load_splits(config: Any, tokenizer: Tokenizer) -> tuple[Examples, Examples | None]:
@@ -418,7 +421,7 @@ def load_splits(config: Any, tokenizer: Tokenizer) -> tuple[Examples, Examples |
     if config.eval_dataset:
         held = build_examples(config.eval_dataset, config.dataset_dir, tokenizer, stage=config.stage,
                               template=config.template, cutoff_len=config.cutoff_len, max_samples=config.max_samples,
-                              **_sft_options(config))
+                              **_options(config))
         return examples, held
     if config.val_size:
         return split_for_eval(examples, config.val_size, config.seed)
@@ -470,8 +473,13 @@ def build_examples(
     mask_history: bool = False,
     enable_thinking: bool | None = True,
     preserve_thinking: bool = False,
+    workers: int | None = None,
 ) -> Examples:
     """Read, render and tokenize the named datasets (see the module docstring for the rules).
+
+    `workers` > 1 tokenizes in that many forked processes (LlamaFactory's
+    `preprocessing_num_workers`); the records keep their order, so the
+    examples are the same.
 
     `max_samples` keeps the first that many records of each dataset; `template` None reads the
     tokenizer's chat_template, else uses `empty` (see `hp.train.encoding.get_template`). The
@@ -498,34 +506,75 @@ def build_examples(
     if stage == "sft":
         check_supervision(tmpl, train_on_prompt=train_on_prompt, mask_history=mask_history)
     end = document_end_id(tmpl, tokenizer) if stage == "pt" else None
-    documents: list[list[int]] = []
-    examples: list[dict[str, list[int]]] = []
-    dropped = 0
+    jobs = []
     for spec in dataset_specs(dataset, dataset_dir):
         records = read_records(spec)[:max_samples]
         _check_mapped_columns(spec, records)
-        for i, record in enumerate(records):
-            if stage == "pt":
-                documents.append(_document(pt_text(record, spec, i), tokenizer, end))
-                continue
-            read = alpaca_conversation if spec.formatting == "alpaca" else sharegpt_conversation
-            conv = read(record, spec, i)
-            if conv.turns[-1][0] != "assistant":
-                raise ValueError(f"{spec.where(i)}: the conversation ends with a user turn; sft needs a response last")
-            ids, labels = encode_conversation(conv, tokenizer, tmpl, cutoff_len, train_on_prompt=train_on_prompt,
-                                              mask_history=mask_history)
-            if all(label == IGNORE_INDEX for label in labels):
-                dropped += 1  # nothing to learn (an empty answer, or no room left for one): it would only cost
-                continue
-            examples.append({"input_ids": ids, "labels": labels})
+        jobs += [(spec, i, record) for i, record in enumerate(records)]
+    encoder = _Encoder(tokenizer, tmpl, stage, cutoff_len, end, train_on_prompt, mask_history)
+    encoded = _encode_all(encoder, jobs, workers or 1)
     if stage == "pt":
-        examples = pack(documents, cutoff_len)
+        examples, dropped = pack(encoded, cutoff_len), 0
+    else:
+        # an example with nothing to learn (an empty answer, or no room left for one) would only cost
+        examples = [{"input_ids": ids, "labels": labels} for ids, labels in encoded
+                    if any(label != IGNORE_INDEX for label in labels)]
+        dropped = len(encoded) - len(examples)
     if not examples:
         raise ValueError(
             f"dataset {dataset!r}: no example left: none of the {dropped} examples keeps a supervised token within "
             f"cutoff_len={cutoff_len} (empty answers, or too small a cutoff_len)"
         )
     return Examples(examples, dropped)
+
+
+@dataclass(frozen=True)
+class _Encoder:
+    """One record (dataset spec, index, record) to its document (pt) or (ids, labels) (sft)."""
+
+    tokenizer: Tokenizer
+    template: Template
+    stage: str
+    cutoff_len: int
+    end: int | None
+    train_on_prompt: bool
+    mask_history: bool
+
+    def __call__(self, job: tuple[DatasetSpec, int, dict[str, Any]]) -> Any:
+        spec, i, record = job
+        if self.stage == "pt":
+            return _document(pt_text(record, spec, i), self.tokenizer, self.end)
+        read = alpaca_conversation if spec.formatting == "alpaca" else sharegpt_conversation
+        conv = read(record, spec, i)
+        if conv.turns[-1][0] != "assistant":
+            raise ValueError(f"{spec.where(i)}: the conversation ends with a user turn; sft needs a response last")
+        return encode_conversation(conv, self.tokenizer, self.template, self.cutoff_len,
+                                   train_on_prompt=self.train_on_prompt, mask_history=self.mask_history)
+
+
+_WORKER_ENCODER: _Encoder | None = None  # what a tokenizing process was started with
+
+
+def _start_worker(encoder: _Encoder) -> None:
+    global _WORKER_ENCODER
+    _WORKER_ENCODER = encoder
+
+
+def _encode_in_worker(job: tuple[DatasetSpec, int, dict[str, Any]]) -> Any:
+    return _WORKER_ENCODER(job)
+
+
+def _encode_all(encoder: _Encoder, jobs: list, workers: int) -> list:
+    """`encoder` over `jobs` in order, in `workers` forked processes when more than one (and worth it)."""
+    workers = min(workers, len(jobs) // 16)  # a process per handful of records costs more than it saves
+    if workers <= 1:
+        return [encoder(job) for job in jobs]
+    import multiprocessing
+
+    # forked children inherit the tokenizer; HF's tokenizers would warn that its threads do not survive a fork
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    with multiprocessing.get_context("fork").Pool(workers, _start_worker, (encoder,)) as pool:
+        return pool.map(_encode_in_worker, jobs, chunksize=max(1, len(jobs) // (4 * workers)))
 
 
 def _check_mapped_columns(spec: DatasetSpec, records: list[dict[str, Any]]) -> None:
