@@ -38,7 +38,7 @@ from typing import Any
 
 import yaml
 
-from hp.strategy import CP_ALGORITHMS, Strategy, StrategyError
+from hp.strategy import CP_ALGORITHMS, DEFAULTS, DTYPES, Strategy, StrategyError
 from hp.train.llamafactory_keys import verdict
 from hp.train.sharding_keys import (
     ShardingKeyError,
@@ -60,7 +60,6 @@ TEMPLATES = tuple(TEMPLATE_TABLE)
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 EVAL_STRATEGIES = ("no", "steps", "epoch")
 DEVICES = ("auto", "cpu", "cuda", "npu")
-DTYPES = ("float32", "bfloat16", "float16")  # FSDP's mixed-precision dtypes, as hp.Strategy names them
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # HyperParallel's short spellings
 ACTIVATION_MODES = ("none", "recompute", "swap")  # what LlamaFactory's HyperParallel does with activations
 # The strategy fields each activation mode sets.
@@ -574,7 +573,7 @@ class _Fold:
         self.source: dict[str, str] = {}  # field -> "key = value" that set it
 
     def get(self, name: str) -> Any:
-        return self.values.get(name, getattr(_DEFAULT_STRATEGY, name))
+        return self.values.get(name, DEFAULTS[name])
 
     def add(self, label: str, fields: Mapping[str, Any]) -> None:
         for name, wanted in fields.items():
@@ -590,9 +589,6 @@ class _Fold:
         except StrategyError as e:
             label = self.source.get(e.key, f"parallel.{e.key} = {e.value!r}")
             raise ConfigError(f"{label}{e.problem}") from None
-
-
-_DEFAULT_STRATEGY = Strategy()
 
 
 def _parallel(given: dict[str, Any], hyper: dict[str, Any] | None, elsewhere: list[Translation],
@@ -614,10 +610,11 @@ def _parallel(given: dict[str, Any], hyper: dict[str, Any] | None, elsewhere: li
     for translation in elsewhere:
         fold.add(translation.source, translation.fields)
         notes.append(translation.note)
-    if hyper is not None:
-        notes += _hyper_fsdp(fold, hyper.get("fsdp_size"), values)
-    else:
-        _derive_dp(fold, values)
+    if hyper is not None and hyper.get("fsdp_size", 1) > 1:
+        _hyper_fsdp_size(fold, hyper["fsdp_size"], values)
+    _derive_dp(fold, values)
+    if hyper is not None and "fsdp_size" not in hyper:
+        notes += _hyper_fsdp_everywhere(fold)
     return fold.strategy(), tuple(notes)
 
 
@@ -632,25 +629,23 @@ def _hyper_cp_override(hyper: dict[str, Any], cp_size: int | None) -> tuple[dict
     return {**hyper, "cp_size": cp_size}, note
 
 
-def _hyper_fsdp(fold: _Fold, size: int | None, values: Mapping[str, Any]) -> list[str]:
-    """HyperParallel's FSDP: over fsdp_size = dp * cp ranks, every launched rank when unset, none when 1."""
-    if size == 1:
-        _derive_dp(fold, values)
-        return []
+def _hyper_fsdp_size(fold: _Fold, size: int, values: Mapping[str, Any]) -> None:
+    """HyperParallel's fsdp_size > 1: FSDP over that many dp * cp ranks, which must be all that tp leaves."""
     cp, tp = fold.get("cp"), fold.get("tp")
-    if size is not None:
-        label = f"hyper_parallel_args.fsdp_size = {size}"
-        if size % cp:
-            raise ConfigError(f"{label}: expected a multiple of cp = {cp} (FSDP shards over the dp * cp ranks)")
-        fold.add(label, {"dp": size // cp, "fsdp": True})
-        world = _world(values)
-        if world is not None and size * tp != world:
-            raise ConfigError(f"{label} with {world} ranks and tp = {tp}: FSDP over part of the ranks with replicas "
-                              f"across the rest (HSDP) is not available yet; expected fsdp_size = {world // tp} "
-                              "(the ranks tp leaves), or no fsdp_size")
-        return []
-    _derive_dp(fold, values)
-    ranks = fold.get("dp") * cp
+    label = f"hyper_parallel_args.fsdp_size = {size}"
+    if size % cp:
+        raise ConfigError(f"{label}: expected a multiple of cp = {cp} (FSDP shards over the dp * cp ranks)")
+    fold.add(label, {"dp": size // cp, "fsdp": True})
+    world = _world(values)
+    if world is not None and size * tp != world:
+        raise ConfigError(f"{label} with {world} ranks and tp = {tp}: FSDP over part of the ranks with replicas "
+                          f"across the rest (HSDP) is not available yet; expected fsdp_size = {world // tp} "
+                          "(the ranks tp leaves), or no fsdp_size")
+
+
+def _hyper_fsdp_everywhere(fold: _Fold) -> list[str]:
+    """HyperParallel's fsdp_size unset: FSDP over every dp * cp rank (LlamaFactory's default), when there are some."""
+    ranks = fold.get("dp") * fold.get("cp")
     if ranks == 1:
         return []
     fold.add("use_hyper_parallel = True (fsdp_size unset: FSDP over every rank tp leaves; fsdp_size: 1 for none)",
