@@ -153,7 +153,8 @@ class TrainConfig:
     device: str = "auto"  # one of DEVICES
     # LlamaFactory keys that change nothing here, as given (hp.train.llamafactory_keys; the launcher prints why)
     no_effect: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
-    # what was made of sharding keys from elsewhere (DeepSpeed, HF fsdp, HyperParallel); the launcher prints them
+    # what the launcher says of how the config was written: keys without effect, sharding from elsewhere
+    # (DeepSpeed, HF fsdp, HyperParallel), defaults that differ from LlamaFactory's
     notes: tuple[str, ...] = field(default=(), compare=False)  # messages about how it was written, not the config
 
     @property
@@ -430,7 +431,8 @@ def validate(raw: Mapping[str, Any] | None, *, base_dir: str | os.PathLike | Non
     values["parallel"] = _with_recompute(strategy, given, hyper, elsewhere,
                                          values.get("disable_gradient_checkpointing", False))
     values["hyper_parallel_args"] = None if hyper is None else MappingProxyType(hyper)
-    values["report_to"], values["notes"] = trackers[0], notes + trackers[1] + _unset_notes(raw)
+    said = tuple(found.message for found in foreign.values() if found and found.accepted and found.message)
+    values["report_to"], values["notes"] = trackers[0], said + notes + trackers[1] + _unset_notes(raw)
     values.update({key: MappingProxyType(dict(raw[key])) if isinstance(raw[key], Mapping) else raw[key]
                    for key in _ELSEWHERE_KEYS if raw.get(key) is not None})
     values["no_effect"] = MappingProxyType({k: found.kept for k, found in foreign.items() if found})

@@ -31,7 +31,6 @@ from collections.abc import Sequence
 
 from hp.train import errors, preflight
 from hp.train.config import DEFAULT_MASTER_PORT, TrainConfig, load_config
-from hp.train.llamafactory_keys import verdict
 
 
 def launch(config_path: str, overrides: Sequence[str] = ()) -> int:
@@ -43,10 +42,6 @@ def launch(config_path: str, overrides: Sequence[str] = ()) -> int:
     """
     config = load_config(config_path, overrides)
     preflight.check(config)
-    for key, value in config.no_effect.items():
-        note = verdict(key, value, config.stage).message
-        if note:  # None: a value that changes nothing here, accepted without a word
-            print(f"hp train: note: {note}", file=sys.stderr)
     for note in config.notes:
         print(f"hp train: note: {note}", file=sys.stderr)
     os.environ["HP_DEVICE"] = config.device

@@ -83,7 +83,8 @@ def train(config: TrainConfig) -> dict:
     rank0 = checkpoint.rank() == 0
     if rank0:
         _prepare_output_dir(config, step)
-    report = Reporter(config.output_dir, config.report_to, resumed_at=step, logging_dir=config.logging_dir) if rank0 else None
+    report = (Reporter(config.output_dir, config.report_to, resumed_at=step, logging_dir=config.logging_dir)
+              if rank0 else None)
     progress = Progress()
     bar = _progress_bar(total, step) if rank0 else None
     device, first = mesh.device_type, step

@@ -47,6 +47,9 @@ _DS_TRAINING = {"train_micro_batch_size_per_gpu": "per_device_train_batch_size",
                 "gradient_accumulation_steps": "gradient_accumulation_steps",
                 "gradient_clipping": "max_grad_norm"}
 _DS_OFFLOAD = ("offload_optimizer", "offload_param")
+# DeepSpeed's sections that are read here, besides those.
+_DS_READ = frozenset({*_DS_PASSED_OVER, *_DS_TRAINING, "train_batch_size", "fp16", "bf16", "zero_optimization",
+                      "tensor_parallel"})
 
 # HF Trainer's fsdp options: what each sets (None: refused, with why).
 _FSDP_OPTIONS: dict[str, dict[str, Any] | str] = {
@@ -135,8 +138,7 @@ def from_deepspeed(value: Any, base_dir: str | os.PathLike | None = None) -> Tra
     hp.train.sharding_keys.ShardingKeyError: deepspeed: zero_optimization.offload_optimizer = {'device': 'cpu'}: offloading to the CPU or NVMe is not available yet (hp.offload is not built yet); expected no offload section, or device 'none'
     """
     ds, source = read_json("deepspeed", value, base_dir)
-    unknown = sorted(k for k in ds if k not in _DS_PASSED_OVER and k not in _DS_TRAINING
-                     and k not in ("train_batch_size", "fp16", "bf16", "zero_optimization", "tensor_parallel"))
+    unknown = sorted(k for k in ds if k not in _DS_READ)
     if unknown:
         raise ShardingKeyError(f"{source}: {', '.join(unknown)} {'has' if len(unknown) == 1 else 'have'} no "
                                "counterpart in hp train (its optimizer is AdamW, its schedule lr_scheduler_type); "
