@@ -60,9 +60,6 @@ class Prefetched:
         self.batches.advance()
         return batch
 
-    def __len__(self) -> int:
-        return len(self.batches)
-
     @property
     def epoch(self) -> int:
         return self.batches.epoch
