@@ -1,0 +1,197 @@
+"""Expert parallel: MoE experts split over a mesh axis, tokens sent to their experts and back.
+
+An experts module (HF's `*Experts`, or a user's own with the same call:
+`experts(tokens [T, H], expert_ids [T, K], weights [T, K]) -> [T, H]`) holds
+its experts packed along dim 0 of every parameter. Laid out `e/ep ...`, each
+of the ep ranks holds E/ep experts and, with the tokens split over ep too,
+its own tokens. The layouts choose the algorithm (DeepSpeed-MoE's and
+torchtitan's): each rank sorts its (token, k) rows by expert, counts them,
+exchanges the counts with an all-to-all, sends each row to the rank holding
+its expert with an all-to-all of uneven splits, runs its local experts on
+what it received (sorted by local expert, the module's own implementation
+on plain tensors: HF's eager loop, `grouped_mm` or `batched_mm`, or a user's
+`torch._grouped_mm`), sends the results back with the reverse all-to-all and
+weighs and sums them per token at home. Nothing is dropped and nothing is
+padded: a rank gets exactly the rows routed to its experts (none, if none
+are). The backward is autograd's through the same steps, the all-to-alls
+reversed.
+
+Tokens replicated over ep (a batch not split over it) are split first, by
+a local slice; the result has the tokens' layout on every other axis. The
+expert weights' gradients are pending sums over the other axes that split
+tokens (data, context, or tensor under sequence parallel): FSDP or
+`hp.reduce_gradients` resolves them like any other.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from hp.ops.local import local_block, to_dtensor
+from hp.simulate import each_rank
+
+Compute = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ExpertsError(ValueError):
+    """An experts module whose parameters are not laid out for expert parallel."""
+
+
+def expert_parallel(module: nn.Module, globs: Sequence[str]) -> list[nn.Module]:
+    """Run the experts modules of `module` named by `globs` with expert parallel, by their layouts.
+
+    Each matched module's forward becomes `experts_forward` around its own: with DTensor
+    parameters, tokens go to the ranks of their experts (an `e/ep` layout) or stay
+    (experts replicated) and each rank runs the module's own code on plain tensors; with
+    plain parameters it runs as before. Returns the modules matched.
+
+    >>> import torch
+    >>> class Experts(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.w = torch.nn.Parameter(torch.ones(4, 3, 3))
+    ...     def forward(self, x, ids, weights):
+    ...         return (torch.einsum("th,tkoh->tko", x, self.w[ids]) * weights[..., None]).sum(1)
+    >>> moe = torch.nn.ModuleDict({"experts": Experts()})
+    >>> [type(m).__name__ for m in expert_parallel(moe, ["experts"])]
+    ['Experts']
+    """
+    found = [m for n, m in module.named_modules() if any(fnmatch.fnmatchcase(n, g) for g in globs)]
+    for experts in found:
+        if not getattr(experts, "_hp_expert_parallel", False):
+            experts.forward = functools.partial(experts_forward, experts, type(experts).forward)
+            experts._hp_expert_parallel = True
+    return found
+
+
+def experts_forward(module: nn.Module, forward: Callable, hidden, expert_ids, weights, *args, **kwargs):
+    """`forward(module, hidden, expert_ids, weights)`, run where the layouts of `module`'s parameters say."""
+    params = dict(module.named_parameters(recurse=False))
+    if not params or not all(isinstance(p, DTensor) for p in params.values()):
+        return forward(module, hidden, expert_ids, weights, *args, **kwargs)
+    mesh = next(iter(params.values())).device_mesh
+    axis = _expert_axis(params)
+    hidden = _tokens(hidden, mesh, axis)
+    expert_ids, weights = (_like(t, hidden) for t in (expert_ids, weights))
+    pending = [m for m, p in enumerate(hidden.placements) if isinstance(p, (Shard, _StridedShard)) and m != axis]
+    local = {name: local_block(p, pending) for name, p in params.items()}
+    run = functools.partial(_run_local, module, forward, tuple(local), args, kwargs)
+    x, ids, w = hidden.to_local(), expert_ids.to_local(), weights.to_local()
+    if axis is None:
+        out = each_rank(run, x, ids, w, *local.values())
+    else:
+        experts = next(iter(params.values())).shape[0]
+        routed = functools.partial(_run_routed, run, w.dtype)
+        rows = route(x, ids, experts, mesh.get_group(axis), lambda r, i: each_rank(routed, r, i, *local.values()))
+        out = (rows.view(*ids.shape, -1) * w.unsqueeze(-1)).sum(1).to(x.dtype)
+    return to_dtensor(out, mesh, hidden.placements, hidden.shape)
+
+
+def route(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, group, compute: Compute) -> torch.Tensor:
+    """Rows `compute(rows, local_expert_ids)` for each (token, k) of `expert_ids`, on the experts' ranks.
+
+    `x` is [T, H] and `expert_ids` [T, K], this rank's; the ranks of `group` hold the experts
+    in blocks of num_experts / size. `compute` sees the rows each rank received, sorted by
+    local expert id, and returns one row each. The result is [T * K, H'], in (token, k) order.
+    """
+    ranks = group.size()
+    local_experts = num_experts // ranks
+    flat = expert_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # this rank's rows by expert, so by destination rank
+    counts = torch.bincount(flat, minlength=num_experts)
+    received = funcol.wait_tensor(funcol.all_to_all_single(counts, [local_experts] * ranks,
+                                                           [local_experts] * ranks, group))
+    send = counts.view(ranks, local_experts).sum(1).tolist()
+    recv = received.view(ranks, local_experts).sum(1).tolist()
+    rows = _AllToAll.apply(x[order // expert_ids.shape[-1]], recv, send, group)
+    # Received rows come by source rank, then by expert: sort them by local expert.
+    local_ids = torch.repeat_interleave(torch.arange(local_experts, device=x.device).repeat(ranks), received)
+    by_expert = torch.argsort(local_ids, stable=True)
+    out = compute(rows[by_expert], local_ids[by_expert])
+    back = _AllToAll.apply(out[torch.argsort(by_expert)], send, recv, group)
+    return back[torch.argsort(order)]
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to every rank of `group` by split sizes; backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, rows, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return funcol.wait_tensor(funcol.all_to_all_single(rows.contiguous(), out_splits, in_splits, group))
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = funcol.all_to_all_single(grad.contiguous(), in_splits, out_splits, ctx.group)
+        return funcol.wait_tensor(back), None, None, None
+
+
+def _run_routed(run: Callable, dtype: torch.dtype, rows, local_ids, *params):
+    """The local experts on the rows they received: each row routed to one expert with weight 1."""
+    ones = torch.ones(rows.shape[0], 1, dtype=dtype, device=rows.device)
+    return run(rows, local_ids.unsqueeze(-1), ones, *params)
+
+
+def _run_local(module: nn.Module, forward: Callable, names: tuple[str, ...], args, kwargs, x, ids, w, *params):
+    """The module's own forward on plain tensors: a shallow copy holding this rank's experts."""
+    local = object.__new__(type(module))
+    local.__dict__.update(module.__dict__)
+    local.__dict__["_parameters"] = {}
+    local.__dict__.update(zip(names, params))
+    if hasattr(module, "num_experts"):
+        local.num_experts = params[0].shape[0]
+    return forward(local, x, ids, w, *args, **kwargs)
+
+
+def _expert_axis(params: dict[str, DTensor]) -> int | None:
+    """The mesh dim every parameter splits its experts (dim 0) over, or None (experts replicated)."""
+    layouts = {name: p.placements for name, p in params.items()}
+    axes = {tuple(m for m, pl in enumerate(places) if pl != Replicate()) for places in layouts.values()}
+    first = next(iter(params.values()))
+    if len(axes) != 1 or len(next(iter(axes))) > 1:
+        raise ExpertsError(_wrong(layouts, first, "all be split over one mesh axis along the experts (dim 0), "
+                                              "or all be replicated"))
+    (split,) = axes
+    if not split:
+        return None
+    axis = split[0]
+    if any(places[axis] != Shard(0) for places in layouts.values()):
+        raise ExpertsError(_wrong(layouts, first, "be split along the experts, dim 0 (e/ep ...)"))
+    if first.shape[0] % first.device_mesh.size(axis):
+        raise ExpertsError(_wrong(layouts, first, f"split evenly: {first.shape[0]} experts over "
+                                              f"{first.device_mesh.size(axis)} ranks"))
+    return axis
+
+
+def _wrong(layouts, first: DTensor, need: str) -> str:
+    from hp.layouts import describe  # noqa: PLC0415  (layouts import ops: describe is needed only here)
+
+    shown = ", ".join(f"{name}: {places}" for name, places in layouts.items())
+    return f"the experts' parameters ({shown}; e.g. {describe(first)}) must {need}"
+
+
+def _tokens(hidden, mesh, axis: int | None) -> DTensor:
+    """The tokens as a DTensor split over the expert axis too (a local slice where they were replicated)."""
+    if not isinstance(hidden, DTensor):
+        hidden = DTensor.from_local(hidden, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    if axis is not None and hidden.placements[axis] == Replicate():
+        places = list(hidden.placements)
+        places[axis] = Shard(0)
+        hidden = hidden.redistribute(mesh, places)
+    return hidden
+
+
+def _like(t, hidden: DTensor) -> DTensor:
+    """Routing (expert ids or weights) laid out row for row like the tokens."""
+    if not isinstance(t, DTensor):
+        t = DTensor.from_local(t, hidden.device_mesh, [Replicate()] * hidden.device_mesh.ndim, run_check=False)
+    return t if t.placements == hidden.placements else t.redistribute(hidden.device_mesh, hidden.placements)
