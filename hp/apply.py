@@ -7,8 +7,9 @@ row-parallel projection's pending sum is reduced there, once: an all-reduce,
 or a reduce-scatter under sequence parallel, whatever norm follows it), the
 batch and sequence splits of the inputs, context-parallel attention, the
 sequence preparation of `hp.sequence`, FSDP or the dp/cp gradient
-reduction of `hp.data_parallel`, and activation recompute of the plan's blocks
-(`hp.recompute`). Nothing here knows a model family.
+reduction of `hp.data_parallel`, expert parallel for the plan's experts
+modules (`hp.ops.expert_parallel`), and activation recompute of the plan's
+blocks (`hp.recompute`). Nothing here knows a model family.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from hp.hf_attention import ulysses_around_attention, uses_sdpa
 from hp.mesh import mesh as make_mesh
 from hp.model_plan import ModelPlan
 from hp.ops.context_parallel import context_parallel
+from hp.ops.expert_parallel import expert_parallel
 from hp.parallelize import check_plan, forward_inside, parallelize
 from hp.recompute import recompute_blocks
 from hp.sequence import prepare_sequences
@@ -31,7 +33,7 @@ from hp.strategy import Strategy, StrategyError
 
 
 def strategy_mesh(strategy: Strategy | Mapping[str, Any], *, simulate: bool = False):
-    """The named mesh a strategy runs on: its dp, cp and tp axes of size > 1.
+    """The named mesh a strategy runs on: its dp, ep, cp and tp axes of size > 1.
 
     >>> import hp
     >>> hp.strategy_mesh({"dp": 2, "tp": 2}, simulate=True).mesh_dim_names
@@ -49,18 +51,21 @@ def layouts(strategy: Strategy, plan: ModelPlan) -> tuple[dict[str, str], dict, 
     >>> params, inputs, outputs = layouts(Strategy(tp=2, sp=True), plan_for_type("llama"))
     >>> outputs["model.embed_tokens"], outputs["*.self_attn.o_proj"]
     ('b s/tp h', 'b s/tp h')
+    >>> layouts(Strategy(dp=2, ep=2), plan_for_type("qwen3_moe"))[1][""]["input_ids"]
+    'b/ep s'
     """
-    batch = "b/dp" if strategy.dp > 1 else "b"
+    batch = "/".join(("b", *strategy.batch_axes))
     seq = "s/cp" if strategy.cp > 1 else "s"
     tokens = f"{batch} {seq}"
     split = batch != "b" or strategy.cp > 1
     inputs = {"": {"input_ids": tokens, "labels": tokens, "shift_labels": tokens}} if split else {}
+    experts = dict(plan.expert_params) if strategy.ep > 1 else {}
     if strategy.tp == 1:
-        return {}, inputs, {}
+        return experts, inputs, {}
     residual = f"{tokens}/tp h" if strategy.sequence_parallel else f"{tokens} h"
     # The embedding starts the residual stream: a vocab-parallel (tied) one hands back a pending sum.
     outputs = {name: residual for name in (plan.embedding, *plan.residual)}
-    return dict(plan.params), inputs, outputs
+    return {**experts, **plan.params}, inputs, outputs
 
 
 def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any], plan: ModelPlan) -> nn.Module:
@@ -86,8 +91,9 @@ def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any
     params = _present(params, model.named_parameters(remove_duplicate=False))
     outputs = _present(outputs, model.named_modules())
     parallelize(model, mesh, params, inputs=inputs, outputs=outputs)
+    experts = expert_parallel(model, plan.experts)
     if strategy.fsdp_axes:
-        fully_shard_model(model, mesh, list(model.get_submodule(plan.blocks)), strategy)
+        fully_shard_model(model, mesh, list(model.get_submodule(plan.blocks)), strategy, experts=experts)
     if strategy.cp > 1:
         _context_parallel_attention(model, strategy)
     if strategy.splits_sequence:

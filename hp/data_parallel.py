@@ -8,7 +8,8 @@ With FSDP, FSDP2 (`fully_shard`, one unit per decoder block plus the root)
 shards the laid-out parameters again over the flattened dp x cp ranks
 (`64/tp/dp_cp 64`, torchtitan's `dp_shard_cp`) and its reduce-scatter resolves
 the pending sums itself; both modes take the same inputs and give the same
-loss.
+loss. Experts split over ep are their own FSDP units, sharded over the ranks
+that hold the same experts (`Strategy.expert_fsdp_axes`: dp and cp, not ep).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from torch import nn
 from hp.strategy import Strategy
 
 
-def fully_shard_model(model: nn.Module, mesh, blocks: list[nn.Module], strategy: Strategy) -> None:
+def fully_shard_model(model: nn.Module, mesh, blocks: list[nn.Module], strategy: Strategy, *,
+                      experts: list[nn.Module] = ()) -> None:
     """FSDP2 over `strategy.fsdp_axes` of `mesh`, around the layout `hp.parallelize` gave `model` on it.
 
     FSDP2 runs on the whole mesh (its `dp_mesh_dims`): parameters stay DTensors replicated
@@ -29,16 +31,27 @@ def fully_shard_model(model: nn.Module, mesh, blocks: list[nn.Module], strategy:
     average: each rank's part of the loss is already divided by the global count of labelled
     tokens, so the parts' gradients add up to one device's. Mixed precision applies to every
     unit; `reshard_after_forward` to the blocks, while the root keeps FSDP's own choice
-    (gathered after forward: backward starts with it).
+    (gathered after forward: backward starts with it). `experts` modules are units of their
+    own over `strategy.expert_fsdp_axes` (their gradients pend over those axes only); with no
+    such axis they stay out of FSDP, laid out over ep, and `reduce_gradients` resolves them.
     """
     from torch.distributed.fsdp import DataParallelMeshDims, MixedPrecisionPolicy, fully_shard
 
     _onto(model, mesh)
     precision = MixedPrecisionPolicy(_dtype(strategy.param_dtype), _dtype(strategy.reduce_dtype))
-    common = {"mesh": mesh, "dp_mesh_dims": DataParallelMeshDims(shard=strategy.fsdp_axes), "mp_policy": precision,
-              "shard_placement_fn": _fsdp_dim}
-    units = [fully_shard(block, reshard_after_forward=strategy.reshard_after_forward, **common) for block in blocks]
-    for unit in [*units, fully_shard(model, **common)]:
+    common = {"mesh": mesh, "mp_policy": precision, "shard_placement_fn": _fsdp_dim}
+    dims = {"dp_mesh_dims": DataParallelMeshDims(shard=strategy.fsdp_axes)}
+    units, ignored = [], set()
+    for module in experts:
+        if strategy.expert_fsdp_axes:
+            expert_dims = DataParallelMeshDims(shard=strategy.expert_fsdp_axes)
+            units.append(fully_shard(module, reshard_after_forward=strategy.reshard_after_forward,
+                                     dp_mesh_dims=expert_dims, **common))
+        else:
+            ignored.update(module.parameters())
+    units += [fully_shard(block, reshard_after_forward=strategy.reshard_after_forward, ignored_params=ignored,
+                          **dims, **common) for block in blocks]
+    for unit in [*units, fully_shard(model, ignored_params=ignored, **dims, **common)]:
         unit.set_gradient_divide_factor(1.0)  # a sum: the gradients are pending sums, not per-rank means
         unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-scaled one)
 
@@ -62,12 +75,13 @@ def _dtype(name: str | None) -> torch.dtype | None:
 
 
 def _fsdp_dim(param):
-    """FSDP's dim for a parameter: 0, unless tp splits dim 0 in fused parts (FSDP cannot split those again)."""
+    """FSDP's dim for a parameter: 0, unless tp splits dim 0 in fused parts (FSDP cannot split those again)
+    or ep splits packed experts along it (FSDP splits each expert's rows instead)."""
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
     if isinstance(param, DTensor) and param.ndim > 1 and any(
-        isinstance(p, _StridedShard) and p.dim == 0 for p in param.placements
+        (isinstance(p, _StridedShard) and p.dim == 0) or (param.ndim == 3 and p == Shard(0)) for p in param.placements
     ):
         return Shard(1)
     return None

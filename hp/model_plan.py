@@ -6,7 +6,8 @@ layouts of its parameters (Megatron's, written in the layout notation), which
 modules add their output to the residual stream (so their pending sums are
 resolved into the stream's layout right there, whatever norm follows), and
 where the decoder blocks, the embedding, the head and the rotary embedding
-live. Everything else (the mesh, FSDP, sequence preparation, gradient
+live, and for a mixture-of-experts family its experts modules and their
+packed weights' layouts over the mesh axis `ep`. Everything else (the mesh, FSDP, sequence preparation, gradient
 reduction, batch slicing) is the same for every family and lives in
 `hp.apply_strategy`. A plan is torch-free and compares by value.
 """
@@ -14,7 +15,7 @@ reduction, batch slicing) is the same for every family and lives in
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 
@@ -29,7 +30,10 @@ class ModelPlan:
     projections). `blocks` is the `nn.ModuleList` of decoder layers (one FSDP
     unit each), `embedding` the token embedding, `rotary` the module that
     returns RoPE's `(cos, sin)` (permuted with the tokens under ring
-    attention; None when the family has none).
+    attention; None when the family has none). `experts` lists globs of the
+    experts modules (called `experts(tokens, expert_ids, weights)`, as HF's
+    are), which run expert parallel by their layouts; `expert_params` lays
+    out their packed weights over `ep` (applied when ep > 1).
 
     >>> import hp
     >>> plan = hp.ModelPlan(params={"*.q_proj.weight": "out/tp in"}, residual=("*.o_proj",))
@@ -42,10 +46,15 @@ class ModelPlan:
     blocks: str = "model.layers"
     embedding: str = "model.embed_tokens"
     rotary: str | None = "model.rotary_emb"
+    experts: tuple[str, ...] = ()
+    expert_params: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
         object.__setattr__(self, "residual", tuple(self.residual))
+        object.__setattr__(self, "experts", tuple(self.experts))
+        object.__setattr__(self, "expert_params", MappingProxyType(dict(self.expert_params)))
 
     def __hash__(self) -> int:
-        return hash((tuple(self.params.items()), self.residual, self.blocks, self.embedding, self.rotary))
+        return hash((tuple(self.params.items()), self.residual, self.blocks, self.embedding, self.rotary,
+                     self.experts, tuple(self.expert_params.items())))

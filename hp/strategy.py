@@ -3,8 +3,15 @@
 A strategy names the degrees of each kind of parallelism (data, context,
 tensor, expert), the algorithms and switches that go with them (sequence
 parallel, ring or Ulysses attention, FSDP over the data and context axes with
-its mixed precision and resharding, offload, recompute) and nothing about any
-particular model. The trainer, the launcher and every model plan take the
+its mixed precision and resharding, expert load balancing, offload,
+recompute) and nothing about any particular model.
+
+Expert parallel splits the data-parallel ranks, as in torchtitan: ep divides
+dp, and the mesh's data axis becomes two, `dp` (dp / ep groups, each holding
+every expert once) and `ep` (the ranks of a group, holding E / ep experts
+each). The batch is split over both (`b/dp/ep`), every parameter but the
+experts' is replicated over both, and the experts' are split over ep and
+replicated over dp (and cp), so FSDP shards them over those ranks only. The trainer, the launcher and every model plan take the
 same value: it is built and validated here, in plain Python (no torch), so
 that `hp train` can refuse a bad strategy before any worker starts. What a
 strategy means for a model's shapes (a tp that does not divide the heads,
@@ -24,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 CP_ALGORITHMS = ("ulysses", "ring")  # how attention runs on a sequence split over cp
-MESH_AXES = ("dp", "cp", "tp")  # mesh order: data outermost, tensor innermost (neighbouring ranks)
+MESH_AXES = ("dp", "ep", "cp", "tp")  # mesh order: data outermost, tensor innermost (neighbouring ranks)
 OFFLOAD_TIERS = ("host", "disk")
 DTYPES = ("float32", "bfloat16", "float16")  # what FSDP may gather parameters and reduce gradients in
 FSDP_OPTIONS = ("reshard_after_forward", "param_dtype", "reduce_dtype")  # FSDP2's own: refused without FSDP
@@ -49,6 +56,8 @@ class Strategy:
     >>> s = hp.Strategy(dp=2, tp=2, sp=True)
     >>> s.world_size, s.mesh_axes, s.sequence_chunks
     (4, {'dp': 2, 'tp': 2}, 2)
+    >>> hp.Strategy(dp=4, ep=2).mesh_axes
+    {'dp': 2, 'ep': 2}
     >>> hp.Strategy(cp=2, cp_algorithm="flash")
     Traceback (most recent call last):
     ...
@@ -70,7 +79,8 @@ class Strategy:
     reshard_after_forward: bool = True  # FSDP frees a block's gathered parameters after forward (false: kept)
     param_dtype: str | None = None  # FSDP gathers and computes parameters in this dtype (None: their own)
     reduce_dtype: str | None = None  # FSDP reduces gradients in this dtype (None: the gradients' own)
-    ep: int = 1  # expert parallel degree (MoE models)
+    ep: int = 1  # expert parallel: the experts are split over ep of the dp ranks (ep divides dp)
+    expert_bias_rate: float = 0.0  # aux-loss-free balancing: routing bias step toward the mean load (0: off)
     tp2d: bool = False  # 2D tensor parallel
     offload: str | None = None  # hp.offload tier for what does not fit (None: nothing offloaded)
     recompute: bool = False  # each decoder block recomputes its activations in backward instead of keeping them
@@ -86,6 +96,13 @@ class Strategy:
         for key in ("param_dtype", "reduce_dtype"):
             if getattr(self, key) is not None and getattr(self, key) not in DTYPES:
                 raise StrategyError(key, getattr(self, key), f": expected {_one_of(DTYPES)} or null")
+        if not isinstance(self.expert_bias_rate, (int, float)) or isinstance(self.expert_bias_rate, bool) \
+                or not 0 <= self.expert_bias_rate < float("inf"):
+            raise StrategyError("expert_bias_rate", self.expert_bias_rate, ": expected a number >= 0 (0: off)")
+        if self.dp % self.ep:
+            raise StrategyError("ep", self.ep, f" does not divide dp = {self.dp}: expert parallel splits the "
+                                "data-parallel ranks (each group of ep ranks holds every expert once); raise dp "
+                                "(the world is dp x cp x tp) or lower ep")
         if self.cp_algorithm not in CP_ALGORITHMS:
             raise StrategyError("cp_algorithm", self.cp_algorithm, f": expected {_one_of(CP_ALGORITHMS)}")
         if self.offload is not None and self.offload not in OFFLOAD_TIERS:
@@ -104,8 +121,6 @@ class Strategy:
                                     "run; raise dp or cp, or leave it out")
 
     def _refuse_what_is_not_built(self) -> None:
-        if self.ep > 1:
-            raise StrategyError("ep", self.ep, ": expert parallel is not available yet; expected 1")
         if self.tp2d:
             raise StrategyError("tp2d", True, ": 2D tensor parallel is not available as a strategy yet "
                                 "(lay models out with hp.tp_plan and hp.parallelize); expected false")
@@ -122,7 +137,7 @@ class Strategy:
         >>> Strategy.of({"pp": 2})
         Traceback (most recent call last):
         ...
-        hp.strategy.StrategyError: pp = 2: unknown strategy key; expected one of dp, cp, tp, sp, cp_algorithm, fsdp, reshard_after_forward, param_dtype, reduce_dtype, ep, tp2d, offload, recompute
+        hp.strategy.StrategyError: pp = 2: unknown strategy key; expected one of dp, cp, tp, sp, cp_algorithm, fsdp, reshard_after_forward, param_dtype, reduce_dtype, ep, expert_bias_rate, tp2d, offload, recompute
         """
         if spec is None:
             return cls()
@@ -149,8 +164,13 @@ class Strategy:
         Only axes that split something exist: DTensor's redistribution planner
         slows down sharply with idle size-1 axes.
         """
-        degrees = {"dp": self.dp, "cp": self.cp, "tp": self.tp}
+        degrees = {"dp": self.dp // self.ep, "ep": self.ep, "cp": self.cp, "tp": self.tp}
         return {name: n for name, n in degrees.items() if n > 1} or {"tp": 1}
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch is split over: dp and ep of size > 1 (the batch layout is `b/dp/ep`)."""
+        return tuple(axis for axis in ("dp", "ep") if axis in self.mesh_axes)
 
     @property
     def fsdp_axes(self) -> tuple[str, ...]:
@@ -162,8 +182,19 @@ class Strategy:
 
         >>> Strategy(dp=2, cp=2, tp=2, fsdp=True).fsdp_axes, Strategy(cp=2, fsdp=True).fsdp_axes
         (('dp', 'cp'), ('cp',))
+        >>> Strategy(dp=4, ep=2, fsdp=True).fsdp_axes
+        ('dp', 'ep')
         """
-        return tuple(axis for axis in ("dp", "cp") if self.fsdp and getattr(self, axis) > 1)
+        return tuple(axis for axis in ("dp", "ep", "cp") if self.fsdp and axis in self.mesh_axes)
+
+    @property
+    def expert_fsdp_axes(self) -> tuple[str, ...]:
+        """The mesh axes FSDP shards the experts over: those of `fsdp_axes` that hold the same experts (not ep).
+
+        >>> Strategy(dp=4, ep=2, fsdp=True).expert_fsdp_axes, Strategy(dp=2, ep=2, fsdp=True).expert_fsdp_axes
+        (('dp',), ())
+        """
+        return tuple(axis for axis in self.fsdp_axes if axis != "ep")
 
     @property
     def sequence_parallel(self) -> bool:
@@ -194,6 +225,7 @@ class Strategy:
         ...
         hp.strategy.StrategyError: tp = 3 does not divide num_attention_heads = 4 of the model
         """
+        self._check_experts(config)
         sizes = _split_sizes(config)
         for name, size in sizes.items():
             if size % self.tp:
@@ -208,6 +240,30 @@ class Strategy:
                                 f"{config.attn_logit_softcapping}): ring attention merges blocks of SDPA; use ulysses")
 
 
+    def _check_experts(self, config: Any) -> None:
+        experts = num_experts(config)
+        if self.ep > 1 and not experts:
+            raise StrategyError("ep", self.ep, f": the model ({getattr(config, 'model_type', '?')}) has no experts; "
+                                "expert parallel needs an MoE model; set ep to 1")
+        if self.ep > 1 and experts % self.ep:
+            raise StrategyError("ep", self.ep, f" does not divide num_experts = {experts} of the model")
+        if self.expert_bias_rate and not experts:
+            raise StrategyError("expert_bias_rate", self.expert_bias_rate, ": the model has no experts to balance")
+
+
+def num_experts(config: Any) -> int:
+    """The routed experts of an HF config (0 for a dense model).
+
+    >>> from transformers import AutoConfig
+    >>> num_experts(AutoConfig.for_model("qwen3_moe", num_experts=8)), num_experts(AutoConfig.for_model("llama"))
+    (8, 0)
+    """
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if getattr(config, key, None):
+            return int(getattr(config, key))
+    return 0
+
+
 FIELDS = tuple(f.name for f in dataclasses.fields(Strategy))
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(Strategy)}
 
@@ -215,11 +271,14 @@ DEFAULTS = {f.name: f.default for f in dataclasses.fields(Strategy)}
 def _split_sizes(config: Any) -> dict[str, int]:
     """The sizes tensor parallelism splits: heads, key/value heads, MLP width."""
     heads = config.num_attention_heads
-    return {
+    sizes = {
         "num_attention_heads": heads,
         "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
         "intermediate_size": config.intermediate_size,
     }
+    if getattr(config, "shared_expert_intermediate_size", None):  # a shared expert splits like a dense MLP
+        sizes["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
+    return sizes
 
 
 def _one_of(choices: tuple[str, ...]) -> str:

@@ -16,14 +16,15 @@ from __future__ import annotations
 from typing import Any
 
 from hp.model_plan import ModelPlan
-from hp.models import llama, phi3
-from hp.models.tiny import FAMILIES, tiny_config
+from hp.models import llama, phi3, qwen_moe
+from hp.models.tiny import FAMILIES, MOE_FAMILIES, tiny_config
 
-__all__ = ["FAMILIES", "plan_for", "plan_for_type", "supported", "tiny_config"]
+__all__ = ["FAMILIES", "MOE_FAMILIES", "plan_for", "plan_for_type", "supported", "tiny_config"]
 
 _PLANS: dict[str, ModelPlan] = {
     **{t: llama.PLAN for t in llama.MODEL_TYPES},
     **{t: phi3.PLAN for t in phi3.MODEL_TYPES},
+    **{t: qwen_moe.PLAN for t in qwen_moe.MODEL_TYPES},
 }
 
 
