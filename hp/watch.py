@@ -238,21 +238,21 @@ def recognise(func, args) -> Collective | None:
     table = _TABLES.get(func.namespace)
     if table is None or func._opname not in table:
         return None
-    kind, payload, group = table[func._opname](args)
+    kind, payload, group, *sent = table[func._opname](args)
     axis, p = _group(group)
     return Collective(
         kind=kind,
         axis=axis,
         group_size=p,
         payload_bytes=payload,
-        bytes=ring_bytes(kind, payload, p),
+        bytes=sent[0] if sent else ring_bytes(kind, payload, p),
         phase=_phase(),
         source=user_line(),
     )
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    return int(t.numel()) * t.element_size()
+    return _one_rank([t.numel()])[0] * t.element_size()
 
 
 def _group(ref) -> tuple[str, int]:
@@ -278,12 +278,25 @@ def _one_rank(sizes) -> list[int]:
 
 
 def _all_to_all(t: torch.Tensor, input_splits, group):
-    """An all-to-all; one that sends to a single peer (a ring shift) is a `send_recv` of what it sends."""
+    """An all-to-all; one that sends to a single peer (a ring shift) is a `send_recv` of what it sends.
+
+    With split sizes (uneven ones: expert-parallel dispatch), a rank sends exactly the rows
+    split off for the other ranks; the ring formula holds only for even splits.
+    """
     splits = _one_rank(input_splits or [])
+    row_bytes = t.element_size() * (_one_rank([t[0].numel()])[0] if t.ndim else 1)
     if sum(1 for n in splits if n) == 1:
-        rows = t.shape[0] if t.ndim else 1
-        return "send_recv", _nbytes(t) * max(splits) // max(rows, 1), group
+        return "send_recv", row_bytes * max(splits), group
+    if splits:
+        own = splits[_rank_in(group)]
+        return "all_to_all", _nbytes(t), group, row_bytes * (sum(splits) - own)
     return "all_to_all", _nbytes(t), group
+
+
+def _rank_in(ref) -> int:
+    """This process's rank in a group given by name or object (the first simulated rank's, simulated)."""
+    pg = _resolve_process_group(ref) if isinstance(ref, str) else ref
+    return max(pg.rank(), 0)
 
 
 def _functional(kind: str, payload: Callable, group_arg: int):

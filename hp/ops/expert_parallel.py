@@ -21,6 +21,9 @@ a local slice; the result has the tokens' layout on every other axis. The
 expert weights' gradients are pending sums over the other axes that split
 tokens (data, context, or tensor under sequence parallel): FSDP or
 `hp.reduce_gradients` resolves them like any other.
+
+Every call also counts the (token, k) rows each expert got, for
+`expert_loads`: the load balance a trainer reports and balances by.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hp.ops.local import local_block, to_dtensor
@@ -75,38 +78,75 @@ def expert_parallel(module: nn.Module, globs: Sequence[str]) -> list[nn.Module]:
 def experts_forward(module: nn.Module, forward: Callable, hidden, expert_ids, weights, *args, **kwargs):
     """`forward(module, hidden, expert_ids, weights)`, run where the layouts of `module`'s parameters say."""
     params = dict(module.named_parameters(recurse=False))
-    if not params or not all(isinstance(p, DTensor) for p in params.values()):
+    experts = next(iter(params.values())).shape[0]
+    if not all(isinstance(p, DTensor) for p in params.values()):
+        _count(module, torch.bincount(expert_ids.detach().reshape(-1), minlength=experts), None)
         return forward(module, hidden, expert_ids, weights, *args, **kwargs)
     mesh = next(iter(params.values())).device_mesh
     axis = _expert_axis(params)
     hidden = _tokens(hidden, mesh, axis)
     expert_ids, weights = (_like(t, hidden) for t in (expert_ids, weights))
-    pending = [m for m, p in enumerate(hidden.placements) if isinstance(p, (Shard, _StridedShard)) and m != axis]
-    local = {name: local_block(p, pending) for name, p in params.items()}
+    split = [m for m, p in enumerate(hidden.placements) if isinstance(p, (Shard, _StridedShard))]
+    local = {name: local_block(p, [m for m in split if m != axis]) for name, p in params.items()}
     run = functools.partial(_run_local, module, forward, tuple(local), args, kwargs)
     x, ids, w = hidden.to_local(), expert_ids.to_local(), weights.to_local()
+    counts = torch.bincount(ids.detach().reshape(-1), minlength=experts)
+    _count(module, counts, DTensor.from_local(counts, mesh, [Partial() if m in split else Replicate()
+                                                             for m in range(mesh.ndim)], run_check=False))
     if axis is None:
         out = each_rank(run, x, ids, w, *local.values())
     else:
-        experts = next(iter(params.values())).shape[0]
         routed = functools.partial(_run_routed, run, w.dtype)
-        rows = route(x, ids, experts, mesh.get_group(axis), lambda r, i: each_rank(routed, r, i, *local.values()))
+        rows = route(x, ids, counts, mesh.get_group(axis), lambda r, i: each_rank(routed, r, i, *local.values()))
         out = (rows.view(*ids.shape, -1) * w.unsqueeze(-1)).sum(1).to(x.dtype)
     return to_dtensor(out, mesh, hidden.placements, hidden.shape)
 
 
-def route(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, group, compute: Compute) -> torch.Tensor:
+def expert_loads(module: nn.Module) -> list[torch.Tensor]:
+    """Rows (token, k) each expert got, per experts module of `module`, summed over ranks, since the last call.
+
+    One all-reduce of E counts per experts module over the ranks that split tokens; the
+    counts start again from zero. Modules that ran no forward since are left out.
+
+    >>> import torch
+    >>> class Experts(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.w = torch.nn.Parameter(torch.ones(4, 3, 3))
+    ...     def forward(self, x, ids, weights):
+    ...         return (torch.einsum("th,tkoh->tko", x, self.w[ids]) * weights[..., None]).sum(1)
+    >>> moe = torch.nn.ModuleDict({"experts": Experts()})
+    >>> _ = expert_parallel(moe, ["experts"])
+    >>> _ = moe["experts"](torch.ones(2, 3), torch.tensor([[0, 1], [1, 3]]), torch.ones(2, 2))
+    >>> expert_loads(moe)
+    [tensor([1, 2, 0, 1])]
+    """
+    loads = []
+    for experts in module.modules():
+        counted = getattr(experts, "_hp_load", None)
+        if counted is not None:
+            loads.append(counted.full_tensor() if isinstance(counted, DTensor) else counted)
+            experts._hp_load = None
+    return loads
+
+
+def _count(module: nn.Module, counts: torch.Tensor, laid_out: DTensor | None) -> None:
+    """Add one call's counts to the module's tally (laid out as a pending sum over the token axes)."""
+    counted = counts if laid_out is None else laid_out
+    module._hp_load = counted if getattr(module, "_hp_load", None) is None else module._hp_load + counted
+
+
+def route(x: torch.Tensor, expert_ids: torch.Tensor, counts: torch.Tensor, group, compute: Compute) -> torch.Tensor:
     """Rows `compute(rows, local_expert_ids)` for each (token, k) of `expert_ids`, on the experts' ranks.
 
-    `x` is [T, H] and `expert_ids` [T, K], this rank's; the ranks of `group` hold the experts
-    in blocks of num_experts / size. `compute` sees the rows each rank received, sorted by
-    local expert id, and returns one row each. The result is [T * K, H'], in (token, k) order.
+    `x` is [T, H] and `expert_ids` [T, K], this rank's, and `counts` [E] the rows per expert
+    among them; the ranks of `group` hold the experts in blocks of E / size. `compute` sees
+    the rows each rank received, sorted by local expert id, and returns one row each. The
+    result is [T * K, H'], in (token, k) order.
     """
     ranks = group.size()
-    local_experts = num_experts // ranks
-    flat = expert_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # this rank's rows by expert, so by destination rank
-    counts = torch.bincount(flat, minlength=num_experts)
+    local_experts = counts.shape[0] // ranks
+    order = torch.argsort(expert_ids.reshape(-1), stable=True)  # rows by expert, so by destination rank
     received = funcol.wait_tensor(funcol.all_to_all_single(counts, [local_experts] * ranks,
                                                            [local_experts] * ranks, group))
     send = counts.view(ranks, local_experts).sum(1).tolist()
