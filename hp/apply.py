@@ -8,7 +8,8 @@ or a reduce-scatter under sequence parallel, whatever norm follows it), the
 batch and sequence splits of the inputs, context-parallel attention, the
 sequence preparation of `hp.sequence`, FSDP or the dp/cp gradient
 reduction of `hp.data_parallel`, expert parallel for the plan's experts
-modules (`hp.ops.expert_parallel`), and activation recompute of the plan's
+modules (`hp.ops.expert_parallel`) with the routing bias of
+`hp.expert_balance`, and activation recompute of the plan's
 blocks (`hp.recompute`). Nothing here knows a model family.
 """
 
@@ -21,6 +22,7 @@ from typing import Any
 from torch import nn
 
 from hp.data_parallel import fully_shard_model
+from hp.expert_balance import biased_routing
 from hp.hf_attention import ulysses_around_attention, uses_sdpa
 from hp.mesh import mesh as make_mesh
 from hp.model_plan import ModelPlan
@@ -92,6 +94,8 @@ def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any
     outputs = _present(outputs, model.named_modules())
     parallelize(model, mesh, params, inputs=inputs, outputs=outputs)
     experts = expert_parallel(model, plan.experts)
+    if strategy.expert_bias_rate:
+        biased_routing(model, plan.routers)
     if strategy.fsdp_axes:
         fully_shard_model(model, mesh, list(model.get_submodule(plan.blocks)), strategy, experts=experts)
     if strategy.cp > 1:
@@ -121,6 +125,10 @@ def check_strategy(model: nn.Module, strategy: Strategy | Mapping[str, Any], pla
     params, _, _ = layouts(strategy, plan)
     check_plan(model, strategy.mesh_axes, _present(params, model.named_parameters(remove_duplicate=False)))
     _check_attention(model, strategy)
+    if strategy.expert_bias_rate and not any(fnmatch.fnmatchcase(n, g) for n, _ in model.named_modules()
+                                             for g in plan.routers):
+        raise StrategyError("expert_bias_rate", strategy.expert_bias_rate, f": the plan of {type(model).__name__} "
+                            "names no softmax top-k routers to bias; set it to 0")
 
 
 def _check_attention(model: nn.Module, strategy: Strategy) -> None:

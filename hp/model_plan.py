@@ -33,7 +33,9 @@ class ModelPlan:
     attention; None when the family has none). `experts` lists globs of the
     experts modules (called `experts(tokens, expert_ids, weights)`, as HF's
     are), which run expert parallel by their layouts; `expert_params` lays
-    out their packed weights over `ep` (applied when ep > 1).
+    out their packed weights over `ep` (applied when ep > 1); `routers` names
+    the modules that choose each token's experts (softmax top-k routers,
+    for the strategy's auxiliary-loss-free balancing).
 
     >>> import hp
     >>> plan = hp.ModelPlan(params={"*.q_proj.weight": "out/tp in"}, residual=("*.o_proj",))
@@ -48,13 +50,15 @@ class ModelPlan:
     rotary: str | None = "model.rotary_emb"
     experts: tuple[str, ...] = ()
     expert_params: Mapping[str, str] = field(default_factory=dict)
+    routers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
         object.__setattr__(self, "residual", tuple(self.residual))
         object.__setattr__(self, "experts", tuple(self.experts))
+        object.__setattr__(self, "routers", tuple(self.routers))
         object.__setattr__(self, "expert_params", MappingProxyType(dict(self.expert_params)))
 
     def __hash__(self) -> int:
         return hash((tuple(self.params.items()), self.residual, self.blocks, self.embedding, self.rotary,
-                     self.experts, tuple(self.expert_params.items())))
+                     self.experts, tuple(self.expert_params.items()), self.routers))

@@ -8,7 +8,8 @@ and `experts.down_proj [E, H, I]`; dense layers (`mlp_only_layers`,
 parallel splits the packed experts along E over `ep` and sends each token
 to the ranks of its experts (`hp.ops.expert_parallel`); the experts are not
 split over tp, whose ranks hold the same tokens. The router (`mlp.gate`)
-is replicated. Qwen2-MoE adds a shared expert, a plain MLP split over tp
+is replicated; its softmax top-k takes the strategy's routing bias
+(`hp.expert_balance`). Qwen2-MoE adds a shared expert, a plain MLP split over tp
 like the dense ones, behind a sigmoid gate. The whole `mlp` output joins the
 residual stream, so the dense MLP's and the shared expert's pending sums are
 reduced there.
@@ -33,5 +34,5 @@ TP_PLAN = {
 EXPERT_PLAN = {"*.mlp.experts.gate_up_proj": "e/ep i h", "*.mlp.experts.down_proj": "e/ep h i"}
 
 PLAN = ModelPlan(params={**TP_PLAN, **BIAS_PLAN}, residual=("*.self_attn.o_proj", "*.mlp"),
-                 experts=("*.mlp.experts",), expert_params=EXPERT_PLAN)
+                 experts=("*.mlp.experts",), expert_params=EXPERT_PLAN, routers=("*.mlp.gate",))
 MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
