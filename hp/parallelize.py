@@ -6,7 +6,10 @@ that matches nothing is an error (a typo would otherwise silently replicate).
 Tied parameters (an LM head sharing the embedding) are one tensor with
 several names: an entry for any of the names lays it out once, and two
 different layouts for its names are a `PlanError` naming both.
-Optional `inputs` and `outputs` lay out module arguments and results. The
+Optional `inputs` and `outputs` lay out module arguments and results, and
+`experts` names experts modules (called `experts(tokens, expert_ids,
+weights)`, their experts packed along dim 0 of each parameter), which then
+run expert parallel as their layouts say (`hp.ops.expert_parallel`). The
 module's code is untouched: its forward runs inside `hp.region()`, so the
 plain tensors it makes are taken as replicated and the op rules do the rest.
 
@@ -18,7 +21,7 @@ holds a whole large weight.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 
 import torch
@@ -30,6 +33,7 @@ from hp.layouts import Layout, LayoutError, constrain, layout, shard
 from hp.layouts.annotate import keep_names
 from hp.layouts.placements import bind, to_placements
 from hp.layouts.rules import Rules, resolve
+from hp.ops.expert_parallel import expert_parallel
 from hp.region import region
 
 Layouts = str | Layout | tuple | Mapping
@@ -47,6 +51,7 @@ def parallelize(
     inputs: Mapping[str, Layouts] | None = None,
     outputs: Mapping[str, Layouts] | None = None,
     rules: Rules | Mapping | None = None,
+    experts: Sequence[str] = (),
 ) -> nn.Module:
     """Shard `module`'s parameters by `plan` and run its forward in an hp region.
 
@@ -65,6 +70,8 @@ def parallelize(
         owner_name, _, attr = name.rpartition(".")
         setattr(module.get_submodule(owner_name), attr, replaced[id(param)])
     _layout_io(module, mesh, inputs or {}, outputs or {}, rules)
+    if experts and not expert_parallel(module, experts):
+        raise PlanError(f"hp.parallelize: experts entries {list(experts)} match no module")
     _run_in_region(module)
     return module
 
