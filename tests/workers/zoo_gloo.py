@@ -9,7 +9,10 @@ ring, and FSDP over the context axis: (dp=2, cp=2 fsdp) Ulysses, sharded over
 all 4 ranks, and (cp=2 fsdp, tp=2) ring with parameters kept gathered between
 forward and backward: loss and every gradient equal the unsharded HF model,
 and 5 AdamW steps give its losses. Then FSDP's mixed precision: parameters
-gathered in bf16, gradients reduced in fp32. Every check raises on failure.
+gathered in bf16, gradients reduced in fp32. Then Qwen3-MoE with expert
+parallel under FSDP (dp=4 of which ep=2): the experts sharded again over the
+two ranks that hold the same experts, everything else over all four, its
+Switch auxiliary loss in the loss. Every check raises on failure.
 """
 
 from __future__ import annotations
@@ -22,12 +25,12 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import hp
-from hp.models import FAMILIES, plan_for, tiny_config
+from hp.models import FAMILIES, MOE_FAMILIES, plan_for, tiny_config
 
 
-def tiny_pair(family: str):
+def tiny_pair(family: str, **overrides):
     torch.manual_seed(0)
-    config = tiny_config(family, layers=1)
+    config = tiny_config(family, layers=1, **overrides)
     reference, model = AutoModelForCausalLM.from_config(config), AutoModelForCausalLM.from_config(config)
     model.load_state_dict(reference.state_dict())
     return reference, model
@@ -45,13 +48,18 @@ def down_proj(model) -> torch.Tensor:
     return model.model.layers[0].mlp.down_proj.weight
 
 
-def check(family: str, strategy: dict, rank: int) -> None:
-    reference, model = tiny_pair(family)
+def check(family: str, strategy: dict, rank: int, **overrides) -> None:
+    reference, model = tiny_pair(family, **overrides)
     batches = [torch.randint(0, 256, (4, 16)) for _ in range(5)]
     mesh = hp.strategy_mesh(strategy)
     hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
     fsdp_axes = hp.Strategy.of(strategy).fsdp_axes
-    if fsdp_axes:  # FSDP2 shards the blocks again over dp x cp, flattened: every rank holds a different shard
+    if fsdp_axes and family in MOE_FAMILIES:  # experts: split over ep, then over the ranks holding the same ones
+        layout = str(hp.layout_of(model.model.layers[0].mlp.experts.down_proj))
+        assert layout == "8/ep 64/dp 32", f"rank {rank} {strategy}: experts {layout}"
+        layout = str(hp.layout_of(model.model.layers[0].self_attn.o_proj.weight))
+        assert layout == "64/dp_ep 64", f"rank {rank} {strategy}: attention {layout}"
+    elif fsdp_axes:  # FSDP2 shards the blocks again over dp x cp, flattened: every rank holds a different shard
         tp = "/tp" if strategy.get("tp", 1) > 1 else ""
         layout = str(hp.layout_of(down_proj(model)))
         assert layout == f"64/{'_'.join(fsdp_axes)} 128{tp}", f"rank {rank} {strategy}: {layout}"
@@ -65,7 +73,7 @@ def check(family: str, strategy: dict, rank: int) -> None:
         want.backward()
         got = model(input_ids=ids, labels=labels).loss
         where = f"rank {rank} {family} {strategy} step {step}"
-        if fsdp_axes:  # the block is still gathered after forward only when not resharded
+        if fsdp_axes and family not in MOE_FAMILIES:  # the block is still gathered after forward only when not resharded
             gathered = down_proj(model).to_local().shape[0] == 64
             assert gathered != strategy.get("reshard_after_forward", True), f"{where}: gathered {gathered}"
         got.backward()
@@ -121,6 +129,7 @@ def main() -> None:
     ):
         check("llama", strategy, rank)
     check_mixed_precision(rank)
+    check("qwen3_moe", {"dp": 4, "ep": 2, "fsdp": True}, rank, output_router_logits=True, router_aux_loss_coef=0.1)
     print(f"rank {rank} ok", flush=True)
 
 
