@@ -1,7 +1,9 @@
-"""The model a training run starts from: the embedded tiny Llama, or a local HF directory, laid out.
+"""The model a training run starts from: an embedded tiny model, or a local HF directory, laid out.
 
-`hp/tiny-llama` is a small Llama built from a config in code (no download),
-sized for the byte-level tokenizer. A local directory (config.json and
+The embedded models are built from a config in code (no download), sized for
+the byte-level tokenizer and seeded: `hp/tiny-llama`, a small Llama, and
+`hp/tiny-qwen3-moe`, a small Qwen3 mixture of experts (8 experts, top 2, with
+HF's auxiliary load-balancing loss) for expert parallel. A local directory (config.json and
 safetensors) of any family in the zoo (`hp.models.supported()`, picked by the
 config's `model_type`) is built on the meta device, laid out by the strategy
 with its family's plan, and then
@@ -12,7 +14,9 @@ one rank's memory still loads.
 
 from __future__ import annotations
 
+import fnmatch
 import os
+from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,10 +26,11 @@ from torch import nn
 from hp.apply import apply_strategy, check_strategy
 from hp.parallelize import PlanError
 from hp.storable import from_storable, to_storable
-from hp.strategy import Strategy, StrategyError
+from hp.strategy import Strategy, StrategyError, num_experts
 from hp.train.config import ConfigError
 
 TINY_LLAMA = "hp/tiny-llama"
+TINY_QWEN3_MOE = "hp/tiny-qwen3-moe"
 
 
 def tiny_llama_config(vocab_size: int):
@@ -43,43 +48,93 @@ def tiny_llama_config(vocab_size: int):
     )
 
 
+def tiny_qwen3_moe_config(vocab_size: int):
+    """The embedded mixture of experts: tiny Llama's attention (2 layers, hidden 128, 4 heads, 2 key/value
+    heads of dim 32), and in every layer 8 experts of width 64, each token routed to 2 (weights renormalised).
+
+    HF adds its auxiliary load-balancing loss (Switch Transformer's) to the loss, weighted 0.01. Every
+    width is a multiple of 8, as `torch._grouped_mm` needs on CPU.
+
+    >>> config = tiny_qwen3_moe_config(259)
+    >>> config.model_type, config.vocab_size, config.num_experts, config.output_router_logits
+    ('qwen3_moe', 320, 8, True)
+    """
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=-(-vocab_size // 64) * 64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, use_cache=False,
+        tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=True,
+        router_aux_loss_coef=0.01,
+    )
+
+
+# The embedded models, by name: each built from a config in code, for the byte-level tokenizer.
+EMBEDDED = {TINY_LLAMA: tiny_llama_config, TINY_QWEN3_MOE: tiny_qwen3_moe_config}
+
+
+def model_tokenizer(name_or_path: str):
+    """The tokenizer a run of `name_or_path` reads with: the byte tokenizer for an embedded model, else the
+    directory's own (`hp.train.tokenizer.load_tokenizer`).
+
+    >>> model_tokenizer(TINY_QWEN3_MOE).vocab_size
+    259
+    """
+    from hp.train.tokenizer import ByteTokenizer, load_tokenizer  # that module imports this one
+
+    return ByteTokenizer() if name_or_path in EMBEDDED else load_tokenizer(name_or_path)
+
+
 def model_config(name_or_path: str, vocab_size: int):
-    """The HF config of `name_or_path` (the embedded tiny Llama's, or a local directory's config.json)."""
+    """The HF config of `name_or_path` (an embedded model's, or a local directory's config.json)."""
     from transformers import AutoConfig
 
-    if name_or_path == TINY_LLAMA:
-        return tiny_llama_config(vocab_size)
+    if name_or_path in EMBEDDED:
+        return EMBEDDED[name_or_path](vocab_size)
     if not os.path.isfile(os.path.join(name_or_path, "config.json")):
         raise FileNotFoundError(
-            f"model_name_or_path {name_or_path!r} is neither {TINY_LLAMA!r} nor a local directory with a "
-            "config.json (hp never downloads: point it to a local HF model directory)"
+            f"model_name_or_path {name_or_path!r} is neither one of the embedded models ({', '.join(EMBEDDED)}) "
+            "nor a local directory with a config.json (hp never downloads: point it to a local HF model directory)"
         )
     config = AutoConfig.from_pretrained(name_or_path, local_files_only=True)
     config.use_cache = False
     return config
 
 
-def check_fits(config, strategy: Strategy, *, weights: str | None = None) -> None:
+def check_fits(config, strategy: Strategy, *, weights: str | None = None, name: str | None = None,
+               labels: Mapping[str, str] | None = None, expert_module_cls: str | None = None) -> None:
     """Refuse a model the zoo has no plan for, weights that do not fit it, or a strategy its shapes cannot take.
 
     The model is built on the meta device (no memory, no weights); the
     safetensors in the directory `weights` (when given) must hold each of its
     parameters in its shape, and every layout the strategy would apply is
-    bound to its parameter, as the workers would.
+    bound to its parameter, as the workers would. Expert parallel and the
+    routing bias need a mixture-of-experts model, and `expert_module_cls`
+    (HyperParallel's) must name the class of the plan's MoE blocks or experts
+    modules. `name` is the model as the config names it, and `labels` the key
+    a strategy field was written as when not `parallel.FIELD` (say,
+    HyperParallel's `hyper_parallel_args.ep_size`).
 
     >>> check_fits(tiny_llama_config(259), Strategy(tp=3))
     Traceback (most recent call last):
     ...
     hp.train.config.ConfigError: parallel.tp = 3 does not divide num_attention_heads = 4 of the model
+    >>> check_fits(tiny_llama_config(259), Strategy(dp=2, ep=2), name=TINY_LLAMA)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    hp.train.config.ConfigError: parallel.ep = 2: model_name_or_path = 'hp/tiny-llama' is a dense llama model, ...
     """
     from transformers import AutoModelForCausalLM
 
     from hp.models import plan_for
 
+    labels = labels or {}
     try:
         plan = plan_for(config)
     except ValueError as e:
         raise ConfigError(f"model_name_or_path: {e}") from None
+    _check_experts(config, strategy, name, labels)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     if weights is not None:
@@ -87,10 +142,45 @@ def check_fits(config, strategy: Strategy, *, weights: str | None = None) -> Non
     try:
         check_strategy(model, strategy, plan)
     except StrategyError as e:
-        raise ConfigError(f"parallel.{e}") from None
+        raise ConfigError(f"{labels.get(e.key, f'parallel.{e.key}')} = {e.value!r}{e.problem}") from None
     except PlanError as e:
         raise ConfigError(f"parallel: the {config.model_type} plan does not fit this model under {_given(strategy)}: "
                           f"{e}") from None
+    if expert_module_cls is not None:
+        _check_expert_module_cls(model, plan, expert_module_cls)
+
+
+def _check_experts(config, strategy: Strategy, name: str | None, labels: Mapping[str, str]) -> None:
+    """Expert parallel or a routing bias asked of a dense model, in words that name the model."""
+    from hp.models import plan_for_type, supported
+
+    if num_experts(config) or not (strategy.ep > 1 or strategy.expert_bias_rate):
+        return
+    model = f"model_name_or_path = {name!r}" if name else "the model"
+    dense = f"{model} is a dense {config.model_type} model"
+    if strategy.ep > 1:
+        families = ", ".join(t for t in supported() if plan_for_type(t).experts)
+        raise ConfigError(f"{labels.get('ep', 'parallel.ep')} = {strategy.ep}: {dense}, with no experts to split; "
+                          f"expert parallel needs a mixture-of-experts model ({families}; {TINY_QWEN3_MOE!r} is "
+                          "embedded); set ep to 1")
+    raise ConfigError(f"parallel.expert_bias_rate = {strategy.expert_bias_rate:g}: {dense}, with no experts whose "
+                      "routing to balance; set it to 0, or leave it out")
+
+
+def _check_expert_module_cls(model: nn.Module, plan, wanted: str) -> None:
+    """HyperParallel's expert_module_cls is honoured when it names what hp's plan finds: the MoE blocks or experts."""
+    names = [n for n, _ in model.named_modules() if any(fnmatch.fnmatchcase(n, g) for g in plan.experts)]
+    found = {type(model.get_submodule(n)).__name__ for n in names}
+    found |= {type(model.get_submodule(n.rpartition(".")[0])).__name__ for n in names}
+    if wanted in found:
+        return
+    label = f"hyper_parallel_args.expert_module_cls = {wanted!r}"
+    if not found:
+        raise ConfigError(f"{label}: the model ({model.config.model_type}) has no experts; expected no "
+                          "expert_module_cls")
+    raise ConfigError(f"{label}: hp runs expert parallel on the experts its {model.config.model_type} plan names "
+                      f"({' '.join(plan.experts)}), whose modules are {', '.join(sorted(found))}; expected one of "
+                      "those, or no expert_module_cls")
 
 
 def check_weights(model: nn.Module, directory: str) -> None:
@@ -164,7 +254,7 @@ def build_model(name_or_path: str, vocab_size: int, mesh, strategy: Strategy, *,
 
     config = model_config(name_or_path, vocab_size)
     plan = plan_for(config)
-    if name_or_path == TINY_LLAMA:
+    if name_or_path in EMBEDDED:
         torch.manual_seed(seed)  # the same initial weights on every rank and in every run
         model = AutoModelForCausalLM.from_config(config)
         return apply_strategy(model, mesh, strategy, plan).to(mesh.device_type)
