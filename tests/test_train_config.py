@@ -119,6 +119,17 @@ def test_the_parallel_section_is_the_strategy_every_plan_takes():
     assert parallel == Strategy(cp=2, tp=2, cp_algorithm="ring", recompute=True)
 
 
+def test_expert_parallel_splits_the_data_parallel_ranks_nproc_per_node_leaves():
+    cfg = validate({**MINIMAL, "nproc_per_node": 4,
+                    "parallel": {"ep": 2, "tp": 2, "expert_bias_rate": "1e-3"}})
+    assert cfg.parallel == Strategy(dp=2, ep=2, tp=2, expert_bias_rate=0.001, recompute=True)
+    assert cfg.parallel.mesh_axes == {"ep": 2, "tp": 2} and cfg.world_size == 4
+    assert validate(to_dict(cfg)) == cfg
+    hyper = validate({**MINIMAL, "nproc_per_node": 4, "use_hyper_parallel": True,
+                      "hyper_parallel_args": {"ep_size": 2, "tp_size": 2, "token_dispatcher": "all_to_all"}})
+    assert (hyper.parallel.dp, hyper.parallel.ep, hyper.parallel.tp, hyper.parallel.fsdp) == (2, 2, 2, True)
+
+
 def test_overrides(tmp_path):
     path = _write(tmp_path, GOOD_YAML)
     cfg = load_config(path, ["parallel.tp=1", "parallel.dp=4", "bf16=false", "learning_rate=3e-4",
@@ -293,8 +304,10 @@ BAD = [
     ({"finetuning_type": "lora"}, "finetuning_type = 'lora': expected one of 'full' (LoRA and freeze are not available"),
     ({"max_grad_norm": 0}, "max_grad_norm = 0: expected a number > 0, or null for no clipping"),
     ({"max_samples": 0}, "max_samples = 0: expected an integer >= 1, or null for every record"),
-    ({"use_hyper_parallel": True, "hyper_parallel_args": {"ep_style": "ep"}},
-     "hyper_parallel_args.ep_style = 'ep' is not taken by hp train yet (expert parallel is not available yet)"),
+    ({"use_hyper_parallel": True, "hyper_parallel_args": {"ep_style": "etp"}},
+     "hyper_parallel_args.ep_style = 'etp': expected one of 'ep' (hp splits whole experts over ep"),
+    ({"use_hyper_parallel": True, "hyper_parallel_args": {"plan_overrides": {}}},
+     "hyper_parallel_args.plan_overrides = {} is not taken by hp train yet (hp's model plans are data"),
     # missing required keys
     ({"model_name_or_path": None}, "missing required key 'model_name_or_path'"),
     ({"dataset": None}, "missing required key 'dataset'"),
@@ -348,7 +361,12 @@ BAD = [
      "nproc_per_node = 8: expected 4, as nnodes * nproc_per_node must equal dp*cp*tp = 2*1*2 = 4"),
     ({"parallel": {"dp": 3}, "nnodes": 2}, "nnodes = 2: the dp*cp*tp = 3*1*1 = 3 ranks do not split evenly"),
     # features not built yet, and what the Llama zoo refuses
-    ({"parallel": {"ep": 4}}, "parallel.ep = 4: expert parallel is not available yet; expected 1"),
+    ({"parallel": {"ep": 4}}, "parallel.ep = 4 does not divide dp = 1: expert parallel splits the data-parallel ranks"),
+    ({"parallel": {"ep": 2, "tp": 2}, "nproc_per_node": 6},
+     "parallel.ep = 2 does not divide the data-parallel ranks: nproc_per_node = 6 (x nnodes = 1) with cp = 1 and "
+     "tp = 2 leaves dp = 6 / (cp * tp) = 3"),
+    ({"parallel": {"expert_bias_rate": -0.1}}, "parallel.expert_bias_rate = -0.1: expected a number >= 0"),
+    ({"parallel": {"expert_bias_rate": "fast"}}, "parallel.expert_bias_rate = 'fast': expected a finite number"),
     ({"parallel": {"tp2d": True}}, "parallel.tp2d = True: 2D tensor parallel is not available as a strategy yet"),
     ({"parallel": {"offload": "host"}}, "parallel.offload = 'host': activation swap and offload are not available yet (hp.offload is not built yet)"),
     ({"parallel": {"activation_mode": "swap"}}, "parallel.activation_mode = 'swap': activation swap and offload are not available yet"),
@@ -358,7 +376,10 @@ BAD = [
     ({"hyper_parallel_args": {"tp_size": 2}}, "hyper_parallel_args = {'tp_size': 2} is given but use_hyper_parallel is not true"),
     ({"use_hyper_parallel": True, "hyper_parallel_args": 4}, "hyper_parallel_args = 4: expected a mapping of tp_size"),
     ({"use_hyper_parallel": True, "hyper_parallel_args": {"ep_size": 8}},
-     "hyper_parallel_args.ep_size = 8: expert parallel is not available yet"),
+     "hyper_parallel_args.ep_size = 8 does not divide dp = 1: expert parallel splits the data-parallel ranks"),
+    ({"use_hyper_parallel": True, "hyper_parallel_args": {"ep_size": 2, "token_dispatcher": "deredundency"},
+      "nproc_per_node": 2},
+     "hyper_parallel_args.token_dispatcher = 'deredundency': expected one of 'all_to_all'"),
     ({"use_hyper_parallel": True, "hyper_parallel_args": {"activation_mode": "swap"}},
      "hyper_parallel_args.activation_mode = 'swap': activation swap and offload are not available yet"),
     ({"use_hyper_parallel": True, "hyper_parallel_args": {"activation_mode": "full"}},
@@ -369,7 +390,11 @@ BAD = [
      "hyper_parallel_args.fsdp_size = 2 with 4 ranks and tp = 1: FSDP over part of the ranks with replicas across "
      "the rest (HSDP) is not available yet; expected fsdp_size = 4"),
     ({"use_hyper_parallel": True, "hyper_parallel_args": {"efsdp_size": 2}},
-     "hyper_parallel_args.efsdp_size = 2 is not taken by hp train yet (FSDP of expert weights needs expert parallel"),
+     "hyper_parallel_args.efsdp_size = 2: FSDP has no ranks to shard over (dp * cp = 1), so hp keeps each rank's "
+     "experts whole; expected efsdp_size = 1"),
+    ({"use_hyper_parallel": True, "hyper_parallel_args": {"ep_size": 2, "efsdp_size": 4}, "nproc_per_node": 4},
+     "hyper_parallel_args.efsdp_size = 4: hp's FSDP shards each expert over the ranks that hold the same experts, "
+     "dp / ep * cp = 4 / 2 * 1 = 2"),
     ({"use_hyper_parallel": True, "hyper_parallel_args": {"param_dtype": "int8"}},
      "hyper_parallel_args.param_dtype = 'int8': expected one of 'float32', 'bfloat16', 'float16', 'fp32'"),
     ({"hyper_parallel_cp_size": 2}, "hyper_parallel_cp_size = 2 is given but use_hyper_parallel is not true"),

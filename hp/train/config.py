@@ -17,7 +17,9 @@ The keys are LlamaFactory's (`model_name_or_path`, `stage`, `dataset`,
 sp, fsdp, ...) and the launcher's keys (`nproc_per_node`, `nnodes`, ...).
 LlamaFactory's HyperParallel switch (`use_hyper_parallel: true` with
 `hyper_parallel_args`, a dict or a JSON file of tp_size, cp_size, ep_size,
-fsdp_size, activation_mode) is read too and folded into `parallel`.
+fsdp_size, activation_mode, and for expert parallel efsdp_size,
+token_dispatcher, ep_style, expert_module_cls, each honoured where hp does
+the same thing) is read too and folded into `parallel`.
 
 Every mistake raises `ConfigError` (a `ValueError`) whose message names the
 key, the value given and what is allowed; an unknown key comes with the
@@ -52,7 +54,7 @@ from hp.train.templates import TEMPLATES as TEMPLATE_TABLE
 __all__ = [
     "ACTIVATION_MODES", "DEFAULT_MASTER_PORT", "DEVICES", "DTYPES", "EVAL_STRATEGIES", "SCHEDULERS", "STAGES", "TEMPLATES",
     "ConfigError", "TrainConfig",
-    "apply_overrides", "load_config", "read_hyper_parallel_args", "to_dict", "validate",
+    "apply_overrides", "load_config", "read_hyper_parallel_args", "strategy_labels", "to_dict", "validate",
 ]
 
 STAGES = ("pt", "sft")  # training stages hp train runs; LlamaFactory's rm, ppo, dpo, kto are not here yet
@@ -260,6 +262,8 @@ _PARALLEL_RULES: dict[str, _Rule] = {
     "cp_algorithm": _Rule("str", choices=CP_ALGORITHMS),
     "sp": _Rule("bool"),
     "ep": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
+    "expert_bias_rate": _Rule("float", lambda v: v >= 0, "a number >= 0 (the routing bias's step per optimizer step; "
+                              "0: none)"),
     "tp2d": _Rule("bool", optional=True),
     "fsdp": _Rule("bool"),
     "offload": _Rule("str", optional=True),
@@ -280,15 +284,25 @@ _HYPER_RULES: dict[str, _Rule] = {
     "reshard_after_forward": _Rule("bool"),
     "param_dtype": _Rule("str", choices=DTYPES + tuple(_DTYPE_ALIASES)),
     "reduce_dtype": _Rule("str", choices=DTYPES + tuple(_DTYPE_ALIASES)),
+    # HyperParallel's expert parallel: honoured where hp does the same thing, refused otherwise
+    "efsdp_size": _Rule("int", lambda v: v >= 1, "an integer >= 1 (the ranks FSDP shards each expert over: "
+                        "dp / ep * cp), or null", optional=True),
+    "token_dispatcher": _Rule("str", choices=("all_to_all",), allowed=(
+        "(hp sends each token to its experts' ranks with one all-to-all of uneven splits over ep, HyperParallel's "
+        "'all_to_all'; the two-stage 'deredundency' dispatch is not available)")),
+    "ep_style": _Rule("str", choices=("ep",), allowed=(
+        "(hp splits whole experts over ep and keeps each expert whole over tp, whose ranks hold the same tokens: "
+        "HyperParallel's 'ep'; experts split over tp are not available)")),
+    "expert_module_cls": _Rule("str", _nonempty, "the class name of the model's MoE block or experts module "
+                               "(checked against the model before any worker starts)"),
 }
 _HYPER_TO_PARALLEL = {"tp_size": "tp", "cp_size": "cp", "ep_size": "ep"}
+# hyper_parallel_args keys that set no strategy field by themselves: checked once the strategy is known
+# (fsdp_size: dp and fsdp; efsdp_size: against the strategy; expert_module_cls: against the model, in preflight)
+_HYPER_CHECKED = ("fsdp_size", "efsdp_size", "token_dispatcher", "ep_style", "expert_module_cls")
 # HyperParallel keys hp knows but cannot honour yet, and why.
 _HYPER_NOT_YET = {
-    "efsdp_size": "FSDP of expert weights needs expert parallel, which is not available yet",
-    "token_dispatcher": "MoE token dispatch needs expert parallel, which is not available yet",
     "plan_overrides": "hp's model plans are data of each family in hp.models; a run does not override them",
-    "ep_style": "expert parallel is not available yet",
-    "expert_module_cls": "expert parallel is not available yet",
     "activation_swap_inputs": "activation swap is not available yet (hp.offload is not built yet)",
 }
 
@@ -607,7 +621,7 @@ def _parallel(given: dict[str, Any], hyper: dict[str, Any] | None, elsewhere: li
         hyper, note = _hyper_cp_override(hyper, values.get("hyper_parallel_cp_size"))
         notes += [note] if note else []
         for key, value in hyper.items():
-            if key != "fsdp_size":
+            if key not in _HYPER_CHECKED:
                 fold.add(f"hyper_parallel_args.{key} = {value!r}", _strategy_fields(key, value))
     for translation in elsewhere:
         fold.add(translation.source, translation.fields)
@@ -617,7 +631,21 @@ def _parallel(given: dict[str, Any], hyper: dict[str, Any] | None, elsewhere: li
     _derive_dp(fold, values)
     if hyper is not None and "fsdp_size" not in hyper:
         notes += _hyper_fsdp_everywhere(fold)
-    return fold.strategy(), tuple(notes)
+    strategy = fold.strategy()
+    if hyper is not None and hyper.get("efsdp_size") is not None:
+        _hyper_efsdp_size(strategy, hyper["efsdp_size"], hyper.get("fsdp_size"))
+    return strategy, tuple(notes)
+
+
+def strategy_labels(config: TrainConfig) -> dict[str, str]:
+    """The key each strategy field was written as, where it is not `parallel.FIELD` (for later messages).
+
+    >>> strategy_labels(validate({"model_name_or_path": "m", "dataset": "d", "output_dir": "o",
+    ...                           "use_hyper_parallel": True, "hyper_parallel_args": {"tp_size": 2}}))
+    {'tp': 'hyper_parallel_args.tp_size'}
+    """
+    hyper = config.hyper_parallel_args or {}
+    return {name: f"hyper_parallel_args.{key}" for key, name in _HYPER_TO_PARALLEL.items() if key in hyper}
 
 
 def _hyper_cp_override(hyper: dict[str, Any], cp_size: int | None) -> tuple[dict[str, Any], str]:
@@ -645,6 +673,23 @@ def _hyper_fsdp_size(fold: _Fold, size: int, values: Mapping[str, Any]) -> None:
                           "(the ranks tp leaves), or no fsdp_size")
 
 
+def _hyper_efsdp_size(strategy: Strategy, size: int, fsdp_size: int | None) -> None:
+    """HyperParallel's efsdp_size: the ranks FSDP shards each expert over, which hp fixes (dp / ep * cp with FSDP)."""
+    ranks = math.prod(strategy.mesh_axes[axis] for axis in strategy.expert_fsdp_axes)
+    if size == ranks:
+        return
+    label = f"hyper_parallel_args.efsdp_size = {size}"
+    if not strategy.fsdp:
+        why = ("fsdp_size = 1 turns FSDP off" if fsdp_size == 1 else
+               f"FSDP has no ranks to shard over (dp * cp = {strategy.dp * strategy.cp})")
+        raise ConfigError(f"{label}: {why}, so hp keeps each rank's experts whole; expected efsdp_size = 1, or no "
+                          "efsdp_size")
+    over = f"dp / ep * cp = {strategy.dp} / {strategy.ep} * {strategy.cp} = {ranks}"
+    raise ConfigError(f"{label}: hp's FSDP shards each expert over the ranks that hold the same experts, {over}; "
+                      "fewer, with replicas of the experts across the rest (HSDP), is not available yet; expected "
+                      f"efsdp_size = {ranks}, or no efsdp_size")
+
+
 def _hyper_fsdp_everywhere(fold: _Fold) -> list[str]:
     """HyperParallel's fsdp_size unset: FSDP over every dp * cp rank (LlamaFactory's default), when there are some."""
     ranks = fold.get("dp") * fold.get("cp")
@@ -667,11 +712,19 @@ def _derive_dp(fold: _Fold, values: Mapping[str, Any]) -> None:
     if "dp" in fold.values or world is None:
         return
     inner = fold.get("cp") * fold.get("tp")
+    launched = f"nproc_per_node = {values['nproc_per_node']} (x nnodes = {values.get('nnodes', 1)})"
     if world % inner:
-        raise ConfigError(f"nproc_per_node = {values['nproc_per_node']} (x nnodes = {values.get('nnodes', 1)}): "
-                          f"{world} ranks do not split into groups of cp * tp = {inner}; expected a multiple of {inner}")
-    if world // inner > 1:
-        fold.add(f"nproc_per_node = {values['nproc_per_node']}", {"dp": world // inner})
+        raise ConfigError(f"{launched}: {world} ranks do not split into groups of cp * tp = {inner}; expected a "
+                          f"multiple of {inner}")
+    dp, ep = world // inner, fold.get("ep")
+    if dp % ep:
+        ep_label = fold.source.get("ep", f"parallel.ep = {ep}")
+        raise ConfigError(f"{ep_label} does not divide the data-parallel ranks: {launched} with cp = {fold.get('cp')} "
+                          f"and tp = {fold.get('tp')} leaves dp = {world} / (cp * tp) = {dp}, and expert parallel "
+                          f"splits the dp ranks into groups of ep; expected an ep that divides {dp}, or "
+                          f"nproc_per_node * nnodes a multiple of ep * cp * tp = {ep * inner}")
+    if dp > 1:
+        fold.add(f"nproc_per_node = {values['nproc_per_node']}", {"dp": dp})
 
 
 def _with_recompute(strategy: Strategy, given: dict[str, Any], hyper: dict[str, Any] | None,
