@@ -10,10 +10,17 @@ tokens/s, memory), appends a JSON line per logging step to
 installed, and prints a summary JSON object as its last stdout line:
 first/last loss, steps, tokens/s, collective bytes per step per mesh axis
 (one step traced with `hp.comm.trace()`), peak memory, and the latest
-evaluation loss and perplexity. Evaluation (HF Trainer's `eval_strategy`,
+evaluation loss and perplexity. A mixture-of-experts model's load balance is
+measured after every optimizer step (`hp.expert_balance.measure`, on every
+rank: the tokens each expert got, summed over ranks): rank 0 shows the
+imbalance (most loaded expert over the mean) in the progress bar and writes
+it, with the tokens per expert of each MoE layer, into that step's metrics
+line; with the strategy's `expert_bias_rate`, every rank then moves its
+routing bias toward balance (`nudge_routing_bias`). Evaluation (HF Trainer's `eval_strategy`,
 `eval_steps`, `do_eval`) runs the held-out examples through the laid-out
 model without gradients; its loss is the mean over supervised tokens, as if
-all examples were one batch. Metrics and
+all examples were one batch (its expert loads are dropped: they are not the
+next step's). Metrics and
 summary are strict JSON: a loss or gradient norm that stops being finite
 ends the run with `TrainingError` naming the step, before that step's
 update is saved, so the last checkpoint stays the last good one. A resumed
@@ -38,15 +45,15 @@ from torch import nn
 
 import hp
 from hp.device import bind_local_device, detect
+from hp.expert_balance import ExpertLoad, measure, nudge_routing_bias
 from hp.train import checkpoint
 from hp.train.config import TrainConfig, to_dict
 from hp.train.data import IGNORE_INDEX, TokenBatches, eval_batches, load_splits
 from hp.train.errors import TrainingError
 from hp.train.loader import loader
-from hp.train.model import build_model
+from hp.train.model import build_model, model_tokenizer
 from hp.train.preflight import resume_path
 from hp.train.report import METRICS, TENSORBOARD_DIR, Reporter
-from hp.train.tokenizer import load_tokenizer
 
 
 @dataclass
@@ -58,6 +65,7 @@ class Progress:
     seconds: float = 0.0
     comm: dict[str, int] = field(default_factory=dict)  # mesh axis -> bytes per rank per step
     eval_loss: float | None = None  # the latest evaluation's
+    expert_load: ExpertLoad | None = None  # the latest step's, for a mixture-of-experts model
 
 
 def train(config: TrainConfig) -> dict:
@@ -68,7 +76,7 @@ def train(config: TrainConfig) -> dict:
     strategy = config.parallel
     _join_workers(config.ddp_timeout)
     mesh = hp.strategy_mesh(strategy)
-    tokenizer = load_tokenizer(config.model_name_or_path)
+    tokenizer = model_tokenizer(config.model_name_or_path)
     examples, held_out = load_splits(config, tokenizer)
     dp = config.parallel.dp
     batches = TokenBatches(examples, config.per_device_train_batch_size * dp, config.seed, tokenizer.pad_token_id)
@@ -100,6 +108,7 @@ def train(config: TrainConfig) -> dict:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
+            progress.expert_load = balance_experts(model, strategy.expert_bias_rate)
             progress.seconds += time.perf_counter() - start
             progress.tokens += tokens
             progress.losses.append(loss)
@@ -128,6 +137,18 @@ def train(config: TrainConfig) -> dict:
     return summary
 
 
+def balance_experts(model: nn.Module, rate: float) -> ExpertLoad | None:
+    """The expert load since the last call (None for a dense model), and the routing bias moved by `rate`.
+
+    Every rank calls it at the same point (the load is summed over them), so every rank moves its
+    bias the same way.
+    """
+    load = measure(model)
+    if load is not None and rate:
+        nudge_routing_bias(model, load, rate)
+    return load
+
+
 def _evaluates_now(config: TrainConfig, step: int, epoch_ended: bool, last: bool) -> bool:
     """HF Trainer's rule: every eval_steps (logging_steps when unset), or at each epoch's end; do_eval: at the end."""
     if config.eval_strategy == "steps" and step % (config.eval_steps or config.logging_steps) == 0:
@@ -150,6 +171,7 @@ def evaluate(model: nn.Module, batches, config: TrainConfig, device: str) -> flo
                 total += _value(loss) * supervised
                 tokens += supervised
     model.train()
+    measure(model)  # every rank: the evaluation's expert loads are not the next training step's
     return total / tokens
 
 
@@ -276,13 +298,19 @@ def _log(config: TrainConfig, step: int, loss: float, lr: float, progress: Progr
          device: str) -> None:
     tokens_per_s = progress.tokens / max(progress.seconds, 1e-9)
     memory = peak_memory_bytes(device)
-    bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:.0f}", mem=f"{memory / 2**20:.0f}MiB")
+    load = progress.expert_load
+    moe = {} if load is None else {"moe": f"{load.imbalance:.2f}"}
+    bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:.0f}", mem=f"{memory / 2**20:.0f}MiB", **moe)
     bar.update(1)
     if step % config.logging_steps == 0 or step == 1:
-        report.write({"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "peak_memory_bytes": memory})
+        record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "peak_memory_bytes": memory}
+        if load is not None:
+            record.update(expert_imbalance=load.imbalance, expert_load=[list(layer) for layer in load.per_layer])
+        report.write(record)
 
 
 def _summary(config: TrainConfig, progress: Progress, step: int, device: str) -> dict:
+    moe = {} if progress.expert_load is None else {"expert_imbalance": progress.expert_load.imbalance}
     return {
         "first_loss": progress.losses[0] if progress.losses else None,
         "last_loss": progress.losses[-1] if progress.losses else None,
@@ -293,6 +321,7 @@ def _summary(config: TrainConfig, progress: Progress, step: int, device: str) ->
         "eval_loss": progress.eval_loss,
         "eval_perplexity": _perplexity(progress.eval_loss),
         "peak_memory_bytes": peak_memory_bytes(device),
+        **moe,  # a mixture-of-experts model's, at the last step
         "output_dir": config.output_dir,
     }
 

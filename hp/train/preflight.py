@@ -5,7 +5,8 @@ found here it costs a second and one message. So whatever does not need the
 workers is checked here, in the order a user would fix it: the device, the
 rendezvous port, the output directory, the checkpoint to resume from, the
 model directory (its tokenizer, its config, its weights' names and shapes
-against that config, the strategy against the model), the chat template
+against that config, the strategy against the model: heads tp divides,
+experts that expert parallel and the routing bias need and ep divides), the chat template
 against the tokenizer (its special tokens, or the tokenizer's own
 chat_template when `template` is unset), and the data (every
 dataset file parses, holds the columns its template needs, fills a batch,
@@ -20,7 +21,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from hp.train.config import RESUME_LAST, ConfigError, TrainConfig
+from hp.train.config import RESUME_LAST, ConfigError, TrainConfig, strategy_labels
 
 
 def check(config: TrainConfig) -> None:
@@ -32,7 +33,7 @@ def check(config: TrainConfig) -> None:
     ...
     hp.train.config.ConfigError: dataset 'nope': data has no dataset_info.json and no file data/nope (name a .json/.jsonl file in dataset_dir, or add dataset_info.json)
     """
-    from hp.train.tokenizer import load_tokenizer
+    from hp.train.model import model_tokenizer
 
     _check_device(config.device)
     _check_trackers(config.report_to)
@@ -40,7 +41,7 @@ def check(config: TrainConfig) -> None:
     _check_output_dir(config)
     state = _trainer_state(config)
     try:
-        tokenizer = load_tokenizer(config.model_name_or_path)
+        tokenizer = model_tokenizer(config.model_name_or_path)
     except (OSError, ValueError) as e:
         raise ConfigError(_model_words(config, e)) from None
     _check_model(config, tokenizer.vocab_size)
@@ -131,14 +132,17 @@ def _trainer_state(config: TrainConfig) -> dict[str, Any] | None:
 
 
 def _check_model(config: TrainConfig, vocab_size: int) -> None:
-    from hp.train.model import TINY_LLAMA, check_fits, model_config
+    """The model's config and weights, and the strategy against them (expert parallel needs experts, ...)."""
+    from hp.train.model import EMBEDDED, check_fits, model_config
 
     try:
         hf_config = model_config(config.model_name_or_path, vocab_size)
     except (OSError, ValueError) as e:
         raise ConfigError(_model_words(config, e)) from None
-    weights = None if config.model_name_or_path == TINY_LLAMA else config.model_name_or_path
-    check_fits(hf_config, config.parallel, weights=weights)
+    weights = None if config.model_name_or_path in EMBEDDED else config.model_name_or_path
+    check_fits(hf_config, config.parallel, weights=weights, name=config.model_name_or_path,
+               labels=strategy_labels(config),
+               expert_module_cls=(config.hyper_parallel_args or {}).get("expert_module_cls"))
 
 
 def _model_words(config: TrainConfig, error: Exception) -> str:
