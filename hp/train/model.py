@@ -195,6 +195,12 @@ def check_weights(model: nn.Module, directory: str) -> None:
     """
     stored = _stored_shapes(directory)
     for name, param in _loaded_state(model).items():
+        one_by_one = f"{name.rpartition('.')[0]}.0.{_PACKED.get(name.rpartition('.')[2], '')}.weight"
+        if name not in stored and one_by_one in stored:
+            raise ConfigError(f"model_name_or_path = {directory!r} holds its experts one by one ({one_by_one}, ..., "
+                              f"as transformers saves them), and hp reads them packed as the model holds them "
+                              f"({name}) only: training from a mixture-of-experts directory is not available yet "
+                              f"(the embedded {TINY_QWEN3_MOE!r} trains, and its checkpoints resume)")
         if name not in stored:
             raise ConfigError(f"model_name_or_path = {directory!r}: no weight {name!r} in its safetensors, which the "
                               f"model its config.json describes needs ({len(stored)} weights found there)")
@@ -202,6 +208,10 @@ def check_weights(model: nn.Module, directory: str) -> None:
         if shape != tuple(param.shape):
             raise ConfigError(f"model_name_or_path = {directory!r}: weight {name!r} has shape {list(shape)} in {file}, "
                               f"but its config.json makes it {list(param.shape)}")
+
+
+# A packed experts weight (`...experts.gate_up_proj`), and the weight transformers saves per expert in its place.
+_PACKED = {"gate_up_proj": "gate_proj", "down_proj": "down_proj"}
 
 
 def _stored_shapes(directory: str) -> dict[str, tuple[tuple[int, ...], str]]:
