@@ -131,7 +131,7 @@ def test_hyper_parallel_expert_keys_are_honoured_where_hp_does_the_same():
      "dp / ep * cp = 8 / 2 * 1 = 4; fewer, with replicas of the experts across the rest (HSDP), is not available "
      "yet; expected efsdp_size = 4"),
     ({"ep_size": 2, "fsdp_size": 1, "efsdp_size": 2}, {"nproc_per_node": 2},
-     "hyper_parallel_args.efsdp_size = 2: FSDP is off (fsdp_size: 1), so hp keeps each rank's experts whole"),
+     "hyper_parallel_args.efsdp_size = 2: fsdp_size = 1 turns FSDP off, so hp keeps each rank's experts whole"),
     ({"ep_size": 2, "token_dispatcher": "deredundency"}, {"nproc_per_node": 2},
      "hyper_parallel_args.token_dispatcher = 'deredundency': expected one of 'all_to_all' (hp sends each token to "
      "its experts' ranks with one all-to-all of uneven splits over ep"),
