@@ -33,15 +33,16 @@ def test_moe_quickstart_trains_under_expert_parallel_and_reports_the_load(tmp_pa
     from hp.train.export import export
     from hp.train.tokenizer import ByteTokenizer
 
-    overrides = ["max_steps=6", "save_steps=6", "logging_steps=1", "val_size=32", "eval_strategy=steps",
-                 "eval_steps=6", "per_device_eval_batch_size=16", f"output_dir={tmp_path}", f"dataset_dir={DATA}"]
+    overrides = ["max_steps=5", "save_steps=5", "logging_steps=1", "per_device_train_batch_size=8", "val_size=32",
+                 "eval_strategy=steps", "eval_steps=5", "per_device_eval_batch_size=16", f"output_dir={tmp_path}",
+                 f"dataset_dir={DATA}"]
     result = summary(hp_train(*overrides, config=QUICKSTART_MOE))
-    assert result["last_loss"] < 0.85 * result["first_loss"], result
+    assert result["last_loss"] < 0.9 * result["first_loss"], result
     assert {"tp", "ep"} <= result["comm_bytes_per_step"].keys()
     assert result["expert_imbalance"] >= 1.0
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
-    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6] and len(losses(tmp_path)) == 6
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5] and len(losses(tmp_path)) == 5
     for record in steps:
         load = record["expert_load"]
         assert len(load) == 2 and all(len(layer) == 8 for layer in load)  # 2 MoE layers of 8 experts
@@ -49,7 +50,7 @@ def test_moe_quickstart_trains_under_expert_parallel_and_reports_the_load(tmp_pa
         assert record["expert_imbalance"] == pytest.approx(max(max(l) * 8 / sum(l) for l in load))
     # the export is a HF Qwen3-MoE whose loss on the held-out examples (one global batch: 16 x dp 2)
     # is the run's evaluation loss under ep x tp, the auxiliary loss included
-    hf = export(str(tmp_path / "checkpoint-6"), str(tmp_path / "hf"))
+    hf = export(str(tmp_path / "checkpoint-5"), str(tmp_path / "hf"))
     model = AutoModelForCausalLM.from_pretrained(hf)
     assert model.config.model_type == "qwen3_moe" and model.config.num_experts == 8
     _, held = load_splits(load_config(QUICKSTART_MOE, overrides), ByteTokenizer())
