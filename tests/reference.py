@@ -13,7 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hp.cost import ring_bytes
-from hp.models import tiny_config
+import hp
+from hp.models import plan_for, tiny_config
 from hp.strategy import Strategy
 
 BATCH, SEQ = 4, 16
@@ -27,6 +28,33 @@ def tiny_pair(model_type: str, layers: int = 2, **overrides):
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(reference.state_dict())
     return reference, model
+
+
+def five_adamw_steps(family: str, strategy: dict, lr: float = 1e-3, **overrides) -> None:
+    """5 AdamW steps of a one-layer `family` under `strategy` give HF's losses."""
+    reference, model = tiny_pair(family, layers=1, **overrides)
+    batches = [batch(seed=s) for s in range(5)]
+    opt = torch.optim.AdamW(reference.parameters(), lr=lr)
+    want = []
+    for ids, labels in batches:
+        loss = reference(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    mesh = hp.strategy_mesh(strategy, simulate=True)
+    with hp.simulated(mesh):
+        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        got = []
+        for ids, labels in batches:
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            hp.reduce_gradients(model)
+            opt.step()
+            opt.zero_grad()
+            got.append(loss.full_tensor().item())
+    assert max(abs(g - w) / w for g, w in zip(got, want)) < 1e-5, (got, want)
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.distributed._local_tensor import LocalTensor
-from reference import assert_same_loss_and_grads, batch, rel_err, tiny_pair
+from reference import assert_same_loss_and_grads, batch, five_adamw_steps, rel_err, tiny_pair
 
 import hp
 from hp.expert_balance import ExpertLoad, measure, nudge_routing_bias
@@ -65,32 +65,7 @@ def test_every_hf_experts_implementation_runs_expert_parallel(implementation):
 
 
 def test_five_adamw_steps_under_ep_and_tp_give_the_same_losses():
-    reference, model = tiny_pair("qwen3_moe", layers=1, **AUX)
-    batches = [batch(seed=s) for s in range(5)]
-    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    want = []
-    for ids, labels in batches:
-        loss = reference(input_ids=ids, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want.append(loss.item())
-    strategy = hp.Strategy(dp=2, ep=2, tp=2)
-    mesh = hp.strategy_mesh(strategy, simulate=True)
-    with hp.simulated(mesh):
-        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        got = []
-        for ids, labels in batches:
-            loss = model(input_ids=ids, labels=labels).loss
-            loss.backward()
-            hp.reduce_gradients(model)
-            opt.step()
-            opt.zero_grad()
-            got.append(loss.full_tensor().item())
-        for (name, p), r in zip(model.named_parameters(), reference.parameters()):
-            assert rel_err(p.full_tensor(), r) < 1e-5, name
-    assert max(abs(g - w) / w for g, w in zip(got, want)) < 1e-5
+    five_adamw_steps("qwen3_moe", {"dp": 2, "ep": 2, "tp": 2}, lr=1e-2, **AUX)
 
 
 def test_dispatch_and_combine_move_exactly_the_rows_routed_to_other_ranks():

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import assert_same_loss_and_grads, batch, expected_layer_collectives, rel_err, tiny_pair
+from reference import (
+    assert_same_loss_and_grads,
+    batch,
+    expected_layer_collectives,
+    five_adamw_steps,
+    rel_err,
+    tiny_pair,
+)
 
 import hp
 from hp.models import FAMILIES, plan_for, plan_for_type
@@ -47,38 +54,12 @@ def test_family_matches_hf_and_moves_what_megatron_moves(family, strategy):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_five_adamw_steps_under_tp_give_the_same_losses(family):
-    _five_steps(family, {"tp": 2})
+    five_adamw_steps(family, {"tp": 2})
 
 
 @pytest.mark.parametrize("strategy", [{"dp": 2, "tp": 2}, {"cp": 2, "tp": 2}, {"dp": 2, "cp": 2}, {"cp": 2, "cp_algorithm": "ring"}])
 def test_five_adamw_steps_under_llama_strategies_give_the_same_losses(strategy):
-    _five_steps("llama", strategy)
-
-
-def _five_steps(family: str, strategy: dict) -> None:
-    reference, model = tiny_pair(family, layers=1)
-    batches = [batch(seed=s) for s in range(5)]
-    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    want = []
-    for ids, labels in batches:
-        loss = reference(input_ids=ids, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want.append(loss.item())
-    mesh = hp.strategy_mesh(strategy, simulate=True)
-    with hp.simulated(mesh):
-        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        got = []
-        for ids, labels in batches:
-            loss = model(input_ids=ids, labels=labels).loss
-            loss.backward()
-            hp.reduce_gradients(model)
-            opt.step()
-            opt.zero_grad()
-            got.append(loss.full_tensor().item())
-    assert got == pytest.approx(want, rel=1e-5)
+    five_adamw_steps("llama", strategy)
 
 
 @pytest.mark.parametrize("seq", [13, 15])

@@ -54,18 +54,7 @@ def expert_parallel(module: nn.Module, globs: Sequence[str]) -> list[nn.Module]:
     Each matched module's forward becomes `experts_forward` around its own: with DTensor
     parameters, tokens go to the ranks of their experts (an `e/ep` layout) or stay
     (experts replicated) and each rank runs the module's own code on plain tensors; with
-    plain parameters it runs as before. Returns the modules matched.
-
-    >>> import torch
-    >>> class Experts(torch.nn.Module):
-    ...     def __init__(self):
-    ...         super().__init__()
-    ...         self.w = torch.nn.Parameter(torch.ones(4, 3, 3))
-    ...     def forward(self, x, ids, weights):
-    ...         return (torch.einsum("th,tkoh->tko", x, self.w[ids]) * weights[..., None]).sum(1)
-    >>> moe = torch.nn.ModuleDict({"experts": Experts()})
-    >>> [type(m).__name__ for m in expert_parallel(moe, ["experts"])]
-    ['Experts']
+    plain parameters it runs as before. Returns the modules matched (`expert_loads` shows one).
     """
     found = [m for n, m in module.named_modules() if any(fnmatch.fnmatchcase(n, g) for g in globs)]
     for experts in found:
