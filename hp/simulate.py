@@ -61,7 +61,10 @@ class _EachRank(torch.autograd.Function):
     def forward(ctx, fn, *tensors):
         mode = enabled_local_tensor_mode()
         ctx.graphs, outputs = {}, {}
-        with mode.disable(), torch.enable_grad():
+        # The ranks' graphs keep what they save: an activation checkpoint around the call recomputes
+        # this node as a whole, never the graphs inside it.
+        keep = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        with mode.disable(), torch.enable_grad(), keep:
             for rank in mode.ranks:
                 leaves = [_leaf(t, rank) for t in tensors]
                 out = fn(*leaves)

@@ -120,7 +120,12 @@ def expert_loads(module: nn.Module) -> list[torch.Tensor]:
 
 
 def _count(module: nn.Module, counts: torch.Tensor, laid_out: DTensor | None) -> None:
-    """Add one call's counts to the module's tally (laid out as a pending sum over the token axes)."""
+    """Add one call's counts to the module's tally (laid out as a pending sum over the token axes).
+
+    A forward that activation recompute runs again in backward counts nothing: its tokens were counted.
+    """
+    if torch._C._current_graph_task_id() != -1:
+        return
     counted = counts if laid_out is None else laid_out
     module._hp_load = counted if getattr(module, "_hp_load", None) is None else module._hp_load + counted
 
