@@ -58,9 +58,11 @@ def test_moe_quickstart_trains_under_expert_parallel_and_reports_the_load(tmp_pa
     with torch.no_grad():
         want = model(input_ids=ids, labels=labels).loss.item()
     assert result["eval_loss"] == pytest.approx(want, rel=1e-4)
-    # transformers saved the experts one by one: hp train says it cannot read them packed yet
-    with pytest.raises(ConfigError, match="holds its experts one by one"):
-        check_fits(model.config, Strategy(), weights=hf)
+    # transformers saved the experts one by one; hp train reads them into its packed weights
+    check_fits(model.config, Strategy(), weights=hf)
+    again = build_model(hf, model.config.vocab_size, hp.mesh(tp=1, simulate=True), Strategy(), seed=1)
+    with torch.no_grad():
+        assert again(input_ids=ids, labels=labels).loss.full_tensor().item() == pytest.approx(want, rel=1e-6)
 
 
 # ---------------------------------------------------------------- refusals before any worker

@@ -9,7 +9,9 @@ config's `model_type`) is built on the meta device, laid out by the strategy
 with its family's plan, and then
 each rank reads only its own blocks of the weights from the safetensors files
 (`torch.distributed.checkpoint` with its HF reader), so a model larger than
-one rank's memory still loads.
+one rank's memory still loads. A mixture of experts stored one expert at a
+time, as transformers saves it, is read into the packed experts the model
+holds, block by block (`hp.train.expert_weights`).
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ import torch
 from torch import nn
 
 from hp.apply import apply_strategy, check_strategy
+from hp.expert_balance import BIAS as ROUTING_BIAS
 from hp.parallelize import PlanError
 from hp.storable import from_storable, to_storable
 from hp.strategy import Strategy, StrategyError, num_experts
+from hp.train import expert_weights
 from hp.train.config import ConfigError
 
 TINY_LLAMA = "hp/tiny-llama"
@@ -195,12 +199,11 @@ def check_weights(model: nn.Module, directory: str) -> None:
     """
     stored = _stored_shapes(directory)
     for name, param in _loaded_state(model).items():
-        one_by_one = f"{name.rpartition('.')[0]}.0.{_PACKED.get(name.rpartition('.')[2], '')}.weight"
-        if name not in stored and one_by_one in stored:
-            raise ConfigError(f"model_name_or_path = {directory!r} holds its experts one by one ({one_by_one}, ..., "
-                              f"as transformers saves them), and hp reads them packed as the model holds them "
-                              f"({name}) only: training from a mixture-of-experts directory is not available yet "
-                              f"(the embedded {TINY_QWEN3_MOE!r} trains, and its checkpoints resume)")
+        try:
+            if expert_weights.one_by_one(name, tuple(param.shape), stored):
+                continue  # experts stored one by one, as transformers saves them: read into the packed weight
+        except ValueError as e:
+            raise ConfigError(f"model_name_or_path = {directory!r}: {e}") from None
         if name not in stored:
             raise ConfigError(f"model_name_or_path = {directory!r}: no weight {name!r} in its safetensors, which the "
                               f"model its config.json describes needs ({len(stored)} weights found there)")
@@ -208,10 +211,6 @@ def check_weights(model: nn.Module, directory: str) -> None:
         if shape != tuple(param.shape):
             raise ConfigError(f"model_name_or_path = {directory!r}: weight {name!r} has shape {list(shape)} in {file}, "
                               f"but its config.json makes it {list(param.shape)}")
-
-
-# A packed experts weight (`...experts.gate_up_proj`), and the weight transformers saves per expert in its place.
-_PACKED = {"gate_up_proj": "gate_proj", "down_proj": "down_proj"}
 
 
 def _stored_shapes(directory: str) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -236,8 +235,11 @@ def _stored_shapes(directory: str) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def _loaded_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The parameters and buffers a HF directory stores for `model` (a tied output layer is stored once)."""
-    state = model.state_dict()
+    """The parameters and buffers a HF directory stores for `model` (a tied output layer is stored once).
+
+    hp's own routing bias is not among them: a run from HF weights starts it at zero.
+    """
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith(f".{ROUTING_BIAS}")}
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     return state
@@ -287,6 +289,12 @@ def load_safetensors(model: nn.Module, directory: str) -> None:
     from hp.train.checkpoint import distributed
 
     wanted = _loaded_state(model)
+    stored = _stored_shapes(directory)
+    for name, param in list(wanted.items()):
+        keys = expert_weights.one_by_one(name, tuple(param.shape), stored)
+        if keys:
+            expert_weights.load(model.get_parameter(name), keys, stored, directory)
+            del wanted[name]
     state = to_storable(wanted)
     dcp.load(state, storage_reader=HuggingFaceStorageReader(directory), no_dist=not distributed())
     model.load_state_dict(from_storable(state, wanted), strict=False)

@@ -12,12 +12,16 @@ and 5 AdamW steps give its losses. Then FSDP's mixed precision: parameters
 gathered in bf16, gradients reduced in fp32. Then Qwen3-MoE with expert
 parallel under FSDP (dp=4 of which ep=2): the experts sharded again over the
 two ranks that hold the same experts, everything else over all four, its
-Switch auxiliary loss in the loss. Every check raises on failure.
+Switch auxiliary loss in the loss; and its weights saved by transformers (one
+expert at a time) read back by `hp train`'s loader into those packed, sharded
+blocks. Every check raises on failure.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from unittest import mock
 
 import torch
@@ -115,6 +119,25 @@ def check_mixed_precision(rank: int) -> None:
         assert error < 3e-2, f"{where}: {name} gradient off by {error:.3f} of its norm"
 
 
+def check_expert_loading(rank: int) -> None:
+    """HF's per-expert files, read rank by rank into experts split over ep and sharded by FSDP, equal the model."""
+    from hp.train.model import build_model
+
+    reference, _ = tiny_pair("qwen3_moe")
+    directory = os.path.join(tempfile.gettempdir(), f"hp-moe-weights-{os.environ['MASTER_PORT']}")
+    strategy = hp.Strategy(dp=4, ep=2, fsdp=True)
+    mesh = hp.strategy_mesh(strategy)
+    if rank == 0:
+        reference.save_pretrained(directory)
+    dist.barrier()
+    model = build_model(directory, reference.config.vocab_size, mesh, strategy, seed=1)
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.full_tensor(), r.detach()), f"rank {rank}: {name} read back wrong"
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(directory)
+
+
 FSDP_FAMILIES = ("llama", "qwen2", "phi3", "gemma3_text")
 assert set(FSDP_FAMILIES) <= set(FAMILIES)
 
@@ -130,6 +153,7 @@ def main() -> None:
         check("llama", strategy, rank)
     check_mixed_precision(rank)
     check("qwen3_moe", {"dp": 4, "ep": 2, "fsdp": True}, rank, output_router_logits=True, router_aux_loss_coef=0.1)
+    check_expert_loading(rank)
     print(f"rank {rank} ok", flush=True)
 
 
