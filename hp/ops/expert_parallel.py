@@ -69,7 +69,7 @@ def experts_forward(module: nn.Module, forward: Callable, hidden, expert_ids, we
     params = dict(module.named_parameters(recurse=False))
     experts = next(iter(params.values())).shape[0]
     if not all(isinstance(p, DTensor) for p in params.values()):
-        _count(module, torch.bincount(expert_ids.detach().reshape(-1), minlength=experts), None)
+        _count(module, torch.bincount(expert_ids.detach().reshape(-1), minlength=experts))
         return forward(module, hidden, expert_ids, weights, *args, **kwargs)
     mesh = next(iter(params.values())).device_mesh
     axis = _expert_axis(params)
@@ -80,8 +80,8 @@ def experts_forward(module: nn.Module, forward: Callable, hidden, expert_ids, we
     run = functools.partial(_run_local, module, forward, tuple(local), args, kwargs)
     x, ids, w = hidden.to_local(), expert_ids.to_local(), weights.to_local()
     counts = torch.bincount(ids.detach().reshape(-1), minlength=experts)
-    _count(module, counts, DTensor.from_local(counts, mesh, [Partial() if m in split else Replicate()
-                                                             for m in range(mesh.ndim)], run_check=False))
+    pending = [Partial() if m in split else Replicate() for m in range(mesh.ndim)]  # each rank counted its tokens
+    _count(module, DTensor.from_local(counts, mesh, pending, run_check=False))
     if axis is None:
         out = each_rank(run, x, ids, w, *local.values())
     else:
@@ -119,15 +119,14 @@ def expert_loads(module: nn.Module) -> list[torch.Tensor]:
     return loads
 
 
-def _count(module: nn.Module, counts: torch.Tensor, laid_out: DTensor | None) -> None:
-    """Add one call's counts to the module's tally (laid out as a pending sum over the token axes).
+def _count(module: nn.Module, counts: torch.Tensor) -> None:
+    """Add one call's counts (a DTensor pending its sum over the token axes, or plain) to the module's tally.
 
     A forward that activation recompute runs again in backward counts nothing: its tokens were counted.
     """
     if torch._C._current_graph_task_id() != -1:
         return
-    counted = counts if laid_out is None else laid_out
-    module._hp_load = counted if getattr(module, "_hp_load", None) is None else module._hp_load + counted
+    module._hp_load = counts if getattr(module, "_hp_load", None) is None else module._hp_load + counts
 
 
 def route(x: torch.Tensor, expert_ids: torch.Tensor, counts: torch.Tensor, group, compute: Compute) -> torch.Tensor:
