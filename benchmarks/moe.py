@@ -10,13 +10,14 @@ combine), and against the plain model.
 
 One HF `Qwen3MoeForCausalLM` (hidden 256, 4 layers, 8 experts of width 256,
 top-2, 8 query / 4 KV heads of dim 32, vocabulary 2048; fp32), batch 4 x
-128 tokens per rank, takes a step (forward with labels, backward, AdamW) on
+512 tokens per rank, takes a step (forward with labels, backward, AdamW) on
 2 real gloo ranks launched from this script, as
 
 - `hp`: `hp.Strategy(dp=2, ep=2)` with `hp.strategy_mesh` + `hp.apply_strategy`
   and the Qwen-MoE plan: one mesh axis `ep`, the batch split `b/ep`, the
   experts `e/ep`, every other parameter replicated; `hp.reduce_gradients`
-  before the optimizer (one all-reduce per replicated parameter);
+  before the optimizer (the replicated parameters' gradients summed in one
+  flat all-reduce);
 - `hp_fsdp`: the same with `fsdp=True`: the dense parameters FSDP-sharded
   over both ranks, the experts not (each rank holds its experts whole),
   which is how HF's EP lays the model out;
@@ -32,7 +33,7 @@ top-2, 8 query / 4 KV heads of dim 32, vocabulary 2048; fp32), batch 4 x
   rows by `all_to_all_single_autograd`). Each rank feeds its own half of
   the batch; the experts run HF's `grouped_mm` implementation, as in hp's
   configurations (the experts module's own code on each rank's rows);
-- `unsharded`: the plain model on each rank, on the whole batch (8 x 128).
+- `unsharded`: the plain model on each rank, on the whole batch (8 x 512).
 
 The first warm-up step of every configuration starts from the same weights;
 its loss must equal the unsharded loss on the whole batch to 1e-5 (relative)
@@ -77,8 +78,11 @@ collective, counts as its Python caller's) and the top functions.
 
 If HF's EP cannot be built here, a record says why, its ratios are null
 and the rest still runs. Prints one JSON object per measurement and a
-summary object last, nothing after it; about two minutes on 2 shared CPU
-cores.
+summary object last, nothing after it; about two and a half minutes on 2
+shared CPU cores. 512 tokens a row keep a step's compute well above hp's
+fixed cost of dispatching DTensor ops on the dense layers (about 0.09 s a
+step here, the forward's gap to HF's at any length), which a shorter
+sequence would mostly measure instead.
 
     python benchmarks/moe.py [--reps 9]
 """
@@ -129,7 +133,7 @@ class Settings:
     kv_heads: int = 4
     head_dim: int = 32
     batch: int = 4  # per rank: the whole batch is RANKS x this
-    seq: int = 128
+    seq: int = 512  # tokens per row: compute well above hp's fixed dispatch cost
     warmup: int = 2
     reps: int = 9
 
