@@ -123,7 +123,7 @@ def test_cp_refuses_masks_and_positions_it_cannot_honour(kwargs, message):
                                                              r"over \(dp x cp = 1\), so it does not run"),
         ({"tp": 0}, r"tp = 0: expected an integer >= 1"),
         ({"sp": "yes"}, r"sp = 'yes': expected true or false"),
-        ({"ep": 2}, r"ep = 2: expert parallel is not available yet"),
+        ({"ep": 2}, r"ep = 2 does not divide dp = 1"),
     ],
 )
 def test_bad_strategies_are_refused_with_the_key(spec, message):
