@@ -9,11 +9,14 @@ model of `hp.cost`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from transformers import AutoModelForCausalLM
 
-from hp.cost import ring_bytes
 import hp
+from hp.cost import ring_bytes
 from hp.models import plan_for, tiny_config
 from hp.strategy import Strategy
 
@@ -28,6 +31,22 @@ def tiny_pair(model_type: str, layers: int = 2, **overrides):
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(reference.state_dict())
     return reference, model
+
+
+@contextmanager
+def laid_out_step(model, strategy: dict | Strategy, ids: torch.Tensor, labels: torch.Tensor) -> Iterator:
+    """Lay `model` out by `strategy` on simulated ranks, run forward and backward; yields the output there.
+
+    The gradients' pending sums are resolved (`hp.reduce_gradients`), as a training step would.
+    """
+    strategy = hp.Strategy.of(strategy)
+    mesh = hp.strategy_mesh(strategy, simulate=True)
+    with hp.simulated(mesh):
+        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
+        out = model(input_ids=ids, labels=labels)
+        out.loss.backward()
+        hp.reduce_gradients(model)
+        yield out
 
 
 def five_adamw_steps(family: str, strategy: dict, lr: float = 1e-3, **overrides) -> None:

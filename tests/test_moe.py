@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.distributed._local_tensor import LocalTensor
-from reference import assert_same_loss_and_grads, batch, five_adamw_steps, rel_err, tiny_pair
+from reference import assert_same_loss_and_grads, batch, five_adamw_steps, laid_out_step, rel_err, tiny_pair
 
 import hp
 from hp.expert_balance import ExpertLoad, measure, nudge_routing_bias
@@ -35,13 +35,7 @@ def test_moe_family_matches_hf_with_its_auxiliary_loss(family, strategy):
     ids, labels = batch()
     want = reference(input_ids=ids, labels=labels)
     want.loss.backward()
-    strategy = hp.Strategy.of(strategy)
-    mesh = hp.strategy_mesh(strategy, simulate=True)
-    with hp.simulated(mesh):
-        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
-        got = model(input_ids=ids, labels=labels)
-        got.loss.backward()
-        hp.reduce_gradients(model)
+    with laid_out_step(model, strategy, ids, labels) as got:
         assert rel_err(got.aux_loss.full_tensor(), want.aux_loss) < 1e-5
         assert_same_loss_and_grads(got.loss, want.loss, model, reference)
 
@@ -54,14 +48,8 @@ def test_every_hf_experts_implementation_runs_expert_parallel(implementation):
     ids, labels = batch()
     want = reference(input_ids=ids, labels=labels).loss
     want.backward()
-    strategy = hp.Strategy(dp=2, ep=2)
-    mesh = hp.strategy_mesh(strategy, simulate=True)
-    with hp.simulated(mesh):
-        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        hp.reduce_gradients(model)
-        assert_same_loss_and_grads(loss, want, model, reference)
+    with laid_out_step(model, {"dp": 2, "ep": 2}, ids, labels) as got:
+        assert_same_loss_and_grads(got.loss, want, model, reference)
 
 
 def test_five_adamw_steps_under_ep_and_tp_give_the_same_losses():

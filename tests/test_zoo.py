@@ -9,6 +9,7 @@ from reference import (
     batch,
     expected_layer_collectives,
     five_adamw_steps,
+    laid_out_step,
     rel_err,
     tiny_pair,
 )
@@ -78,11 +79,7 @@ def test_sequences_not_divisible_by_the_chunk_count_are_padded_without_changing_
     out = reference(input_ids=ids, labels=labels)
     out.loss.backward()
     strategy = hp.Strategy.of(strategy)
-    mesh = hp.strategy_mesh(strategy, simulate=True)
-    with hp.simulated(mesh):
-        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
-        got = model(input_ids=ids, labels=labels)
-        got.loss.backward()
+    with laid_out_step(model, strategy, ids, labels) as got:
         assert_same_loss_and_grads(got.loss, out.loss, model, reference)
         logits = got.logits.full_tensor()
     padded = seq + (-seq % strategy.sequence_chunks)
