@@ -51,9 +51,10 @@ from hp.train.config import TrainConfig, to_dict
 from hp.train.data import IGNORE_INDEX, TokenBatches, eval_batches, load_splits
 from hp.train.errors import TrainingError
 from hp.train.loader import loader
-from hp.train.model import build_model, model_tokenizer
+from hp.train.model import build_model
 from hp.train.preflight import resume_path
 from hp.train.report import METRICS, TENSORBOARD_DIR, Reporter
+from hp.train.tokenizer import load_tokenizer
 
 
 @dataclass
@@ -76,7 +77,7 @@ def train(config: TrainConfig) -> dict:
     strategy = config.parallel
     _join_workers(config.ddp_timeout)
     mesh = hp.strategy_mesh(strategy)
-    tokenizer = model_tokenizer(config.model_name_or_path)
+    tokenizer = load_tokenizer(config.model_name_or_path)
     examples, held_out = load_splits(config, tokenizer)
     dp = config.parallel.dp
     batches = TokenBatches(examples, config.per_device_train_batch_size * dp, config.seed, tokenizer.pad_token_id)

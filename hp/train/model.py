@@ -78,18 +78,6 @@ def tiny_qwen3_moe_config(vocab_size: int):
 EMBEDDED = {TINY_LLAMA: tiny_llama_config, TINY_QWEN3_MOE: tiny_qwen3_moe_config}
 
 
-def model_tokenizer(name_or_path: str):
-    """The tokenizer a run of `name_or_path` reads with: the byte tokenizer for an embedded model, else the
-    directory's own (`hp.train.tokenizer.load_tokenizer`).
-
-    >>> model_tokenizer(TINY_QWEN3_MOE).vocab_size
-    259
-    """
-    from hp.train.tokenizer import ByteTokenizer, load_tokenizer  # that module imports this one
-
-    return ByteTokenizer() if name_or_path in EMBEDDED else load_tokenizer(name_or_path)
-
-
 def model_config(name_or_path: str, vocab_size: int):
     """The HF config of `name_or_path` (an embedded model's, or a local directory's config.json)."""
     from transformers import AutoConfig

@@ -33,7 +33,7 @@ def check(config: TrainConfig) -> None:
     ...
     hp.train.config.ConfigError: dataset 'nope': data has no dataset_info.json and no file data/nope (name a .json/.jsonl file in dataset_dir, or add dataset_info.json)
     """
-    from hp.train.model import model_tokenizer
+    from hp.train.tokenizer import load_tokenizer
 
     _check_device(config.device)
     _check_trackers(config.report_to)
@@ -41,7 +41,7 @@ def check(config: TrainConfig) -> None:
     _check_output_dir(config)
     state = _trainer_state(config)
     try:
-        tokenizer = model_tokenizer(config.model_name_or_path)
+        tokenizer = load_tokenizer(config.model_name_or_path)
     except (OSError, ValueError) as e:
         raise ConfigError(_model_words(config, e)) from None
     _check_model(config, tokenizer.vocab_size)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
-from hp.train.model import TINY_LLAMA
+from hp.train.model import EMBEDDED, TINY_LLAMA
 
 # Files whose presence marks a directory as holding a HF tokenizer.
 _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -141,21 +141,22 @@ class HFTokenizer:
 
 
 def load_tokenizer(model_name_or_path: str) -> Tokenizer:
-    """The tokenizer of `model_name_or_path`: the byte tokenizer for `hp/tiny-llama`, else a local HF one.
+    """The tokenizer of `model_name_or_path`: the byte tokenizer for an embedded model, else a local HF one.
 
-    >>> load_tokenizer("hp/tiny-llama").vocab_size
-    259
+    >>> load_tokenizer("hp/tiny-llama").vocab_size, load_tokenizer("hp/tiny-qwen3-moe").vocab_size
+    (259, 259)
     >>> load_tokenizer("meta-llama/Llama-3-8B")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     ValueError: model_name_or_path 'meta-llama/Llama-3-8B' is neither 'hp/tiny-llama' nor a local directory; ...
     """
-    if model_name_or_path == TINY_LLAMA:
+    if model_name_or_path in EMBEDDED:
         return ByteTokenizer()
     path = Path(model_name_or_path)
     if not path.is_dir():
         raise ValueError(
             f"model_name_or_path {model_name_or_path!r} is neither {TINY_LLAMA!r} nor a local directory; "
+            f"the embedded models are {', '.join(map(repr, EMBEDDED))}; "
             "hp never downloads from a hub: download the model yourself and point to its local directory"
         )
     if not any((path / name).is_file() for name in _HF_TOKENIZER_FILES):
