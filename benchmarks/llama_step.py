@@ -90,18 +90,28 @@ import cProfile
 import json
 import os
 import pstats
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from ranks import (
+    Emit,
+    adamw,
+    as_record,
+    bucket,
+    emitter,
+    free_port,
+    gathered,
+    no_phase,
+    short,
+)
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -113,7 +123,6 @@ if TYPE_CHECKING:
 RANKS = 2  # tp (and cp) degree, and the number of processes launched
 RECOMPUTE = "hp_recompute"  # the variant with activation recompute: memory for time, never "best"
 DONE = "worker_done"  # rank 0's last line, once every rank is past its last collective
-Emit = Callable[[dict], None]  # prints one record (on rank 0)
 
 
 @dataclass(frozen=True)
@@ -166,17 +175,11 @@ def main() -> None:
         launch(settings, sys.argv[1:])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(settings: Settings, argv: list[str]) -> None:
     """Run this script on RANKS gloo workers; relay their JSON lines; print the summary last."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS),
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
         os.path.abspath(__file__), *argv, "--worker",
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -187,7 +190,7 @@ def launch(settings: Settings, argv: list[str]) -> None:
     records: list[dict] = []
     done = False
     for line in proc.stdout:
-        record = _as_record(line)
+        record = as_record(line)
         if record is None:  # torchrun's banner, profiler chatter: not results
             sys.stderr.write(line)
         elif DONE in record:
@@ -205,19 +208,6 @@ def launch(settings: Settings, argv: list[str]) -> None:
     summary["launch_exit_code"] = code
     summary["wall_s"] = round(time.perf_counter() - started, 1)
     print(json.dumps(summary), flush=True)
-
-
-def _as_record(line: str) -> dict | None:
-    # Both ranks share the pipe, and the profiler's C++ log lines may lack their newline, so a
-    # record can arrive glued after one: parse from the first brace.
-    start = line.find("{")
-    if start < 0:
-        return None
-    try:
-        record = json.loads(line[start:])
-    except ValueError:
-        return None
-    return record if isinstance(record, dict) else None
 
 
 def _paired(mine: dict, theirs: dict) -> float:
@@ -289,7 +279,7 @@ def worker(s: Settings) -> None:
     with hp.context_parallel(s.cp_algorithm):  # an unknown algorithm fails here, before the long part
         pass
     device = _device(hp.device.detect().type)
-    emit = _emitter(rank)
+    emit = emitter(rank)
     emit({"bench": "setup", "device": str(device), "torch": torch.__version__, **_versions()})
     run_tp(s, device, emit)
     run_cp(s, device, emit)
@@ -305,23 +295,6 @@ def _versions() -> dict:
     import transformers
 
     return {"transformers": transformers.__version__}
-
-
-def _emitter(rank: int) -> Emit:
-    """Print a record as one JSON line, from rank 0 only (the others compute along)."""
-
-    def emit(record: dict) -> None:
-        if rank == 0:
-            print(json.dumps(record), flush=True)
-
-    return emit
-
-
-def _gathered(value: object) -> list:
-    """`value` from every rank, in rank order."""
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 def _sync(device: torch.device) -> None:
@@ -367,16 +340,12 @@ class Variant:
     before_step: Callable[[nn.Module], None] = lambda model: None
 
 
-def adamw(params: Iterable) -> torch.optim.Optimizer:
-    # One optimizer setting for every configuration (on CPU AdamW runs its per-tensor loop).
-    return torch.optim.AdamW(params, lr=1e-4)
-
-
 def hp_variant(
     name: str, config: LlamaConfig, device: torch.device, strategy: dict, compile_mlp: bool = False
 ) -> Variant:
-    import hp
     from hp.models import plan_for
+
+    import hp
 
     model = hp.apply_strategy(fresh_model(config, device), hp.strategy_mesh(strategy), strategy, plan_for(config))
     if compile_mlp:
@@ -429,11 +398,7 @@ PHASES = ("forward", "backward", "optimizer")
 Phase = Callable[[str], contextlib.AbstractContextManager]
 
 
-def _no_phase(name: str) -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext()
-
-
-def step(v: Variant, ids: torch.Tensor, phase: Phase = _no_phase) -> torch.Tensor:
+def step(v: Variant, ids: torch.Tensor, phase: Phase = no_phase) -> torch.Tensor:
     """Forward with labels, backward, AdamW; the loss. `phase(name)` wraps each part (profiling)."""
     with phase("forward"), v.context():
         loss = v.model(input_ids=ids, labels=ids).loss
@@ -486,7 +451,7 @@ def run_tp(s: Settings, device: torch.device, emit: Emit) -> None:
     for name, record in memory.items():
         emit({"bench": "tp_memory", "config": name, **record})
     pair = {v.name: v for v in variants if v.name in ("hp", RECOMPUTE)}
-    activations = {name: _gathered(activation_peak(v.model, ids, device)) for name, v in pair.items()}
+    activations = {name: gathered(activation_peak(v.model, ids, device)) for name, v in pair.items()}
     emit(recompute_memory(memory, activations))
     profiled = [v for v in variants if v.name in ("hp", "torch", "torch_lp")]
     for name, result in profile(profiled, ids, device, rounds=3).items():
@@ -584,7 +549,7 @@ def peak_memory(v: Variant, ids: torch.Tensor, device: torch.device) -> dict:
     if device.type != "cpu":
         torch.accelerator.reset_peak_memory_stats()
         step(v, ids)
-        return {"peak_bytes": _gathered(torch.accelerator.max_memory_allocated()), "measure": "max_memory_allocated"}
+        return {"peak_bytes": gathered(torch.accelerator.max_memory_allocated()), "measure": "max_memory_allocated"}
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
@@ -593,7 +558,7 @@ def peak_memory(v: Variant, ids: torch.Tensor, device: torch.device) -> dict:
         step(v, ids)
     peak = tracker.get_tracker_snapshot("peak")[device]
     kinds = {str(getattr(k, "value", k)): n for k, n in peak.items() if n}
-    return {"peak_bytes": _gathered(peak["Total"]), "at_peak_rank0": kinds, "measure": "MemTracker"}
+    return {"peak_bytes": gathered(peak["Total"]), "at_peak_rank0": kinds, "measure": "MemTracker"}
 
 
 # ---------------------------------------------------------------------------- profile
@@ -661,33 +626,6 @@ def op_counts(v: Variant, ids: torch.Tensor) -> dict:
     }
 
 
-def _bucket(filename: str) -> str:
-    """The package a profiled function belongs to (cProfile's filename)."""
-    import hp
-
-    if filename.startswith(os.path.dirname(hp.__file__)):
-        return "hp"
-    for part, name in (
-        ("torch/distributed/tensor/", "dtensor"), ("torch/distributed/_functional_collectives", "funcol"),
-        ("transformers/", "transformers"), ("torch/optim/", "optim"), ("torch/autograd/", "autograd"),
-        ("torch/utils/_pytree", "pytree"), ("torch/nn/", "nn"),
-        # C++ called through pybind (a blocking gloo collective) counts as its Python caller's time
-        ("torch/_ops.py", "torch_ops (incl. C++ below)"), ("torch/_library/", "torch_ops (incl. C++ below)"),
-    ):
-        if part in filename:
-            return name
-    return "C (kernels, collectives)" if filename == "~" else "other python"
-
-
-def _short(filename: str) -> str:
-    """A profiled file's path from its package root on (`torch/distributed/...`, `hp/ops/...`)."""
-    parts = filename.replace(os.sep, "/").split("/")
-    for root in ("hp", "torch", "transformers"):
-        if root in parts:
-            return "/".join(parts[len(parts) - 1 - parts[::-1].index(root):])
-    return parts[-1]
-
-
 def python_time(v: Variant, ids: torch.Tensor) -> dict:
     """cProfile of one step: self time per package, and DTensor's propagation/redistribution counts."""
     prof = cProfile.Profile()
@@ -700,9 +638,9 @@ def python_time(v: Variant, ids: torch.Tensor) -> dict:
     by_function: Counter = Counter()
     calls: Counter = Counter()
     for (filename, line, function), (_, ncalls, tottime, _, _) in stats.items():
-        by_package[_bucket(filename)] += tottime
+        by_package[bucket(filename)] += tottime
         if filename != "~":
-            by_function[f"{_short(filename)}:{line} {function} x{ncalls}"] += tottime
+            by_function[f"{short(filename)}:{line} {function} x{ncalls}"] += tottime
         if filename.endswith("_redistribute.py") and function == "redistribute_local_tensor":
             calls["redistribute_local_tensor"] += ncalls
         elif filename.endswith("_sharding_prop.py") and function in ("propagate", "propagate_op_sharding_non_cached"):
@@ -733,8 +671,9 @@ def dispatch_costs(mesh: DeviceMesh, device: torch.device, calls: int = 2000) ->
     Plain; a replicated DTensor (DTensor's dispatch); the same inside `hp.region()` (plus hp's
     torch-function layer); and a DTensor meeting a plain tensor there (which hp wraps).
     """
-    import hp
     from torch.distributed.tensor import Replicate
+
+    import hp
 
     plain = torch.randn(8, 8, device=device)
     replicated = DTensor.from_local(plain, mesh, [Replicate()] * mesh.ndim, run_check=False)
@@ -810,8 +749,9 @@ def time_split(v: Variant, ids: torch.Tensor, device: torch.device) -> dict:
 
 
 def run_cp(s: Settings, device: torch.device, emit: Emit) -> None:
-    import hp
     from hp.models import plan_for
+
+    import hp
 
     config = llama_config(s, s.cp_layers, max(s.cp_seqs))
     strategy = {"cp": RANKS, "cp_algorithm": s.cp_algorithm}
@@ -826,8 +766,8 @@ def run_cp(s: Settings, device: torch.device, emit: Emit) -> None:
             record = {
                 "bench": "cp_memory", "cp": cp, "seq": seq, "batch": s.cp_batch, "layers": s.cp_layers,
                 "cp_algorithm": s.cp_algorithm if cp > 1 else None,
-                "saved_bytes": _gathered(saved), "attn_saved_bytes": _gathered(attn),
-                "act_peak_bytes": _gathered(activation_peak(model, ids, device)),
+                "saved_bytes": gathered(saved), "attn_saved_bytes": gathered(attn),
+                "act_peak_bytes": gathered(activation_peak(model, ids, device)),
             }
             if cp > 1:
                 record["loss_rel_err"] = abs(loss - losses[1]) / abs(losses[1])

@@ -95,7 +95,6 @@ import cProfile
 import json
 import os
 import pstats
-import socket
 import statistics
 import subprocess
 import sys
@@ -107,6 +106,17 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
+from ranks import (
+    Emit,
+    adamw,
+    as_record,
+    bucket,
+    emitter,
+    free_port,
+    gathered,
+    no_phase,
+    short,
+)
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -115,7 +125,6 @@ RANKS = 2  # ep degree (= dp: ep splits the data-parallel ranks), and the number
 DONE = "worker_done"  # rank 0's last line, once every rank is past its last collective
 HF = "hf_ep"
 PHASES = ("forward", "backward", "reduce", "optimizer")  # reduce: hp.reduce_gradients (hp only)
-Emit = Callable[[dict], None]  # prints one record (on rank 0)
 Phase = Callable[[str], contextlib.AbstractContextManager]
 
 
@@ -159,19 +168,13 @@ def main() -> None:
         launch(settings, sys.argv[1:])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(settings: Settings, argv: list[str]) -> None:
     """Run this script on RANKS gloo workers; relay their JSON lines; print the summary last."""
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="hp_moe_") as model_dir:  # where HF's EP loads the model from
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS),
-            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
             os.path.abspath(__file__), *argv, "--model-dir", model_dir, "--worker",
         ]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -197,7 +200,7 @@ def relay(lines: Iterable[str]) -> tuple[list[dict], bool]:
     records: list[dict] = []
     done = False
     for line in lines:
-        record = _as_record(line)
+        record = as_record(line)
         if record is None:  # torchrun's banner, library chatter: not results
             sys.stderr.write(line)
         elif DONE in record:
@@ -206,18 +209,6 @@ def relay(lines: Iterable[str]) -> tuple[list[dict], bool]:
             records.append(record)
             print(json.dumps(record), flush=True)
     return records, done
-
-
-def _as_record(line: str) -> dict | None:
-    # Both ranks share the pipe, so a record can arrive glued after another process's text.
-    start = line.find("{")
-    if start < 0:
-        return None
-    try:
-        record = json.loads(line[start:])
-    except ValueError:
-        return None
-    return record if isinstance(record, dict) else None
 
 
 def _ratio(medians: dict[str, float], mine: str, theirs: str) -> float | None:
@@ -271,7 +262,7 @@ def worker(s: Settings, model_dir: str) -> None:
     rank = int(os.environ["RANK"])
     import transformers  # here, not at the top: the launching process needs neither transformers nor hp
 
-    emit = _emitter(rank)
+    emit = emitter(rank)
     emit({"bench": "setup", "torch": torch.__version__, "transformers": transformers.__version__})
     config = moe_config(s)
     ids = token_batch(s)
@@ -299,23 +290,6 @@ def worker(s: Settings, model_dir: str) -> None:
             emit({"bench": "moe_profile", "config": v.name, **collectives(v), **dtensor_ops(v), **python_time(v)})
     dist.barrier()  # every rank is past its last collective
     emit({DONE: True})
-
-
-def _emitter(rank: int) -> Emit:
-    """Print a record as one JSON line, from rank 0 only (the others compute along)."""
-
-    def emit(record: dict) -> None:
-        if rank == 0:
-            print(json.dumps(record), flush=True)
-
-    return emit
-
-
-def _gathered(value: object) -> list:
-    """`value` from every rank, in rank order."""
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 # ---------------------------------------------------------------------------- models
@@ -358,15 +332,11 @@ class Variant:
     phase_seconds: list[dict[str, float]] = field(default_factory=list)
 
 
-def adamw(params: Iterable) -> torch.optim.Optimizer:
-    # One optimizer setting for every configuration (on CPU AdamW runs its per-tensor loop).
-    return torch.optim.AdamW(params, lr=1e-4)
-
-
 def hp_variant(name: str, config, ids: torch.Tensor, strategy: dict) -> Variant:
     """hp's layout: each rank feeds the whole batch, which the `b/ep` input layout splits."""
-    import hp
     from hp.models import plan_for
+
+    import hp
 
     model = hp.apply_strategy(fresh_model(config), hp.strategy_mesh(strategy), strategy, plan_for(config))
     return Variant(name, model, adamw(model.parameters()), ids, before_step=hp.reduce_gradients,
@@ -401,11 +371,7 @@ def unsharded_variant(config, ids: torch.Tensor) -> Variant:
     return Variant("unsharded", model, adamw(model.parameters()), ids)
 
 
-def _no_phase(name: str) -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext()
-
-
-def step(v: Variant, phase: Phase = _no_phase) -> torch.Tensor:
+def step(v: Variant, phase: Phase = no_phase) -> torch.Tensor:
     """Forward with labels, backward, AdamW; the loss. `phase(name)` wraps each part."""
     with phase("forward"):
         loss = v.model(input_ids=v.ids, labels=v.ids).loss
@@ -542,9 +508,9 @@ def a2a_bytes(v: Variant, s: Settings) -> dict:
 
     with hp.comm.trace() as trace:
         counts = routed_counts(v.model, lambda: step(v), s.experts)
-    everyone = torch.stack(_gathered(counts))  # [ranks, layers, experts]
+    everyone = torch.stack(gathered(counts))  # [ranks, layers, experts]
     formula = formula_bytes(everyone, s.hidden)
-    traced = _gathered({
+    traced = gathered({
         "bytes": trace.bytes("all_to_all", axis="ep"),
         "forward": trace.count("all_to_all", axis="ep", phase="forward"),
         "backward": trace.count("all_to_all", axis="ep", phase="backward"),
@@ -574,7 +540,7 @@ def peak_memory(v: Variant) -> dict:
         step(v)
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     kinds = {str(getattr(k, "value", k)): n for k, n in peak.items() if n}
-    return {"peak_bytes": _gathered(peak["Total"]), "at_peak_rank0": kinds, "measure": "MemTracker"}
+    return {"peak_bytes": gathered(peak["Total"]), "at_peak_rank0": kinds, "measure": "MemTracker"}
 
 
 # ---------------------------------------------------------------------------- profile
@@ -622,33 +588,6 @@ def collectives(v: Variant) -> dict:
     return {"collectives": table}
 
 
-def _bucket(filename: str) -> str:
-    """The package a profiled function belongs to (cProfile's filename)."""
-    import hp
-
-    if filename.startswith(os.path.dirname(hp.__file__)):
-        return "hp"
-    for part, name in (
-        ("torch/distributed/tensor/", "dtensor"), ("torch/distributed/_functional_collectives", "funcol"),
-        ("torch/distributed/fsdp/", "fsdp"), ("transformers/", "transformers"), ("torch/optim/", "optim"),
-        ("torch/autograd/", "autograd"), ("torch/utils/_pytree", "pytree"), ("torch/nn/", "nn"),
-        # C++ called through pybind (a blocking gloo collective) counts as its Python caller's time
-        ("torch/_ops.py", "torch_ops (incl. C++ below)"), ("torch/_library/", "torch_ops (incl. C++ below)"),
-    ):
-        if part in filename:
-            return name
-    return "C (kernels, collectives)" if filename == "~" else "other python"
-
-
-def _short(filename: str) -> str:
-    """A profiled file's path from its package root on (`torch/distributed/...`, `hp/ops/...`)."""
-    parts = filename.replace(os.sep, "/").split("/")
-    for root in ("hp", "torch", "transformers"):
-        if root in parts:
-            return "/".join(parts[len(parts) - 1 - parts[::-1].index(root):])
-    return parts[-1]
-
-
 # what a step's Python does per op: (file suffix, functions) whose calls the profile counts
 COUNTED = {
     "redistributes": ("_redistribute.py", ("redistribute_local_tensor",)),
@@ -668,8 +607,8 @@ def python_time(v: Variant) -> dict:
     by_function: Counter = Counter()
     calls: Counter = Counter()
     for (filename, line, function), (_, ncalls, tottime, _, _) in stats.items():
-        by_package[_bucket(filename)] += tottime
-        name = function if filename == "~" else f"{_short(filename)}:{line} {function}"
+        by_package[bucket(filename)] += tottime
+        name = function if filename == "~" else f"{short(filename)}:{line} {function}"
         by_function[f"{name} x{ncalls}"] += tottime
         for counted, (suffix, functions) in COUNTED.items():
             if filename.endswith(suffix) and function in functions:

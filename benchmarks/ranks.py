@@ -1,0 +1,95 @@
+"""What the multi-rank benchmarks share: printing from rank 0, gathering values, launching, profile buckets.
+
+`llama_step.py` and `moe.py` each launch their own script on real gloo
+ranks and read JSON records back from the shared pipe; the helpers here are
+the parts of that which do not depend on the model being measured. Run as
+scripts, the benchmarks import this module from their own folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+Emit = Callable[[dict], None]  # prints one record (on rank 0)
+
+
+def emitter(rank: int) -> Emit:
+    """Print a record as one JSON line, from rank 0 only (the others compute along)."""
+
+    def emit(record: dict) -> None:
+        if rank == 0:
+            print(json.dumps(record), flush=True)
+
+    return emit
+
+
+def gathered(value: object) -> list:
+    """`value` from every rank, in rank order."""
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def as_record(line: str) -> dict | None:
+    """The JSON record in a line of the ranks' output, or None.
+
+    Both ranks share the pipe, and the profiler's C++ log lines may lack their newline, so a
+    record can arrive glued after one: parse from the first brace.
+    """
+    start = line.find("{")
+    if start < 0:
+        return None
+    try:
+        record = json.loads(line[start:])
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def adamw(params: Iterable) -> torch.optim.Optimizer:
+    # One optimizer setting for every configuration (on CPU AdamW runs its per-tensor loop).
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def no_phase(name: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+def short(filename: str) -> str:
+    """A profiled file's path from its package root on (`torch/distributed/...`, `hp/ops/...`)."""
+    parts = filename.replace(os.sep, "/").split("/")
+    for root in ("hp", "torch", "transformers"):
+        if root in parts:
+            return "/".join(parts[len(parts) - 1 - parts[::-1].index(root):])
+    return parts[-1]
+
+
+def bucket(filename: str) -> str:
+    """The package a profiled function belongs to (cProfile's filename)."""
+    import hp
+
+    if filename.startswith(os.path.dirname(hp.__file__)):
+        return "hp"
+    for part, name in (
+        ("torch/distributed/tensor/", "dtensor"), ("torch/distributed/_functional_collectives", "funcol"),
+        ("torch/distributed/fsdp/", "fsdp"), ("transformers/", "transformers"), ("torch/optim/", "optim"),
+        ("torch/autograd/", "autograd"), ("torch/utils/_pytree", "pytree"), ("torch/nn/", "nn"),
+        # C++ called through pybind (a blocking gloo collective) counts as its Python caller's time
+        ("torch/_ops.py", "torch_ops (incl. C++ below)"), ("torch/_library/", "torch_ops (incl. C++ below)"),
+    ):
+        if part in filename:
+            return name
+    return "C (kernels, collectives)" if filename == "~" else "other python"
