@@ -18,9 +18,10 @@ import re
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from hp.layouts import describe
 from hp.ops import fused, npu_attention, residual
@@ -30,7 +31,7 @@ from hp.ops.embedding import vocab_parallel_embedding
 from hp.ops.linear import linear
 from hp.ops.rule import RuleError
 from hp.source import user_line
-from hp.watch import kernel_scope
+from hp.watch import run_kernel
 
 
 def in_turn(*kernels):
@@ -94,18 +95,16 @@ class region(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # DTensor opts out of __torch_function__, so `types` never names it: look at the args.
-        flat, spec = tree_flatten((args, kwargs))
-        mesh = next((a.device_mesh for a in flat if isinstance(a, DTensor)), None)
-        if mesh is None:
+        mesh, mixed = _mesh_of(args, kwargs)
+        if mesh is None or getattr(func, "__name__", None) == "__get__":  # attribute reads mix nothing
             return func(*args, **kwargs)
         kernel = KERNELS.get(func)
         if kernel is not None:
-            with kernel_scope(getattr(kernel, "__name__", "kernel"), flat) as result:
-                result.append(kernel(*args, **kwargs))
-            if result[0] is not NotImplemented:
-                return result[0]
-        if any(isinstance(a, torch.Tensor) and not isinstance(a, DTensor) for a in flat):
-            args, kwargs = _replicated(flat, spec, mesh)
+            result = run_kernel(kernel, args, kwargs)
+            if result is not NotImplemented:
+                return result
+        if mixed:
+            args, kwargs = _replicated(args, mesh), {k: _replicated(v, mesh) for k, v in kwargs.items()}
         try:
             return func(*args, **kwargs)
         except (NotImplementedError, RuntimeError) as e:
@@ -118,16 +117,34 @@ class region(TorchFunctionMode):
             raise
 
 
-def _replicated(flat, spec, mesh):
-    """The call's arguments with plain tensors as replicated DTensors on `mesh`."""
-    replicate = [Replicate()] * mesh.ndim
-    flat = [
-        DTensor.from_local(a, mesh, replicate, run_check=False)
-        if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
-        else a
-        for a in flat
-    ]
-    return tree_unflatten(flat, spec)
+def _mesh_of(args: tuple, kwargs: dict):
+    """(the mesh of the call's first DTensor or None, whether a plain tensor is there too).
+
+    Torch functions take tensors as arguments or in one list (`torch.cat`): no deeper walk,
+    since this runs for every op of a model's forward.
+    """
+    mesh, plain = None, False
+    for group in (args, kwargs.values()):
+        for a in group:
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                if isinstance(t, DTensor):
+                    mesh = mesh or t.device_mesh
+                elif isinstance(t, torch.Tensor):
+                    plain = True
+    return mesh, plain
+
+
+def _replicated(value, mesh):
+    """`value` (an argument) with plain tensors, alone or in a list, as replicated DTensors."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_replicated(v, mesh) for v in value) if not hasattr(value, "_fields") else value
+    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+        return value
+    replicate = (Replicate(),) * mesh.ndim
+    if value.requires_grad:  # its gradient must flow back to the plain tensor
+        return DTensor.from_local(value, mesh, replicate, run_check=False)
+    spec = DTensorSpec(mesh, replicate, tensor_meta=TensorMeta(value.shape, value.stride(), value.dtype))
+    return DTensor(value.view_as(value), spec, requires_grad=False)
 
 
 def _where(func, args, kwargs) -> tuple[str, str]:

@@ -145,6 +145,19 @@ def kernel_scope(name: str, inputs: list) -> Iterator[list]:
             observer.end_kernel(handle, outputs)
 
 
+def run_kernel(kernel: Callable, args: tuple, kwargs: dict):
+    """`kernel(*args, **kwargs)`, inside a `kernel_scope` only while observers are active.
+
+    >>> run_kernel(lambda x: x + 1, (1,), {})
+    2
+    """
+    if not _OBSERVERS:
+        return kernel(*args, **kwargs)
+    with kernel_scope(getattr(kernel, "__name__", "kernel"), tree_flatten((args, kwargs))[0]) as result:
+        result.append(kernel(*args, **kwargs))
+    return result[0]
+
+
 def _deliver(notify: Callable[[Observer], None]) -> None:
     """Every active observer sees the event before the first error any of them raised propagates."""
     errors = []

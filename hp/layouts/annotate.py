@@ -9,6 +9,7 @@ DTensor's layout back, with the dimension names it was given).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -18,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
     DTensor,
     Partial,
+    Placement,
     Replicate,
     Shard,
     distribute_tensor,
@@ -40,15 +42,30 @@ _NAMES_ATTR = "_hp_layout"
 
 def _prepare(
     spec: LayoutLike, mesh: DeviceMesh, shape: Sequence[int], rules: RulesLike, uneven: bool
-) -> Layout:
-    bound = bind(resolve(parse(spec), rules), mesh, shape, uneven=uneven)
+) -> tuple[Layout, tuple[Placement, ...]]:
+    """`spec` bound to `mesh` and `shape` under the rules in force, and its placements."""
+    layout = resolve(parse(spec), rules)
+    try:
+        return _bound(layout, mesh, tuple(shape), uneven)
+    except TypeError:  # symbolic sizes (simulated ranks with unequal blocks) do not hash
+        return _bind_on_device(layout, mesh, shape, uneven)
+
+
+@functools.lru_cache(maxsize=4096)
+def _bound(layout: Layout, mesh: DeviceMesh, shape: tuple[int, ...], uneven: bool):
+    # Hooks constrain the same layouts every step: checking them once per shape is enough.
+    return _bind_on_device(layout, mesh, shape, uneven)
+
+
+def _bind_on_device(layout: Layout, mesh: DeviceMesh, shape: Sequence[int], uneven: bool):
+    bound = bind(layout, mesh, shape, uneven=uneven)
     if bound.tier != "device":
         raise bound.error(
             f"memory tier '@{bound.tier}' is realised by hp.offload(); "
             "hp.shard/constrain/from_local place tensors on the device",
             at=("tier",),
         )
-    return bound
+    return bound, to_placements(bound, mesh)
 
 
 def _tag(x: DTensor, bound: Layout) -> DTensor:
@@ -85,8 +102,7 @@ def shard(
     >>> hp.describe(x), tuple(x.to_local().shape)
     ('f32[b=4/dp, h=6/tp]', (2, 3))
     """
-    bound = _prepare(spec, mesh, t.shape, rules, uneven)
-    placements = to_placements(bound, mesh)
+    bound, placements = _prepare(spec, mesh, t.shape, rules, uneven)
     placed = [Replicate() if isinstance(p, Partial) else p for p in placements]
     x = _own_copy_per_simulated_rank(distribute_tensor(t, mesh, placed, src_data_rank=src))
     return _tag(reshard(x, placements), bound)
@@ -137,8 +153,7 @@ def constrain(
         x = DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
     elif mesh is not None and mesh != x.device_mesh:
         raise LayoutError("hp.constrain cannot move a DTensor to another mesh")
-    bound = _prepare(spec, x.device_mesh, x.shape, rules, uneven)
-    placements = to_placements(bound, x.device_mesh)
+    bound, placements = _prepare(spec, x.device_mesh, x.shape, rules, uneven)
     if tuple(x.placements) != placements:
         x = reshard(x, placements)
     else:
@@ -182,8 +197,7 @@ def from_local(
                 f"of a global size {full}",
                 at=("dim", i),
             )
-    bound = _prepare(layout, mesh, shape, None, uneven=shape != implied)
-    placements = to_placements(bound, mesh)
+    bound, placements = _prepare(layout, mesh, shape, None, uneven=shape != implied)
     stride = torch.empty(tuple(shape), device="meta").stride()
     x = DTensor.from_local(
         t_local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride

@@ -21,6 +21,7 @@ point into its canonical form.
 
 from __future__ import annotations
 
+import functools
 import re
 
 from hp.layouts.errors import LayoutError
@@ -44,7 +45,13 @@ def layout(spec: str | Layout) -> Layout:
         return spec
     if not isinstance(spec, str):
         raise LayoutError(f"a layout is a string such as 'b s h/tp', got {type(spec).__name__}")
-    return _Parser(spec).parse()
+    return _parsed(spec)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed(text: str) -> Layout:
+    # Layouts are immutable and plans repeat a few texts on every step: parse each once.
+    return _Parser(text).parse()
 
 
 class _Parser:

@@ -154,9 +154,9 @@ def linear_summa(input, weight, bias=None):
     if bias is not None and (not isinstance(bias, DTensor) or bias.placements[a] != Shard(0)):
         return NotImplemented
     full_in = _shared(
-        input, "features", a, lambda: _Gather.apply(input.to_local(), last, mesh.get_group(a))
+        input, "features", a, lambda: _Gather.apply(local_block(input), last, mesh.get_group(a))
     )
-    full_w = _Gather.apply(weight.to_local(), 1, mesh.get_group(b))
+    full_w = _Gather.apply(local_block(weight), 1, mesh.get_group(b))
     # tokens are split over b: the bias gradient is a pending sum over b
     out = F.linear(full_in, full_w, local_block(bias, [b]) if bias is not None else None)
     placements = [Replicate()] * mesh.ndim
@@ -209,9 +209,9 @@ def column_product(input, weight, bias, a: int, out: Placement):
     mesh = weight.device_mesh
     tokens, group = input.placements[a], mesh.get_group(a)
     if isinstance(tokens, Replicate):
-        local_in = _shared(input, "f", a, lambda: _ReduceGradient.apply(input.to_local(), group))
+        local_in = _shared(input, "f", a, lambda: _ReduceGradient.apply(local_block(input), group))
     elif type(tokens) is Shard and input.shape[tokens.dim] % mesh.size(a) == 0:
-        local_in = _shared(input, "gather", a, lambda: _Gather.apply(input.to_local(), tokens.dim, group))
+        local_in = _shared(input, "gather", a, lambda: _Gather.apply(local_block(input), tokens.dim, group))
     else:
         return NotImplemented
     # rows split over other axes (data parallel): parameter gradients are pending sums there
@@ -229,7 +229,7 @@ def linear_2d(input, weight, bias=None):
         return NotImplemented
     mesh, o, i, token_dim, z_axes = plan
     gathered = _shared(
-        input, "gather", o, lambda: _Gather.apply(input.to_local(), token_dim, mesh.get_group(o))
+        input, "gather", o, lambda: _Gather.apply(local_block(input), token_dim, mesh.get_group(o))
     )
     local_bias = local_block(bias, z_axes) if isinstance(bias, DTensor) else None
     out = _MatmulScatter.apply(

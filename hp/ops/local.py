@@ -8,10 +8,14 @@ when a later `.contiguous()` or `.view()` decides whether to copy.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Placement
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._redistribute import redistribute_local_tensor
+from torch.distributed.tensor._utils import compute_global_tensor_info
 
 
 def to_dtensor(
@@ -22,22 +26,97 @@ def to_dtensor(
     The block is contiguous, or, with `dim_order`, a permuted view of a contiguous buffer whose
     dims, outermost first, are `dim_order` (the global stride then says the same), or, with
     `stride`, a view whose global tensor has that stride (a slice keeps its source's).
+    Its gradient comes back as `placements` say (a partial sum's as replicated), as with
+    `DTensor.from_local`, which this replaces on hot paths: the spec is built once per
+    signature and the wrap is one small autograd step.
 
     >>> import hp, torch
     >>> mesh = hp.mesh(tp=2, simulate=True)
     >>> to_dtensor(torch.zeros(4, 3), mesh, [torch.distributed.tensor.Shard(1)], (4, 6)).stride()
     (6, 1)
     """
+    shape = tuple(shape)
     if stride is None:
-        order = list(dim_order) if dim_order is not None else list(range(len(shape)))
-        dense = torch.empty([shape[d] for d in order], device="meta").stride()
-        stride = [0] * len(shape)
-        for position, d in enumerate(order):
-            stride[d] = dense[position]
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride))
+        stride = _dense_stride(shape, tuple(dim_order) if dim_order is not None else tuple(range(len(shape))))
+    return _Wrap.apply(local, _spec(mesh, tuple(placements), shape, tuple(stride), local.dtype))
 
 
-def local_block(param: DTensor, pending_axes: Sequence[int]) -> torch.Tensor:
-    """`param`'s local block; its gradient is a pending sum over `pending_axes` (split tokens)."""
-    grads = [Partial() if m in pending_axes else p for m, p in enumerate(param.placements)]
-    return param.to_local(grad_placements=grads)
+def _dense_stride(shape: tuple, order: tuple) -> tuple:
+    """The stride of a contiguous buffer of `shape` whose dims, outermost first, are `order`."""
+    stride, step = [0] * len(shape), 1
+    for d in reversed(order):
+        stride[d] = step
+        step *= max(int(shape[d]), 1) if isinstance(shape[d], int) else shape[d]
+    return tuple(stride)
+
+
+def _spec(mesh, placements: tuple, shape: tuple, stride: tuple, dtype) -> DTensorSpec:
+    """A DTensor spec, built once per signature (building one costs more than a small op)."""
+    try:
+        return _cached_spec(mesh, placements, shape, stride, dtype)
+    except TypeError:  # symbolic sizes (simulated ranks with unequal blocks) do not hash
+        return _cached_spec.__wrapped__(mesh, placements, shape, stride, dtype)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_spec(mesh, placements: tuple, shape: tuple, stride: tuple, dtype) -> DTensorSpec:
+    return DTensorSpec(mesh, placements, tensor_meta=TensorMeta(torch.Size(shape), stride, dtype))
+
+
+class _Wrap(torch.autograd.Function):
+    """A local block as a DTensor of `spec`; backward, the gradient's block as `spec` lays it."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+        ctx.spec = spec
+        ctx.set_materialize_grads(False)
+        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor | None):
+        if not isinstance(grad, DTensor):
+            return grad, None
+        wanted = tuple(Replicate() if p.is_partial() else p for p in ctx.spec.placements)
+        if tuple(grad.placements) != wanted:
+            target = DTensorSpec(ctx.spec.mesh, wanted, tensor_meta=grad._spec.tensor_meta)
+            return redistribute_local_tensor(grad._local_tensor, grad._spec, target), None
+        # a graph of the backward itself (create_graph=True) needs the differentiable unwrap
+        return (grad.to_local() if torch.is_grad_enabled() else grad._local_tensor), None
+
+
+def local_block(param: DTensor, pending_axes: Sequence[int] = ()) -> torch.Tensor:
+    """`param`'s block (differentiable); its gradient is a pending sum over `pending_axes`
+    (mesh axes that split the tokens it met) and otherwise laid out as `param`.
+
+    `DTensor.to_local` at a fraction of its cost on hot paths: one small autograd step, the
+    gradient's spec built once per signature.
+    """
+    if not param.requires_grad:
+        return param._local_tensor
+    # as DTensor.to_local: a pending sum's gradient is whole on every rank
+    grads = tuple(Partial() if m in pending_axes else Replicate() if p.is_partial() else p
+                  for m, p in enumerate(param.placements))
+    return _Unwrap.apply(param, grads)
+
+
+class _Unwrap(torch.autograd.Function):
+    """`x`'s block; backward, the block's gradient as a DTensor laid out as `grads` say."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor, grads: tuple[Placement, ...]) -> torch.Tensor:
+        ctx.spec, ctx.grads = x._spec, grads
+        ctx.set_materialize_grads(False)
+        local = x._local_tensor
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor | None):
+        if grad is None:
+            return None, None
+        spec = ctx.spec
+        shape = tuple(spec.shape)
+        if grad.is_contiguous():
+            stride = _dense_stride(shape, tuple(range(len(shape))))
+        else:
+            stride = tuple(compute_global_tensor_info(grad, spec.mesh, ctx.grads)[1])
+        return DTensor(grad, _spec(spec.mesh, ctx.grads, shape, stride, grad.dtype), requires_grad=False), None
