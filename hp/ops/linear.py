@@ -53,12 +53,17 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from hp.ops.local import local_block, to_dtensor
 
 
+# torch >= 2.12 names these *_single and deprecates the older *_tensor, the only ones in 2.11.
+_ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_REDUCE_SCATTER = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
 def _gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.all_gather_single(t.contiguous(), dim, group))
+    return funcol.wait_tensor(_ALL_GATHER(t.contiguous(), dim, group))
 
 
 def _scatter(t: torch.Tensor, dim: int, group) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.reduce_scatter_single(t.contiguous(), "sum", dim, group))
+    return funcol.wait_tensor(_REDUCE_SCATTER(t.contiguous(), "sum", dim, group))
 
 
 class _Gather(torch.autograd.Function):

@@ -8,7 +8,6 @@ when a later `.contiguous()` or `.view()` decides whether to copy.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -51,16 +50,25 @@ def _dense_stride(shape: tuple, order: tuple) -> tuple:
 
 
 def _spec(mesh, placements: tuple, shape: tuple, stride: tuple, dtype) -> DTensorSpec:
-    """A DTensor spec, built once per signature (building one costs more than a small op)."""
+    """A DTensor spec, built once per signature (building one costs more than a small op).
+
+    Kept on the mesh object itself: meshes compare by shape and names, and an equal mesh of
+    another (since destroyed) world must not lend its process groups.
+    """
+    cache = mesh.__dict__.setdefault("_hp_specs", {})
+    key = (placements, shape, stride, dtype)
     try:
-        return _cached_spec(mesh, placements, shape, stride, dtype)
+        spec = cache.get(key)
     except TypeError:  # symbolic sizes (simulated ranks with unequal blocks) do not hash
-        return _cached_spec.__wrapped__(mesh, placements, shape, stride, dtype)
+        return DTensorSpec(mesh, placements, tensor_meta=TensorMeta(torch.Size(shape), stride, dtype))
+    if spec is None:
+        if len(cache) >= _SPECS_PER_MESH:
+            cache.clear()
+        spec = cache[key] = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(torch.Size(shape), stride, dtype))
+    return spec
 
 
-@functools.lru_cache(maxsize=4096)
-def _cached_spec(mesh, placements: tuple, shape: tuple, stride: tuple, dtype) -> DTensorSpec:
-    return DTensorSpec(mesh, placements, tensor_meta=TensorMeta(torch.Size(shape), stride, dtype))
+_SPECS_PER_MESH = 4096
 
 
 class _Wrap(torch.autograd.Function):
