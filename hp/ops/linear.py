@@ -53,7 +53,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from hp.ops.local import local_block, to_dtensor
 
 
-# torch >= 2.12 names these *_single and deprecates the older *_tensor, the only ones in 2.11.
+# Newer torch names these *_single and deprecates the *_tensor forms, the only ones torch 2.11 has.
 _ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 _REDUCE_SCATTER = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 

@@ -1,0 +1,236 @@
+"""hp's host overhead: a Llama step under hp against plain PyTorch and PyTorch's own tensor parallel.
+
+Why: on accelerators a step of a laid-out model is bound by host-side
+dispatch (Python, DTensor's sharding propagation, autograd bookkeeping)
+long before communication; this measures that cost where kernels cost
+little, so that it shows alone, and at a size where kernels matter.
+
+Two HF `LlamaForCausalLM` models (fp32, AdamW, forward with labels and
+backward; the same weights for every configuration):
+
+- `tiny`: hidden 64, 4 layers, ffn 176, 4 heads / 2 KV heads, vocabulary 256,
+  batch 2 x 64 tokens: kernels cost almost nothing, a step is its overhead;
+- `512`: hidden 512, 4 layers, ffn 1376, 8 heads / 4 KV heads, vocabulary
+  4096, batch 4 x 256 tokens (the model of `benchmarks/llama_step.py`).
+
+Each runs on one rank and on 2 gloo ranks (the script launches both worlds
+with torchrun, one thread per rank), as
+
+- `plain`: the model itself on each rank (whole batch);
+- `torch`: `parallelize_module` with ColwiseParallel on q/k/v/gate/up and
+  RowwiseParallel on o/down, on a 1-D mesh of all ranks;
+- `hp`: `hp.apply_strategy` with the Llama plan at `tp=2` on `hp.mesh(tp=N)`,
+  N the ranks: the Megatron layouts, vocab-parallel LM head and loss (on one
+  rank the tp axis has size 1: everything is laid out, nothing moves);
+- `hp_compiled`: `hp` with each decoder layer under `torch.compile(fullgraph=True)`;
+  when that cannot compile, a record says why and the figures are null.
+
+The first step of each configuration must give the plain model's loss
+(relative 1e-5). Then steps run interleaved, the order rotating each round;
+a step's time is the slowest rank's between barriers; each configuration
+reports its median. `host_ms_per_layer` = (median - plain's median) / layers:
+what the configuration adds per decoder layer per step. Recompiles: dynamo's
+count of compiled frames after the timed steps minus after warm-up.
+
+Summary (last line): `host_ratio_vs_torch` = hp / torch, tiny, one rank;
+`compiled_vs_eager` = hp_compiled / hp, 512, 2 ranks; `recompiles_after_warmup`.
+About two minutes on 2 CPU cores.
+
+    python benchmarks/overhead.py [--reps 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from ranks import adamw, as_record, emitter, free_port
+
+DONE = "worker_done"
+MODELS = {
+    "tiny": dict(vocab=256, hidden=64, ffn=176, layers=4, heads=4, kv_heads=2, batch=2, seq=64),
+    "512": dict(vocab=4096, hidden=512, ffn=1376, layers=4, heads=8, kv_heads=4, batch=4, seq=256),
+}
+REPS = {"tiny": 21, "512": 5}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, help="timed steps per configuration and model")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # set by the launcher
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.reps)
+        return
+    started, records = time.perf_counter(), []
+    for ranks in (1, 2):
+        records += launch(ranks, sys.argv[1:])
+    summary = summarize(records)
+    summary["wall_s"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(summary), flush=True)
+
+
+def launch(ranks: int, argv: list[str]) -> list[dict]:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), os.path.abspath(__file__), *argv, "--worker",
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    records, done = [], False
+    for line in proc.stdout:
+        record = as_record(line)
+        if record is None:
+            sys.stderr.write(line)
+        elif DONE in record:
+            done = True
+        else:
+            records.append(record)
+            print(json.dumps(record), flush=True)
+    code = proc.wait()
+    if code != 0 and not done:  # gloo may abort at exit after all work is done (see llama_step.py)
+        raise SystemExit(f"overhead: the {ranks}-rank workers failed (exit {code})")
+    return records
+
+
+def worker(reps: int | None) -> None:
+    torch.set_num_threads(1)
+    import hp
+
+    emit = emitter(int(os.environ["RANK"]))
+    mesh = hp.mesh(tp=int(os.environ["WORLD_SIZE"]))
+    for name, shape in MODELS.items():
+        measure(name, shape, mesh, reps or REPS[name], emit)
+    dist.barrier()
+    emit({DONE: True})
+
+
+def measure(name: str, shape: dict, mesh, reps: int, emit) -> None:
+    import hp
+    from hp.models import plan_for
+    from torch.distributed.tensor.parallel import parallelize_module
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["ffn"],
+        num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"], max_position_embeddings=shape["seq"], use_cache=False,
+    )
+    ids = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), generator=torch.Generator().manual_seed(0))
+
+    def fresh():
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config)
+
+    def laid_out():
+        return hp.apply_strategy(fresh(), mesh, {"tp": 2}, plan_for(config))
+
+    plain, torch_tp = fresh(), fresh()
+    parallelize_module(torch_tp, mesh, _torch_plan(shape["layers"]))
+    variants = {"plain": plain, "torch": torch_tp, "hp": laid_out()}
+    compiled = laid_out()
+    for layer in compiled.model.layers:
+        layer.compile(fullgraph=True)
+    variants["hp_compiled"] = compiled
+    optimizers = {k: adamw(_groups(m)) for k, m in variants.items()}
+    ranks = mesh.size()
+    losses = {}
+    for key in list(variants):
+        try:
+            losses[key] = _step(variants[key], optimizers[key], ids)
+        except Exception as e:  # noqa: BLE001  reported, not hidden: the record says why
+            emit({"bench": "overhead_fails", "model": name, "ranks": ranks, "config": key,
+                  "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
+            del variants[key]
+    for key, loss in losses.items():
+        rel = abs(loss - losses["plain"]) / abs(losses["plain"])
+        if rel > 1e-5:
+            raise AssertionError(f"{name}/{key}: loss {loss} differs from plain {losses['plain']} ({rel:.1e})")
+    for key in variants:  # a second warm-up step: compiled code and caches settle
+        _step(variants[key], optimizers[key], ids)
+    frames = _compiled_frames()
+    times = {key: [] for key in variants}
+    for r in range(reps):
+        order = list(variants)[r % len(variants):] + list(variants)[:r % len(variants)]
+        for key in order:
+            dist.barrier()
+            start = time.perf_counter()
+            _step(variants[key], optimizers[key], ids)
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times[key].append(elapsed.item())
+    plain_s = statistics.median(times["plain"])
+    for key, seconds in times.items():
+        median = statistics.median(seconds)
+        emit({"bench": "overhead", "model": name, "ranks": ranks, "config": key, "median_s": round(median, 5),
+              "min_s": round(min(seconds), 5), "host_ms_per_layer": round((median - plain_s) / shape["layers"] * 1e3, 3),
+              **({"recompiles_after_warmup": _compiled_frames() - frames} if key == "hp_compiled" else {})})
+
+
+def _step(model, optimizer, ids) -> float:
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss.detach()
+    return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+
+
+def _torch_plan(layers: int) -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for i in range(layers):
+        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        plan.update({f"{attn}.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")})
+        plan.update({f"{mlp}.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")})
+        plan[f"{attn}.o_proj"] = RowwiseParallel()
+        plan[f"{mlp}.down_proj"] = RowwiseParallel()
+    return plan
+
+
+def _groups(model) -> list[dict]:
+    """A DTensor and a plain tensor cannot meet in one optimizer op: one group each."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    groups = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+    return [{"params": g} for g in groups if g]
+
+
+def _compiled_frames() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["stats"].get(k, 0) for k in ("unique_graphs",))
+
+
+def summarize(records: list[dict]) -> dict:
+    steps = {(r["model"], r["ranks"], r["config"]): r for r in records if r.get("bench") == "overhead"}
+
+    def ratio(model, ranks, mine, theirs):
+        a, b = steps.get((model, ranks, mine)), steps.get((model, ranks, theirs))
+        return round(a["median_s"] / b["median_s"], 4) if a and b else None
+
+    compiled = [r for r in steps.values() if r["config"] == "hp_compiled"]
+    return {
+        "summary": True,
+        "median_s": {f"{m}/{n}/{c}": r["median_s"] for (m, n, c), r in steps.items()},
+        "host_ms_per_layer": {f"{m}/{n}/{c}": r["host_ms_per_layer"] for (m, n, c), r in steps.items() if c != "plain"},
+        "hp_vs_torch": {f"{m}/{n}": ratio(m, n, "hp", "torch") for m in MODELS for n in (1, 2)},
+        "failed": [f"{r['model']}/{r['ranks']}/{r['config']}: {r['error']}" for r in records if r.get("bench") == "overhead_fails"],
+        "host_ratio_vs_torch": ratio("tiny", 1, "hp", "torch"),
+        "compiled_vs_eager": ratio("512", 2, "hp_compiled", "hp"),
+        "recompiles_after_warmup": max((r["recompiles_after_warmup"] for r in compiled), default=None),
+    }
+
+
+if __name__ == "__main__":
+    main()
