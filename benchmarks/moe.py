@@ -80,8 +80,8 @@ If HF's EP cannot be built here, a record says why, its ratios are null
 and the rest still runs. Prints one JSON object per measurement and a
 summary object last, nothing after it; about two and a half minutes on 2
 shared CPU cores. 512 tokens a row keep a step's compute well above hp's
-fixed cost of dispatching DTensor ops on the dense layers (about 0.09 s a
-step here, the forward's gap to HF's at any length), which a shorter
+fixed cost of dispatching DTensor ops on the dense layers (a few hundredths
+of a second a step here, the forward's gap to HF's at any length), which a shorter
 sequence would mostly measure instead.
 
     python benchmarks/moe.py [--reps 9]
