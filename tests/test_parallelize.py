@@ -107,3 +107,25 @@ def test_plan_errors_name_the_parameter_or_entry():
         hp.parallelize(_mlp(), mesh, {"0.weight": "a b c"})
     with pytest.raises(hp.PlanError, match="inputs entry 'nope' matches no module"):
         hp.parallelize(_mlp(), mesh, {}, inputs={"nope": "b h"})
+
+
+def test_region_replicates_plain_tensors_in_lists_and_keeps_their_gradients():
+    mesh = hp.mesh(tp=2, simulate=True)
+    plain = torch.randn(2, 6, requires_grad=True)
+    with hp.simulated(mesh), hp.region():
+        x = hp.shard(torch.ones(2, 6), "b h/tp", mesh)
+        joined = torch.cat([x, plain.detach()], dim=0)  # a plain tensor inside a list argument
+        assert hp.describe(joined) == "f32[4, 6/tp]"
+        (x * plain).sum().backward()  # a plain tensor that needs its gradient
+    torch.testing.assert_close(plain.grad, torch.ones(2, 6))
+
+
+def test_a_layout_bound_once_still_follows_the_rules_in_force():
+    mesh = hp.mesh(dp=2, tp=2, simulate=True)
+    with hp.simulated(mesh):
+        x = hp.shard(torch.ones(4, 6), "batch h", mesh)
+        assert hp.describe(hp.constrain(x, "batch h")) == "f32[batch=4, h=6]"
+        with hp.rules(batch="dp"):
+            assert hp.describe(hp.constrain(x, "batch h")) == "f32[batch=4/dp, h=6]"
+        with hp.rules(batch="tp"):
+            assert hp.describe(hp.constrain(x, "batch h")) == "f32[batch=4/tp, h=6]"
