@@ -102,14 +102,15 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from ranks import (
+    DONE,
     Emit,
     adamw,
-    as_record,
     bucket,
     emitter,
     free_port,
     gathered,
     no_phase,
+    relay,
     short,
 )
 from torch import nn
@@ -122,7 +123,6 @@ if TYPE_CHECKING:
 
 RANKS = 2  # tp (and cp) degree, and the number of processes launched
 RECOMPUTE = "hp_recompute"  # the variant with activation recompute: memory for time, never "best"
-DONE = "worker_done"  # rank 0's last line, once every rank is past its last collective
 
 
 @dataclass(frozen=True)
@@ -187,17 +187,7 @@ def launch(settings: Settings, argv: list[str]) -> None:
     started = time.perf_counter()
     # stderr is inherited, so warnings and failures show as they happen
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
-    records: list[dict] = []
-    done = False
-    for line in proc.stdout:
-        record = as_record(line)
-        if record is None:  # torchrun's banner, profiler chatter: not results
-            sys.stderr.write(line)
-        elif DONE in record:
-            done = True
-        else:
-            records.append(record)
-            print(json.dumps(record), flush=True)
+    records, done = relay(proc.stdout)
     code = proc.wait()
     # torch 2.13's gloo sometimes aborts at interpreter exit ("terminate called without an
     # active exception", see tests/gloo_launch.py) after all work is done: tolerated only

@@ -101,20 +101,21 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
 from ranks import (
+    DONE,
     Emit,
     adamw,
-    as_record,
     bucket,
     emitter,
     free_port,
     gathered,
     no_phase,
+    relay,
     short,
 )
 from torch import nn
@@ -122,7 +123,6 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 RANKS = 2  # ep degree (= dp: ep splits the data-parallel ranks), and the number of processes launched
-DONE = "worker_done"  # rank 0's last line, once every rank is past its last collective
 HF = "hf_ep"
 PHASES = ("forward", "backward", "reduce", "optimizer")  # reduce: hp.reduce_gradients (hp only)
 Phase = Callable[[str], contextlib.AbstractContextManager]
@@ -193,22 +193,6 @@ def launch(settings: Settings, argv: list[str]) -> None:
     summary["launch_exit_code"] = code
     summary["wall_s"] = round(time.perf_counter() - started, 1)
     print(json.dumps(summary), flush=True)
-
-
-def relay(lines: Iterable[str]) -> tuple[list[dict], bool]:
-    """Print the workers' records as they come; (the records, whether rank 0 said it was done)."""
-    records: list[dict] = []
-    done = False
-    for line in lines:
-        record = as_record(line)
-        if record is None:  # torchrun's banner, library chatter: not results
-            sys.stderr.write(line)
-        elif DONE in record:
-            done = True
-        else:
-            records.append(record)
-            print(json.dumps(record), flush=True)
-    return records, done
 
 
 def _ratio(medians: dict[str, float], mine: str, theirs: str) -> float | None:

@@ -51,9 +51,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from ranks import adamw, as_record, emitter, free_port
+from llama_step import torch_tp_plan
+from ranks import DONE, adamw, emitter, free_port, relay
 
-DONE = "worker_done"
 MODELS = {
     "tiny": dict(vocab=256, hidden=64, ffn=176, layers=4, heads=4, kv_heads=2, batch=2, seq=64),
     "512": dict(vocab=4096, hidden=512, ffn=1376, layers=4, heads=8, kv_heads=4, batch=4, seq=256),
@@ -85,16 +85,7 @@ def launch(ranks: int, argv: list[str]) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
-    records, done = [], False
-    for line in proc.stdout:
-        record = as_record(line)
-        if record is None:
-            sys.stderr.write(line)
-        elif DONE in record:
-            done = True
-        else:
-            records.append(record)
-            print(json.dumps(record), flush=True)
+    records, done = relay(proc.stdout)
     code = proc.wait()
     if code != 0 and not done:  # gloo may abort at exit after all work is done (see llama_step.py)
         raise SystemExit(f"overhead: the {ranks}-rank workers failed (exit {code})")
@@ -134,7 +125,7 @@ def measure(name: str, shape: dict, mesh, reps: int, emit) -> None:
         return hp.apply_strategy(fresh(), mesh, {"tp": 2}, plan_for(config))
 
     plain, torch_tp = fresh(), fresh()
-    parallelize_module(torch_tp, mesh, _torch_plan(shape["layers"]))
+    parallelize_module(torch_tp, mesh, torch_tp_plan(shape["layers"], vocab_parallel=False))
     variants = {"plain": plain, "torch": torch_tp, "hp": laid_out()}
     compiled = laid_out()
     for layer in compiled.model.layers:
@@ -182,19 +173,6 @@ def _step(model, optimizer, ids) -> float:
     optimizer.zero_grad(set_to_none=True)
     loss = loss.detach()
     return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
-
-
-def _torch_plan(layers: int) -> dict:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    plan = {}
-    for i in range(layers):
-        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
-        plan.update({f"{attn}.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")})
-        plan.update({f"{mlp}.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")})
-        plan[f"{attn}.o_proj"] = RowwiseParallel()
-        plan[f"{mlp}.down_proj"] = RowwiseParallel()
-    return plan
 
 
 def _groups(model) -> list[dict]:

@@ -12,12 +12,14 @@ import contextlib
 import json
 import os
 import socket
+import sys
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
 Emit = Callable[[dict], None]  # prints one record (on rank 0)
+DONE = "worker_done"  # rank 0's last line, once every rank is past its last collective
 
 
 def emitter(rank: int) -> Emit:
@@ -57,6 +59,26 @@ def as_record(line: str) -> dict | None:
     except ValueError:
         return None
     return record if isinstance(record, dict) else None
+
+
+def relay(lines: Iterable[str]) -> tuple[list[dict], bool]:
+    """Print the workers' records as they come; (the records, whether rank 0 said it was done).
+
+    torch's gloo sometimes aborts at interpreter exit after all work is done (see
+    tests/gloo_launch.py): a launcher tolerates a failed exit only when `done`.
+    """
+    records: list[dict] = []
+    done = False
+    for line in lines:
+        record = as_record(line)
+        if record is None:  # torchrun's banner, library chatter: not results
+            sys.stderr.write(line)
+        elif DONE in record:
+            done = True
+        else:
+            records.append(record)
+            print(json.dumps(record), flush=True)
+    return records, done
 
 
 def adamw(params: Iterable) -> torch.optim.Optimizer:
