@@ -18,7 +18,6 @@ import re
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
@@ -29,6 +28,7 @@ from hp.ops.context_parallel import sequence_parallel_attention
 from hp.ops.cross_entropy import vocab_parallel_cross_entropy
 from hp.ops.embedding import vocab_parallel_embedding
 from hp.ops.linear import linear
+from hp.ops.local import to_dtensor
 from hp.ops.rule import RuleError
 from hp.source import user_line
 from hp.watch import run_kernel
@@ -140,11 +140,7 @@ def _replicated(value, mesh):
         return type(value)(_replicated(v, mesh) for v in value) if not hasattr(value, "_fields") else value
     if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
         return value
-    replicate = (Replicate(),) * mesh.ndim
-    if value.requires_grad:  # its gradient must flow back to the plain tensor
-        return DTensor.from_local(value, mesh, replicate, run_check=False)
-    spec = DTensorSpec(mesh, replicate, tensor_meta=TensorMeta(value.shape, value.stride(), value.dtype))
-    return DTensor(value.view_as(value), spec, requires_grad=False)
+    return to_dtensor(value, mesh, (Replicate(),) * mesh.ndim, value.shape, stride=value.stride())
 
 
 def _where(func, args, kwargs) -> tuple[str, str]:
