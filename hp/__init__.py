@@ -31,11 +31,12 @@ from hp.strategy import Strategy, StrategyError
 from hp.model_plan import ModelPlan
 from hp.apply import apply_strategy, check_strategy, strategy_mesh
 from hp.data_parallel import reduce_gradients
+from hp.offload import OffloadError, offload
 
 __all__ = [
-    "Layout", "LayoutError", "MeshError", "ModelPlan", "PlanError", "RuleError", "Rules", "Strategy", "StrategyError",
+    "Layout", "LayoutError", "MeshError", "ModelPlan", "OffloadError", "PlanError", "RuleError", "Rules", "Strategy", "StrategyError",
     "StrictError", "apply_strategy", "check_strategy", "comm", "constrain", "context_parallel", "describe", "explain", "from_local",
-    "layout", "layout_of", "mesh", "parallelize", "reduce_gradients", "region", "rule", "rules", "shard", "simulated",
+    "layout", "layout_of", "mesh", "offload", "parallelize", "reduce_gradients", "region", "rule", "rules", "shard", "simulated",
     "strategy_mesh", "strict",
 ]
 

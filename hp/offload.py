@@ -1,0 +1,239 @@
+"""`hp.offload(step)`: a training step whose saved activations fit a memory budget.
+
+The step is any function that runs a forward and a backward (and usually an
+optimizer update). Its first call runs it as it is while recording the
+use-definition chains of everything autograd saves (`hp.use_def`); the
+planner (`hp.offload_plan`) then decides which activations leave the device
+for a slower tier (`hp.offload_tiers`) and when each comes back. Every later
+call runs the plan: in forward, an offloaded activation is written out as
+autograd saves it; in backward, reads start at their planned events on the
+tier's reader thread, and each tensor is rebuilt, view and all (a DTensor
+with its spec), when autograd asks for it. The values are the same bytes, so
+losses and gradients are bit-identical to the step without offload.
+
+The k-th storage saved in a call is matched to the k-th of the recording; a
+call that saves something else (another input shape, say) keeps everything
+from there on and is recorded again, and the next call is planned anew.
+
+On CPU the device is host memory, so the slow tier is the disk; the host
+tier (pinned memory and a copy stream) is for accelerators and is not built
+yet. Activations only, so far: parameters, gradients and optimizer states
+stay where they are, and recompute is not yet one of the planner's choices.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed._local_tensor import LocalTensor
+from torch.distributed.tensor import DTensor
+
+from hp.device import detect
+from hp.offload_plan import OffloadPlan, plan_offload
+from hp.offload_tiers import DiskTier
+from hp.use_def import Recording, local_of, record, storage_key
+
+SLOW_TIERS = ("host", "disk")
+
+
+class OffloadError(ValueError):
+    """An offload request that cannot be honoured: a bad budget, or a tier this machine lacks."""
+
+
+def offload(
+    step: Callable,
+    *,
+    budget: int | float,
+    tiers: Sequence[str] = ("device", "disk"),
+    modules: Sequence[nn.Module] = (),
+    directory: str | None = None,
+) -> Offloaded:
+    """`step` with its saved activations kept under `budget` (bytes, or a fraction of the recorded peak).
+
+    `modules` (the model) name definitions in the plan and mark their parameters and buffers as
+    inputs; `directory` is where the disk tier writes (a temporary folder by default).
+
+    >>> import torch, hp
+    >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64))
+    >>> def train_step(x):
+    ...     loss = model(x).square().mean()
+    ...     loss.backward()
+    ...     return loss.detach()
+    >>> step = hp.offload(train_step, budget=0.5, modules=[model])
+    >>> first = step(torch.ones(32, 64))     # runs as is, records, plans
+    >>> second = step(torch.ones(32, 64))    # runs the plan
+    >>> step.plan().peak_after <= step.plan().budget_bytes
+    True
+    """
+    tiers = tuple(tiers)
+    if not tiers or tiers[0] != "device" or len(tiers) != 2 or tiers[1] not in SLOW_TIERS:
+        raise OffloadError(f"hp.offload: tiers={tiers!r}: expected ('device', T) with T one of {SLOW_TIERS}")
+    if tiers[1] == "host":
+        where = detect().type
+        raise OffloadError(
+            "hp.offload: the host tier is not built yet" + (" (and on CPU the device is host memory)"
+                                                            if where == "cpu" else "") + "; use tiers=('device', 'disk')"
+        )
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
+        raise OffloadError(f"hp.offload: budget={budget!r}: expected bytes (an int > 0) or a fraction of the "
+                           "recorded peak (a float in (0, 1])")
+    if isinstance(budget, float) and budget > 1:
+        raise OffloadError(f"hp.offload: budget={budget!r}: a float budget is a fraction of the peak, at most 1.0")
+    return Offloaded(step, budget, tuple(modules), directory)
+
+
+class Offloaded:
+    """A step under `hp.offload`: call it as the step; `plan()` shows what it does."""
+
+    def __init__(self, step: Callable, budget: int | float, modules: tuple[nn.Module, ...], directory: str | None):
+        self._step, self._budget, self._modules = step, budget, modules
+        self._tier = DiskTier(directory)
+        self._bandwidth: float | None = None
+        self._recording: Recording | None = None
+        self._plan: OffloadPlan | None = None
+        self.last_run: RunStats | None = None
+        weakref.finalize(self, self._tier.close)
+
+    def __call__(self, *args, **kwargs):
+        if self._plan is None:
+            result, self._recording = record(self._step, args, kwargs, self._modules)
+            self._plan = self._make_plan(self._recording)
+            return result
+        run = _Run(self._plan, self._tier)
+        with torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
+            result = self._step(*args, **kwargs)
+        self.last_run = run.stats()
+        if run.mismatched:
+            self._plan = None  # the step saved something else: record it again next call
+        return result
+
+    def plan(self, *args, **kwargs) -> OffloadPlan:
+        """The plan; given arguments and none is made yet, one call of the step (a real one) makes it."""
+        if self._plan is None:
+            if not args and not kwargs:
+                raise OffloadError("hp.offload: no plan yet; call the step once, or pass its arguments to plan()")
+            self(*args, **kwargs)
+        return self._plan
+
+    def _make_plan(self, recording: Recording) -> OffloadPlan:
+        if self._bandwidth is None:
+            self._bandwidth = self._tier.bandwidth()
+        budget = self._budget
+        if isinstance(budget, float):
+            budget = int(budget * recording.peak_bytes)
+        return plan_offload(recording, budget, self._tier.name, self._bandwidth)
+
+
+@dataclass(frozen=True)
+class RunStats:
+    """What one planned call did: activation bytes resident at most (hp's ledger), bytes moved."""
+
+    peak_resident_bytes: int
+    bytes_offloaded: int
+    bytes_read_back: int
+
+
+class _Saved:
+    """One save's handle: the tensor kept, or how to rebuild it from the tier."""
+
+    __slots__ = ("tensor", "key", "offset", "shape", "stride", "dtype", "spec", "index", "__weakref__")
+
+
+class _Run:
+    """The saved-tensor hooks of one planned call, with their resident-bytes ledger."""
+
+    def __init__(self, plan: OffloadPlan, tier: DiskTier) -> None:
+        self.plan, self.tier = plan, tier
+        self.offload = {d.tensor.index: d.prefetch_at for d in plan.decisions if d.action == "offload"}
+        self.by_event: dict[int, list[int]] = {}
+        for index, event in self.offload.items():
+            self.by_event.setdefault(event, []).append(index)
+        self.recorded = [d.tensor for d in plan.decisions]
+        self.storages: dict[tuple, int] = {}  # live storage -> recorded index
+        self.saved = 0  # storages saved so far in this call
+        self.keys: dict[int, int] = {}  # recorded index -> tier key
+        self.fetched: dict[int, torch.UntypedStorage] = {}
+        self.event = -1
+        self.mismatched = False
+        self.resident = self.peak = self.moved_out = self.moved_in = 0
+        self.refs: dict[int, int] = {}  # recorded index -> handles autograd still holds
+        self.on_device: dict[int, int] = {}  # recorded index -> its activation bytes now on the device
+
+    def _tick(self) -> None:
+        self.event += 1
+        for index in self.by_event.get(self.event, ()):
+            if index in self.keys:
+                self.tier.prefetch(self.keys[index])
+
+    def pack(self, t: torch.Tensor) -> _Saved:
+        key = storage_key(t)
+        index = self.storages.get(key)
+        if index is None:
+            self._tick()
+            index, self.saved = self.saved, self.saved + 1
+            self.storages[key] = index
+            # an offloaded storage is held by nobody here: once freed, its address may be reused
+            weakref.finalize(local_of(t).untyped_storage(), self._forget, key, index)
+            if not self._matches(index, t):
+                self.mismatched = True
+        handle = _Saved()
+        handle.index = index
+        local = local_of(t)
+        if index in self.offload and not self.mismatched and not isinstance(local, LocalTensor):
+            if index not in self.keys:
+                self.keys[index] = self.tier.put(local.untyped_storage())
+                self.moved_out += local.untyped_storage().nbytes()
+            handle.tensor = None
+            handle.key = self.keys[index]
+            handle.offset, handle.shape, handle.stride = local.storage_offset(), local.shape, local.stride()
+            handle.dtype = local.dtype
+            handle.spec = t._spec if isinstance(t, DTensor) else None
+        else:
+            handle.tensor = t
+            self._on_device(index, local.untyped_storage().nbytes())
+        self.refs[index] = self.refs.get(index, 0) + 1
+        weakref.finalize(handle, self._release, index)
+        return handle
+
+    def unpack(self, handle: _Saved) -> torch.Tensor:
+        self._tick()
+        if handle.tensor is not None:
+            return handle.tensor
+        storage = self.fetched.get(handle.index)
+        if storage is None:  # read once; every view of the storage shares it until the last is freed
+            storage = self.fetched[handle.index] = self.tier.take(handle.key)
+            self.moved_in += storage.nbytes()
+            self._on_device(handle.index, storage.nbytes())
+        local = torch.empty(0, dtype=handle.dtype).set_(storage, handle.offset, handle.shape, handle.stride)
+        return local if handle.spec is None else DTensor(local, handle.spec, requires_grad=False)
+
+    def _matches(self, index: int, t: torch.Tensor) -> bool:
+        if index >= len(self.recorded):
+            return False
+        want = self.recorded[index]
+        return want.shape == tuple(t.shape) and want.dtype == t.dtype
+
+    def _on_device(self, index: int, nbytes: int) -> None:
+        if index in self.on_device or index >= len(self.recorded) or self.recorded[index].kind != "activation":
+            return
+        self.on_device[index] = nbytes
+        self.resident += nbytes
+        self.peak = max(self.peak, self.resident)
+
+    def _release(self, index: int) -> None:
+        """Autograd freed a handle: the storage leaves the ledger with its last handle."""
+        self.refs[index] -= 1
+        if self.refs[index] == 0:
+            self.resident -= self.on_device.pop(index, 0)
+            self.fetched.pop(index, None)
+
+    def _forget(self, key: tuple, index: int) -> None:
+        if self.storages.get(key) == index:
+            del self.storages[key]
+
+    def stats(self) -> RunStats:
+        return RunStats(self.peak, self.moved_out, self.moved_in)

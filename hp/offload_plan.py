@@ -1,0 +1,155 @@
+"""The offload plan: which saved activations leave the device, and when each comes back.
+
+From a `hp.use_def.Recording` and a budget (bytes of activations resident at
+any moment), the planner decides per tensor: keep, or offload to the slow
+tier. Eviction follows Belady: at the forward's peak, the tensor whose next
+use is furthest away goes first (in backward that is the one saved
+earliest). An offloaded tensor is resident from its definition until it is
+written out (counted as its definition event), and again from its prefetch
+event until its last use. Each prefetch leads its first use by the transfer
+time (bytes / the tier's measured bandwidth), placed with the recorded event
+times; where that lead would break the budget or does not exist, the
+prefetch starts later and the step waits: the plan says how long
+(`stall_s`). A budget that no choice meets is reported by how much
+(`over_budget_bytes`), never silently exceeded.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from hp.use_def import Recording, SavedTensor
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What happens to one saved tensor: kept, or offloaded with its prefetch event."""
+
+    tensor: SavedTensor
+    action: str  # "keep" or "offload"
+    tier: str | None = None
+    prefetch_at: int | None = None  # the event after which it is read back
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """Decisions for every saved tensor, and the resident-bytes timelines before and after."""
+
+    decisions: tuple[Decision, ...]
+    budget_bytes: int
+    before: tuple[int, ...]
+    after: tuple[int, ...]
+    stall_s: float
+    bandwidth: float  # bytes per second of the slow tier, measured
+
+    @property
+    def peak_before(self) -> int:
+        return max(self.before, default=0)
+
+    @property
+    def peak_after(self) -> int:
+        return max(self.after, default=0)
+
+    @property
+    def over_budget_bytes(self) -> int:
+        return max(0, self.peak_after - self.budget_bytes)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(d.tensor.nbytes for d in self.decisions if d.action == "offload")
+
+    def table(self) -> str:
+        """One row per saved tensor: bytes, definition, uses, decision, prefetch point."""
+        rows = [("#", "bytes", "shape", "defined (event, module)", "uses", "decision", "prefetch after")]
+        for d in self.decisions:
+            t = d.tensor
+            uses = f"{len(t.uses)}: {t.uses[0]}..{t.uses[-1]}" if t.uses else "0"
+            rows.append((
+                str(t.index), f"{t.nbytes:,}", "x".join(map(str, t.shape)) or "()", f"{t.defined_at} {t.defined_in}",
+                uses, d.action if d.action == "keep" else f"{d.action} -> {d.tier}",
+                "" if d.prefetch_at is None else str(d.prefetch_at),
+            ))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.append(
+            f"peak {self.peak_before:,} -> {self.peak_after:,} bytes (budget {self.budget_bytes:,}); "
+            f"offloaded {self.offloaded_bytes:,} bytes; expected stall {self.stall_s * 1e3:.2f} ms"
+        )
+        if self.over_budget_bytes:
+            lines.append(f"the budget cannot be met: {self.over_budget_bytes:,} bytes over")
+        return "\n".join(lines)
+
+
+def plan_offload(recording: Recording, budget_bytes: int, tier: str, bandwidth: float) -> OffloadPlan:
+    """Offload decisions that keep resident activation bytes under `budget_bytes`.
+
+    >>> from hp.use_def import Recording, SavedTensor
+    >>> a = SavedTensor(0, 100, (25,), None, "activation", defined_at=0, defined_in="", uses=[3])
+    >>> b = SavedTensor(1, 100, (25,), None, "activation", defined_at=1, defined_in="", uses=[2])
+    >>> rec = Recording([a, b], event_times=[0.0, 1.0, 2.0, 3.0], backward_start=2)
+    >>> p = plan_offload(rec, budget_bytes=100, tier="disk", bandwidth=1e9)
+    >>> [d.action for d in p.decisions], p.peak_before, p.peak_after
+    (['offload', 'keep'], 200, 100)
+    """
+    activations = recording.activations()
+    chosen: dict[int, int] = {}  # tensor index -> prefetch event
+    candidates = sorted(activations, key=lambda t: -(t.uses[0] if t.uses else t.defined_at))
+    after = _timeline(recording, chosen)
+    for t in candidates:
+        if max(after, default=0) <= budget_bytes:
+            break
+        if not t.uses:
+            continue
+        chosen[t.index] = _prefetch_event(recording, t, bandwidth)
+        after = _timeline(recording, chosen)
+        after = _delay_prefetches(recording, chosen, budget_bytes, after)
+    stall = sum(_stall(recording, recording.tensors[i], p, bandwidth) for i, p in chosen.items())
+    decisions = tuple(
+        Decision(t, "offload", tier, chosen[t.index]) if t.index in chosen else Decision(t, "keep")
+        for t in recording.tensors
+    )
+    return OffloadPlan(decisions, budget_bytes, tuple(recording.resident_bytes()), tuple(after), stall, bandwidth)
+
+
+def _timeline(recording: Recording, chosen: dict[int, int]) -> list[int]:
+    """Resident activation bytes after each event with `chosen` offloaded (and prefetched)."""
+    delta = [0] * (len(recording.event_times) + 1)
+    for t in recording.activations():
+        if t.index in chosen:
+            delta[t.defined_at] += t.nbytes  # written out once saved: resident for its own event only
+            delta[t.defined_at + 1] -= t.nbytes
+            delta[chosen[t.index]] += t.nbytes
+        else:
+            delta[t.defined_at] += t.nbytes
+        delta[t.last_use + 1] -= t.nbytes
+    out, level = [], 0
+    for d in delta[:-1]:
+        level += d
+        out.append(level)
+    return out
+
+
+def _prefetch_event(recording: Recording, t: SavedTensor, bandwidth: float) -> int:
+    """The latest event that still leaves the transfer time before `t`'s first use."""
+    times = recording.event_times
+    need = times[t.uses[0]] - t.nbytes / bandwidth
+    latest = bisect.bisect_right(times, need) - 1  # last event at or before `need`
+    return max(min(latest, t.uses[0] - 1), t.defined_at + 1)
+
+
+def _delay_prefetches(recording: Recording, chosen: dict[int, int], budget: int, after: list[int]) -> list[int]:
+    """Start prefetches later where their early start breaks the budget, at the latest when the
+    tensor is needed (a read the step waits for)."""
+    for index, start in sorted(chosen.items(), key=lambda kv: kv[1]):
+        t = recording.tensors[index]
+        while start < t.uses[0] and max(after[start:t.uses[0] + 1], default=0) > budget:
+            start += 1
+            chosen[index] = start
+            after = _timeline(recording, chosen)
+    return after
+
+
+def _stall(recording: Recording, t: SavedTensor, start: int, bandwidth: float) -> float:
+    times = recording.event_times
+    return max(0.0, t.nbytes / bandwidth - (times[t.uses[0]] - times[start]))

@@ -1,0 +1,92 @@
+"""Where offloaded tensors wait: the slow memory tiers behind `hp.offload`.
+
+A tier stores one storage's bytes (`put`), reads them back ahead of time on
+a thread of its own (`prefetch`), and hands back the bytes as a fresh
+storage (`take`), from which the caller rebuilds its views. The disk tier
+writes each storage to a memory-mapped file in a private temporary folder
+and deletes the file once read, so CPU-only runs gain memory too: the
+process holds the bytes only while they are needed. Its bandwidth is
+measured once (a write and a read of a few MB) so that the planner can lead
+prefetches by real transfer times.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+_PROBE_BYTES = 8 << 20
+
+
+class DiskTier:
+    """Storages as files under a temporary folder (or `directory`), read ahead on one thread.
+
+    >>> tier = DiskTier()
+    >>> key = tier.put(torch.arange(6.0).untyped_storage())
+    >>> tier.prefetch(key)
+    >>> torch.empty(0).set_(tier.take(key)).tolist()
+    [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    >>> tier.close()
+    """
+
+    name = "disk"
+
+    def __init__(self, directory: str | None = None) -> None:
+        self._folder = tempfile.TemporaryDirectory(prefix="hp-offload-", dir=directory)
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hp-offload-read")
+        self._pending: dict[int, Future] = {}
+        self._sizes: dict[int, int] = {}
+        self._next = 0
+
+    def put(self, storage: torch.UntypedStorage) -> int:
+        """Write `storage`'s bytes out; a key to read them back with."""
+        key, self._next = self._next, self._next + 1
+        data = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+        mapped = np.memmap(self._path(key), dtype=np.uint8, mode="w+", shape=(max(len(data), 1),))
+        mapped[: len(data)] = data
+        mapped.flush()
+        del mapped
+        self._sizes[key] = len(data)
+        return key
+
+    def prefetch(self, key: int) -> None:
+        """Start reading `key` back on the reader thread (once)."""
+        if key not in self._pending:
+            self._pending[key] = self._reader.submit(self._read, key)
+
+    def take(self, key: int) -> torch.UntypedStorage:
+        """The bytes of `key` as a fresh storage (waits for its prefetch, or reads now)."""
+        self.prefetch(key)
+        return self._pending.pop(key).result()
+
+    def _read(self, key: int) -> torch.UntypedStorage:
+        path, size = self._path(key), self._sizes.pop(key)
+        mapped = np.memmap(path, dtype=np.uint8, mode="r", shape=(max(size, 1),))
+        data = torch.from_numpy(np.array(mapped[:size]))
+        del mapped
+        os.unlink(path)
+        return data.untyped_storage()
+
+    def _path(self, key: int) -> str:
+        return os.path.join(self._folder.name, f"{key}.bin")
+
+    def bandwidth(self) -> float:
+        """Bytes per second of a write and a read of `_PROBE_BYTES` (the slower of the two)."""
+        probe = torch.zeros(_PROBE_BYTES, dtype=torch.uint8).untyped_storage()
+        start = time.perf_counter()
+        key = self.put(probe)
+        wrote = time.perf_counter() - start
+        start = time.perf_counter()
+        self.take(key)
+        read = time.perf_counter() - start
+        return _PROBE_BYTES / max(wrote, read, 1e-9)
+
+    def close(self) -> None:
+        self._reader.shutdown(wait=True)
+        self._pending.clear()
+        self._folder.cleanup()

@@ -1,0 +1,180 @@
+"""Use-definition chains of a training step: what autograd keeps, from where to where.
+
+`hp.offload` plans from these. One recorded call of the step sees every
+tensor autograd saves for backward (through `saved_tensors_hooks`): where it
+is defined (the forward event that saves it, in the module that runs then)
+and where it is used (the backward events that read it back), with its bytes
+and the wall time of every event. Storage saved twice (an input two ops
+keep) is one tensor: it occupies memory once. What existed before the step
+and outlives it (parameters, buffers, the step's own inputs, and views of
+them) is recorded as kind "input": offloading it frees nothing, since its
+owner still holds it. Parameters are known as `nn.Parameter`s (and leaves
+that require grad), plus the parameters and buffers of the modules passed.
+
+A DTensor is recorded by its local block, the bytes this rank holds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
+
+
+@dataclass
+class SavedTensor:
+    """One storage autograd keeps for backward: its size, definition and uses (event indices)."""
+
+    index: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    kind: str  # "activation" (made by the step) or "input" (held by its owner anyway)
+    defined_at: int
+    defined_in: str  # the innermost module running when it was saved ("" outside any)
+    uses: list[int] = field(default_factory=list)
+
+    @property
+    def last_use(self) -> int:
+        """The event after which autograd no longer needs it (its definition if never read)."""
+        return self.uses[-1] if self.uses else self.defined_at
+
+
+@dataclass
+class Recording:
+    """The saved tensors of one step, and when each event (a save or a read) happened."""
+
+    tensors: list[SavedTensor]
+    event_times: list[float]  # seconds since the step started, one per event
+    backward_start: int  # the first read event (events before it are forward saves)
+
+    def resident_bytes(self) -> list[int]:
+        """Activation bytes autograd holds after each event, nothing offloaded (the 'before' timeline)."""
+        delta = [0] * (len(self.event_times) + 1)
+        for t in self.activations():
+            delta[t.defined_at] += t.nbytes
+            delta[t.last_use + 1] -= t.nbytes
+        out, level = [], 0
+        for d in delta[:-1]:
+            level += d
+            out.append(level)
+        return out
+
+    def activations(self) -> list[SavedTensor]:
+        return [t for t in self.tensors if t.kind == "activation"]
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.resident_bytes(), default=0)
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """The block of `t` this rank holds."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def storage_key(t: torch.Tensor) -> tuple:
+    """Identifies the memory behind `t` (views of one storage share it)."""
+    local = local_of(t)
+    return (local.device, local.untyped_storage().data_ptr())
+
+
+class Recorder:
+    """Saved-tensor hooks and a module tracker that build a `Recording` of one step.
+
+    >>> import torch
+    >>> layer = torch.nn.Linear(4, 4)
+    >>> with Recorder() as rec:
+    ...     layer(torch.ones(2, 4).relu()).tanh().sum().backward()
+    >>> [(t.kind, t.nbytes, t.defined_in) for t in rec.recording().tensors]
+    [('activation', 32, 'Linear'), ('activation', 32, '')]
+    """
+
+    def __init__(self) -> None:
+        self._tensors: list[SavedTensor] = []
+        self._by_storage: dict[tuple, SavedTensor] = {}
+        self._times: list[float] = []
+        self._modules: list[str] = []
+        self._backward_start: int | None = None
+        self._names: dict[int, str] = {}
+        self._inputs: set[tuple] = set()
+
+    def _event(self) -> int:
+        self._times.append(time.perf_counter() - self._start)
+        return len(self._times) - 1
+
+    def pack(self, t: torch.Tensor) -> tuple[SavedTensor, torch.Tensor]:
+        key = storage_key(t)
+        seen = self._by_storage.get(key)
+        if seen is not None:
+            return seen, t  # each save keeps its own view of the storage
+        local = local_of(t)
+        kind = "input" if key in self._inputs or _is_parameter(t) else "activation"
+        saved = SavedTensor(
+            index=len(self._tensors), nbytes=local.untyped_storage().nbytes(), shape=tuple(t.shape), dtype=t.dtype,
+            kind=kind, defined_at=self._event(), defined_in=self._modules[-1] if self._modules else "",
+        )
+        self._tensors.append(saved)
+        self._by_storage[key] = saved
+        return saved, t
+
+    def unpack(self, handle: tuple[SavedTensor, torch.Tensor]) -> torch.Tensor:
+        saved, t = handle
+        event = self._event()
+        if self._backward_start is None:
+            self._backward_start = event
+        saved.uses.append(event)
+        return t
+
+    def __enter__(self) -> Recorder:
+        self._start = time.perf_counter()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._hooks.__enter__()
+        self._module_hooks = (
+            nn.modules.module.register_module_forward_pre_hook(self._enter_module),
+            nn.modules.module.register_module_forward_hook(self._leave_module, always_call=True),
+        )
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        for hook in self._module_hooks:
+            hook.remove()
+
+    def _enter_module(self, module: nn.Module, args) -> None:
+        self._modules.append(self._names.get(id(module)) or type(module).__name__)
+
+    def _leave_module(self, module: nn.Module, args, out) -> None:
+        if self._modules:
+            self._modules.pop()
+
+    def know(self, roots: tuple[nn.Module, ...], tensors: list) -> None:
+        """Name definitions by the modules' qualified names in `roots` (else by class name); their
+        parameters and buffers, and `tensors`, are inputs."""
+        for root in roots:
+            for name, module in root.named_modules():
+                self._names[id(module)] = name or type(root).__name__
+            self._inputs.update(storage_key(t) for t in (*root.parameters(), *root.buffers()))
+        self._inputs.update(storage_key(t) for t in tensors if isinstance(t, torch.Tensor))
+
+    def recording(self) -> Recording:
+        start = self._backward_start if self._backward_start is not None else len(self._times)
+        return Recording(list(self._tensors), list(self._times), start)
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    base = t._base if t._base is not None else t
+    return isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)
+
+
+def record(step: Callable, args: tuple, kwargs: dict, modules: tuple[nn.Module, ...] = ()) -> tuple[object, Recording]:
+    """Run `step(*args, **kwargs)` once; its result and the use-definition chains of what it saved."""
+    with Recorder() as recorder:
+        recorder.know(modules, tree_leaves((args, kwargs)))
+        result = step(*args, **kwargs)
+    return result, recorder.recording()

@@ -1,0 +1,123 @@
+"""hp.offload: use-definition recording, the planner's budget, and bit-identical training steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hp
+from hp.offload_plan import plan_offload
+from hp.use_def import Recording, SavedTensor
+from tests.reference import tiny_pair
+
+
+def _training(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach(), grads
+
+    return step
+
+
+def _batches(n: int) -> list[torch.Tensor]:
+    return [torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(s)) for s in range(n)]
+
+
+@pytest.mark.parametrize("budget", [0.75, 0.5, 0.3])
+def test_offloaded_llama_steps_are_bit_identical_and_stay_under_the_budget(budget, tmp_path):
+    reference, model = tiny_pair("llama", layers=2)
+    plain, offloaded = _training(reference), hp.offload(_training(model), budget=budget, modules=[model],
+                                                         directory=str(tmp_path))
+    for i, ids in enumerate(_batches(4)):
+        want_loss, want_grads = plain(ids)
+        got_loss, got_grads = offloaded(ids)
+        assert torch.equal(got_loss, want_loss), i
+        for name, g in want_grads.items():
+            assert torch.equal(got_grads[name], g), (i, name)
+        if i > 0:  # the first call records; the others run the plan
+            plan, run = offloaded.plan(), offloaded.last_run
+            assert plan.over_budget_bytes == 0
+            assert plan.peak_after <= plan.budget_bytes < plan.peak_before
+            assert run.peak_resident_bytes <= plan.budget_bytes  # hp's ledger, measured while running
+            assert run.bytes_offloaded == run.bytes_read_back == plan.offloaded_bytes > 0
+    assert list(tmp_path.rglob("*.bin")) == []  # every file was read back and removed
+
+
+def test_the_recording_sees_every_saved_activation_with_its_definition_and_uses():
+    reference, model = tiny_pair("llama", layers=1)
+    step = hp.offload(_training(model), budget=1.0, modules=[model])
+    plan = step.plan(_batches(1)[0])
+    recorded = [d.tensor for d in plan.decisions]
+    acts = [t for t in recorded if t.kind == "activation"]
+    assert acts and all(t.uses and t.uses[0] > t.defined_at for t in acts)
+    assert any(t.defined_in.startswith("model.layers.0.mlp") for t in acts)
+    weights = {p.untyped_storage().nbytes() for p in model.parameters()}
+    assert any(t.kind == "input" and t.nbytes in weights for t in recorded)  # linears keep their weights
+    assert plan.peak_after == plan.peak_before  # a budget of the whole peak offloads nothing
+    assert all(d.action == "keep" for d in plan.decisions)
+    rows = plan.table().splitlines()
+    assert rows[0].split()[:3] == ["#", "bytes", "shape"] and len(rows) == len(recorded) + 2
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_the_planner_meets_any_budget_above_the_largest_tensor_it_must_hold(data):
+    n = data.draw(st.integers(1, 8))
+    sizes = data.draw(st.lists(st.integers(1, 1000), min_size=n, max_size=n))
+    # forward saves 0..n-1, backward reads them in reverse: events n..2n-1
+    tensors = [SavedTensor(i, b, (b,), torch.uint8, "activation", defined_at=i, defined_in="", uses=[2 * n - 1 - i])
+               for i, b in enumerate(sizes)]
+    times = sorted(data.draw(st.lists(st.floats(0, 1), min_size=2 * n, max_size=2 * n)))
+    recording = Recording(tensors, times, backward_start=n)
+    floor = max(sizes)  # the tensor read at an event must be resident then
+    budget = data.draw(st.integers(floor, sum(sizes)))
+    plan = plan_offload(recording, budget, "disk", bandwidth=data.draw(st.sampled_from([1e3, 1e9])))
+    assert plan.peak_after <= max(budget, _needed_at_once(tensors))
+    assert plan.peak_before == sum(sizes)
+
+
+def _needed_at_once(tensors: list[SavedTensor]) -> int:
+    """At the first backward event the last-saved tensor is read while the others may be away."""
+    return max(t.nbytes for t in tensors)
+
+
+@pytest.mark.parametrize("kwargs, problem", [
+    ({"budget": 0}, "budget=0"),
+    ({"budget": -5}, "budget=-5"),
+    ({"budget": 1.5}, "at most 1.0"),
+    ({"budget": "half"}, "budget='half'"),
+    ({"budget": 0.5, "tiers": ("device", "ssd")}, "tiers=('device', 'ssd')"),
+    ({"budget": 0.5, "tiers": ("device", "host")}, "host tier is not built yet"),
+])
+def test_bad_offload_requests_are_refused_with_the_problem_named(kwargs, problem):
+    with pytest.raises(hp.OffloadError, match=problem.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        hp.offload(lambda: None, **kwargs)
+
+
+def test_a_step_that_saves_something_else_keeps_it_and_is_planned_again():
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+
+    def step(x):
+        layer(x).square().sum().backward()
+        grads = [p.grad.clone() for p in layer.parameters()]
+        layer.zero_grad()
+        return grads
+
+    offloaded = hp.offload(step, budget=0.3, modules=[layer])
+    offloaded(torch.ones(8, 16))
+    first = offloaded.plan()
+    got = offloaded(torch.ones(4, 16))  # other shapes: nothing matches the plan
+    want = step(torch.ones(4, 16))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert offloaded.last_run.bytes_offloaded == 0
+    offloaded(torch.ones(4, 16))  # recorded anew
+    assert offloaded.plan() is not first
