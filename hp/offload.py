@@ -52,7 +52,10 @@ def offload(
     modules: Sequence[nn.Module] = (),
     directory: str | None = None,
 ) -> Offloaded:
-    """`step` with its saved activations kept under `budget` (bytes, or a fraction of the recorded peak).
+    """`step` whose own memory stays under `budget` (bytes, or a fraction of its recorded peak).
+
+    The budget counts what the step allocates above what was held before it: saved activations
+    (which offload moves), temporaries, gradients and optimizer states (which it does not).
 
     `modules` (the model) name definitions in the plan and mark their parameters and buffers as
     inputs; `directory` is where the disk tier writes (a temporary folder by default).
@@ -64,10 +67,11 @@ def offload(
     ...     loss.backward()
     ...     return loss.detach()
     >>> step = hp.offload(train_step, budget=0.5, modules=[model])
-    >>> first = step(torch.ones(32, 64))     # runs as is, records, plans
-    >>> second = step(torch.ones(32, 64))    # runs the plan
-    >>> step.plan().peak_after <= step.plan().budget_bytes
-    True
+    >>> first = step(torch.ones(4096, 64))   # runs as is, records, plans
+    >>> second = step(torch.ones(4096, 64))  # runs the plan
+    >>> plan = step.plan()
+    >>> plan.peak_after <= plan.budget_bytes < plan.peak_before, step.last_run.bytes_offloaded > 0
+    (True, True)
     """
     tiers = tuple(tiers)
     if not tiers or tiers[0] != "device" or len(tiers) != 2 or tiers[1] not in SLOW_TIERS:
@@ -124,7 +128,7 @@ class Offloaded:
             self._bandwidth = self._tier.bandwidth()
         budget = self._budget
         if isinstance(budget, float):
-            budget = int(budget * recording.peak_bytes)
+            budget = int(budget * recording.step_peak_bytes)
         return plan_offload(recording, budget, self._tier.name, self._bandwidth)
 
 

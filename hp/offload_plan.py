@@ -1,8 +1,9 @@
 """The offload plan: which saved activations leave the device, and when each comes back.
 
-From a `hp.use_def.Recording` and a budget (bytes of activations resident at
-any moment), the planner decides per tensor: keep, or offload to the slow
-tier. Eviction follows Belady: at the forward's peak, the tensor whose next
+From a `hp.use_def.Recording` and a budget (the most bytes the step's own
+storages may take at any moment: saved activations, and what offload cannot
+move, such as temporaries, gradients and optimizer states, as recorded), the
+planner decides per saved activation: keep, or offload to the slow tier. Eviction follows Belady: at the forward's peak, the tensor whose next
 use is furthest away goes first (in backward that is the one saved
 earliest). An offloaded tensor is resident from its definition until it is
 written out (counted as its definition event), and again from its prefetch
@@ -34,7 +35,7 @@ class Decision:
 
 @dataclass(frozen=True)
 class OffloadPlan:
-    """Decisions for every saved tensor, and the resident-bytes timelines before and after."""
+    """Decisions for every saved tensor, and the step's memory per event before and after."""
 
     decisions: tuple[Decision, ...]
     budget_bytes: int
@@ -67,7 +68,7 @@ class OffloadPlan:
             uses = f"{len(t.uses)}: {t.uses[0]}..{t.uses[-1]}" if t.uses else "0"
             rows.append((
                 str(t.index), f"{t.nbytes:,}", "x".join(map(str, t.shape)) or "()", f"{t.defined_at} {t.defined_in}",
-                uses, d.action if d.action == "keep" else f"{d.action} -> {d.tier}",
+                uses, f"{d.action} -> {d.tier}" if d.action == "offload" else d.action,
                 "" if d.prefetch_at is None else str(d.prefetch_at),
             ))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -82,7 +83,7 @@ class OffloadPlan:
 
 
 def plan_offload(recording: Recording, budget_bytes: int, tier: str, bandwidth: float) -> OffloadPlan:
-    """Offload decisions that keep resident activation bytes under `budget_bytes`.
+    """Offload decisions that keep the step's memory under `budget_bytes` at every event.
 
     >>> from hp.use_def import Recording, SavedTensor
     >>> a = SavedTensor(0, 100, (25,), None, "activation", defined_at=0, defined_in="", uses=[3])
@@ -92,24 +93,31 @@ def plan_offload(recording: Recording, budget_bytes: int, tier: str, bandwidth: 
     >>> [d.action for d in p.decisions], p.peak_before, p.peak_after
     (['offload', 'keep'], 200, 100)
     """
-    activations = recording.activations()
+    other = recording.other_bytes()
+    limits = [budget_bytes - o for o in other]  # what saved activations may take at each event
     chosen: dict[int, int] = {}  # tensor index -> prefetch event
-    candidates = sorted(activations, key=lambda t: -(t.uses[0] if t.uses else t.defined_at))
+    candidates = sorted(recording.activations(), key=lambda t: -(t.uses[0] if t.uses else t.defined_at))
     after = _timeline(recording, chosen)
     for t in candidates:
-        if max(after, default=0) <= budget_bytes:
+        if _fits(after, limits):
             break
         if not t.uses:
             continue
         chosen[t.index] = _prefetch_event(recording, t, bandwidth)
         after = _timeline(recording, chosen)
-        after = _delay_prefetches(recording, chosen, budget_bytes, after)
+        after = _delay_prefetches(recording, chosen, limits, after)
     stall = sum(_stall(recording, recording.tensors[i], p, bandwidth) for i, p in chosen.items())
     decisions = tuple(
-        Decision(t, "offload", tier, chosen[t.index]) if t.index in chosen else Decision(t, "keep")
+        Decision(t, "offload", tier, chosen[t.index]) if t.index in chosen
+        else Decision(t, "keep" if t.kind == "activation" else "input")
         for t in recording.tensors
     )
-    return OffloadPlan(decisions, budget_bytes, tuple(recording.resident_bytes()), tuple(after), stall, bandwidth)
+    before = tuple(a + o for a, o in zip(recording.resident_bytes(), other))
+    return OffloadPlan(decisions, budget_bytes, before, tuple(a + o for a, o in zip(after, other)), stall, bandwidth)
+
+
+def _fits(after: list[int], limits: list[int]) -> bool:
+    return all(a <= b for a, b in zip(after, limits))
 
 
 def _timeline(recording: Recording, chosen: dict[int, int]) -> list[int]:
@@ -138,12 +146,12 @@ def _prefetch_event(recording: Recording, t: SavedTensor, bandwidth: float) -> i
     return max(min(latest, t.uses[0] - 1), t.defined_at + 1)
 
 
-def _delay_prefetches(recording: Recording, chosen: dict[int, int], budget: int, after: list[int]) -> list[int]:
+def _delay_prefetches(recording: Recording, chosen: dict[int, int], limits: list[int], after: list[int]) -> list[int]:
     """Start prefetches later where their early start breaks the budget, at the latest when the
     tensor is needed (a read the step waits for)."""
     for index, start in sorted(chosen.items(), key=lambda kv: kv[1]):
         t = recording.tensors[index]
-        while start < t.uses[0] and max(after[start:t.uses[0] + 1], default=0) > budget:
+        while start < t.uses[0] and not _fits(after[start:t.uses[0] + 1], limits[start:t.uses[0] + 1]):
             start += 1
             chosen[index] = start
             after = _timeline(recording, chosen)

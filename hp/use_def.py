@@ -4,7 +4,10 @@
 tensor autograd saves for backward (through `saved_tensors_hooks`): where it
 is defined (the forward event that saves it, in the module that runs then)
 and where it is used (the backward events that read it back), with its bytes
-and the wall time of every event. Storage saved twice (an input two ops
+and the wall time of every event, and, between events, the most memory the
+step's own storages took (a dispatch mode sees every op's outputs: saved or
+not, activations, gradients, optimizer states), so that a budget can be the
+step's whole memory. Storage saved twice (an input two ops
 keep) is one tensor: it occupies memory once. What existed before the step
 and outlives it (parameters, buffers, the step's own inputs, and views of
 them) is recorded as kind "input": offloading it frees nothing, since its
@@ -17,6 +20,7 @@ A DTensor is recorded by its local block, the bytes this rank holds.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,6 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 @dataclass
@@ -52,6 +57,20 @@ class Recording:
     tensors: list[SavedTensor]
     event_times: list[float]  # seconds since the step started, one per event
     backward_start: int  # the first read event (events before it are forward saves)
+    # the most bytes of storage the step had created and not freed, from each event to the next
+    # (activations, temporaries, gradients, optimizer states alike); empty when not measured
+    step_bytes: list[int] = field(default_factory=list)
+
+    def other_bytes(self) -> list[int]:
+        """Per event, the step's memory that is not saved activations (what offload cannot move)."""
+        if not self.step_bytes:
+            return [0] * len(self.event_times)
+        return [max(0, total - act) for total, act in zip(self.step_bytes, self.resident_bytes())]
+
+    @property
+    def step_peak_bytes(self) -> int:
+        """The step's own peak memory (every storage it created), or the saved activations' peak."""
+        return max(self.step_bytes, default=0) or self.peak_bytes
 
     def resident_bytes(self) -> list[int]:
         """Activation bytes autograd holds after each event, nothing offloaded (the 'before' timeline)."""
@@ -84,6 +103,45 @@ def storage_key(t: torch.Tensor) -> tuple:
     return (local.device, local.untyped_storage().data_ptr())
 
 
+class _Allocations(TorchDispatchMode):
+    """Bytes of the storages ops create that are still alive, and the most since the last look."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.high = self.looks = 0
+        self._seen: dict[int, tuple[int, int]] = {}  # live storage -> (bytes, looks before it)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(local_of(t).untyped_storage())
+        return out
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        ptr = storage.data_ptr()
+        if ptr in self._seen or storage.device.type == "meta":
+            return
+        self._seen[ptr] = (storage.nbytes(), self.looks)
+        self.live += storage.nbytes()
+        self.high = max(self.high, self.live)
+        weakref.finalize(storage, self._free, ptr, storage.nbytes())
+
+    def _free(self, ptr: int, nbytes: int) -> None:
+        self._seen.pop(ptr, None)
+        self.live -= nbytes
+
+    def look(self) -> int:
+        """The most bytes alive since the previous look."""
+        self.looks += 1
+        high, self.high = self.high, self.live
+        return high
+
+    def survivors(self) -> list[tuple[int, int]]:
+        """(bytes, looks before it was made) of every storage still alive."""
+        return list(self._seen.values())
+
+
 class Recorder:
     """Saved-tensor hooks and a module tracker that build a `Recording` of one step.
 
@@ -106,6 +164,7 @@ class Recorder:
 
     def _event(self) -> int:
         self._times.append(time.perf_counter() - self._start)
+        self._totals.append(self._allocations.look())
         return len(self._times) - 1
 
     def pack(self, t: torch.Tensor) -> tuple[SavedTensor, torch.Tensor]:
@@ -133,6 +192,9 @@ class Recorder:
 
     def __enter__(self) -> Recorder:
         self._start = time.perf_counter()
+        self._totals: list[int] = []
+        self._allocations = _Allocations()
+        self._allocations.__enter__()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
         self._module_hooks = (
@@ -143,6 +205,9 @@ class Recorder:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+        self._allocations.__exit__(*exc)
+        self._end_total = self._allocations.look()
+        self._survivors = self._allocations.survivors()
         for hook in self._module_hooks:
             hook.remove()
 
@@ -164,7 +229,14 @@ class Recorder:
 
     def recording(self) -> Recording:
         start = self._backward_start if self._backward_start is not None else len(self._times)
-        return Recording(list(self._tensors), list(self._times), start)
+        # step_bytes[e] covers the span after event e, which the (e+1)-th look closes
+        step_bytes = list(self._totals[1:]) + [self._end_total]
+        # What outlives the step (optimizer states made on a first step, the result) is held
+        # before the next one: the step's own memory leaves it out from where it was made.
+        for nbytes, made in self._survivors:
+            for e in range(max(made - 1, 0), len(step_bytes)):
+                step_bytes[e] -= nbytes
+        return Recording(list(self._tensors), list(self._times), start, step_bytes)
 
 
 def _is_parameter(t: torch.Tensor) -> bool:

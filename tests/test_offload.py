@@ -28,7 +28,8 @@ def _training(model):
 
 
 def _batches(n: int) -> list[torch.Tensor]:
-    return [torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(s)) for s in range(n)]
+    # long enough rows that saved activations, not gradients, make most of the step's memory
+    return [torch.randint(0, 256, (4, 128), generator=torch.Generator().manual_seed(s)) for s in range(n)]
 
 
 @pytest.mark.parametrize("budget", [0.75, 0.5, 0.3])
@@ -62,7 +63,7 @@ def test_the_recording_sees_every_saved_activation_with_its_definition_and_uses(
     weights = {p.untyped_storage().nbytes() for p in model.parameters()}
     assert any(t.kind == "input" and t.nbytes in weights for t in recorded)  # linears keep their weights
     assert plan.peak_after == plan.peak_before  # a budget of the whole peak offloads nothing
-    assert all(d.action == "keep" for d in plan.decisions)
+    assert {d.action for d in plan.decisions} == {"keep", "input"}
     rows = plan.table().splitlines()
     assert rows[0].split()[:3] == ["#", "bytes", "shape"] and len(rows) == len(recorded) + 2
 
