@@ -66,7 +66,7 @@ def offload(
     ...     loss = model(x).square().mean()
     ...     loss.backward()
     ...     return loss.detach()
-    >>> step = hp.offload(train_step, budget=0.5, modules=[model])
+    >>> step = hp.offload(train_step, budget=0.9, modules=[model])
     >>> first = step(torch.ones(4096, 64))   # runs as is, records, plans
     >>> second = step(torch.ones(4096, 64))  # runs the plan
     >>> plan = step.plan()
