@@ -1,11 +1,14 @@
 """Where offloaded tensors wait: the slow memory tiers behind `hp.offload`.
 
-A tier stores one storage's bytes (`put`), reads them back ahead of time on
-a thread of its own (`prefetch`), and hands back the bytes as a fresh
-storage (`take`), from which the caller rebuilds its views. The disk tier
-writes each storage to a memory-mapped file in a private temporary folder
-and deletes the file once read, so CPU-only runs gain memory too: the
-process holds the bytes only while they are needed. Its bandwidth is
+A tier stores one storage's bytes (`put`), reads them back ahead of time
+(`prefetch`), and hands back the bytes as a fresh storage (`take`), from
+which the caller rebuilds its views. The disk tier copies each storage into
+a memory-mapped file in a private temporary folder and deletes the file once
+read, so CPU-only runs gain memory too: the process holds the bytes only
+while they are needed. Writes and reads run in order on one thread of the
+tier's own, so the step computes while they move (the storage being written
+stays alive until its copy is done, and a read always follows its write);
+the kernel's page cache writes the files back when it needs the memory. Its bandwidth is
 measured once (a write and a read of a few MB) so that the planner can lead
 prefetches by real transfer times.
 """
@@ -24,7 +27,7 @@ _PROBE_BYTES = 8 << 20
 
 
 class DiskTier:
-    """Storages as files under a temporary folder (or `directory`), read ahead on one thread.
+    """Storages as files under a temporary folder (or `directory`), written and read on one thread.
 
     >>> tier = DiskTier()
     >>> key = tier.put(torch.arange(6.0).untyped_storage())
@@ -38,26 +41,28 @@ class DiskTier:
 
     def __init__(self, directory: str | None = None) -> None:
         self._folder = tempfile.TemporaryDirectory(prefix="hp-offload-", dir=directory)
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hp-offload-read")
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hp-offload-io")
         self._pending: dict[int, Future] = {}
         self._sizes: dict[int, int] = {}
         self._next = 0
 
     def put(self, storage: torch.UntypedStorage) -> int:
-        """Write `storage`'s bytes out; a key to read them back with."""
+        """Start writing `storage`'s bytes out; a key to read them back with."""
         key, self._next = self._next, self._next + 1
+        self._sizes[key] = storage.nbytes()
+        self._io.submit(self._write, key, storage)
+        return key
+
+    def _write(self, key: int, storage: torch.UntypedStorage) -> None:
         data = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
         mapped = np.memmap(self._path(key), dtype=np.uint8, mode="w+", shape=(max(len(data), 1),))
         mapped[: len(data)] = data
-        mapped.flush()
         del mapped
-        self._sizes[key] = len(data)
-        return key
 
     def prefetch(self, key: int) -> None:
-        """Start reading `key` back on the reader thread (once)."""
+        """Start reading `key` back on the tier's thread (once), after its write."""
         if key not in self._pending:
-            self._pending[key] = self._reader.submit(self._read, key)
+            self._pending[key] = self._io.submit(self._read, key)
 
     def take(self, key: int) -> torch.UntypedStorage:
         """The bytes of `key` as a fresh storage (waits for its prefetch, or reads now)."""
@@ -87,6 +92,6 @@ class DiskTier:
         return _PROBE_BYTES / max(wrote, read, 1e-9)
 
     def close(self) -> None:
-        self._reader.shutdown(wait=True)
+        self._io.shutdown(wait=True)
         self._pending.clear()
         self._folder.cleanup()
