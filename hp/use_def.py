@@ -115,11 +115,15 @@ class _Allocations(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self._track(local_of(t).untyped_storage())
+                self._track(local_of(t))
         return out
 
-    def _track(self, storage: torch.UntypedStorage) -> None:
-        ptr = storage.data_ptr()
+    def _track(self, t: torch.Tensor) -> None:
+        try:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+        except RuntimeError:  # a wrapper with no storage of its own (a collective's pending result)
+            return
         if ptr in self._seen or storage.device.type == "meta":
             return
         self._seen[ptr] = (storage.nbytes(), self.looks)

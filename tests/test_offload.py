@@ -122,3 +122,14 @@ def test_a_step_that_saves_something_else_keeps_it_and_is_planned_again():
     assert offloaded.last_run.bytes_offloaded == 0
     offloaded(torch.ones(4, 16))  # recorded anew
     assert offloaded.plan() is not first
+
+
+def test_offload_of_tp_and_sequence_parallel_llama_blocks_on_two_gloo_processes():
+    import re
+    from pathlib import Path
+
+    from gloo_launch import assert_finished, torchrun
+
+    run = torchrun(str(Path(__file__).parent / "workers" / "offload_gloo.py"), 2)
+    assert_finished(run)
+    assert sorted(re.findall(r"rank (\d) ok", run.stdout)) == ["0", "1"]
