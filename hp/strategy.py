@@ -126,7 +126,7 @@ class Strategy:
                                 "(lay models out with hp.tp_plan and hp.parallelize); expected false")
         if self.offload is not None:
             raise StrategyError("offload", self.offload, ": activation swap and offload are not available yet "
-                                "(hp.offload is not built yet)")
+                                "(hp.offload wraps a step in Python; hp train does not apply it yet)")
 
     @classmethod
     def of(cls, spec: Strategy | Mapping[str, Any] | None) -> Strategy:

@@ -78,7 +78,7 @@ ON_A_MESH = [
     ("indivisible", _shard(torch.zeros(3, 4), "b/dp h"), "size 3, not divisible by its 2 shards"),
     ("indivisible 2D", _shard(torch.zeros(6, 4), "b/dp/tp h"), "not divisible by its 4 shards"),
     ("written size", _shard(M, "8 h"), "written as size 8 but the tensor has 4"),
-    ("tier on device", _shard(M, "b h @host"), "realised by hp.offload()"),
+    ("tier on device", _shard(M, "b h @host"), "cannot be placed by hand"),
     ("not a layout", _shard(M, 3), "a layout is a string"),
     (
         "rule against explicit",

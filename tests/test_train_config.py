@@ -368,7 +368,7 @@ BAD = [
     ({"parallel": {"expert_bias_rate": -0.1}}, "parallel.expert_bias_rate = -0.1: expected a number >= 0"),
     ({"parallel": {"expert_bias_rate": "fast"}}, "parallel.expert_bias_rate = 'fast': expected a finite number"),
     ({"parallel": {"tp2d": True}}, "parallel.tp2d = True: 2D tensor parallel is not available as a strategy yet"),
-    ({"parallel": {"offload": "host"}}, "parallel.offload = 'host': activation swap and offload are not available yet (hp.offload is not built yet)"),
+    ({"parallel": {"offload": "host"}}, "parallel.offload = 'host': activation swap and offload are not available yet (hp.offload wraps a step in Python; hp train does not apply it yet)"),
     ({"parallel": {"activation_mode": "swap"}}, "parallel.activation_mode = 'swap': activation swap and offload are not available yet"),
     ({"disable_gradient_checkpointing": True, "parallel": {"activation_mode": "recompute"}},
      "disable_gradient_checkpointing = True conflicts with the parallel settings, which ask for recompute"),

@@ -61,8 +61,8 @@ def _bind_on_device(layout: Layout, mesh: DeviceMesh, shape: Sequence[int], unev
     bound = bind(layout, mesh, shape, uneven=uneven)
     if bound.tier != "device":
         raise bound.error(
-            f"memory tier '@{bound.tier}' is realised by hp.offload(); "
-            "hp.shard/constrain/from_local place tensors on the device",
+            f"memory tier '@{bound.tier}' cannot be placed by hand: hp.shard/constrain/from_local place "
+            "tensors on the device, and hp.offload chooses tiers from a step's use-definition chains",
             at=("tier",),
         )
     return bound, to_placements(bound, mesh)

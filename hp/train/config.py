@@ -303,7 +303,7 @@ _HYPER_CHECKED = ("fsdp_size", "efsdp_size", "token_dispatcher", "ep_style", "ex
 # HyperParallel keys hp knows but cannot honour yet, and why.
 _HYPER_NOT_YET = {
     "plan_overrides": "hp's model plans are data of each family in hp.models; a run does not override them",
-    "activation_swap_inputs": "activation swap is not available yet (hp.offload is not built yet)",
+    "activation_swap_inputs": "activation swap is not available yet (hp.offload wraps a step in Python; hp train does not apply it yet)",
 }
 
 
