@@ -33,6 +33,7 @@ from typing import Any
 CP_ALGORITHMS = ("ulysses", "ring")  # how attention runs on a sequence split over cp
 MESH_AXES = ("dp", "ep", "cp", "tp")  # mesh order: data outermost, tensor innermost (neighbouring ranks)
 OFFLOAD_TIERS = ("host", "disk")
+DEFAULT_OFFLOAD_BUDGET = 0.5
 DTYPES = ("float32", "bfloat16", "float16")  # what FSDP may gather parameters and reduce gradients in
 FSDP_OPTIONS = ("reshard_after_forward", "param_dtype", "reduce_dtype")  # FSDP2's own: refused without FSDP
 
@@ -82,7 +83,8 @@ class Strategy:
     ep: int = 1  # expert parallel: the experts are split over ep of the dp ranks (ep divides dp)
     expert_bias_rate: float = 0.0  # aux-loss-free balancing: routing bias step toward the mean load (0: off)
     tp2d: bool = False  # 2D tensor parallel
-    offload: str | None = None  # hp.offload tier for what does not fit (None: nothing offloaded)
+    offload: str | None = None  # hp.offload's slow tier for saved activations (None: nothing offloaded)
+    offload_budget: float = 0.5  # hp.offload's budget: this fraction of the step's recorded peak
     recompute: bool = False  # each decoder block recomputes its activations in backward instead of keeping them
 
     def __post_init__(self) -> None:
@@ -107,6 +109,16 @@ class Strategy:
             raise StrategyError("cp_algorithm", self.cp_algorithm, f": expected {_one_of(CP_ALGORITHMS)}")
         if self.offload is not None and self.offload not in OFFLOAD_TIERS:
             raise StrategyError("offload", self.offload, f": expected {_one_of(OFFLOAD_TIERS)} or null")
+        if not isinstance(self.offload_budget, (int, float)) or isinstance(self.offload_budget, bool) \
+                or not 0 < self.offload_budget <= 1:
+            raise StrategyError("offload_budget", self.offload_budget, ": expected a fraction of the step's recorded "
+                                "peak memory, in (0, 1]")
+        if self.offload is None and self.offload_budget != DEFAULT_OFFLOAD_BUDGET:
+            raise StrategyError("offload_budget", self.offload_budget, ": only offload has a budget; set offload "
+                                "(disk), or leave it out")
+        if self.offload is not None and self.recompute:
+            raise StrategyError("offload", self.offload, ": offload and recompute both cut saved activations; "
+                                "choose one")
         self._refuse_fsdp_options_without_fsdp()
         self._refuse_what_is_not_built()
 
@@ -124,9 +136,9 @@ class Strategy:
         if self.tp2d:
             raise StrategyError("tp2d", True, ": 2D tensor parallel is not available as a strategy yet "
                                 "(lay models out with hp.tp_plan and hp.parallelize); expected false")
-        if self.offload is not None:
-            raise StrategyError("offload", self.offload, ": activation swap and offload are not available yet "
-                                "(hp.offload wraps a step in Python; hp train does not apply it yet)")
+        if self.offload == "host":
+            raise StrategyError("offload", "host", ": the host tier (pinned memory and a copy stream on an "
+                                "accelerator) is not available yet; use offload: disk")
 
     @classmethod
     def of(cls, spec: Strategy | Mapping[str, Any] | None) -> Strategy:

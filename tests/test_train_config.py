@@ -114,6 +114,13 @@ def test_activation_recompute_as_llamafactory_sets_it(raw, recompute):
     assert validate({**MINIMAL, **raw}).parallel.recompute is recompute
 
 
+@pytest.mark.parametrize("offload", ["disk", {"budget": 0.3, "tiers": ["device", "disk"]}, {"budget": 0.3}])
+def test_offload_is_a_tier_or_a_budget_and_tiers_and_replaces_llamafactorys_recompute(offload):
+    parallel = validate({**MINIMAL, "parallel": {"tp": 2, "offload": offload}}).parallel
+    budget = offload.get("budget", 0.5) if isinstance(offload, dict) else 0.5
+    assert parallel == Strategy(tp=2, offload="disk", offload_budget=budget, recompute=False)
+
+
 def test_the_parallel_section_is_the_strategy_every_plan_takes():
     parallel = validate({**MINIMAL, "parallel": {"cp": 2, "tp": 2, "cp_algorithm": "ring"}}).parallel
     assert parallel == Strategy(cp=2, tp=2, cp_algorithm="ring", recompute=True)
@@ -368,8 +375,13 @@ BAD = [
     ({"parallel": {"expert_bias_rate": -0.1}}, "parallel.expert_bias_rate = -0.1: expected a number >= 0"),
     ({"parallel": {"expert_bias_rate": "fast"}}, "parallel.expert_bias_rate = 'fast': expected a finite number"),
     ({"parallel": {"tp2d": True}}, "parallel.tp2d = True: 2D tensor parallel is not available as a strategy yet"),
-    ({"parallel": {"offload": "host"}}, "parallel.offload = 'host': activation swap and offload are not available yet (hp.offload wraps a step in Python; hp train does not apply it yet)"),
-    ({"parallel": {"activation_mode": "swap"}}, "parallel.activation_mode = 'swap': activation swap and offload are not available yet"),
+    ({"parallel": {"offload": "host"}}, "parallel.offload = 'host': the host tier (pinned memory and a copy stream on an accelerator) is not available yet; use offload: disk"),
+    ({"parallel": {"activation_mode": "swap"}}, "parallel.activation_mode = 'swap': the host tier (pinned memory and a copy stream on an accelerator) is not available yet"),
+    ({"parallel": {"offload": "disk", "recompute": True}}, "parallel.offload = 'disk': offload and recompute both cut saved activations; choose one"),
+    ({"parallel": {"offload": {"budget": 0.5, "tiers": ["device", "disk"], "when": 1}}}, "unknown key 'when'"),
+    ({"parallel": {"offload": {"tiers": ["disk"]}}}, "parallel.offload.tiers = ['disk']: expected [device, T]"),
+    ({"parallel": {"offload": "disk", "offload_budget": 0}}, "parallel.offload_budget = 0: expected a fraction of the step's recorded peak memory, in (0, 1]"),
+    ({"parallel": {"offload_budget": 0.3}}, "offload_budget = 0.3: only offload has a budget"),
     ({"disable_gradient_checkpointing": True, "parallel": {"activation_mode": "recompute"}},
      "disable_gradient_checkpointing = True conflicts with the parallel settings, which ask for recompute"),
     # LlamaFactory's HyperParallel keys
@@ -381,7 +393,7 @@ BAD = [
       "nproc_per_node": 2},
      "hyper_parallel_args.token_dispatcher = 'deredundency': expected one of 'all_to_all'"),
     ({"use_hyper_parallel": True, "hyper_parallel_args": {"activation_mode": "swap"}},
-     "hyper_parallel_args.activation_mode = 'swap': activation swap and offload are not available yet"),
+     "hyper_parallel_args.activation_mode = 'swap': the host tier (pinned memory and a copy stream on an accelerator) is not available yet"),
     ({"use_hyper_parallel": True, "hyper_parallel_args": {"activation_mode": "full"}},
      "hyper_parallel_args.activation_mode = 'full': expected one of 'none', 'recompute', 'swap'"),
     ({"use_hyper_parallel": True, "hyper_parallel_args": {"fsdp_size": 3, "cp_size": 2}},

@@ -267,6 +267,7 @@ _PARALLEL_RULES: dict[str, _Rule] = {
     "tp2d": _Rule("bool", optional=True),
     "fsdp": _Rule("bool"),
     "offload": _Rule("str", optional=True),
+    "offload_budget": _Rule("float", lambda v: 0 < v <= 1, "a fraction of the step's recorded peak memory, in (0, 1]"),
     "recompute": _Rule("bool"),
     "activation_mode": _Rule("str", choices=ACTIVATION_MODES),
     "reshard_after_forward": _Rule("bool"),
@@ -303,7 +304,8 @@ _HYPER_CHECKED = ("fsdp_size", "efsdp_size", "token_dispatcher", "ep_style", "ex
 # HyperParallel keys hp knows but cannot honour yet, and why.
 _HYPER_NOT_YET = {
     "plan_overrides": "hp's model plans are data of each family in hp.models; a run does not override them",
-    "activation_swap_inputs": "activation swap is not available yet (hp.offload wraps a step in Python; hp train does not apply it yet)",
+    "activation_swap_inputs": "swapping chosen activations by hand is not available: hp.offload chooses them from "
+                              "the step's use-definition chains (parallel.offload)",
 }
 
 
@@ -481,7 +483,23 @@ def _parallel_section(section: Any) -> dict[str, Any]:
     for key, value in section.items():
         if key not in _PARALLEL_RULES:
             raise _unknown(key, value, tuple(_PARALLEL_RULES), "parallel.")
+    if isinstance(section.get("offload"), Mapping):
+        section = {**section, **_offload_mapping(section["offload"], "offload_budget" in section)}
     return {key: _check(f"parallel.{key}", section[key], rule) for key, rule in _PARALLEL_RULES.items() if key in section}
+
+
+def _offload_mapping(value: Mapping, budget_given: bool) -> dict[str, Any]:
+    """`parallel.offload: {budget: 0.5, tiers: [device, disk]}` as the offload and offload_budget keys."""
+    unknown = set(value) - {"budget", "tiers"}
+    if unknown:
+        raise _refuse("parallel.offload", dict(value), "a tier (disk) or a mapping of budget (a fraction of the "
+                      f"step's peak) and tiers ([device, disk]); unknown key {sorted(unknown)[0]!r}")
+    tiers = value.get("tiers", ["device", "disk"])
+    if not isinstance(tiers, (list, tuple)) or len(tiers) != 2 or tiers[0] != "device":
+        raise _refuse("parallel.offload.tiers", tiers, "[device, T] with T the slow tier (disk)")
+    if budget_given and "budget" in value:
+        raise ConfigError("parallel.offload.budget and parallel.offload_budget are both given: expected one of them")
+    return {"offload": tiers[1], **({"offload_budget": value["budget"]} if "budget" in value else {})}
 
 
 def _hyper_parallel(raw: Mapping[str, Any], enabled: bool, base_dir: str | os.PathLike | None) -> dict[str, Any] | None:
@@ -730,7 +748,8 @@ def _derive_dp(fold: _Fold, values: Mapping[str, Any]) -> None:
 def _with_recompute(strategy: Strategy, given: dict[str, Any], hyper: dict[str, Any] | None,
                     elsewhere: list[Translation], disable: bool) -> Strategy:
     """Activation recompute as LlamaFactory has it: on unless disable_gradient_checkpointing, or as parallel says."""
-    explicit = ("recompute" in given or "activation_mode" in given or "activation_mode" in (hyper or {})
+    explicit = ("recompute" in given or "offload" in given or "activation_mode" in given
+                or "activation_mode" in (hyper or {})
                 or any("recompute" in t.fields for t in elsewhere))
     if not explicit:
         return dataclasses.replace(strategy, recompute=not disable)

@@ -29,6 +29,7 @@ run first drops the metrics lines past its checkpoint (they would repeat).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -67,6 +68,7 @@ class Progress:
     comm: dict[str, int] = field(default_factory=dict)  # mesh axis -> bytes per rank per step
     eval_loss: float | None = None  # the latest evaluation's
     expert_load: ExpertLoad | None = None  # the latest step's, for a mixture-of-experts model
+    offload_bytes: int | None = None  # bytes hp.offload wrote out and read back in the latest planned step
 
 
 def train(config: TrainConfig) -> dict:
@@ -97,12 +99,15 @@ def train(config: TrainConfig) -> dict:
     progress = Progress()
     bar = _progress_bar(total, step) if rank0 else None
     device, first = mesh.device_type, step
+    forward_backward = functools.partial(_step, model, stream, config, device)
+    if strategy.offload is not None:  # the step's saved activations under a budget (hp.offload)
+        forward_backward = hp.offload(forward_backward, budget=strategy.offload_budget, modules=[model])
     try:
         while step < total:
             epoch = batches.epoch
             start = time.perf_counter()
             with hp.comm.trace() if step == first else nullcontext() as trace:  # every step moves the same bytes
-                loss, tokens = _step(model, stream, config, device)
+                loss, tokens = forward_backward()
                 hp.reduce_gradients(model)
                 norm = clip_gradients(model.parameters(), config.max_grad_norm or math.inf)
                 _require_finite(config, step + 1, loss, norm)
@@ -110,6 +115,9 @@ def train(config: TrainConfig) -> dict:
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             progress.expert_load = balance_experts(model, strategy.expert_bias_rate)
+            last_run = getattr(forward_backward, "last_run", None)
+            if last_run is not None:
+                progress.offload_bytes = last_run.bytes_offloaded + last_run.bytes_read_back
             progress.seconds += time.perf_counter() - start
             progress.tokens += tokens
             progress.losses.append(loss)
@@ -312,6 +320,7 @@ def _log(config: TrainConfig, step: int, loss: float, lr: float, progress: Progr
 
 def _summary(config: TrainConfig, progress: Progress, step: int, device: str) -> dict:
     moe = {} if progress.expert_load is None else {"expert_imbalance": progress.expert_load.imbalance}
+    offload = {} if progress.offload_bytes is None else {"offload_bytes_per_step": progress.offload_bytes}
     return {
         "first_loss": progress.losses[0] if progress.losses else None,
         "last_loss": progress.losses[-1] if progress.losses else None,
@@ -323,6 +332,7 @@ def _summary(config: TrainConfig, progress: Progress, step: int, device: str) ->
         "eval_perplexity": _perplexity(progress.eval_loss),
         "peak_memory_bytes": peak_memory_bytes(device),
         **moe,  # a mixture-of-experts model's, at the last step
+        **offload,  # under hp.offload: what its latest planned step moved
         "output_dir": config.output_dir,
     }
 
