@@ -97,14 +97,14 @@ def plan_offload(recording: Recording, budget_bytes: int, tier: str, bandwidth: 
     limits = [budget_bytes - o for o in other]  # what saved activations may take at each event
     chosen: dict[int, int] = {}  # tensor index -> prefetch event
     candidates = sorted(recording.activations(), key=lambda t: -(t.uses[0] if t.uses else t.defined_at))
-    after = _timeline(recording, chosen)
+    after = recording.resident_bytes(chosen)
     for t in candidates:
         if _fits(after, limits):
             break
         if not t.uses:
             continue
         chosen[t.index] = _prefetch_event(recording, t, bandwidth)
-        after = _timeline(recording, chosen)
+        after = recording.resident_bytes(chosen)
         after = _delay_prefetches(recording, chosen, limits, after)
     stall = sum(_stall(recording, recording.tensors[i], p, bandwidth) for i, p in chosen.items())
     decisions = tuple(
@@ -118,24 +118,6 @@ def plan_offload(recording: Recording, budget_bytes: int, tier: str, bandwidth: 
 
 def _fits(after: list[int], limits: list[int]) -> bool:
     return all(a <= b for a, b in zip(after, limits))
-
-
-def _timeline(recording: Recording, chosen: dict[int, int]) -> list[int]:
-    """Resident activation bytes after each event with `chosen` offloaded (and prefetched)."""
-    delta = [0] * (len(recording.event_times) + 1)
-    for t in recording.activations():
-        if t.index in chosen:
-            delta[t.defined_at] += t.nbytes  # written out once saved: resident for its own event only
-            delta[t.defined_at + 1] -= t.nbytes
-            delta[chosen[t.index]] += t.nbytes
-        else:
-            delta[t.defined_at] += t.nbytes
-        delta[t.last_use + 1] -= t.nbytes
-    out, level = [], 0
-    for d in delta[:-1]:
-        level += d
-        out.append(level)
-    return out
 
 
 def _prefetch_event(recording: Recording, t: SavedTensor, bandwidth: float) -> int:
@@ -154,7 +136,7 @@ def _delay_prefetches(recording: Recording, chosen: dict[int, int], limits: list
         while start < t.uses[0] and not _fits(after[start:t.uses[0] + 1], limits[start:t.uses[0] + 1]):
             start += 1
             chosen[index] = start
-            after = _timeline(recording, chosen)
+            after = recording.resident_bytes(chosen)
     return after
 
 

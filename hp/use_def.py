@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -72,11 +72,19 @@ class Recording:
         """The step's own peak memory (every storage it created), or the saved activations' peak."""
         return max(self.step_bytes, default=0) or self.peak_bytes
 
-    def resident_bytes(self) -> list[int]:
-        """Activation bytes autograd holds after each event, nothing offloaded (the 'before' timeline)."""
+    def resident_bytes(self, away: Mapping[int, int] | None = None) -> list[int]:
+        """Activation bytes on the device after each event.
+
+        Tensors in `away` (index -> the event it is read back at) leave once saved (resident for
+        their defining event only) and are back from that event until their last use.
+        """
+        away = away or {}
         delta = [0] * (len(self.event_times) + 1)
         for t in self.activations():
             delta[t.defined_at] += t.nbytes
+            if t.index in away:
+                delta[t.defined_at + 1] -= t.nbytes
+                delta[away[t.index]] += t.nbytes
             delta[t.last_use + 1] -= t.nbytes
         out, level = [], 0
         for d in delta[:-1]:
