@@ -60,6 +60,25 @@ class OffloadPlan:
     def offloaded_bytes(self) -> int:
         return sum(d.tensor.nbytes for d in self.decisions if d.action == "offload")
 
+    def plot(self, path: str) -> None:
+        """The memory timeline before and after, with the budget, as a PNG (needs the `plot` extra)."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise ImportError("OffloadPlan.plot needs matplotlib: pip install 'hp[plot]'") from None
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot([b / 2**20 for b in self.before], label="without offload")
+        ax.plot([b / 2**20 for b in self.after], label="hp.offload")
+        ax.axhline(self.budget_bytes / 2**20, color="gray", linestyle="--", label="budget")
+        ax.set_xlabel("event (a save in forward, a read in backward)")
+        ax.set_ylabel("the step's memory (MiB)")
+        ax.legend()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+
     def table(self) -> str:
         """One row per saved tensor: bytes, definition, uses, decision, prefetch point."""
         rows = [("#", "bytes", "shape", "defined (event, module)", "uses", "decision", "prefetch after")]

@@ -149,7 +149,7 @@ class Strategy:
         >>> Strategy.of({"pp": 2})
         Traceback (most recent call last):
         ...
-        hp.strategy.StrategyError: pp = 2: unknown strategy key; expected one of dp, cp, tp, sp, cp_algorithm, fsdp, reshard_after_forward, param_dtype, reduce_dtype, ep, expert_bias_rate, tp2d, offload, recompute
+        hp.strategy.StrategyError: pp = 2: unknown strategy key; expected one of dp, cp, tp, sp, cp_algorithm, fsdp, reshard_after_forward, param_dtype, reduce_dtype, ep, expert_bias_rate, tp2d, offload, offload_budget, recompute
         """
         if spec is None:
             return cls()

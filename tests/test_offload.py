@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -52,7 +54,7 @@ def test_offloaded_llama_steps_are_bit_identical_and_stay_under_the_budget(budge
     assert list(tmp_path.rglob("*.bin")) == []  # every file was read back and removed
 
 
-def test_the_recording_sees_every_saved_activation_with_its_definition_and_uses():
+def test_the_recording_sees_every_saved_activation_with_its_definition_and_uses(tmp_path):
     reference, model = tiny_pair("llama", layers=1)
     step = hp.offload(_training(model), budget=1.0, modules=[model])
     plan = step.plan(_batches(1)[0])
@@ -64,6 +66,9 @@ def test_the_recording_sees_every_saved_activation_with_its_definition_and_uses(
     assert any(t.kind == "input" and t.nbytes in weights for t in recorded)  # linears keep their weights
     assert plan.peak_after == plan.peak_before  # a budget of the whole peak offloads nothing
     assert {d.action for d in plan.decisions} == {"keep", "input"}
+    if importlib.util.find_spec("matplotlib") is not None:  # the `plot` extra
+        plan.plot(str(tmp_path / "timeline.png"))
+        assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
     rows = plan.table().splitlines()
     assert rows[0].split()[:3] == ["#", "bytes", "shape"] and len(rows) == len(recorded) + 2
 
