@@ -17,8 +17,9 @@ from there on and is recorded again, and the next call is planned anew.
 
 On CPU the device is host memory, so the slow tier is the disk; the host
 tier (pinned memory and a copy stream) is for accelerators and is not built
-yet. Activations only, so far: parameters, gradients and optimizer states
-stay where they are, and recompute is not yet one of the planner's choices.
+yet. Saved activations are planned; optimizer states, when the optimizer is
+given, wait in the tier between updates; parameters and gradients stay where
+they are, and recompute is not yet one of the planner's choices.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from hp.device import detect
 from hp.offload_plan import OffloadPlan, plan_offload
+from hp.offload_states import OptimizerStates
 from hp.offload_tiers import DiskTier
 from hp.use_def import Recording, local_of, record, storage_key
 
@@ -50,6 +52,7 @@ def offload(
     budget: int | float,
     tiers: Sequence[str] = ("device", "disk"),
     modules: Sequence[nn.Module] = (),
+    optimizer: torch.optim.Optimizer | None = None,
     directory: str | None = None,
 ) -> Offloaded:
     """`step` whose own memory stays under `budget` (bytes, or a fraction of its recorded peak).
@@ -58,7 +61,8 @@ def offload(
     (which offload moves), temporaries, gradients and optimizer states (which it does not).
 
     `modules` (the model) name definitions in the plan and mark their parameters and buffers as
-    inputs; `directory` is where the disk tier writes (a temporary folder by default).
+    inputs; with `optimizer`, its states wait in the slow tier between its updates
+    (`hp.offload_states`); `directory` is where the disk tier writes (a temporary folder by default).
 
     >>> import torch, hp
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64))
@@ -87,15 +91,17 @@ def offload(
                            "recorded peak (a float in (0, 1])")
     if isinstance(budget, float) and budget > 1:
         raise OffloadError(f"hp.offload: budget={budget!r}: a float budget is a fraction of the peak, at most 1.0")
-    return Offloaded(step, budget, tuple(modules), directory)
+    return Offloaded(step, budget, tuple(modules), optimizer, directory)
 
 
 class Offloaded:
     """A step under `hp.offload`: call it as the step; `plan()` shows what it does."""
 
-    def __init__(self, step: Callable, budget: int | float, modules: tuple[nn.Module, ...], directory: str | None):
+    def __init__(self, step: Callable, budget: int | float, modules: tuple[nn.Module, ...],
+                 optimizer: torch.optim.Optimizer | None, directory: str | None):
         self._step, self._budget, self._modules = step, budget, modules
         self._tier = DiskTier(directory)
+        self._states = OptimizerStates(optimizer, self._tier) if optimizer is not None else None
         self._bandwidth: float | None = None
         self._recording: Recording | None = None
         self._plan: OffloadPlan | None = None
@@ -106,14 +112,24 @@ class Offloaded:
         if self._plan is None:
             result, self._recording = record(self._step, args, kwargs, self._modules)
             self._plan = self._make_plan(self._recording)
+            self._put_states_away()
             return result
-        run = _Run(self._plan, self._tier)
+        run = _Run(self._plan, self._tier, self._states.prefetch if self._states else None)
         with torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
             result = self._step(*args, **kwargs)
-        self.last_run = run.stats()
+        self.last_run = run.stats(self._put_states_away())
         if run.mismatched:
             self._plan = None  # the step saved something else: record it again next call
         return result
+
+    def restore_optimizer_states(self) -> None:
+        """The optimizer's states back on the device, as before a checkpoint is saved (the next
+        call puts them away again)."""
+        if self._states is not None:
+            self._states.bring_back()
+
+    def _put_states_away(self) -> int:
+        return self._states.put_away() if self._states is not None else 0
 
     def plan(self, *args, **kwargs) -> OffloadPlan:
         """The plan; given arguments and none is made yet, one call of the step (a real one) makes it."""
@@ -139,6 +155,7 @@ class RunStats:
     peak_resident_bytes: int
     bytes_offloaded: int
     bytes_read_back: int
+    optimizer_bytes: int = 0  # optimizer states put away after the step (and read back before the next update)
 
 
 class _Saved:
@@ -150,8 +167,8 @@ class _Saved:
 class _Run:
     """The saved-tensor hooks of one planned call, with their resident-bytes ledger."""
 
-    def __init__(self, plan: OffloadPlan, tier: DiskTier) -> None:
-        self.plan, self.tier = plan, tier
+    def __init__(self, plan: OffloadPlan, tier: DiskTier, on_backward: Callable[[], None] | None) -> None:
+        self.plan, self.tier, self.on_backward = plan, tier, on_backward
         self.offload = {d.tensor.index: d.prefetch_at for d in plan.decisions if d.action == "offload"}
         self.by_event: dict[int, list[int]] = {}
         for index, event in self.offload.items():
@@ -204,6 +221,9 @@ class _Run:
         return handle
 
     def unpack(self, handle: _Saved) -> torch.Tensor:
+        if self.on_backward is not None:  # backward begins: the optimizer's states come back meanwhile
+            self.on_backward()
+            self.on_backward = None
         self._tick()
         if handle.tensor is not None:
             return handle.tensor
@@ -239,5 +259,5 @@ class _Run:
         if self.storages.get(key) == index:
             del self.storages[key]
 
-    def stats(self) -> RunStats:
-        return RunStats(self.peak, self.moved_out, self.moved_in)
+    def stats(self, optimizer_bytes: int) -> RunStats:
+        return RunStats(self.peak, self.moved_out, self.moved_in, optimizer_bytes)

@@ -44,19 +44,26 @@ class DiskTier:
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hp-offload-io")
         self._pending: dict[int, Future] = {}
         self._sizes: dict[int, int] = {}
+        self._written: dict[int, Future] = {}
         self._next = 0
 
     def put(self, storage: torch.UntypedStorage) -> int:
         """Start writing `storage`'s bytes out; a key to read them back with."""
         key, self._next = self._next, self._next + 1
         self._sizes[key] = storage.nbytes()
-        self._io.submit(self._write, key, storage)
+        self._written[key] = self._io.submit(self._write, key, storage)
         return key
 
+    def wait_written(self, key: int) -> None:
+        """Return once `key`'s bytes are out (its storage may then be freed)."""
+        written = self._written.get(key)
+        if written is not None:
+            written.result()
+
     def _write(self, key: int, storage: torch.UntypedStorage) -> None:
-        data = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
-        mapped = np.memmap(self._path(key), dtype=np.uint8, mode="w+", shape=(max(len(data), 1),))
-        mapped[: len(data)] = data
+        data = torch.empty(0, dtype=torch.uint8).set_(storage)  # no .numpy(): it would pin the storage's size
+        mapped = np.memmap(self._path(key), dtype=np.uint8, mode="w+", shape=(max(data.numel(), 1),))
+        torch.from_numpy(mapped)[: data.numel()].copy_(data)
         del mapped
 
     def prefetch(self, key: int) -> None:
@@ -70,6 +77,7 @@ class DiskTier:
         return self._pending.pop(key).result()
 
     def _read(self, key: int) -> torch.UntypedStorage:
+        self._written.pop(key, None)  # this thread wrote it before this read
         path, size = self._path(key), self._sizes.pop(key)
         mapped = np.memmap(path, dtype=np.uint8, mode="r", shape=(max(size, 1),))
         data = torch.from_numpy(np.array(mapped[:size]))

@@ -15,8 +15,8 @@ from hp.use_def import Recording, SavedTensor
 from tests.reference import tiny_pair
 
 
-def _training(model):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+def _training(model, opt=None):
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step(ids):
         loss = model(input_ids=ids, labels=ids).loss
@@ -52,6 +52,26 @@ def test_offloaded_llama_steps_are_bit_identical_and_stay_under_the_budget(budge
             assert run.peak_resident_bytes <= plan.budget_bytes  # hp's ledger, measured while running
             assert run.bytes_offloaded == run.bytes_read_back == plan.offloaded_bytes > 0
     assert list(tmp_path.rglob("*.bin")) == []  # every file was read back and removed
+
+
+def test_optimizer_states_wait_in_the_tier_between_updates_and_steps_stay_bit_identical():
+    reference, model = tiny_pair("llama", layers=1)
+    ref_opt, opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (reference, model))
+    plain, offloaded = _training(reference, ref_opt), hp.offload(_training(model, opt), budget=0.5, modules=[model],
+                                                                 optimizer=opt)
+    moved = [p for p in model.parameters() if p.numel() * 4 >= 1024]  # smaller states stay
+    for i, ids in enumerate(_batches(3)):
+        want_loss, want_grads = plain(ids)
+        got_loss, got_grads = offloaded(ids)
+        assert torch.equal(got_loss, want_loss) and all(torch.equal(got_grads[n], g) for n, g in want_grads.items())
+        # between steps the moments hold no memory here
+        assert all(opt.state[p]["exp_avg"].untyped_storage().nbytes() == 0 for p in moved), i
+    assert offloaded.last_run.optimizer_bytes == 2 * 4 * sum(p.numel() for p in moved)
+    offloaded.restore_optimizer_states()  # as before saving a checkpoint
+    for p, r in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, r)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][key], ref_opt.state[r][key])
 
 
 def test_the_recording_sees_every_saved_activation_with_its_definition_and_uses(tmp_path):
