@@ -39,10 +39,9 @@ def clean_env() -> dict[str, str]:
 
 
 def torchrun(script: str, nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), script, *args,
-    ]
+    # --standalone: the launcher's store binds a port the system picks, so launches running side
+    # by side (pytest's workers) never race for one
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), script, *args]
     return subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=timeout)
 
 
