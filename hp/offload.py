@@ -103,15 +103,14 @@ class Offloaded:
         self._tier = DiskTier(directory)
         self._states = OptimizerStates(optimizer, self._tier) if optimizer is not None else None
         self._bandwidth: float | None = None
-        self._recording: Recording | None = None
         self._plan: OffloadPlan | None = None
         self.last_run: RunStats | None = None
         weakref.finalize(self, self._tier.close)
 
     def __call__(self, *args, **kwargs):
         if self._plan is None:
-            result, self._recording = record(self._step, args, kwargs, self._modules)
-            self._plan = self._make_plan(self._recording)
+            result, recording = record(self._step, args, kwargs, self._modules)
+            self._plan = self._make_plan(recording)
             self._put_states_away()
             return result
         run = _Run(self._plan, self._tier, self._states.prefetch if self._states else None)
