@@ -18,8 +18,9 @@ from there on and is recorded again, and the next call is planned anew.
 On CPU the device is host memory, so the slow tier is the disk; the host
 tier (pinned memory and a copy stream) is for accelerators and is not built
 yet. Saved activations are planned; optimizer states, when the optimizer is
-given, wait in the tier between updates; parameters and gradients stay where
-they are, and recompute is not yet one of the planner's choices.
+given, wait in the tier between updates, and so does a decoding step's KV
+cache (`hp.offload_cache`); parameters and gradients stay where they are,
+and recompute is not yet one of the planner's choices.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch.distributed._local_tensor import LocalTensor
 from torch.distributed.tensor import DTensor
 
 from hp.device import detect
+from hp.offload_cache import CacheRun, CacheTiering
 from hp.offload_plan import OffloadPlan, plan_offload
 from hp.offload_states import OptimizerStates
 from hp.offload_tiers import DiskTier
@@ -53,6 +55,7 @@ def offload(
     tiers: Sequence[str] = ("device", "disk"),
     modules: Sequence[nn.Module] = (),
     optimizer: torch.optim.Optimizer | None = None,
+    kv_cache: object | None = None,
     directory: str | None = None,
 ) -> Offloaded:
     """`step` whose own memory stays under `budget` (bytes, or a fraction of its recorded peak).
@@ -63,6 +66,12 @@ def offload(
     `modules` (the model) name definitions in the plan and mark their parameters and buffers as
     inputs; with `optimizer`, its states wait in the slow tier between its updates
     (`hp.offload_states`); `directory` is where the disk tier writes (a temporary folder by default).
+
+    With `kv_cache` (a decoding step's cache, such as transformers' `DynamicCache`), the budget is
+    the cache's instead: at most that many of its bytes resident at any moment (a float: that
+    fraction of the whole cache after each call), its later layers waiting in the slow tier between
+    the calls that use them (`hp.offload_cache`); nothing is recorded, and `last_run` is a
+    `CacheRun`.
 
     >>> import torch, hp
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64))
@@ -91,23 +100,35 @@ def offload(
                            "recorded peak (a float in (0, 1])")
     if isinstance(budget, float) and budget > 1:
         raise OffloadError(f"hp.offload: budget={budget!r}: a float budget is a fraction of the peak, at most 1.0")
-    return Offloaded(step, budget, tuple(modules), optimizer, directory)
+    if kv_cache is not None and not (hasattr(kv_cache, "layers") and callable(getattr(kv_cache, "update", None))):
+        raise OffloadError(f"hp.offload: kv_cache={type(kv_cache).__name__}: expected a cache with "
+                           "update(keys, values, layer_index) and layers that hold keys and values "
+                           "(transformers' DynamicCache)")
+    if kv_cache is not None and optimizer is not None:
+        raise OffloadError("hp.offload: kv_cache= is for a decoding step and optimizer= for a training step; "
+                           "give one of them")
+    return Offloaded(step, budget, tuple(modules), optimizer, kv_cache, directory)
 
 
 class Offloaded:
     """A step under `hp.offload`: call it as the step; `plan()` shows what it does."""
 
     def __init__(self, step: Callable, budget: int | float, modules: tuple[nn.Module, ...],
-                 optimizer: torch.optim.Optimizer | None, directory: str | None):
+                 optimizer: torch.optim.Optimizer | None, kv_cache: object | None, directory: str | None):
         self._step, self._budget, self._modules = step, budget, modules
         self._tier = DiskTier(directory)
         self._states = OptimizerStates(optimizer, self._tier) if optimizer is not None else None
+        self._cache = CacheTiering(kv_cache, self._tier, budget) if kv_cache is not None else None
         self._bandwidth: float | None = None
         self._plan: OffloadPlan | None = None
-        self.last_run: RunStats | None = None
+        self.last_run: RunStats | CacheRun | None = None
         weakref.finalize(self, self._tier.close)
 
     def __call__(self, *args, **kwargs):
+        if self._cache is not None:
+            result = self._cache.run(self._step, args, kwargs)
+            self.last_run = self._cache.last_run
+            return result
         if self._plan is None:
             result, recording = record(self._step, args, kwargs, self._modules)
             self._plan = self._make_plan(recording)
@@ -132,6 +153,9 @@ class Offloaded:
 
     def plan(self, *args, **kwargs) -> OffloadPlan:
         """The plan; given arguments and none is made yet, one call of the step (a real one) makes it."""
+        if self._cache is not None:
+            raise OffloadError("hp.offload: a decoding step's cache is placed layer by layer as it runs, with no "
+                               "plan ahead; see last_run")
         if self._plan is None:
             if not args and not kwargs:
                 raise OffloadError("hp.offload: no plan yet; call the step once, or pass its arguments to plan()")

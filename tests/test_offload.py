@@ -93,6 +93,45 @@ def test_the_recording_sees_every_saved_activation_with_its_definition_and_uses(
     assert rows[0].split()[:3] == ["#", "bytes", "shape"] and len(rows) == len(recorded) + 2
 
 
+def _greedy(model, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """The tokens of greedy decoding with HF's cache."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    ids, tokens = prompt, []
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            ids = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            tokens.append(ids)
+    return torch.cat(tokens, dim=1)
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.25])
+def test_greedy_decoding_with_an_offloaded_kv_cache_gives_the_same_tokens_under_the_budget(budget, tmp_path):
+    reference, model = tiny_pair("llama", layers=8)
+    prompt = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    want = _greedy(reference, prompt, 12)
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    decode = hp.offload(lambda ids: model(input_ids=ids, cache=cache, use_cache=True).logits,
+                        budget=budget, kv_cache=cache, directory=str(tmp_path))
+    ids, got, peaks = prompt, [], []
+    with torch.no_grad():
+        for _ in range(12):
+            ids = decode(ids)[:, -1:].argmax(-1)
+            got.append(ids)
+            run = decode.last_run
+            peaks.append(run.peak_resident_bytes / run.budget_bytes)
+            resident = sum(layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes()
+                           for layer in cache.layers)
+            assert resident <= run.budget_bytes  # between calls only the kept layers hold memory
+            assert run.kept_layers < len(cache.layers) and run.bytes_offloaded > 0
+    assert torch.equal(torch.cat(got, dim=1), want)
+    assert 0.5 < max(peaks) <= 1.0, peaks  # the budget is used, and kept
+    assert cache.get_seq_length() == 24 + 11
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.data())
 def test_the_planner_meets_any_budget_above_the_largest_tensor_it_must_hold(data):
@@ -122,6 +161,9 @@ def _needed_at_once(tensors: list[SavedTensor]) -> int:
     ({"budget": "half"}, "budget='half'"),
     ({"budget": 0.5, "tiers": ("device", "ssd")}, "tiers=('device', 'ssd')"),
     ({"budget": 0.5, "tiers": ("device", "host")}, "host tier is not built yet"),
+    ({"budget": 0.5, "kv_cache": [1, 2]}, "kv_cache=list: expected a cache"),
+    ({"budget": 0.5, "kv_cache": __import__("transformers").DynamicCache(), "optimizer": torch.optim.SGD(
+        [torch.nn.Parameter(torch.ones(1))])}, "give one of them"),
 ])
 def test_bad_offload_requests_are_refused_with_the_problem_named(kwargs, problem):
     with pytest.raises(hp.OffloadError, match=problem.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
