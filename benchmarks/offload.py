@@ -27,8 +27,8 @@ bytes resident while running) and measured from outside the library: the
 process's resident memory (RSS, sampled every 0.2 ms on a thread) at its
 highest during the step above what it held just before, with glibc told to
 return every block over 128 KiB to the system when freed
-(`MALLOC_MMAP_THRESHOLD_`), and file pages of the disk tier never mapped
-for longer than one copy.
+(`MALLOC_MMAP_THRESHOLD_`); the disk tier never maps its files, so their
+pages are the kernel's, not the process's.
 
 Summary (last line): `peak_over_budget_50` = measured peak of `hp_50` /
 its budget; `bytes_vs_save_on_cpu_50` = bytes `hp_50` moves / bytes

@@ -2,25 +2,27 @@
 
 A tier stores one storage's bytes (`put`), reads them back ahead of time
 (`prefetch`), and hands back the bytes as a fresh storage (`take`), from
-which the caller rebuilds its views. The disk tier copies each storage into
-a memory-mapped file in a private temporary folder and deletes the file once
-read, so CPU-only runs gain memory too: the process holds the bytes only
-while they are needed. Writes and reads run in order on one thread of the
-tier's own, so the step computes while they move (the storage being written
-stays alive until its copy is done, and a read always follows its write);
-the kernel's page cache writes the files back when it needs the memory. Its bandwidth is
-measured once (a write and a read of a few MB) so that the planner can lead
-prefetches by real transfer times.
+which the caller rebuilds its views. The disk tier writes each storage's
+bytes to a file in a private temporary folder with plain writes (not a
+mapping: a mapped file faults its pages in one by one, at half the speed,
+and they count in the process's memory while mapped), reads them back into a
+fresh storage and deletes the file, so CPU-only runs gain memory too: the
+process holds the bytes only while they are needed. Writes and reads run in
+order on one thread of the tier's own, so the step computes while they move
+(the storage being written stays alive until its copy is done, and a read
+always follows its write); the kernel's page cache writes the files back
+when it needs the memory. Its bandwidth is measured once (a write and a read
+of a few MB) so that the planner can lead prefetches by real transfer times.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import numpy as np
 import torch
 
 _PROBE_BYTES = 8 << 20
@@ -61,10 +63,10 @@ class DiskTier:
             written.result()
 
     def _write(self, key: int, storage: torch.UntypedStorage) -> None:
-        data = torch.empty(0, dtype=torch.uint8).set_(storage)  # no .numpy(): it would pin the storage's size
-        mapped = np.memmap(self._path(key), dtype=np.uint8, mode="w+", shape=(max(data.numel(), 1),))
-        torch.from_numpy(mapped)[: data.numel()].copy_(data)
-        del mapped
+        with open(self._path(key), "wb", buffering=0) as f:
+            view, done = _bytes_of(storage), 0
+            while done < len(view):
+                done += f.write(view[done:])
 
     def prefetch(self, key: int) -> None:
         """Start reading `key` back on the tier's thread (once), after its write."""
@@ -79,11 +81,13 @@ class DiskTier:
     def _read(self, key: int) -> torch.UntypedStorage:
         self._written.pop(key, None)  # this thread wrote it before this read
         path, size = self._path(key), self._sizes.pop(key)
-        mapped = np.memmap(path, dtype=np.uint8, mode="r", shape=(max(size, 1),))
-        data = torch.from_numpy(np.array(mapped[:size]))
-        del mapped
+        storage = torch.empty(size, dtype=torch.uint8).untyped_storage()
+        with open(path, "rb", buffering=0) as f:
+            view, done = _bytes_of(storage), 0
+            while done < size:
+                done += f.readinto(view[done:])
         os.unlink(path)
-        return data.untyped_storage()
+        return storage
 
     def _path(self, key: int) -> str:
         return os.path.join(self._folder.name, f"{key}.bin")
@@ -103,3 +107,10 @@ class DiskTier:
         self._io.shutdown(wait=True)
         self._pending.clear()
         self._folder.cleanup()
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> memoryview:
+    """The storage's memory as bytes for file I/O, without a numpy view (which would fix its size)."""
+    if storage.nbytes() == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())).cast("B")
