@@ -121,6 +121,14 @@ def test_offload_is_a_tier_or_a_budget_and_tiers_and_replaces_llamafactorys_reco
     assert parallel == Strategy(tp=2, offload="disk", offload_budget=budget, recompute=False)
 
 
+@pytest.mark.parametrize("raw", [
+    {"parallel": {"activation_mode": "swap"}},
+    {"use_hyper_parallel": True, "hyper_parallel_args": {"activation_mode": "swap", "activation_swap_inputs": False}},
+])
+def test_hyper_parallels_swap_is_offload_to_the_disk_tier_at_the_default_budget(raw):
+    assert validate({**MINIMAL, **raw}).parallel == Strategy(offload="disk", recompute=False)
+
+
 def test_the_parallel_section_is_the_strategy_every_plan_takes():
     parallel = validate({**MINIMAL, "parallel": {"cp": 2, "tp": 2, "cp_algorithm": "ring"}}).parallel
     assert parallel == Strategy(cp=2, tp=2, cp_algorithm="ring", recompute=True)
@@ -376,7 +384,6 @@ BAD = [
     ({"parallel": {"expert_bias_rate": "fast"}}, "parallel.expert_bias_rate = 'fast': expected a finite number"),
     ({"parallel": {"tp2d": True}}, "parallel.tp2d = True: 2D tensor parallel is not available as a strategy yet"),
     ({"parallel": {"offload": "host"}}, "parallel.offload = 'host': the host tier (pinned memory and a copy stream on an accelerator) is not available yet; use offload: disk"),
-    ({"parallel": {"activation_mode": "swap"}}, "parallel.activation_mode = 'swap': the host tier (pinned memory and a copy stream on an accelerator) is not available yet"),
     ({"parallel": {"offload": "disk", "recompute": True}}, "parallel.offload = 'disk': offload and recompute both cut saved activations; choose one"),
     ({"parallel": {"offload": {"budget": 0.5, "tiers": ["device", "disk"], "when": 1}}}, "unknown key 'when'"),
     ({"parallel": {"offload": {"tiers": ["disk"]}}}, "parallel.offload.tiers = ['disk']: expected [device, T]"),
@@ -392,8 +399,8 @@ BAD = [
     ({"use_hyper_parallel": True, "hyper_parallel_args": {"ep_size": 2, "token_dispatcher": "deredundency"},
       "nproc_per_node": 2},
      "hyper_parallel_args.token_dispatcher = 'deredundency': expected one of 'all_to_all'"),
-    ({"use_hyper_parallel": True, "hyper_parallel_args": {"activation_mode": "swap"}},
-     "hyper_parallel_args.activation_mode = 'swap': the host tier (pinned memory and a copy stream on an accelerator) is not available yet"),
+    ({"use_hyper_parallel": True, "hyper_parallel_args": {"activation_swap_inputs": "yes"}},
+     "hyper_parallel_args.activation_swap_inputs = 'yes': expected true or false"),
     ({"use_hyper_parallel": True, "hyper_parallel_args": {"activation_mode": "full"}},
      "hyper_parallel_args.activation_mode = 'full': expected one of 'none', 'recompute', 'swap'"),
     ({"use_hyper_parallel": True, "hyper_parallel_args": {"fsdp_size": 3, "cp_size": 2}},

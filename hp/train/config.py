@@ -64,8 +64,9 @@ EVAL_STRATEGIES = ("no", "steps", "epoch")
 DEVICES = ("auto", "cpu", "cuda", "npu")
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # HyperParallel's short spellings
 ACTIVATION_MODES = ("none", "recompute", "swap")  # what LlamaFactory's HyperParallel does with activations
-# The strategy fields each activation mode sets.
-_ACTIVATION_FIELDS = {"none": {}, "recompute": {"recompute": True}, "swap": {"offload": "host"}}
+# The strategy fields each activation mode sets. HyperParallel swaps to host memory; here the slow tier is the
+# disk, the one hp.offload has on every machine (the host tier for accelerators is not built yet).
+_ACTIVATION_FIELDS = {"none": {}, "recompute": {"recompute": True}, "swap": {"offload": "disk"}}
 DEFAULT_MASTER_PORT = 29500  # the rendezvous port of a run over several nodes when master_port is unset
 RESUME_LAST = "last"  # resume_from_checkpoint: the newest complete checkpoint in output_dir
 
@@ -282,6 +283,9 @@ _HYPER_RULES: dict[str, _Rule] = {
     "ep_size": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
     "fsdp_size": _Rule("int", lambda v: v >= 1, "an integer >= 1 (the ranks FSDP shards over: dp * cp)"),
     "activation_mode": _Rule("str", choices=ACTIVATION_MODES),
+    # HyperParallel's swap also moves each block's inputs unless this is false; hp.offload's planner decides per
+    # saved tensor, block inputs among them, so the key is taken and changes nothing
+    "activation_swap_inputs": _Rule("bool"),
     "reshard_after_forward": _Rule("bool"),
     "param_dtype": _Rule("str", choices=DTYPES + tuple(_DTYPE_ALIASES)),
     "reduce_dtype": _Rule("str", choices=DTYPES + tuple(_DTYPE_ALIASES)),
@@ -300,12 +304,11 @@ _HYPER_RULES: dict[str, _Rule] = {
 _HYPER_TO_PARALLEL = {"tp_size": "tp", "cp_size": "cp", "ep_size": "ep"}
 # hyper_parallel_args keys that set no strategy field by themselves: checked once the strategy is known
 # (fsdp_size: dp and fsdp; efsdp_size: against the strategy; expert_module_cls: against the model, in preflight)
-_HYPER_CHECKED = ("fsdp_size", "efsdp_size", "token_dispatcher", "ep_style", "expert_module_cls")
+_HYPER_CHECKED = ("fsdp_size", "efsdp_size", "token_dispatcher", "ep_style", "expert_module_cls",
+                  "activation_swap_inputs")
 # HyperParallel keys hp knows but cannot honour yet, and why.
 _HYPER_NOT_YET = {
     "plan_overrides": "hp's model plans are data of each family in hp.models; a run does not override them",
-    "activation_swap_inputs": "swapping chosen activations by hand is not available: hp.offload chooses them from "
-                              "the step's use-definition chains (parallel.offload)",
 }
 
 
