@@ -132,24 +132,20 @@ class Offloaded:
         if self._plan is None:
             result, recording = record(self._step, args, kwargs, self._modules)
             self._plan = self._make_plan(recording)
-            self._put_states_away()
             return result
         run = _Run(self._plan, self._tier, self._states.prefetch if self._states else None)
         with torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
             result = self._step(*args, **kwargs)
-        self.last_run = run.stats(self._put_states_away())
+        self.last_run = run.stats(self._states.last_moved if self._states is not None else 0)
         if run.mismatched:
             self._plan = None  # the step saved something else: record it again next call
         return result
 
     def restore_optimizer_states(self) -> None:
         """The optimizer's states back on the device, as before a checkpoint is saved (the next
-        call puts them away again)."""
+        update puts them away again)."""
         if self._states is not None:
             self._states.bring_back()
-
-    def _put_states_away(self) -> int:
-        return self._states.put_away() if self._states is not None else 0
 
     def plan(self, *args, **kwargs) -> OffloadPlan:
         """The plan; given arguments and none is made yet, one call of the step (a real one) makes it."""
@@ -178,7 +174,7 @@ class RunStats:
     peak_resident_bytes: int
     bytes_offloaded: int
     bytes_read_back: int
-    optimizer_bytes: int = 0  # optimizer states put away after the step (and read back before the next update)
+    optimizer_bytes: int = 0  # optimizer states put away after the latest update (read back before the next)
 
 
 class _Saved:

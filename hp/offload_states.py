@@ -1,10 +1,11 @@
 """Optimizer states off the device between their updates, for `hp.offload(..., optimizer=...)`.
 
 AdamW keeps two tensors per parameter that only its `step()` reads, so they
-can wait in the slow tier for the whole forward and backward. After a step
-each state tensor's bytes go to the tier and its storage shrinks to nothing
-(the tensor object, its shape and the optimizer's references stay, as FSDP
-frees gathered parameters); backward starts their reads, and a pre-hook on
+can wait in the slow tier for the whole forward and backward. After each
+update (a post-hook on `optimizer.step()`, wherever the caller runs it) each
+state tensor's bytes go to the tier and its storage shrinks to nothing (the
+tensor object, its shape and the optimizer's references stay, as FSDP frees
+gathered parameters); backward starts their reads, and a pre-hook on
 `optimizer.step()` puts each storage back at its size with its bytes before
 the update. The values are the same bytes, so the update is bit-identical.
 Scalars (the step counts) stay: moving them costs more than they hold.
@@ -32,15 +33,19 @@ class OptimizerStates:
     >>> states = OptimizerStates(opt, DiskTier())
     >>> states.put_away(), opt.state[w]["exp_avg"].untyped_storage().nbytes()
     (4096, 0)
-    >>> states.prefetch(); w.grad = torch.ones(512); opt.step()  # brought back by the pre-hook
-    >>> opt.state[w]["exp_avg"].untyped_storage().nbytes()
+    >>> states.prefetch(); w.grad = torch.ones(512); opt.step()  # back for the update, away after it
+    >>> states.last_moved, opt.state[w]["exp_avg"].untyped_storage().nbytes()
+    (4096, 0)
+    >>> states.bring_back(); opt.state[w]["exp_avg"].untyped_storage().nbytes()  # as before a checkpoint
     2048
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, tier: DiskTier) -> None:
         self.optimizer, self.tier = optimizer, tier
         self._away: list[tuple[torch.UntypedStorage, int, int]] = []  # (storage, bytes, tier key)
-        self._hook = optimizer.register_step_pre_hook(lambda *args: self.bring_back())
+        self.last_moved = 0  # bytes put away after the latest update
+        self._hooks = (optimizer.register_step_pre_hook(lambda *args: self.bring_back()),
+                       optimizer.register_step_post_hook(lambda *args: self.put_away()))
 
     def _storages(self) -> list[torch.UntypedStorage]:
         found: dict[int, torch.UntypedStorage] = {}
@@ -65,6 +70,7 @@ class OptimizerStates:
         for storage, _, key in self._away:
             self.tier.wait_written(key)
             storage.resize_(0)
+        self.last_moved = moved or self.last_moved
         return moved
 
     def prefetch(self) -> None:
@@ -82,4 +88,5 @@ class OptimizerStates:
 
     def remove(self) -> None:
         self.bring_back()
-        self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()

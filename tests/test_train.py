@@ -68,10 +68,14 @@ def test_killed_run_resumes_with_the_same_losses(uninterrupted, tmp_path):
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
 
 
-def test_an_offloaded_run_has_the_same_losses(uninterrupted, tmp_path):
+def test_an_offloaded_run_has_the_same_losses_and_checkpoints(uninterrupted, tmp_path):
     result = summary(hp_train(*SHORT, "parallel.offload=disk", "parallel.offload_budget=0.5", f"output_dir={tmp_path}"))
     assert losses(tmp_path) == losses(uninterrupted)  # bit for bit: the same bytes come back
     assert result["offload_bytes_per_step"] > 0
+    # AdamW's states waited in the disk tier between updates; the checkpoint holds them all the same
+    resumed = tmp_path / "resumed"
+    summary(hp_train(*SHORT, f"output_dir={resumed}", f"resume_from_checkpoint={tmp_path / 'checkpoint-3'}"))
+    assert losses(resumed) == {step: loss for step, loss in losses(uninterrupted).items() if step > 3}
 
 
 @pytest.mark.parametrize("strategy", [["parallel.tp=1"], ["parallel.tp=1", "parallel.dp=2", "per_device_train_batch_size=4"]])

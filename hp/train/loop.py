@@ -100,8 +100,9 @@ def train(config: TrainConfig) -> dict:
     bar = _progress_bar(total, step) if rank0 else None
     device, first = mesh.device_type, step
     forward_backward = functools.partial(_step, model, stream, config, device)
-    if strategy.offload is not None:  # the step's saved activations under a budget (hp.offload)
-        forward_backward = hp.offload(forward_backward, budget=strategy.offload_budget, modules=[model])
+    if strategy.offload is not None:  # saved activations under a budget, AdamW's states away between updates
+        forward_backward = hp.offload(forward_backward, budget=strategy.offload_budget, modules=[model],
+                                      optimizer=optimizer)
     try:
         while step < total:
             epoch = batches.epoch
@@ -117,7 +118,8 @@ def train(config: TrainConfig) -> dict:
             progress.expert_load = balance_experts(model, strategy.expert_bias_rate)
             last_run = getattr(forward_backward, "last_run", None)
             if last_run is not None:
-                progress.offload_bytes = last_run.bytes_offloaded + last_run.bytes_read_back
+                progress.offload_bytes = (last_run.bytes_offloaded + last_run.bytes_read_back
+                                          + 2 * last_run.optimizer_bytes)  # the states go out and come back
             progress.seconds += time.perf_counter() - start
             progress.tokens += tokens
             progress.losses.append(loss)
@@ -131,6 +133,8 @@ def train(config: TrainConfig) -> dict:
                 if rank0:
                     _log_eval(step, progress.eval_loss, bar, report)
             if config.save_steps > 0 and (step % config.save_steps == 0 or step == total):
+                if strategy.offload is not None:
+                    forward_backward.restore_optimizer_states()  # the checkpoint holds their bytes
                 extra = {"scheduler": scheduler.state_dict(), "data": batches.state_dict()}
                 checkpoint.save(config.output_dir, step, model, optimizer, extra, tokenizer=tokenizer,
                                 keep=config.save_total_limit, model_only=config.save_only_model)
