@@ -46,6 +46,7 @@ class DiskTier:
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hp-offload-io")
         self._pending: dict[int, Future] = {}
         self._sizes: dict[int, int] = {}
+        self._devices: dict[int, torch.device] = {}
         self._written: dict[int, Future] = {}
         self._next = 0
 
@@ -53,6 +54,7 @@ class DiskTier:
         """Start writing `storage`'s bytes out; a key to read them back with."""
         key, self._next = self._next, self._next + 1
         self._sizes[key] = storage.nbytes()
+        self._devices[key] = storage.device
         self._written[key] = self._io.submit(self._write, key, storage)
         return key
 
@@ -63,6 +65,8 @@ class DiskTier:
             written.result()
 
     def _write(self, key: int, storage: torch.UntypedStorage) -> None:
+        if storage.device.type != "cpu":  # an accelerator's bytes pass through host memory
+            storage = storage.cpu()
         with open(self._path(key), "wb", buffering=0) as f:
             view, done = _bytes_of(storage), 0
             while done < len(view):
@@ -87,6 +91,9 @@ class DiskTier:
             while done < size:
                 done += f.readinto(view[done:])
         os.unlink(path)
+        device = self._devices.pop(key)
+        if device.type != "cpu":
+            storage = torch.empty(0, dtype=torch.uint8).set_(storage).to(device).untyped_storage()
         return storage
 
     def _path(self, key: int) -> str:
