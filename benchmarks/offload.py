@@ -13,9 +13,10 @@ an accelerator the host tier would apply; it is not built yet). Configurations,
 each on its own copy of the same weights:
 
 - `none`: the step as it is;
-- `hp_75`, `hp_50`, `hp_30`: `hp.offload(step, budget=B)` with B 75%, 50%
-  and 30% of `none`'s peak as hp's ledger records it (every storage the step
-  makes, state that outlives it left out);
+- `hp_75`, `hp_50`, `hp_30`: `hp.offload(step, budget=B, recompute=layers)`
+  with B 75%, 50% and 30% of `none`'s peak as hp's ledger records it (every
+  storage the step makes, state that outlives it left out); the planner may
+  recompute a decoder layer where that costs less than its moves;
 - `everything`: saved-tensor hooks that write every saved activation to the
   disk tier and read it back when autograd needs it (no plan, no prefetch);
 - `recompute`: each decoder layer recomputed in backward.
@@ -85,12 +86,14 @@ def run(reps: int) -> list[dict]:
     peak = recording.step_peak_bytes
     budgets = {name: int(f * peak) for name, f in FRACTIONS.items()}
     for name, budget in budgets.items():
-        steps[name] = hp.offload(steps[name], budget=budget, modules=[models[name]])
+        steps[name] = hp.offload(steps[name], budget=budget, modules=[models[name]],
+                                 recompute=models[name].model.layers)
     everything = _Everything()
     steps["everything"] = everything.wrap(steps["everything"])
     recompute_blocks(models["recompute"].model.layers)
 
-    losses = {name: [step(ids) for _ in range(2)] for name, step in steps.items()}  # warm-up; hp records, plans
+    # warm-up: hp records and plans (and records again where its plan recomputes a layer)
+    losses = {name: [step(ids) for _ in range(3)] for name, step in steps.items()}
     for name, got in losses.items():
         if got != losses["none"]:
             raise AssertionError(f"{name}: losses {got} differ from the plain step's {losses['none']}")
@@ -114,6 +117,7 @@ def run(reps: int) -> list[dict]:
             plan, last = steps[name].plan(), steps[name].last_run
             record_.update(ledger_peak_bytes=plan.peak_after, ledger_peak_before=plan.peak_before,
                            over_budget_bytes=plan.over_budget_bytes, expected_stall_s=round(plan.stall_s, 4),
+                           recomputed=list(plan.recompute),
                            resident_activation_peak=last.peak_resident_bytes)
         elif name == "none":
             record_.update(ledger_peak_bytes=peak)

@@ -19,26 +19,30 @@ On CPU the device is host memory, so the slow tier is the disk; the host
 tier (pinned memory and a copy stream) is for accelerators and is not built
 yet. Saved activations are planned; optimizer states, when the optimizer is
 given, wait in the tier between updates, and so does a decoding step's KV
-cache (`hp.offload_cache`); parameters and gradients stay where they are,
-and recompute is not yet one of the planner's choices.
+cache (`hp.offload_cache`); given candidate blocks, the planner recomputes
+those whose recompute costs less than moving what they save. Parameters and
+gradients stay where they are.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._local_tensor import LocalTensor
 from torch.distributed.tensor import DTensor
 
 from hp.device import detect
 from hp.offload_cache import CacheRun, CacheTiering
-from hp.offload_plan import OffloadPlan, plan_offload
+from hp.offload_plan import OffloadPlan, choose_recompute, plan_offload
 from hp.offload_states import OptimizerStates
 from hp.offload_tiers import DiskTier
+from hp.recompute import is_recomputed, keep_activations, recompute
 from hp.use_def import Recording, local_of, record, storage_key
 
 SLOW_TIERS = ("host", "disk")
@@ -56,6 +60,8 @@ def offload(
     modules: Sequence[nn.Module] = (),
     optimizer: torch.optim.Optimizer | None = None,
     kv_cache: object | None = None,
+    recompute: Sequence[nn.Module] = (),
+    bandwidth: float | None = None,
     directory: str | None = None,
 ) -> Offloaded:
     """`step` whose own memory stays under `budget` (bytes, or a fraction of its recorded peak).
@@ -66,6 +72,13 @@ def offload(
     `modules` (the model) name definitions in the plan and mark their parameters and buffers as
     inputs; with `optimizer`, its states wait in the slow tier between its updates
     (`hp.offload_states`); `directory` is where the disk tier writes (a temporary folder by default).
+
+    `recompute` lists blocks of `modules` (decoder layers, say) the planner may recompute in
+    backward instead of moving what they save, where that costs less time
+    (`hp.offload_plan.choose_recompute`); a block it picks is recomputed from then on
+    (`hp.recompute`) and the next call is recorded anew; should that recording hold more than the
+    plan expected, the block keeps its activations again and is not picked again. `bandwidth` (bytes per second) replaces the tier's measured
+    one, for a disk other work shares, say.
 
     With `kv_cache` (a decoding step's cache, such as transformers' `DynamicCache`), the budget is
     the cache's instead: at most that many of its bytes resident at any moment (a float: that
@@ -107,20 +120,36 @@ def offload(
     if kv_cache is not None and optimizer is not None:
         raise OffloadError("hp.offload: kv_cache= is for a decoding step and optimizer= for a training step; "
                            "give one of them")
-    return Offloaded(step, budget, tuple(modules), optimizer, kv_cache, directory)
+    if bandwidth is not None and (isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float))
+                                  or not bandwidth > 0):
+        raise OffloadError(f"hp.offload: bandwidth={bandwidth!r}: expected bytes per second, a number > 0")
+    known = {id(m) for root in modules for m in root.modules()}
+    for i, block in enumerate(recompute):
+        if not isinstance(block, nn.Module) or id(block) not in known:
+            raise OffloadError(f"hp.offload: recompute[{i}] ({type(block).__name__}) is not a module of `modules`: "
+                               "expected blocks of the model passed as modules=[model]")
+    return Offloaded(step, budget, tuple(modules), optimizer=optimizer, kv_cache=kv_cache, blocks=tuple(recompute),
+                     bandwidth=bandwidth, directory=directory)
 
 
 class Offloaded:
     """A step under `hp.offload`: call it as the step; `plan()` shows what it does."""
 
-    def __init__(self, step: Callable, budget: int | float, modules: tuple[nn.Module, ...],
-                 optimizer: torch.optim.Optimizer | None, kv_cache: object | None, directory: str | None):
+    def __init__(self, step: Callable, budget: int | float, modules: tuple[nn.Module, ...], *,
+                 optimizer: torch.optim.Optimizer | None, kv_cache: object | None, blocks: tuple[nn.Module, ...],
+                 bandwidth: float | None, directory: str | None):
         self._step, self._budget, self._modules = step, budget, modules
         self._tier = DiskTier(directory)
         self._states = OptimizerStates(optimizer, self._tier) if optimizer is not None else None
         self._cache = CacheTiering(kv_cache, self._tier, budget) if kv_cache is not None else None
-        self._bandwidth: float | None = None
+        self._candidates = tuple(b for b in blocks if not is_recomputed(b))  # blocks the planner may recompute
+        self._recomputed: tuple[str, ...] = ()
+        self._trying: tuple[str, ...] = ()  # blocks recomputed since the last recording: checked by the next
+        self._over_before = 0  # bytes over budget of the plan that chose them
+        self._budget_bytes: int | None = None
+        self._bandwidth = bandwidth
         self._plan: OffloadPlan | None = None
+        self._stale = True  # the next call records
         self.last_run: RunStats | CacheRun | None = None
         weakref.finalize(self, self._tier.close)
 
@@ -129,16 +158,16 @@ class Offloaded:
             result = self._cache.run(self._step, args, kwargs)
             self.last_run = self._cache.last_run
             return result
-        if self._plan is None:
-            result, recording = record(self._step, args, kwargs, self._modules)
+        if self._stale:
+            result, recording = record(self._step, args, kwargs, self._modules, self._candidates)
             self._plan = self._make_plan(recording)
             return result
         run = _Run(self._plan, self._tier, self._states.prefetch if self._states else None)
         with torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
             result = self._step(*args, **kwargs)
         self.last_run = run.stats(self._states.last_moved if self._states is not None else 0)
-        if run.mismatched:
-            self._plan = None  # the step saved something else: record it again next call
+        if run.mismatched:  # the step saved something else: record it again next call, with its own budget
+            self._stale, self._budget_bytes = True, None
         return result
 
     def restore_optimizer_states(self) -> None:
@@ -152,19 +181,52 @@ class Offloaded:
         if self._cache is not None:
             raise OffloadError("hp.offload: a decoding step's cache is placed layer by layer as it runs, with no "
                                "plan ahead; see last_run")
-        if self._plan is None:
+        if self._stale and self._plan is None:
             if not args and not kwargs:
                 raise OffloadError("hp.offload: no plan yet; call the step once, or pass its arguments to plan()")
             self(*args, **kwargs)
         return self._plan
 
+    def _candidate_names(self) -> list[str]:
+        names = {id(m): name for root in self._modules for name, m in root.named_modules()}
+        return [names[id(block)] for block in self._candidates]
+
+    @staticmethod
+    def _on_any_rank(flags: list[bool]) -> list[bool]:
+        """Each flag true where it is on any rank: a recompute replays its block's collectives, so every
+        rank must recompute the same blocks (their timings, and so their choices, may differ)."""
+        if not flags or not dist.is_initialized() or dist.get_world_size() == 1:
+            return flags
+        agreed = torch.tensor(flags, dtype=torch.int32)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # on CPU: every backend hp sets up has gloo for it
+        return [bool(f) for f in agreed.tolist()]
+
     def _make_plan(self, recording: Recording) -> OffloadPlan:
         if self._bandwidth is None:
             self._bandwidth = self._tier.bandwidth()
-        budget = self._budget
-        if isinstance(budget, float):
-            budget = int(budget * recording.step_peak_bytes)
-        return plan_offload(recording, budget, self._tier.name, self._bandwidth)
+        if self._budget_bytes is None:  # a fraction is of the peak before any block is recomputed
+            budget = self._budget
+            self._budget_bytes = int(budget * recording.step_peak_bytes) if isinstance(budget, float) else budget
+        plan = plan_offload(recording, self._budget_bytes, self._tier.name, self._bandwidth, self._recomputed)
+        blocks = {name: m for root in self._modules for name, m in root.named_modules()}
+        if self._trying and self._on_any_rank([plan.over_budget_bytes > self._over_before])[0]:
+            # recomputing them holds more at once than the estimate said: keep their activations again
+            for name in self._trying:
+                keep_activations(blocks[name])
+            self._recomputed = tuple(n for n in self._recomputed if n not in self._trying)
+            self._trying, self._stale = (), True
+            return plan
+        picked = choose_recompute(recording, plan, self._tier.copy_share)
+        candidates = self._candidate_names()
+        chosen = tuple(n for n, f in zip(candidates, self._on_any_rank([n in picked for n in candidates])) if f)
+        self._stale, self._trying, self._over_before = bool(chosen), chosen, plan.over_budget_bytes
+        if chosen:  # what a recomputed block saves changes: the next call records again
+            for name in chosen:
+                recompute(blocks[name])
+            self._recomputed += chosen
+            self._candidates = tuple(b for b in self._candidates if not is_recomputed(b))
+            plan = dataclasses.replace(plan, recompute=self._recomputed)
+        return plan
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@
 From a `hp.use_def.Recording` and a budget (the most bytes the step's own
 storages may take at any moment: saved activations, and what offload cannot
 move, such as temporaries, gradients and optimizer states, as recorded), the
-planner decides per saved activation: keep, or offload to the slow tier. Eviction follows Belady: at the forward's peak, the tensor whose next
+planner decides per saved activation: keep, or offload to the slow tier; and
+per candidate block (a decoder layer, say), whether to recompute it instead
+(`choose_recompute`). Eviction follows Belady: at the forward's peak, the tensor whose next
 use is furthest away goes first (in backward that is the one saved
 earliest). An offloaded tensor is resident from its definition until it is
 written out (counted as its definition event), and again from its prefetch
@@ -13,6 +15,15 @@ times; where that lead would break the budget or does not exist, the
 prefetch starts later and the step waits: the plan says how long
 (`stall_s`). A budget that no choice meets is reported by how much
 (`over_budget_bytes`), never silently exceeded.
+
+Recompute is chosen per block where it costs less time than the moves it
+replaces: a block's forward time (recorded) against, for what the plan
+offloads from inside it, the copies out and back (bytes / bandwidth each,
+times the share of that copy time the step pays: all of it on the disk tier,
+whose copies run on the cores the step computes on) plus any expected stall.
+A recomputed block keeps only its input, and what it saves exists again
+from its backward on; the step is then recorded anew and its offload planned
+on what it really saves.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ class OffloadPlan:
     after: tuple[int, ...]
     stall_s: float
     bandwidth: float  # bytes per second of the slow tier, measured
+    recompute: tuple[str, ...] = ()  # the blocks recomputed in backward instead
 
     @property
     def peak_before(self) -> int:
@@ -96,13 +108,17 @@ class OffloadPlan:
             f"peak {self.peak_before:,} -> {self.peak_after:,} bytes (budget {self.budget_bytes:,}); "
             f"offloaded {self.offloaded_bytes:,} bytes; expected stall {self.stall_s * 1e3:.2f} ms"
         )
+        if self.recompute:
+            lines.append(f"recomputed in backward: {', '.join(self.recompute)}")
         if self.over_budget_bytes:
             lines.append(f"the budget cannot be met: {self.over_budget_bytes:,} bytes over")
         return "\n".join(lines)
 
 
-def plan_offload(recording: Recording, budget_bytes: int, tier: str, bandwidth: float) -> OffloadPlan:
-    """Offload decisions that keep the step's memory under `budget_bytes` at every event.
+def plan_offload(recording: Recording, budget_bytes: int, tier: str, bandwidth: float,
+                 recompute: tuple[str, ...] = ()) -> OffloadPlan:
+    """Offload decisions that keep the step's memory under `budget_bytes` at every event
+    (`recompute`: the blocks the recorded step already recomputes, for the plan's record).
 
     >>> from hp.use_def import Recording, SavedTensor
     >>> a = SavedTensor(0, 100, (25,), None, "activation", defined_at=0, defined_in="", uses=[3])
@@ -114,17 +130,7 @@ def plan_offload(recording: Recording, budget_bytes: int, tier: str, bandwidth: 
     """
     other = recording.other_bytes()
     limits = [budget_bytes - o for o in other]  # what saved activations may take at each event
-    chosen: dict[int, int] = {}  # tensor index -> prefetch event
-    candidates = sorted(recording.activations(), key=lambda t: -(t.uses[0] if t.uses else t.defined_at))
-    after = recording.resident_bytes(chosen)
-    for t in candidates:
-        if _fits(after, limits):
-            break
-        if not t.uses:
-            continue
-        chosen[t.index] = _prefetch_event(recording, t, bandwidth)
-        after = recording.resident_bytes(chosen)
-        after = _delay_prefetches(recording, chosen, limits, after)
+    chosen, after = _offload_choices(recording, limits, bandwidth, {})
     stall = sum(_stall(recording, recording.tensors[i], p, bandwidth) for i, p in chosen.items())
     decisions = tuple(
         Decision(t, "offload", tier, chosen[t.index]) if t.index in chosen
@@ -132,7 +138,64 @@ def plan_offload(recording: Recording, budget_bytes: int, tier: str, bandwidth: 
         for t in recording.tensors
     )
     before = tuple(a + o for a, o in zip(recording.resident_bytes(), other))
-    return OffloadPlan(decisions, budget_bytes, before, tuple(a + o for a, o in zip(after, other)), stall, bandwidth)
+    return OffloadPlan(decisions, budget_bytes, before, tuple(a + o for a, o in zip(after, other)), stall, bandwidth,
+                       recompute)
+
+
+def choose_recompute(recording: Recording, plan: OffloadPlan, copy_share: float) -> tuple[str, ...]:
+    """The blocks whose recompute costs less time than moving what `plan` offloads from them.
+
+    >>> from hp.use_def import Block, Recording, SavedTensor
+    >>> a = SavedTensor(0, 10**9, (), None, "activation", defined_at=0, defined_in="layers.0.mlp", uses=[1])
+    >>> rec = Recording([a], event_times=[0.0, 0.1], backward_start=1, blocks=[Block("layers.0", 0.05)])
+    >>> plan = plan_offload(rec, budget_bytes=0, tier="disk", bandwidth=1e10)
+    >>> choose_recompute(rec, plan, copy_share=1.0)  # 0.2 s of copies against 0.05 s of forward
+    ('layers.0',)
+    """
+    moved = {d.tensor.index: d.prefetch_at for d in plan.decisions if d.action == "offload"}
+    gains = []  # (time saved, block, what it saves inside)
+    for block in recording.blocks:
+        inside = [t for t in recording.activations() if block.holds(t) and t.index != block.input_index and t.uses]
+        cost = sum(2 * t.nbytes / plan.bandwidth * copy_share + _stall(recording, t, moved[t.index], plan.bandwidth)
+                   for t in inside if t.index in moved)
+        if inside and cost > block.forward_s:
+            gains.append((cost - block.forward_s, block, inside))
+    # a recomputed block's saves exist again all at once from its backward: take a block only if the
+    # budget still holds with the rest offloaded (or, over budget already, holds no worse)
+    limits = [plan.budget_bytes - o for o in recording.other_bytes()]
+    fixed: dict[int, int] = {}  # recomputed tensor -> the event it exists again
+    taken: set[str] = set()
+    for _, block, inside in sorted(gains, key=lambda g: -g[0]):
+        again = min(t.uses[0] for t in inside)
+        trial = {**fixed, **{t.index: again for t in inside}}
+        _, after = _offload_choices(recording, limits, plan.bandwidth, trial)
+        if _excess(after, limits) <= plan.over_budget_bytes:
+            fixed = trial
+            taken.add(block.name)
+    return tuple(b.name for b in recording.blocks if b.name in taken)
+
+
+def _offload_choices(recording: Recording, limits: list[int], bandwidth: float,
+                     fixed: dict[int, int]) -> tuple[dict[int, int], list[int]]:
+    """Belady's choice of tensors to offload (tensor -> prefetch event) under `limits`, and the
+    activation bytes resident per event; `fixed` tensors are away until a given event (recomputed)."""
+    chosen: dict[int, int] = {}
+    candidates = sorted((t for t in recording.activations() if t.index not in fixed),
+                        key=lambda t: -(t.uses[0] if t.uses else t.defined_at))
+    after = recording.resident_bytes(fixed)
+    for t in candidates:
+        if _fits(after, limits):
+            break
+        if not t.uses:
+            continue
+        chosen[t.index] = _prefetch_event(recording, t, bandwidth)
+        after = recording.resident_bytes({**fixed, **chosen})
+        after = _delay_prefetches(recording, chosen, limits, after, fixed)
+    return chosen, after
+
+
+def _excess(after: list[int], limits: list[int]) -> int:
+    return max((a - b for a, b in zip(after, limits)), default=0) if not _fits(after, limits) else 0
 
 
 def _fits(after: list[int], limits: list[int]) -> bool:
@@ -147,7 +210,8 @@ def _prefetch_event(recording: Recording, t: SavedTensor, bandwidth: float) -> i
     return max(min(latest, t.uses[0] - 1), t.defined_at + 1)
 
 
-def _delay_prefetches(recording: Recording, chosen: dict[int, int], limits: list[int], after: list[int]) -> list[int]:
+def _delay_prefetches(recording: Recording, chosen: dict[int, int], limits: list[int], after: list[int],
+                      fixed: dict[int, int]) -> list[int]:
     """Start prefetches later where their early start breaks the budget, at the latest when the
     tensor is needed (a read the step waits for)."""
     for index, start in sorted(chosen.items(), key=lambda kv: kv[1]):
@@ -155,7 +219,7 @@ def _delay_prefetches(recording: Recording, chosen: dict[int, int], limits: list
         while start < t.uses[0] and not _fits(after[start:t.uses[0] + 1], limits[start:t.uses[0] + 1]):
             start += 1
             chosen[index] = start
-            after = recording.resident_bytes(chosen)
+            after = recording.resident_bytes({**fixed, **chosen})
     return after
 
 

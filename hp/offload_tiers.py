@@ -40,6 +40,7 @@ class DiskTier:
     """
 
     name = "disk"
+    copy_share = 1.0  # the share of its copy time the step pays: its copies run on the cores the step uses
 
     def __init__(self, directory: str | None = None) -> None:
         self._folder = tempfile.TemporaryDirectory(prefix="hp-offload-", dir=directory)

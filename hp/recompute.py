@@ -89,6 +89,19 @@ def is_recomputed(block: nn.Module) -> bool:
     return isinstance(block.__dict__.get("forward"), _Recomputed)
 
 
+def keep_activations(block: nn.Module) -> nn.Module:
+    """`block` keeping its activations again, as before `recompute` (its class's forward).
+
+    >>> import torch
+    >>> block = recompute(torch.nn.Linear(2, 2))
+    >>> is_recomputed(keep_activations(block))
+    False
+    """
+    if is_recomputed(block):
+        del block.forward
+    return block
+
+
 class _Recomputed:
     """A block's class `forward` run under checkpoint; set on the instance as its `forward`.
 

@@ -50,6 +50,19 @@ class SavedTensor:
         return self.uses[-1] if self.uses else self.defined_at
 
 
+@dataclass(frozen=True)
+class Block:
+    """A module the step may recompute instead of keeping what it saves: its name and forward time."""
+
+    name: str
+    forward_s: float  # its forward's wall time in the recorded call (summed over its calls)
+    input_index: int | None = None  # the saved tensor that is its input (recompute keeps it), if any
+
+    def holds(self, t: SavedTensor) -> bool:
+        """Whether `t` was saved inside this block."""
+        return t.defined_in == self.name or t.defined_in.startswith(self.name + ".")
+
+
 @dataclass
 class Recording:
     """The saved tensors of one step, and when each event (a save or a read) happened."""
@@ -60,6 +73,7 @@ class Recording:
     # the most bytes of storage the step had created and not freed, from each event to the next
     # (activations, temporaries, gradients, optimizer states alike); empty when not measured
     step_bytes: list[int] = field(default_factory=list)
+    blocks: list[Block] = field(default_factory=list)  # the recompute candidates, in forward order
 
     def other_bytes(self) -> list[int]:
         """Per event, the step's memory that is not saved activations (what offload cannot move)."""
@@ -173,6 +187,9 @@ class Recorder:
         self._backward_start: int | None = None
         self._names: dict[int, str] = {}
         self._inputs: set[tuple] = set()
+        self._blocks: dict[int, str] = {}  # id(module) -> name, of the recompute candidates
+        self._open: list[tuple[str, float, tuple | None]] = []  # blocks running: (name, start, input storage)
+        self._spans: dict[str, list] = {}  # block name -> [forward seconds, input storage]
 
     def _event(self) -> int:
         self._times.append(time.perf_counter() - self._start)
@@ -225,17 +242,28 @@ class Recorder:
 
     def _enter_module(self, module: nn.Module, args) -> None:
         self._modules.append(self._names.get(id(module)) or type(module).__name__)
+        if id(module) in self._blocks:
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            self._open.append((self._blocks[id(module)], time.perf_counter(),
+                               storage_key(first) if first is not None else None))
 
     def _leave_module(self, module: nn.Module, args, out) -> None:
         if self._modules:
             self._modules.pop()
+        if id(module) in self._blocks and self._open:
+            name, start, key = self._open.pop()
+            span = self._spans.setdefault(name, [0.0, key])
+            span[0] += time.perf_counter() - start
 
-    def know(self, roots: tuple[nn.Module, ...], tensors: list) -> None:
+    def know(self, roots: tuple[nn.Module, ...], tensors: list, blocks: tuple[nn.Module, ...] = ()) -> None:
         """Name definitions by the modules' qualified names in `roots` (else by class name); their
-        parameters and buffers, and `tensors`, are inputs."""
+        parameters and buffers, and `tensors`, are inputs; `blocks` are timed as recompute candidates."""
         for root in roots:
             for name, module in root.named_modules():
                 self._names[id(module)] = name or type(root).__name__
+        for block in blocks:
+            self._blocks[id(block)] = self._names.get(id(block)) or f"{type(block).__name__}#{len(self._blocks)}"
+        for root in roots:
             self._inputs.update(storage_key(t) for t in (*root.parameters(), *root.buffers()))
         self._inputs.update(storage_key(t) for t in tensors if isinstance(t, torch.Tensor))
 
@@ -248,7 +276,11 @@ class Recorder:
         for nbytes, made in self._survivors:
             for e in range(max(made - 1, 0), len(step_bytes)):
                 step_bytes[e] -= nbytes
-        return Recording(list(self._tensors), list(self._times), start, step_bytes)
+        blocks = []
+        for name, (seconds, key) in self._spans.items():
+            saved = self._by_storage.get(key)
+            blocks.append(Block(name, seconds, saved.index if saved is not None and saved.kind == "activation" else None))
+        return Recording(list(self._tensors), list(self._times), start, step_bytes, blocks)
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
@@ -256,9 +288,11 @@ def _is_parameter(t: torch.Tensor) -> bool:
     return isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)
 
 
-def record(step: Callable, args: tuple, kwargs: dict, modules: tuple[nn.Module, ...] = ()) -> tuple[object, Recording]:
-    """Run `step(*args, **kwargs)` once; its result and the use-definition chains of what it saved."""
+def record(step: Callable, args: tuple, kwargs: dict, modules: tuple[nn.Module, ...] = (),
+           blocks: tuple[nn.Module, ...] = ()) -> tuple[object, Recording]:
+    """Run `step(*args, **kwargs)` once; its result and the use-definition chains of what it saved
+    (with the forward time of each of `blocks`)."""
     with Recorder() as recorder:
-        recorder.know(modules, tree_leaves((args, kwargs)))
+        recorder.know(modules, tree_leaves((args, kwargs)), blocks)
         result = step(*args, **kwargs)
     return result, recorder.recording()

@@ -47,6 +47,7 @@ from torch import nn
 import hp
 from hp.device import bind_local_device, detect
 from hp.expert_balance import ExpertLoad, measure, nudge_routing_bias
+from hp.models import plan_for
 from hp.train import checkpoint
 from hp.train.config import TrainConfig, to_dict
 from hp.train.data import IGNORE_INDEX, TokenBatches, eval_batches, load_splits
@@ -101,8 +102,9 @@ def train(config: TrainConfig) -> dict:
     device, first = mesh.device_type, step
     forward_backward = functools.partial(_step, model, stream, config, device)
     if strategy.offload is not None:  # saved activations under a budget, AdamW's states away between updates
+        blocks = tuple(model.get_submodule(plan_for(model.config).blocks))  # the planner may recompute these
         forward_backward = hp.offload(forward_backward, budget=strategy.offload_budget, modules=[model],
-                                      optimizer=optimizer)
+                                      optimizer=optimizer, recompute=blocks)
     try:
         while step < total:
             epoch = batches.epoch
