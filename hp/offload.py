@@ -223,7 +223,7 @@ class Offloaded:
         if chosen:  # what a recomputed block saves changes: the next call records again
             for name in chosen:
                 recompute(blocks[name])
-            self._recomputed += chosen
+            self._recomputed = tuple(n for n in blocks if n in chosen or n in self._recomputed)  # model order
             self._candidates = tuple(b for b in self._candidates if not is_recomputed(b))
             plan = dataclasses.replace(plan, recompute=self._recomputed)
         return plan

@@ -120,9 +120,13 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
 
 
 def storage_key(t: torch.Tensor) -> tuple:
-    """Identifies the memory behind `t` (views of one storage share it)."""
+    """Identifies the storage behind `t` (views of one storage share it) while it lives.
+
+    The storage object, not its address: FSDP shrinks a block's gathered parameters to nothing
+    after its forward, and the next block's gather may then take the same address.
+    """
     local = local_of(t)
-    return (local.device, local.untyped_storage().data_ptr())
+    return (local.device, id(local.untyped_storage()))
 
 
 class _Allocations(TorchDispatchMode):
@@ -209,7 +213,13 @@ class Recorder:
         )
         self._tensors.append(saved)
         self._by_storage[key] = saved
+        # once freed, its address may hold another storage (FSDP's next all-gather, say): a new tensor
+        weakref.finalize(local.untyped_storage(), self._forget, key, saved)
         return saved, t
+
+    def _forget(self, key: tuple, saved: SavedTensor) -> None:
+        if self._by_storage.get(key) is saved:
+            del self._by_storage[key]
 
     def unpack(self, handle: tuple[SavedTensor, torch.Tensor]) -> torch.Tensor:
         saved, t = handle
