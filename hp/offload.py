@@ -150,6 +150,9 @@ class Offloaded:
         self._bandwidth = bandwidth
         self._plan: OffloadPlan | None = None
         self._stale = True  # the next call records
+        # whether every rank records at the next call too (the first call, or after a choice all ranks
+        # made): only then may the recording decide recompute, since deciding takes a collective
+        self._lockstep = True
         self.last_run: RunStats | CacheRun | None = None
         weakref.finalize(self, self._tier.close)
 
@@ -167,7 +170,7 @@ class Offloaded:
             result = self._step(*args, **kwargs)
         self.last_run = run.stats(self._states.last_moved if self._states is not None else 0)
         if run.mismatched:  # the step saved something else: record it again next call, with its own budget
-            self._stale, self._budget_bytes = True, None
+            self._stale, self._budget_bytes, self._lockstep = True, None, False  # this rank alone
         return result
 
     def restore_optimizer_states(self) -> None:
@@ -209,17 +212,22 @@ class Offloaded:
             self._budget_bytes = int(budget * recording.step_peak_bytes) if isinstance(budget, float) else budget
         plan = plan_offload(recording, self._budget_bytes, self._tier.name, self._bandwidth, self._recomputed)
         blocks = {name: m for root in self._modules for name, m in root.named_modules()}
+        lockstep, self._lockstep = self._lockstep, False
+        if not lockstep:  # recorded on this rank alone: the blocks stay as all ranks chose them
+            self._stale = False
+            return plan
         if self._trying and self._on_any_rank([plan.over_budget_bytes > self._over_before])[0]:
             # recomputing them holds more at once than the estimate said: keep their activations again
             for name in self._trying:
                 keep_activations(blocks[name])
             self._recomputed = tuple(n for n in self._recomputed if n not in self._trying)
-            self._trying, self._stale = (), True
+            self._trying, self._stale, self._lockstep = (), True, True
             return plan
         picked = choose_recompute(recording, plan, self._tier.copy_share)
         candidates = self._candidate_names()
         chosen = tuple(n for n, f in zip(candidates, self._on_any_rank([n in picked for n in candidates])) if f)
         self._stale, self._trying, self._over_before = bool(chosen), chosen, plan.over_budget_bytes
+        self._lockstep = bool(chosen)
         if chosen:  # what a recomputed block saves changes: the next call records again
             for name in chosen:
                 recompute(blocks[name])

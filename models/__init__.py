@@ -16,15 +16,17 @@ from __future__ import annotations
 from typing import Any
 
 from hp.model_plan import ModelPlan
-from hp.models import llama, phi3, qwen_moe
-from hp.models.tiny import FAMILIES, MOE_FAMILIES, tiny_config
+from hp.models import llama, phi3, qwen_moe, qwen_vl
+from hp.models.tiny import FAMILIES, MOE_FAMILIES, VL_FAMILIES, tiny_config
 
-__all__ = ["FAMILIES", "MOE_FAMILIES", "plan_for", "plan_for_type", "supported", "tiny_config"]
+__all__ = ["FAMILIES", "MOE_FAMILIES", "VL_FAMILIES", "plan_for", "plan_for_type", "supported", "tiny_config"]
 
 _PLANS: dict[str, ModelPlan] = {
     **{t: llama.PLAN for t in llama.MODEL_TYPES},
     **{t: phi3.PLAN for t in phi3.MODEL_TYPES},
     **{t: qwen_moe.PLAN for t in qwen_moe.MODEL_TYPES},
+    **{t: qwen_vl.PLAN for t in qwen_vl.MODEL_TYPES},
+    **{t: qwen_vl.MOE_PLAN for t in qwen_vl.MOE_MODEL_TYPES},
 }
 
 

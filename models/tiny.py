@@ -8,6 +8,10 @@ width 128 and a vocabulary of 256 unless asked otherwise. The mixture-of-
 experts families (`MOE_FAMILIES`) route each token to 2 of 8 experts of width
 32 (Qwen2-MoE's shared expert: 64); their widths are multiples of 8, which
 `torch._grouped_mm` needs on CPU (16-byte-aligned rows in fp32 and bf16).
+The vision-language families (`VL_FAMILIES`) pair that decoder with a vision
+tower of 2 blocks, hidden 32, 2 heads and 4-pixel patches merged 2 x 2 (an
+image of 8k x 8k pixels becomes k x k tokens), and place their vision token
+ids at the top of the vocabulary (`VISION_TOKENS`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,23 @@ _EXTRA["qwen2_moe"] = {**_MOE, "shared_expert_intermediate_size": 64}
 _EXTRA["qwen3_moe"] = {**_MOE, "head_dim": 8}
 MOE_FAMILIES = ("qwen2_moe", "qwen3_moe")
 
+VL_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=SHAPE["hidden_size"],
+               patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
+_VISION_EXTRA = {
+    "qwen2_5_vl": {"window_size": 16, "fullatt_block_indexes": [1]},  # windows of 2 x 2 merged tokens
+    "qwen3_vl": {"num_position_embeddings": 64, "deepstack_visual_indexes": [0]},
+}
+_VISION_EXTRA["qwen3_vl_moe"] = _VISION_EXTRA["qwen3_vl"]
+_TEXT = {
+    "qwen2_5_vl": {"rope_parameters": {"rope_type": "default", "mrope_section": [1, 1, 2]}},
+    "qwen3_vl": {"head_dim": 8, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1],
+                                                    "mrope_interleaved": True}},
+}
+_TEXT["qwen3_vl_moe"] = {**_TEXT["qwen3_vl"], **_MOE, "decoder_sparse_step": 1}
+# Token ids that the vision-language families reserve, counted back from the top of the vocabulary.
+VISION_TOKENS = {"image_token_id": -6, "video_token_id": -5, "vision_start_token_id": -4, "vision_end_token_id": -3}
+
 
 def tiny_config(model_type: str, layers: int = 2, vocab_size: int = 256, **overrides: Any):
     """A small HF config of `model_type` (a family of the zoo).
@@ -42,7 +63,13 @@ def tiny_config(model_type: str, layers: int = 2, vocab_size: int = 256, **overr
     """
     from transformers import AutoConfig
 
+    if model_type in VL_FAMILIES:
+        text = {**SHAPE, **_TEXT[model_type], "num_hidden_layers": layers, "vocab_size": vocab_size,
+                "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **overrides}
+        tokens = {name: vocab_size + offset for name, offset in VISION_TOKENS.items()}
+        return AutoConfig.for_model(model_type, text_config=text, vision_config={**_VISION, **_VISION_EXTRA[model_type]},
+                                    tie_word_embeddings=False, **tokens)
     if model_type not in _EXTRA:
-        raise ValueError(f"no tiny config for model_type {model_type!r}; known: {', '.join(_EXTRA)}")
+        raise ValueError(f"no tiny config for model_type {model_type!r}; known: {', '.join((*_EXTRA, *VL_FAMILIES))}")
     values = {**SHAPE, **_EXTRA[model_type], "num_hidden_layers": layers, "vocab_size": vocab_size, **overrides}
     return AutoConfig.for_model(model_type, **values)
