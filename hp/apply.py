@@ -89,6 +89,7 @@ def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any
     f32[out=64, in=64/tp]
     """
     strategy = Strategy.of(strategy)
+    _check_vision(strategy, plan)
     params, inputs, outputs = layouts(strategy, plan)
     params = _present(params, model.named_parameters(remove_duplicate=False))
     outputs = _present(outputs, model.named_modules())
@@ -122,6 +123,7 @@ def check_strategy(model: nn.Module, strategy: Strategy | Mapping[str, Any], pla
     """
     strategy = Strategy.of(strategy)
     strategy.check_fits(model.config)
+    _check_vision(strategy, plan)
     params, _, _ = layouts(strategy, plan)
     check_plan(model, strategy.mesh_axes, _present(params, model.named_parameters(remove_duplicate=False)))
     _check_attention(model, strategy)
@@ -129,6 +131,16 @@ def check_strategy(model: nn.Module, strategy: Strategy | Mapping[str, Any], pla
                                              for g in plan.routers):
         raise StrategyError("expert_bias_rate", strategy.expert_bias_rate, f": the plan of {type(model).__name__} "
                             "names no softmax top-k routers to bias; set it to 0")
+
+
+def _check_vision(strategy: Strategy, plan: ModelPlan) -> None:
+    """A vision-language model takes tp and sp; its images do not split over batch or sequence yet."""
+    if plan.vision is None:
+        return
+    for name, size in (("ep", strategy.ep), ("cp", strategy.cp), ("dp", strategy.dp)):
+        if size > 1:
+            raise StrategyError(name, size, ": vision-language models do not split their batch or sequence yet "
+                                "(their images would have to split with it); use tp, with sp if you like")
 
 
 def _check_attention(model: nn.Module, strategy: Strategy) -> None:

@@ -35,7 +35,8 @@ class ModelPlan:
     are), which run expert parallel by their layouts; `expert_params` lays
     out their packed weights over `ep` (applied when ep > 1); `routers` names
     the modules that choose each token's experts (softmax top-k routers,
-    for the strategy's auxiliary-loss-free balancing).
+    for the strategy's auxiliary-loss-free balancing). `vision` is a
+    vision-language family's vision tower, replicated over the decoder's ranks.
 
     >>> import hp
     >>> plan = hp.ModelPlan(params={"*.q_proj.weight": "out/tp in"}, residual=("*.o_proj",))
@@ -51,6 +52,7 @@ class ModelPlan:
     experts: tuple[str, ...] = ()
     expert_params: Mapping[str, str] = field(default_factory=dict)
     routers: tuple[str, ...] = ()
+    vision: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
@@ -61,4 +63,4 @@ class ModelPlan:
 
     def __hash__(self) -> int:
         return hash((tuple(self.params.items()), self.residual, self.blocks, self.embedding, self.rotary,
-                     self.experts, tuple(self.expert_params.items()), self.routers))
+                     self.experts, tuple(self.expert_params.items()), self.routers, self.vision))

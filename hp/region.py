@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from hp.layouts import describe
-from hp.ops import fused, npu_attention, residual
+from hp.ops import fused, masked, npu_attention, residual
 from hp.ops.context_parallel import sequence_parallel_attention
 from hp.ops.cross_entropy import vocab_parallel_cross_entropy
 from hp.ops.embedding import vocab_parallel_embedding
@@ -59,6 +59,8 @@ KERNELS = {
     torch.nn.functional.linear: in_turn(linear, fused.fused_linear),
     torch.nn.functional.scaled_dot_product_attention: sequence_parallel_attention,
     **fused.SLICES,
+    torch.Tensor.__getitem__: in_turn(fused.fused_getitem, masked.masked_getitem),
+    torch.Tensor.__setitem__: masked.masked_setitem,
     **residual.KERNELS,
     **npu_attention.kernels(),
 }

@@ -237,6 +237,7 @@ class Strategy:
         ...
         hp.strategy.StrategyError: tp = 3 does not divide num_attention_heads = 4 of the model
         """
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VL model's decoder
         self._check_experts(config)
         sizes = _split_sizes(config)
         for name, size in sizes.items():

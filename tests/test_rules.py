@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hp
@@ -160,7 +160,27 @@ def test_a_custom_kernel_gets_dtensor_support_from_one_rule(layout):
         assert hp.layout_of(out).sharded_axes == hp.layout(layout).sharded_axes
 
 
+@settings(max_examples=12, deadline=None)
+@given(st.sampled_from(["b s h", "b/tp s h", "b s/tp h", "b s h/tp"]), st.sampled_from(["n h", "n h/tp"]),
+       st.integers(0, 2**16))
+def test_masked_scatter_and_boolean_mask_reads_and_writes_keep_the_rows_in_order(layout, rows, seed):
+    """Image rows scattered into a sequence, then added to again at the same positions (Qwen-VL's two uses)."""
+    mesh = hp.mesh(tp=2, simulate=True)
+    g = torch.Generator().manual_seed(seed)
+    x, mask = torch.randn(2, 6, 4, generator=g), torch.rand(2, 6, generator=g) < 0.5
+    src = torch.randn(int(mask.sum()), 4, generator=g)
+
+    def scatter_then_add(x, src):
+        h = x.masked_scatter(mask[..., None].expand_as(x), src).clone()
+        h[mask, :] = h[mask, :] + src
+        return h
+
+    sharded_vs_single(mesh, scatter_then_add, [x, src], [layout, rows])
+
+
 COVERED = {
+    aten.masked_scatter.default,
+    aten.masked_scatter_backward.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
     aten._grouped_mm.default,

@@ -1,0 +1,109 @@
+"""Masked positions of a sequence: scattered into in order, read and written by a boolean mask.
+
+Vision-language models put the vision tower's output into the text this way
+(`inputs_embeds.masked_scatter(image_mask, image_embeds)`), and Qwen3-VL adds
+its deepstack features to the image positions of the residual stream
+(`h[mask, :] = h[mask, :] + features`). The k-th masked position takes the
+k-th row, so which row lands where depends on the whole mask: the leading
+dimensions (batch, sequence) stay whole, and only the feature dimension may
+be split. DTensor has a rule for neither (boolean indexing becomes a
+data-dependent `nonzero`): masked scatter gets one, and boolean-mask reads
+and writes of a DTensor run here on its replicated value (no communication
+when it is replicated, as under tp; a sequence-split one is gathered, and a
+write lands back in its own layout).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from hp.ops.rule import rule
+
+aten = torch.ops.aten
+
+
+def _spec(self, mask, source) -> str:
+    lead = [f"a{i}" for i in range(self.ndim - 1)]
+    dims = " ".join([*lead, "h"])
+    if source.ndim == 2 and source.shape[-1] == self.shape[-1]:  # rows of features, as the models pass them
+        return f"{dims}, {dims}, n h -> {dims}"
+    return f"{dims}, {dims}, {' '.join('_' for _ in range(source.ndim))} -> {dims}"
+
+
+def _whole(self, mask, source) -> str:
+    rows = source.ndim == 2 and source.shape[-1] == self.shape[-1]
+    return " ".join([*(f"a{i}" for i in range(self.ndim - 1)), *(["n"] if rows else ["h"])])
+
+
+def _backward_spec(grad, mask, sizes) -> str:
+    dims = " ".join(f"a{i}" for i in range(grad.ndim))
+    return f"{dims}, {dims} -> {' '.join('_' for _ in sizes)}"
+
+
+def _backward_whole(grad, mask, sizes) -> str:
+    # every dim: the op takes the source's global `sizes`, which a split would not match
+    return " ".join(f"a{i}" for i in range(grad.ndim))
+
+
+rule(aten.masked_scatter.default, _spec, whole=_whole)
+rule(aten.masked_scatter_backward.default, _backward_spec, whole=_backward_whole)
+
+
+def masked_getitem(x, index):
+    """`x[mask, ...]` of a DTensor `x` with a boolean mask, as a replicated DTensor.
+
+    >>> import hp, torch
+    >>> mesh = hp.mesh(tp=2, simulate=True)
+    >>> with hp.simulated(mesh), hp.region():
+    ...     h = hp.shard(torch.arange(12.0).reshape(1, 4, 3), "b s/tp h", mesh)
+    ...     rows = h[torch.tensor([[False, True, False, True]]), :]
+    ...     print(hp.describe(rows), rows.full_tensor().tolist())
+    f32[2, 3] [[3.0, 4.0, 5.0], [9.0, 10.0, 11.0]]
+    """
+    local_index = _boolean_index(x, index)
+    if local_index is None:
+        return NotImplemented
+    whole = _replicated(x)
+    return DTensor.from_local(whole.to_local()[local_index], x.device_mesh, [Replicate()] * x.device_mesh.ndim,
+                              run_check=False)
+
+
+def masked_setitem(x, index, value):
+    """`x[mask, ...] = value` of a DTensor `x` with a boolean mask; `x` keeps its layout.
+
+    >>> import hp, torch
+    >>> mesh = hp.mesh(tp=2, simulate=True)
+    >>> with hp.simulated(mesh), hp.region():
+    ...     h = hp.shard(torch.zeros(1, 4, 2), "b s/tp h", mesh)
+    ...     h[torch.tensor([[False, True, False, True]]), :] = torch.ones(2, 2)
+    ...     print(hp.describe(h), h.full_tensor()[0, :, 0].tolist())
+    f32[b=1, s=4/tp, h=2] [0.0, 1.0, 0.0, 1.0]
+    """
+    local_index = _boolean_index(x, index)
+    if local_index is None:
+        return NotImplemented
+    whole = _replicated(x)
+    rows = value.full_tensor() if isinstance(value, DTensor) else value
+    written = whole.to_local().clone()
+    written[local_index] = rows.to(x.dtype)
+    placements = [Replicate()] * x.device_mesh.ndim
+    new = DTensor.from_local(written, x.device_mesh, placements, run_check=False).redistribute(
+        x.device_mesh, x.placements)
+    x.copy_(new)
+    return None
+
+
+def _boolean_index(x, index) -> tuple | None:
+    """`index` with plain tensors for a DTensor `x` indexed by a boolean mask; None otherwise."""
+    if not isinstance(x, DTensor):
+        return None
+    parts = index if isinstance(index, tuple) else (index,)
+    if not any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
+        return None
+    return tuple(p.full_tensor() if isinstance(p, DTensor) else p for p in parts)
+
+
+def _replicated(x: DTensor) -> DTensor:
+    placements = [Replicate()] * x.device_mesh.ndim
+    return x if tuple(x.placements) == tuple(placements) else x.redistribute(x.device_mesh, placements)

@@ -1,0 +1,116 @@
+"""Qwen-VL in the zoo: the laid-out model's loss and every gradient, vision tower included, equal HF's.
+
+Batches mix samples with no image, one, and two of different sizes. The M-RoPE
+positions are computed once by HF's own `get_rope_index` on the whole batch and
+passed to both models: the simulated ranks (`LocalTensorMode`) cannot run that
+function's `torch.tensor(list of tensors)`, which real processes run as HF does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText
+
+import hp
+from hp.models import plan_for, tiny_config
+from hp.strategy import StrategyError
+from tests.reference import rel_err
+
+IMAGES = [[], [(16, 16)], [(16, 8), (8, 24)], []]  # (height, width) in pixels, per sample
+
+
+def vl_pair(family: str, layers: int = 2):
+    torch.manual_seed(0)
+    config = tiny_config(family, layers=layers)
+    reference = AutoModelForImageTextToText.from_config(config)
+    model = AutoModelForImageTextToText.from_config(config)
+    model.load_state_dict(reference.state_dict())
+    return reference, model
+
+
+def vl_batch(reference, images=IMAGES, seq: int = 32, seed: int = 0) -> dict:
+    """Token ids with each image's placeholders between vision start and end, its patches and grid."""
+    config, g = reference.config, torch.Generator().manual_seed(seed)
+    vision = config.vision_config
+    per_token = vision.patch_size * vision.spatial_merge_size  # pixels of one merged token, each way
+    rows, pixels, grids = [], [], []
+    for sample in images:
+        ids = []
+        for h, w in sample:
+            ids += torch.randint(3, 200, (2,), generator=g).tolist()
+            ids += [config.vision_start_token_id] + [config.image_token_id] * ((h // per_token) * (w // per_token))
+            ids += [config.vision_end_token_id]
+            grid = (1, h // vision.patch_size, w // vision.patch_size)
+            grids.append(grid)
+            patch = 3 * vision.temporal_patch_size * vision.patch_size ** 2
+            pixels.append(torch.randn(grid[0] * grid[1] * grid[2], patch, generator=g))
+        rows.append(ids + torch.randint(3, 200, (seq - len(ids),), generator=g).tolist())
+    ids = torch.tensor(rows)
+    types = (ids == config.image_token_id).int()
+    batch = {"input_ids": ids, "labels": ids.masked_fill(ids >= config.image_token_id, -100), "mm_token_type_ids": types,
+             "pixel_values": torch.cat(pixels), "image_grid_thw": torch.tensor(grids)}
+    batch["position_ids"], _ = reference.model.get_rope_index(ids, image_grid_thw=batch["image_grid_thw"],
+                                                              mm_token_type_ids=types)
+    return batch
+
+
+def _local(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+@pytest.mark.parametrize("strategy", [{"tp": 2}, {"tp": 2, "sp": True}], ids=["tp", "tp_sp"])
+def test_laid_out_vl_models_give_hfs_loss_and_gradients_with_images(family, strategy):
+    reference, model = vl_pair(family)
+    batch = vl_batch(reference)
+    want = reference(**batch).loss
+    want.backward()
+    mesh = hp.strategy_mesh(strategy, simulate=True)
+    with hp.simulated(mesh):
+        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
+        loss = model(**batch).loss
+        loss.backward()
+        hp.reduce_gradients(model)
+        assert abs(_local(loss).item() - want.item()) / want.item() < 1e-5
+        grads = {name: _local(p.grad) for name, p in model.named_parameters()}
+    assert any(name.startswith("model.visual.") for name in grads)
+    for name, r in reference.named_parameters():
+        assert rel_err(grads[name], r.grad) < 1e-5, name
+    assert isinstance(model.model.language_model.layers[0].mlp.experts.gate_up_proj if family.endswith("moe")
+                      else model.model.language_model.layers[0].self_attn.q_proj.weight, torch.Tensor)
+
+
+def test_five_adamw_steps_of_qwen2_5_vl_under_tp_and_sp_follow_hf():
+    reference, model = vl_pair("qwen2_5_vl", layers=1)
+    batches = [vl_batch(reference, seed=s) for s in range(5)]
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    want = []
+    for batch in batches:
+        loss = reference(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    strategy = {"tp": 2, "sp": True}
+    mesh = hp.strategy_mesh(strategy, simulate=True)
+    with hp.simulated(mesh):
+        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        got = []
+        for batch in batches:
+            loss = model(**batch).loss
+            loss.backward()
+            hp.reduce_gradients(model)
+            opt.step()
+            opt.zero_grad()
+            got.append(_local(loss).item())
+    assert max(abs(g - w) / w for g, w in zip(got, want)) < 1e-5, (got, want)
+
+
+@pytest.mark.parametrize("strategy, axis", [({"dp": 2}, "dp"), ({"cp": 2}, "cp"), ({"dp": 2, "ep": 2}, "ep")])
+def test_splitting_a_vl_models_batch_or_sequence_is_refused_by_name(strategy, axis):
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(tiny_config("qwen3_vl_moe"))
+    with pytest.raises(StrategyError, match=f"{axis} = 2: vision-language models do not split"):
+        hp.check_strategy(model, strategy, plan_for(model.config))
