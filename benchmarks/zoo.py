@@ -2,22 +2,26 @@
 
 For each family of `hp.models` (tiny configs built in code: hidden 64, 8
 query heads of dim 8, 2 layers, batch 4 x 16 tokens, fp32) and each strategy
-(tp, tp+sp, dp+tp, cp with Ulysses and with ring, cp+tp), one forward and
+(tp, tp+sp, dp+tp, cp with Ulysses and with ring, cp+tp; the vision-language
+families, with images in their batch, tp and tp+sp), one forward and
 backward on simulated ranks (one process, real values), against the
 unsharded HF model. Each line:
 
 - `loss_rel`, `grad_rel`: relative error of the loss and the worst gradient;
-- `fwd_collectives_per_layer`: the collectives of one decoder layer's forward
-  (`kind@axis`), from `hp.comm.trace`;
+- `fwd_collectives_per_layer`: the collectives of the last decoder layer's
+  forward (`kind@axis`), from `hp.comm.trace`;
 - `bytes_vs_megatron`: a layer's forward tp bytes per rank over Megatron's (two
   ring all-reduces of the layer's activations); null without tp;
 - `cp_bytes_vs_formula`: the same for the cp axis against Ulysses' four
-  all-to-alls or ring's cp-1 K/V blocks; null without cp.
+  all-to-alls or ring's cp-1 K/V blocks; null without cp;
+- `vision_fwd_collectives` (vision-language families): the vision tower's
+  forward collectives (it is replicated over the decoder's ranks).
 
 Two more lines show what the plans buy (`"plan": "naive"`, not counted in the
 summary): Phi-3 laid out with plain `out/tp` on its fused weights, and Gemma-2
 without the residual-stream outputs of its plan. The last line:
-`{"families": N, "all_match": bool, "megatron_bytes": bool}`.
+`{"families": N, "all_match": bool, "megatron_bytes": bool}` (Megatron's
+bytes: over the dense families; an MoE layer's experts do not cross tp).
 
     python benchmarks/zoo.py
 """
@@ -28,18 +32,19 @@ import json
 import time
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 import hp
 from hp.cost import ring_bytes
 from hp.model_plan import ModelPlan
-from hp.models import FAMILIES, plan_for, tiny_config
+from hp.models import FAMILIES, VL_FAMILIES, plan_for, plan_for_type, tiny_config, tiny_vl_batch
 
 BATCH, SEQ, HEAD_DIM, TOLERANCE = 4, 16, 8, 1e-5
 STRATEGIES = [
     {"tp": 2}, {"tp": 2, "sp": True}, {"dp": 2, "tp": 2}, {"cp": 2}, {"cp": 2, "cp_algorithm": "ring"},
     {"cp": 2, "tp": 2},
 ]
+VL_STRATEGIES = [{"tp": 2}, {"tp": 2, "sp": True}]  # vision-language models split neither batch nor sequence yet
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -50,35 +55,45 @@ def measure(family: str, strategy: hp.Strategy, plan: ModelPlan | None = None) -
     """One step of `family` under `strategy` against HF's unsharded model."""
     torch.manual_seed(0)
     config = tiny_config(family, layers=2)
-    reference, model = AutoModelForCausalLM.from_config(config), AutoModelForCausalLM.from_config(config)
+    auto = AutoModelForImageTextToText if family in VL_FAMILIES else AutoModelForCausalLM
+    reference, model = auto.from_config(config), auto.from_config(config)
     model.load_state_dict(reference.state_dict())
-    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
-    labels = ids.clone()
-    labels[:, :2] = -100
-    want = reference(input_ids=ids, labels=labels).loss
+    inputs = tiny_vl_batch(reference, seq=SEQ) if family in VL_FAMILIES else _text(config)
+    want = reference(**inputs).loss
     want.backward()
+    naive, plan = plan is not None, plan or plan_for(config)
     mesh = hp.strategy_mesh(strategy, simulate=True)
     start = time.perf_counter()
     with hp.simulated(mesh):
-        hp.apply_strategy(model, mesh, strategy, plan or plan_for(config))
-        layers = hp.comm.trace_each(model.model.layers)
-        loss = model(input_ids=ids, labels=labels).loss
+        hp.apply_strategy(model, mesh, strategy, plan)
+        layers = hp.comm.trace_each(model.get_submodule(plan.blocks))
+        vision = hp.comm.trace_each([model.get_submodule(plan.vision)]) if plan.vision else None
+        loss = model(**inputs).loss
         loss.backward()
         loss_rel = abs(loss.full_tensor().item() - want.item()) / want.item()
         grad_rel = max(rel_err(p.grad.full_tensor(), r.grad) for p, r in zip(model.parameters(), reference.parameters()))
-    forward = layers[0].select(phase="forward")
+    forward = layers[-1].select(phase="forward")  # a layer inside the stack (a VL model's first gets whole tokens)
     tp_bytes = sum(r.bytes for r in forward if r.axis == "tp")
     cp_bytes = sum(r.bytes for r in forward if r.axis == "cp")
-    tp_formula, cp_formula = formulas(strategy, config)
+    tp_formula, cp_formula = formulas(strategy, config.get_text_config())
+    extra = {"vision_fwd_collectives": [f"{r.kind}@{r.axis}" for r in vision[0].select(phase="forward")]} if vision else {}
     return {
         "family": family, "strategy": {k: v for k, v in strategy.as_dict().items() if v != getattr(hp.Strategy(), k)},
-        "plan": "zoo" if plan is None else "naive",
+        "plan": "naive" if naive else "zoo",
         "loss_rel": loss_rel, "grad_rel": grad_rel,
         "fwd_collectives_per_layer": [f"{r.kind}@{r.axis}" for r in forward],
         "bytes_vs_megatron": round(tp_bytes / tp_formula, 4) if tp_formula else None,
         "cp_bytes_vs_formula": round(cp_bytes / cp_formula, 4) if cp_formula else None,
+        **extra,
         "seconds": round(time.perf_counter() - start, 2),
     }
+
+
+def _text(config) -> dict:
+    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
+    labels = ids.clone()
+    labels[:, :2] = -100
+    return {"input_ids": ids, "labels": labels}
 
 
 def formulas(strategy: hp.Strategy, config) -> tuple[int, int]:
@@ -97,7 +112,8 @@ def formulas(strategy: hp.Strategy, config) -> tuple[int, int]:
 
 def runs() -> list[tuple[str, dict]]:
     """(family, strategy) pairs: every strategy a family's attention takes (Gemma-2's eager attention: no ring)."""
-    return [(f, s) for f in FAMILIES for s in STRATEGIES if not (f == "gemma2" and s.get("cp_algorithm") == "ring")]
+    text = [(f, s) for f in FAMILIES for s in STRATEGIES if not (f == "gemma2" and s.get("cp_algorithm") == "ring")]
+    return text + [(f, s) for f in VL_FAMILIES for s in VL_STRATEGIES]
 
 
 def naive_plans() -> list[tuple[str, ModelPlan]]:
@@ -118,8 +134,9 @@ def main() -> None:
     summary = {
         "families": len({r["family"] for r in results}),
         "all_match": all(r["loss_rel"] < TOLERANCE and r["grad_rel"] < TOLERANCE for r in results),
+        # Megatron's two all-reduces are a dense layer's: an MoE layer's experts stay whole over tp
         "megatron_bytes": all(r["bytes_vs_megatron"] in (None, 1.0) and r["cp_bytes_vs_formula"] in (None, 1.0)
-                              for r in results),
+                              for r in results if not plan_for_type(r["family"]).experts),
     }
     print(json.dumps(summary))
 

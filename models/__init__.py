@@ -17,9 +17,10 @@ from typing import Any
 
 from hp.model_plan import ModelPlan
 from hp.models import llama, phi3, qwen_moe, qwen_vl
-from hp.models.tiny import FAMILIES, MOE_FAMILIES, VL_FAMILIES, tiny_config
+from hp.models.tiny import FAMILIES, MOE_FAMILIES, VL_FAMILIES, tiny_config, tiny_vl_batch
 
-__all__ = ["FAMILIES", "MOE_FAMILIES", "VL_FAMILIES", "plan_for", "plan_for_type", "supported", "tiny_config"]
+__all__ = ["FAMILIES", "MOE_FAMILIES", "VL_FAMILIES", "plan_for", "plan_for_type", "supported", "tiny_config",
+           "tiny_vl_batch"]
 
 _PLANS: dict[str, ModelPlan] = {
     **{t: llama.PLAN for t in llama.MODEL_TYPES},

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
+# Images of a tiny vision-language batch, (height, width) in pixels per sample: none, one, two of other sizes.
+TINY_IMAGES = ((), ((16, 16),), ((16, 8), (8, 24)), ())
+
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
              max_position_embeddings=128, use_cache=False)
 # What each family needs beyond the shape: head_dim where it is not hidden / heads by default,
@@ -73,3 +76,40 @@ def tiny_config(model_type: str, layers: int = 2, vocab_size: int = 256, **overr
         raise ValueError(f"no tiny config for model_type {model_type!r}; known: {', '.join((*_EXTRA, *VL_FAMILIES))}")
     values = {**SHAPE, **_EXTRA[model_type], "num_hidden_layers": layers, "vocab_size": vocab_size, **overrides}
     return AutoConfig.for_model(model_type, **values)
+
+
+def tiny_vl_batch(model, images=TINY_IMAGES, seq: int = 16, seed: int = 0) -> dict:
+    """A batch for a tiny vision-language `model`: random text around each sample's images.
+
+    Each image of (height, width) pixels is its placeholders between vision start and end tokens,
+    random patches (`pixel_values`) and its grid; labels ignore the vision tokens; the M-RoPE
+    positions come from the model's own `get_rope_index` on the whole batch.
+
+    >>> from transformers import AutoModelForImageTextToText
+    >>> batch = tiny_vl_batch(AutoModelForImageTextToText.from_config(tiny_config("qwen2_5_vl")))
+    >>> batch["input_ids"].shape, batch["image_grid_thw"].tolist(), tuple(batch["position_ids"].shape)
+    (torch.Size([4, 16]), [[1, 4, 4], [1, 4, 2], [1, 2, 6]], (3, 4, 16))
+    """
+    import torch
+
+    config, g = model.config, torch.Generator().manual_seed(seed)
+    vision = config.vision_config
+    per_token = vision.patch_size * vision.spatial_merge_size  # pixels of one merged token, each way
+    patch = 3 * vision.temporal_patch_size * vision.patch_size ** 2
+    rows, pixels, grids = [], [], []
+    for sample in images:
+        ids: list[int] = []
+        for h, w in sample:
+            placeholders = [config.image_token_id] * ((h // per_token) * (w // per_token))
+            ids += [*torch.randint(3, 200, (2,), generator=g).tolist(), config.vision_start_token_id, *placeholders,
+                    config.vision_end_token_id]
+            grids.append((1, h // vision.patch_size, w // vision.patch_size))
+            pixels.append(torch.randn(h // vision.patch_size * (w // vision.patch_size), patch, generator=g))
+        rows.append(ids + torch.randint(3, 200, (seq - len(ids),), generator=g).tolist())
+    ids = torch.tensor(rows)
+    types = (ids == config.image_token_id).int()
+    batch = {"input_ids": ids, "labels": ids.masked_fill(ids >= config.image_token_id, -100), "mm_token_type_ids": types,
+             "pixel_values": torch.cat(pixels), "image_grid_thw": torch.tensor(grids)}
+    batch["position_ids"], _ = model.model.get_rope_index(ids, image_grid_thw=batch["image_grid_thw"],
+                                                          mm_token_type_ids=types)
+    return batch

@@ -1,9 +1,10 @@
 """Qwen-VL in the zoo: the laid-out model's loss and every gradient, vision tower included, equal HF's.
 
-Batches mix samples with no image, one, and two of different sizes. The M-RoPE
-positions are computed once by HF's own `get_rope_index` on the whole batch and
-passed to both models: the simulated ranks (`LocalTensorMode`) cannot run that
-function's `torch.tensor(list of tensors)`, which real processes run as HF does.
+Batches mix samples with no image, one, and two of different sizes
+(`hp.models.tiny_vl_batch`). The M-RoPE positions are computed once by HF's
+own `get_rope_index` on the whole batch and passed to both models: the
+simulated ranks (`LocalTensorMode`) cannot run that function's
+`torch.tensor(list of tensors)`, which real processes run as HF does.
 """
 
 from __future__ import annotations
@@ -13,12 +14,9 @@ import torch
 from transformers import AutoModelForImageTextToText
 
 import hp
-from hp.models import plan_for, tiny_config
+from hp.models import plan_for, tiny_config, tiny_vl_batch
 from hp.strategy import StrategyError
 from tests.reference import rel_err
-
-IMAGES = [[], [(16, 16)], [(16, 8), (8, 24)], []]  # (height, width) in pixels, per sample
-
 
 def vl_pair(family: str, layers: int = 2):
     torch.manual_seed(0)
@@ -29,32 +27,6 @@ def vl_pair(family: str, layers: int = 2):
     return reference, model
 
 
-def vl_batch(reference, images=IMAGES, seq: int = 32, seed: int = 0) -> dict:
-    """Token ids with each image's placeholders between vision start and end, its patches and grid."""
-    config, g = reference.config, torch.Generator().manual_seed(seed)
-    vision = config.vision_config
-    per_token = vision.patch_size * vision.spatial_merge_size  # pixels of one merged token, each way
-    rows, pixels, grids = [], [], []
-    for sample in images:
-        ids = []
-        for h, w in sample:
-            ids += torch.randint(3, 200, (2,), generator=g).tolist()
-            ids += [config.vision_start_token_id] + [config.image_token_id] * ((h // per_token) * (w // per_token))
-            ids += [config.vision_end_token_id]
-            grid = (1, h // vision.patch_size, w // vision.patch_size)
-            grids.append(grid)
-            patch = 3 * vision.temporal_patch_size * vision.patch_size ** 2
-            pixels.append(torch.randn(grid[0] * grid[1] * grid[2], patch, generator=g))
-        rows.append(ids + torch.randint(3, 200, (seq - len(ids),), generator=g).tolist())
-    ids = torch.tensor(rows)
-    types = (ids == config.image_token_id).int()
-    batch = {"input_ids": ids, "labels": ids.masked_fill(ids >= config.image_token_id, -100), "mm_token_type_ids": types,
-             "pixel_values": torch.cat(pixels), "image_grid_thw": torch.tensor(grids)}
-    batch["position_ids"], _ = reference.model.get_rope_index(ids, image_grid_thw=batch["image_grid_thw"],
-                                                              mm_token_type_ids=types)
-    return batch
-
-
 def _local(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -63,7 +35,7 @@ def _local(t):
 @pytest.mark.parametrize("strategy", [{"tp": 2}, {"tp": 2, "sp": True}], ids=["tp", "tp_sp"])
 def test_laid_out_vl_models_give_hfs_loss_and_gradients_with_images(family, strategy):
     reference, model = vl_pair(family)
-    batch = vl_batch(reference)
+    batch = tiny_vl_batch(reference, seq=32)
     want = reference(**batch).loss
     want.backward()
     mesh = hp.strategy_mesh(strategy, simulate=True)
@@ -83,7 +55,7 @@ def test_laid_out_vl_models_give_hfs_loss_and_gradients_with_images(family, stra
 
 def test_five_adamw_steps_of_qwen2_5_vl_under_tp_and_sp_follow_hf():
     reference, model = vl_pair("qwen2_5_vl", layers=1)
-    batches = [vl_batch(reference, seed=s) for s in range(5)]
+    batches = [tiny_vl_batch(reference, seq=32, seed=s) for s in range(5)]
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     want = []
     for batch in batches:
