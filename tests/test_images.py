@@ -159,5 +159,5 @@ def test_image_smaller_than_a_patch_is_refused(size, spec):
 def test_extreme_aspect_ratio_is_refused():
     with pytest.raises(ValueError, match=r"height 14 and width 2815 has aspect ratio 201\.071, more than the 200"):
         patchify(Image.new("RGB", (2815, 14)))
-    with pytest.raises(ValueError, match="height 4001 and width 20 has aspect ratio 200\.05,"):
+    with pytest.raises(ValueError, match=r"height 4001 and width 20 has aspect ratio 200\.05,"):
         fit_size(4001, 20, 28, 56 * 56, 28 * 28 * 1280)
