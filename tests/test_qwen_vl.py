@@ -86,3 +86,12 @@ def test_splitting_a_vl_models_batch_or_sequence_is_refused_by_name(strategy, ax
         model = AutoModelForImageTextToText.from_config(tiny_config("qwen3_vl_moe"))
     with pytest.raises(StrategyError, match=f"{axis} = 2: vision-language models do not split"):
         hp.check_strategy(model, strategy, plan_for(model.config))
+
+
+def test_hp_train_refuses_a_vl_model_before_any_worker_starts():
+    from hp.strategy import Strategy
+    from hp.train.config import ConfigError
+    from hp.train.model import check_fits
+
+    with pytest.raises(ConfigError, match="qwen2_5_vl is a vision-language model, which hp train does not read images"):
+        check_fits(tiny_config("qwen2_5_vl"), Strategy(tp=2))

@@ -73,9 +73,18 @@ def test_an_offloaded_run_has_the_same_losses_and_checkpoints(uninterrupted, tmp
     assert losses(tmp_path) == losses(uninterrupted)  # bit for bit: the same bytes come back
     assert result["offload_bytes_per_step"] > 0
     # AdamW's states waited in the disk tier between updates; the checkpoint holds them all the same
-    resumed = tmp_path / "resumed"
-    summary(hp_train(*SHORT, f"output_dir={resumed}", f"resume_from_checkpoint={tmp_path / 'checkpoint-3'}"))
-    assert losses(resumed) == {step: loss for step, loss in losses(uninterrupted).items() if step > 3}
+    assert _optimizer_states(tmp_path / "checkpoint-3") == _optimizer_states(uninterrupted / "checkpoint-3")
+
+
+def _optimizer_states(checkpoint: Path) -> list:
+    """Every value of a DCP checkpoint's optimizer state, tensors as lists, in a fixed order."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.utils._pytree import tree_flatten_with_path
+
+    flat = checkpoint.parent / f"{checkpoint.name}.pt"
+    dcp_to_torch_save(str(checkpoint), str(flat))
+    leaves, _ = tree_flatten_with_path(torch.load(flat)["optim"])
+    return [(path, v.tolist() if isinstance(v, torch.Tensor) else v) for path, v in leaves]
 
 
 @pytest.mark.parametrize("strategy", [["parallel.tp=1"], ["parallel.tp=1", "parallel.dp=2", "per_device_train_batch_size=4"]])

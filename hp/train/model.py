@@ -126,6 +126,10 @@ def check_fits(config, strategy: Strategy, *, weights: str | None = None, name: 
         plan = plan_for(config)
     except ValueError as e:
         raise ConfigError(f"model_name_or_path: {e}") from None
+    if plan.vision is not None:
+        raise ConfigError(f"model_name_or_path: {config.model_type} is a vision-language model, which hp train does "
+                          "not read images for yet (the zoo lays it out with hp.apply_strategy); expected a text "
+                          "model")
     _check_experts(config, strategy, name, labels)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -151,7 +155,7 @@ def _check_experts(config, strategy: Strategy, name: str | None, labels: Mapping
     model = f"model_name_or_path = {name!r}" if name else "the model"
     dense = f"{model} is a dense {config.model_type} model"
     if strategy.ep > 1:
-        families = ", ".join(t for t in supported() if plan_for_type(t).experts)
+        families = ", ".join(t for t in supported() if plan_for_type(t).experts and plan_for_type(t).vision is None)
         raise ConfigError(f"{labels.get('ep', 'parallel.ep')} = {strategy.ep}: {dense}, with no experts to split; "
                           f"expert parallel needs a mixture-of-experts model ({families}; {TINY_QWEN3_MOE!r} is "
                           "embedded); set ep to 1")
