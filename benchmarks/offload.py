@@ -107,7 +107,7 @@ def run(reps: int) -> list[dict]:
             seconds, high = _measured(steps[name], ids)
             times[name].append(seconds)
             rss[name].append(high)
-            moved[name] = _moved(steps[name]) if name in FRACTIONS else everything.moved
+            moved[name] = steps[name].last_run.bytes_moved if name in FRACTIONS else everything.moved
     records = []
     for name in steps:
         record_ = {"bench": "offload", "config": name, "median_s": round(statistics.median(times[name]), 4),
@@ -177,11 +177,6 @@ class _Everything:
         storage = self.tier.take(key)
         self.moved += storage.nbytes()
         return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
-
-
-def _moved(step) -> int:
-    run = step.last_run
-    return run.bytes_offloaded + run.bytes_read_back
 
 
 def _rss() -> int:

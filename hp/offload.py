@@ -77,8 +77,8 @@ def offload(
     backward instead of moving what they save, where that costs less time
     (`hp.offload_plan.choose_recompute`); a block it picks is recomputed from then on
     (`hp.recompute`) and the next call is recorded anew; should that recording hold more than the
-    plan expected, the block keeps its activations again and is not picked again. `bandwidth` (bytes per second) replaces the tier's measured
-    one, for a disk other work shares, say.
+    plan expected, the block keeps its activations again and is not picked again. `bandwidth`
+    (bytes per second) replaces the tier's measured one, for a disk other work shares, say.
 
     With `kv_cache` (a decoding step's cache, such as transformers' `DynamicCache`), the budget is
     the cache's instead: at most that many of its bytes resident at any moment (a float: that
@@ -142,7 +142,10 @@ class Offloaded:
         self._tier = DiskTier(directory)
         self._states = OptimizerStates(optimizer, self._tier) if optimizer is not None else None
         self._cache = CacheTiering(kv_cache, self._tier, budget) if kv_cache is not None else None
-        self._candidates = tuple(b for b in blocks if not is_recomputed(b))  # blocks the planner may recompute
+        self._blocks = {name: m for root in modules for name, m in root.named_modules()}  # by qualified name
+        names = {id(m): name for name, m in self._blocks.items()}
+        # the blocks the planner may recompute, by name, in model order
+        self._candidates = tuple(names[id(b)] for b in blocks if not is_recomputed(b))
         self._recomputed: tuple[str, ...] = ()
         self._trying: tuple[str, ...] = ()  # blocks recomputed since the last recording: checked by the next
         self._over_before = 0  # bytes over budget of the plan that chose them
@@ -162,7 +165,8 @@ class Offloaded:
             self.last_run = self._cache.last_run
             return result
         if self._stale:
-            result, recording = record(self._step, args, kwargs, self._modules, self._candidates)
+            candidates = tuple(self._blocks[name] for name in self._candidates)
+            result, recording = record(self._step, args, kwargs, self._modules, candidates)
             self._plan = self._make_plan(recording)
             return result
         run = _Run(self._plan, self._tier, self._states.prefetch if self._states else None)
@@ -190,10 +194,6 @@ class Offloaded:
             self(*args, **kwargs)
         return self._plan
 
-    def _candidate_names(self) -> list[str]:
-        names = {id(m): name for root in self._modules for name, m in root.named_modules()}
-        return [names[id(block)] for block in self._candidates]
-
     @staticmethod
     def _on_any_rank(flags: list[bool]) -> list[bool]:
         """Each flag true where it is on any rank: a recompute replays its block's collectives, so every
@@ -211,7 +211,6 @@ class Offloaded:
             budget = self._budget
             self._budget_bytes = int(budget * recording.step_peak_bytes) if isinstance(budget, float) else budget
         plan = plan_offload(recording, self._budget_bytes, self._tier.name, self._bandwidth, self._recomputed)
-        blocks = {name: m for root in self._modules for name, m in root.named_modules()}
         lockstep, self._lockstep = self._lockstep, False
         if not lockstep:  # recorded on this rank alone: the blocks stay as all ranks chose them
             self._stale = False
@@ -219,20 +218,20 @@ class Offloaded:
         if self._trying and self._on_any_rank([plan.over_budget_bytes > self._over_before])[0]:
             # recomputing them holds more at once than the estimate said: keep their activations again
             for name in self._trying:
-                keep_activations(blocks[name])
+                keep_activations(self._blocks[name])
             self._recomputed = tuple(n for n in self._recomputed if n not in self._trying)
             self._trying, self._stale, self._lockstep = (), True, True
             return plan
         picked = choose_recompute(recording, plan, self._tier.copy_share)
-        candidates = self._candidate_names()
-        chosen = tuple(n for n, f in zip(candidates, self._on_any_rank([n in picked for n in candidates])) if f)
+        agreed = self._on_any_rank([name in picked for name in self._candidates])
+        chosen = tuple(name for name, f in zip(self._candidates, agreed) if f)
         self._stale, self._trying, self._over_before = bool(chosen), chosen, plan.over_budget_bytes
         self._lockstep = bool(chosen)
         if chosen:  # what a recomputed block saves changes: the next call records again
             for name in chosen:
-                recompute(blocks[name])
-            self._recomputed = tuple(n for n in blocks if n in chosen or n in self._recomputed)  # model order
-            self._candidates = tuple(b for b in self._candidates if not is_recomputed(b))
+                recompute(self._blocks[name])
+            self._recomputed = tuple(n for n in self._blocks if n in chosen or n in self._recomputed)  # model order
+            self._candidates = tuple(n for n in self._candidates if n not in chosen)
             plan = dataclasses.replace(plan, recompute=self._recomputed)
         return plan
 
@@ -246,6 +245,11 @@ class RunStats:
     bytes_read_back: int
     optimizer_bytes: int = 0  # optimizer states put away after the latest update (read back before the next)
 
+    @property
+    def bytes_moved(self) -> int:
+        """Every byte that crossed to the slow tier and back: activations, and the states both ways."""
+        return self.bytes_offloaded + self.bytes_read_back + 2 * self.optimizer_bytes
+
 
 class _Saved:
     """One save's handle: the tensor kept, or how to rebuild it from the tier."""
@@ -257,7 +261,7 @@ class _Run:
     """The saved-tensor hooks of one planned call, with their resident-bytes ledger."""
 
     def __init__(self, plan: OffloadPlan, tier: DiskTier, on_backward: Callable[[], None] | None) -> None:
-        self.plan, self.tier, self.on_backward = plan, tier, on_backward
+        self.tier, self.on_backward = tier, on_backward
         self.offload = {d.tensor.index: d.prefetch_at for d in plan.decisions if d.action == "offload"}
         self.by_event: dict[int, list[int]] = {}
         for index, event in self.offload.items():
@@ -286,7 +290,7 @@ class _Run:
             self._tick()
             index, self.saved = self.saved, self.saved + 1
             self.storages[key] = index
-            # an offloaded storage is held by nobody here: once freed, its address may be reused
+            # an offloaded storage is held by nobody here: once freed, its key may name another
             weakref.finalize(local_of(t).untyped_storage(), self._forget, key, index)
             if not self._matches(index, t):
                 self.mismatched = True
@@ -321,7 +325,8 @@ class _Run:
             storage = self.fetched[handle.index] = self.tier.take(handle.key)
             self.moved_in += storage.nbytes()
             self._on_device(handle.index, storage.nbytes())
-        local = torch.empty(0, dtype=handle.dtype).set_(storage, handle.offset, handle.shape, handle.stride)
+        local = torch.empty(0, dtype=handle.dtype, device=storage.device).set_(storage, handle.offset, handle.shape,
+                                                                                handle.stride)
         return local if handle.spec is None else DTensor(local, handle.spec, requires_grad=False)
 
     def _matches(self, index: int, t: torch.Tensor) -> bool:

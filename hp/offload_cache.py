@@ -104,7 +104,7 @@ class CacheTiering:
             if self.kept is None:
                 self._decide(self._layer_bytes(layer))
             if index >= self.kept:
-                self.away[index] = tuple(self._put(t) for t in (layer.keys, layer.values))
+                self._write_out(index)
             if index + 1 in self.away:
                 self._prefetch(index + 1)
             self._account()
@@ -122,13 +122,17 @@ class CacheTiering:
         for index in range(max(self.kept, 1), layers):  # layers kept last step that no longer fit
             layer = self.cache.layers[index]
             if index not in self.away and self._layer_bytes(layer):
-                self.away[index] = tuple(self._put(t) for t in (layer.keys, layer.values))
+                self._write_out(index)
                 self._free(index)
 
-    def _put(self, t: torch.Tensor) -> tuple[int, int]:
-        storage = local_of(t).untyped_storage()
-        self.moved_out += storage.nbytes()
-        return self.tier.put(storage), storage.nbytes()
+    def _write_out(self, index: int) -> None:
+        """Start writing layer `index`'s keys and values to the tier (its storages stay until `_free`)."""
+        layer, written = self.cache.layers[index], []
+        for t in (layer.keys, layer.values):
+            storage = local_of(t).untyped_storage()
+            self.moved_out += storage.nbytes()
+            written.append((self.tier.put(storage), storage.nbytes()))
+        self.away[index] = tuple(written)
 
     def _free(self, index: int) -> None:
         """Layer `index`'s storages shrink to nothing once their bytes are written out."""
@@ -169,7 +173,7 @@ class CacheTiering:
         tensors = [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None]
         if resident:
             return sum(local_of(t).untyped_storage().nbytes() for t in tensors)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(map(_nbytes, tensors))
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -195,7 +195,8 @@ def _offload_choices(recording: Recording, limits: list[int], bandwidth: float,
 
 
 def _excess(after: list[int], limits: list[int]) -> int:
-    return max((a - b for a, b in zip(after, limits)), default=0) if not _fits(after, limits) else 0
+    """Bytes over the limits at the worst event (0 when they fit), as `OffloadPlan.over_budget_bytes` counts."""
+    return max(0, max((a - b for a, b in zip(after, limits)), default=0))
 
 
 def _fits(after: list[int], limits: list[int]) -> bool:

@@ -84,7 +84,7 @@ class Strategy:
     expert_bias_rate: float = 0.0  # aux-loss-free balancing: routing bias step toward the mean load (0: off)
     tp2d: bool = False  # 2D tensor parallel
     offload: str | None = None  # hp.offload's slow tier for saved activations (None: nothing offloaded)
-    offload_budget: float = 0.5  # hp.offload's budget: this fraction of the step's recorded peak
+    offload_budget: float = DEFAULT_OFFLOAD_BUDGET  # hp.offload's budget: this fraction of the step's recorded peak
     recompute: bool = False  # each decoder block recomputes its activations in backward instead of keeping them
 
     def __post_init__(self) -> None:

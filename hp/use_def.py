@@ -135,7 +135,7 @@ class _Allocations(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.live = self.high = self.looks = 0
-        self._seen: dict[int, tuple[int, int]] = {}  # live storage -> (bytes, looks before it)
+        self._seen: dict[tuple, tuple[int, int]] = {}  # live storage (`storage_key`) -> (bytes, looks before it)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -146,19 +146,18 @@ class _Allocations(TorchDispatchMode):
 
     def _track(self, t: torch.Tensor) -> None:
         try:
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
+            key, storage = storage_key(t), t.untyped_storage()
         except RuntimeError:  # a wrapper with no storage of its own (a collective's pending result)
             return
-        if ptr in self._seen or storage.device.type == "meta":
+        if key in self._seen or storage.device.type == "meta":
             return
-        self._seen[ptr] = (storage.nbytes(), self.looks)
+        self._seen[key] = (storage.nbytes(), self.looks)
         self.live += storage.nbytes()
         self.high = max(self.high, self.live)
-        weakref.finalize(storage, self._free, ptr, storage.nbytes())
+        weakref.finalize(storage, self._free, key, storage.nbytes())
 
-    def _free(self, ptr: int, nbytes: int) -> None:
-        self._seen.pop(ptr, None)
+    def _free(self, key: tuple, nbytes: int) -> None:
+        self._seen.pop(key, None)
         self.live -= nbytes
 
     def look(self) -> int:

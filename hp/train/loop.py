@@ -120,8 +120,7 @@ def train(config: TrainConfig) -> dict:
             progress.expert_load = balance_experts(model, strategy.expert_bias_rate)
             last_run = getattr(forward_backward, "last_run", None)
             if last_run is not None:
-                progress.offload_bytes = (last_run.bytes_offloaded + last_run.bytes_read_back
-                                          + 2 * last_run.optimizer_bytes)  # the states go out and come back
+                progress.offload_bytes = last_run.bytes_moved
             progress.seconds += time.perf_counter() - start
             progress.tokens += tokens
             progress.losses.append(loss)

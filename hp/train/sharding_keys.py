@@ -135,7 +135,7 @@ def from_deepspeed(value: Any, base_dir: str | os.PathLike | None = None) -> Tra
     >>> from_deepspeed({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
     Traceback (most recent call last):
     ...
-    hp.train.sharding_keys.ShardingKeyError: deepspeed: zero_optimization.offload_optimizer = {'device': 'cpu'}: offloading to the CPU or NVMe is not available yet (hp.offload moves saved activations only, so far); expected no offload section, or device 'none'
+    hp.train.sharding_keys.ShardingKeyError: deepspeed: zero_optimization.offload_optimizer = {'device': 'cpu'}: offloading to the CPU or NVMe is not available yet (parallel.offload: disk moves saved activations and AdamW's states by a plan of its own; DeepSpeed's CPU and NVMe sections are not mapped onto it); expected no offload section, or device 'none'
     """
     ds, source = read_json("deepspeed", value, base_dir)
     unknown = sorted(k for k in ds if k not in _DS_READ)
@@ -172,7 +172,7 @@ def _zero_stage(zero: Any, source: str) -> tuple[int, dict[str, Any]]:
         offload = zero.get(key)
         if offload and (not isinstance(offload, Mapping) or offload.get("device", "none") != "none"):
             raise ShardingKeyError(f"{source}: zero_optimization.{key} = {offload!r}: offloading to the CPU or NVMe "
-                                   "is not available yet (hp.offload moves saved activations only, so far); expected no offload section, "
+                                   "is not available yet (parallel.offload: disk moves saved activations and AdamW's states by a plan of its own; DeepSpeed's CPU and NVMe sections are not mapped onto it); expected no offload section, "
                                    "or device 'none'")
     fields = {0: {}, 1: {"fsdp": True, "reshard_after_forward": False},
               2: {"fsdp": True, "reshard_after_forward": False}, 3: {"fsdp": True}}[stage]
