@@ -23,27 +23,33 @@ from hp.ops.rule import rule
 aten = torch.ops.aten
 
 
+def _dims(n: int) -> list[str]:
+    return [f"a{i}" for i in range(n)]
+
+
+def _rows(self, source) -> bool:
+    """Whether `source` is rows of `self`'s features (as the models pass it), not a flat fill."""
+    return source.ndim == 2 and source.shape[-1] == self.shape[-1]
+
+
 def _spec(self, mask, source) -> str:
-    lead = [f"a{i}" for i in range(self.ndim - 1)]
-    dims = " ".join([*lead, "h"])
-    if source.ndim == 2 and source.shape[-1] == self.shape[-1]:  # rows of features, as the models pass them
-        return f"{dims}, {dims}, n h -> {dims}"
-    return f"{dims}, {dims}, {' '.join('_' for _ in range(source.ndim))} -> {dims}"
+    dims = " ".join([*_dims(self.ndim - 1), "h"])
+    fill = "n h" if _rows(self, source) else " ".join("_" for _ in range(source.ndim))
+    return f"{dims}, {dims}, {fill} -> {dims}"
 
 
 def _whole(self, mask, source) -> str:
-    rows = source.ndim == 2 and source.shape[-1] == self.shape[-1]
-    return " ".join([*(f"a{i}" for i in range(self.ndim - 1)), *(["n"] if rows else ["h"])])
+    return " ".join([*_dims(self.ndim - 1), "n" if _rows(self, source) else "h"])
 
 
 def _backward_spec(grad, mask, sizes) -> str:
-    dims = " ".join(f"a{i}" for i in range(grad.ndim))
+    dims = " ".join(_dims(grad.ndim))
     return f"{dims}, {dims} -> {' '.join('_' for _ in sizes)}"
 
 
 def _backward_whole(grad, mask, sizes) -> str:
     # every dim: the op takes the source's global `sizes`, which a split would not match
-    return " ".join(f"a{i}" for i in range(grad.ndim))
+    return " ".join(_dims(grad.ndim))
 
 
 rule(aten.masked_scatter.default, _spec, whole=_whole)
