@@ -92,8 +92,12 @@ def run(reps: int) -> list[dict]:
     steps["everything"] = everything.wrap(steps["everything"])
     recompute_blocks(models["recompute"].model.layers)
 
-    # warm-up: hp records and plans (and records again where its plan recomputes a layer)
-    losses = {name: [step(ids) for _ in range(3)] for name, step in steps.items()}
+    # warm-up: hp records and plans, and records again after each recompute choice or back-out;
+    # every configuration takes as many steps, so that their losses compare
+    losses: dict[str, list[float]] = {name: [] for name in steps}
+    while not losses["none"] or not all(steps[name].settled for name in FRACTIONS):
+        for name, step in steps.items():
+            losses[name].append(step(ids))
     for name, got in losses.items():
         if got != losses["none"]:
             raise AssertionError(f"{name}: losses {got} differ from the plain step's {losses['none']}")

@@ -177,6 +177,12 @@ class Offloaded:
             self._stale, self._budget_bytes, self._lockstep = True, None, False  # this rank alone
         return result
 
+    @property
+    def settled(self) -> bool:
+        """Whether the next call runs the plan (False: it records, as the first does, and one after a
+        recompute choice, a back-out, or a call that saved something else)."""
+        return not self._stale
+
     def restore_optimizer_states(self) -> None:
         """The optimizer's states back on the device, as before a checkpoint is saved (the next
         update puts them away again)."""
