@@ -26,6 +26,7 @@ from hp.ops import RuleError, rule
 from hp.ops.context_parallel import context_parallel
 from hp.parallelize import PlanError, parallelize
 from hp.region import region
+from hp.replicated import run_replicated
 from hp.simulate import simulated
 from hp.strategy import Strategy, StrategyError
 from hp.model_plan import ModelPlan
@@ -36,7 +37,7 @@ from hp.offload import OffloadError, offload
 __all__ = [
     "Layout", "LayoutError", "MeshError", "ModelPlan", "OffloadError", "PlanError", "RuleError", "Rules", "Strategy", "StrategyError",
     "StrictError", "apply_strategy", "check_strategy", "comm", "constrain", "context_parallel", "describe", "explain", "from_local",
-    "layout", "layout_of", "mesh", "offload", "parallelize", "reduce_gradients", "region", "rule", "rules", "shard", "simulated",
+    "layout", "layout_of", "mesh", "offload", "parallelize", "reduce_gradients", "region", "rule", "rules", "run_replicated", "shard", "simulated",
     "strategy_mesh", "strict",
 ]
 

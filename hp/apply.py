@@ -10,7 +10,12 @@ sequence preparation of `hp.sequence`, FSDP or the dp/cp gradient
 reduction of `hp.data_parallel`, expert parallel for the plan's experts
 modules (`hp.ops.expert_parallel`) with the routing bias of
 `hp.expert_balance`, and activation recompute of the plan's
-blocks (`hp.recompute`). Nothing here knows a model family.
+blocks (`hp.recompute`). A vision-language plan's vision tower runs whole
+on every rank (`hp.run_replicated`) and is an FSDP unit of its own; its
+decoder's input is cut to each rank's batch and sequence block with a
+pending gradient (`hp.constrain(pending_grad=True)`), so the tower's
+gradients pend over dp, ep and cp like every other's. Nothing here knows
+a model family.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from torch import nn
 
 from hp.data_parallel import fully_shard_model
 from hp.expert_balance import biased_routing
+from hp.layouts import constrain
 from hp.hf_attention import ulysses_around_attention, uses_sdpa
 from hp.mesh import mesh as make_mesh
 from hp.model_plan import ModelPlan
@@ -30,6 +36,7 @@ from hp.ops.context_parallel import context_parallel
 from hp.ops.expert_parallel import expert_parallel
 from hp.parallelize import check_plan, forward_inside, parallelize
 from hp.recompute import recompute_blocks
+from hp.replicated import run_replicated
 from hp.sequence import prepare_sequences
 from hp.strategy import Strategy, StrategyError
 
@@ -44,6 +51,15 @@ def strategy_mesh(strategy: Strategy | Mapping[str, Any], *, simulate: bool = Fa
     return make_mesh(**Strategy.of(strategy).mesh_axes, simulate=simulate)
 
 
+def token_layout(strategy: Strategy) -> str:
+    """The layout of a batch of tokens: the batch split over dp and ep, the sequence over cp.
+
+    >>> token_layout(Strategy(dp=4, ep=2, cp=2))
+    'b/dp/ep s/cp'
+    """
+    return " ".join(("/".join(("b", *strategy.batch_axes)), "s/cp" if strategy.cp > 1 else "s"))
+
+
 def layouts(strategy: Strategy, plan: ModelPlan) -> tuple[dict[str, str], dict, dict]:
     """(parameter layouts, input layouts, output layouts) that `hp.parallelize` applies.
 
@@ -56,17 +72,23 @@ def layouts(strategy: Strategy, plan: ModelPlan) -> tuple[dict[str, str], dict, 
     >>> layouts(Strategy(dp=2, ep=2), plan_for_type("qwen3_moe"))[1][""]["input_ids"]
     'b/ep s'
     """
-    batch = "/".join(("b", *strategy.batch_axes))
-    seq = "s/cp" if strategy.cp > 1 else "s"
-    tokens = f"{batch} {seq}"
-    split = batch != "b" or strategy.cp > 1
-    inputs = {"": {"input_ids": tokens, "labels": tokens, "shift_labels": tokens}} if split else {}
+    tokens = token_layout(strategy)
+    split = tokens != "b s"
+    residual = f"{tokens}/tp h" if strategy.sequence_parallel else f"{tokens} h"
+    labels = {"labels": tokens, "shift_labels": tokens}
     experts = dict(plan.expert_params) if strategy.ep > 1 else {}
+    if plan.decoder is None:
+        inputs = {"": {"input_ids": tokens, **labels}} if split else {}
+        # The embedding starts the residual stream: a vocab-parallel (tied) one hands back a pending sum.
+        starts = {plan.embedding: residual}
+    else:  # the text reaches the decoder embedded, images in it: the stream starts, and splits, at its input
+        inputs = {"": labels} if split else {}
+        if split or strategy.tp > 1:
+            inputs[plan.decoder] = {"inputs_embeds": residual}
+        starts = {}
     if strategy.tp == 1:
         return experts, inputs, {}
-    residual = f"{tokens}/tp h" if strategy.sequence_parallel else f"{tokens} h"
-    # The embedding starts the residual stream: a vocab-parallel (tied) one hands back a pending sum.
-    outputs = {name: residual for name in (plan.embedding, *plan.residual)}
+    outputs = {name: residual for name in (*starts, *plan.residual)}
     return {**experts, **plan.params}, inputs, outputs
 
 
@@ -89,18 +111,23 @@ def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any
     f32[out=64, in=64/tp]
     """
     strategy = Strategy.of(strategy)
-    _check_vision(strategy, plan)
     params, inputs, outputs = layouts(strategy, plan)
     params = _present(params, model.named_parameters(remove_duplicate=False))
     outputs = _present(outputs, model.named_modules())
     parallelize(model, mesh, params, inputs=inputs, outputs=outputs)
+    if plan.vision is not None:  # whole on every rank; its gradients pend where the decoder's input splits
+        run_replicated(model.get_submodule(plan.vision), mesh, pending=strategy.token_axes)
+    if plan.decoder is not None and strategy.token_axes:
+        _cut_decoder_input(model.get_submodule(plan.decoder), token_layout(strategy))
     experts = expert_parallel(model, plan.experts)
     if strategy.expert_bias_rate:
         biased_routing(model, plan.routers)
     if strategy.fsdp_axes:
-        fully_shard_model(model, mesh, list(model.get_submodule(plan.blocks)), strategy, experts=experts)
+        units = [*model.get_submodule(plan.blocks), *([model.get_submodule(plan.vision)] if plan.vision else [])]
+        fully_shard_model(model, mesh, units, strategy, experts=experts)
     if strategy.cp > 1:
-        _context_parallel_attention(model, strategy)
+        # A vision tower attends within each image, on every rank in full: only the decoder's attention splits.
+        _context_parallel_attention(model.get_submodule(plan.decoder) if plan.decoder else model, strategy)
     if strategy.splits_sequence:
         prepare_sequences(model, strategy, plan)
     if strategy.recompute:
@@ -123,7 +150,6 @@ def check_strategy(model: nn.Module, strategy: Strategy | Mapping[str, Any], pla
     """
     strategy = Strategy.of(strategy)
     strategy.check_fits(model.config)
-    _check_vision(strategy, plan)
     params, _, _ = layouts(strategy, plan)
     check_plan(model, strategy.mesh_axes, _present(params, model.named_parameters(remove_duplicate=False)))
     _check_attention(model, strategy)
@@ -133,14 +159,16 @@ def check_strategy(model: nn.Module, strategy: Strategy | Mapping[str, Any], pla
                             "names no softmax top-k routers to bias; set it to 0")
 
 
-def _check_vision(strategy: Strategy, plan: ModelPlan) -> None:
-    """A vision-language model takes tp and sp; its images do not split over batch or sequence yet."""
-    if plan.vision is None:
-        return
-    for name, size in (("ep", strategy.ep), ("cp", strategy.cp), ("dp", strategy.dp)):
-        if size > 1:
-            raise StrategyError(name, size, ": vision-language models do not split their batch or sequence yet "
-                                "(their images would have to split with it); use tp, with sp if you like")
+def _cut_decoder_input(decoder: nn.Module, tokens: str) -> None:
+    """A vision-language decoder's input, computed whole on every rank, cut to the rank's batch and
+    sequence block before it takes the residual stream's layout. Its gradient comes back pending
+    over those axes, not gathered, so the vision tower's gradients pend like every other's."""
+
+    def cut_input(mod, args, kwargs):
+        kwargs["inputs_embeds"] = constrain(kwargs["inputs_embeds"], f"{tokens} h", pending_grad=True)
+        return args, kwargs
+
+    decoder.register_forward_pre_hook(cut_input, with_kwargs=True, prepend=True)
 
 
 def _check_attention(model: nn.Module, strategy: Strategy) -> None:

@@ -36,7 +36,11 @@ class ModelPlan:
     out their packed weights over `ep` (applied when ep > 1); `routers` names
     the modules that choose each token's experts (softmax top-k routers,
     for the strategy's auxiliary-loss-free balancing). `vision` is a
-    vision-language family's vision tower, replicated over the decoder's ranks.
+    vision-language family's vision tower, replicated over the decoder's ranks
+    (one FSDP unit of its own), and `decoder` its language model: the model
+    embeds the text, scatters the tower's output into it and computes the
+    positions on the whole sequence, so the residual stream starts at the
+    decoder's `inputs_embeds`, and that is where the sequence splits.
 
     >>> import hp
     >>> plan = hp.ModelPlan(params={"*.q_proj.weight": "out/tp in"}, residual=("*.o_proj",))
@@ -53,6 +57,7 @@ class ModelPlan:
     expert_params: Mapping[str, str] = field(default_factory=dict)
     routers: tuple[str, ...] = ()
     vision: str | None = None
+    decoder: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
@@ -63,4 +68,4 @@ class ModelPlan:
 
     def __hash__(self) -> int:
         return hash((tuple(self.params.items()), self.residual, self.blocks, self.embedding, self.rotary,
-                     self.experts, tuple(self.expert_params.items()), self.routers, self.vision))
+                     self.experts, tuple(self.expert_params.items()), self.routers, self.vision, self.decoder))

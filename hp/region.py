@@ -61,6 +61,7 @@ KERNELS = {
     **fused.SLICES,
     torch.Tensor.__getitem__: in_turn(fused.fused_getitem, masked.masked_getitem),
     torch.Tensor.__setitem__: masked.masked_setitem,
+    torch.Tensor.masked_scatter: masked.masked_scatter,
     **residual.KERNELS,
     **npu_attention.kernels(),
 }

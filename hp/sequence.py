@@ -17,6 +17,13 @@ sequence, before any rank holds only its part:
 
 Padding masks and explicit `position_ids` are refused under cp (packed and
 padded batches are not supported there yet); an all-ones mask is dropped.
+M-RoPE's 3-D positions (`(3, b, s)`, computed on the whole sequence) are taken.
+
+A vision-language model (`ModelPlan.decoder`) scatters its images into the
+text by the placeholders' order, so its tokens keep their order up to the
+decoder: only the labels are permuted at the model's input, and the
+decoder's embeddings (with Qwen3-VL's deepstack positions and features) at
+the decoder's.
 """
 
 from __future__ import annotations
@@ -49,17 +56,22 @@ def prepare_sequences(model: nn.Module, strategy: Strategy, plan: ModelPlan) -> 
     signature = inspect.signature(model.forward)
 
     def before(mod, args, kwargs):
-        return (), prepare(as_keywords(signature, args, kwargs), strategy, pad_id)
+        return (), prepare(as_keywords(signature, args, kwargs), strategy, pad_id, order_tokens=plan.decoder is None)
 
     model.register_forward_pre_hook(before, with_kwargs=True, prepend=True)
+    if strategy.ring and plan.decoder is not None:
+        model.get_submodule(plan.decoder).register_forward_pre_hook(_head_tail_decoder_input(strategy.cp),
+                                                                    with_kwargs=True, prepend=True)
     if strategy.ring and plan.rotary is not None:
         for name, module in model.named_modules():
             if fnmatch.fnmatchcase(name, plan.rotary):
                 module.register_forward_hook(_head_tail_rotary(strategy.cp))
 
 
-def prepare(kwargs: dict, strategy: Strategy, pad_id: int) -> dict:
+def prepare(kwargs: dict, strategy: Strategy, pad_id: int, *, order_tokens: bool = True) -> dict:
     """The forward's keyword arguments with labels shifted, sequences padded and ordered.
+
+    With `order_tokens` False only the labels take head-tail order (the tokens do at the decoder).
 
     >>> s = Strategy(cp=2, cp_algorithm="ring")
     >>> out = prepare({"input_ids": torch.tensor([[5, 6, 7]]), "labels": torch.tensor([[5, 6, 7]])}, s, 0)
@@ -73,14 +85,17 @@ def prepare(kwargs: dict, strategy: Strategy, pad_id: int) -> dict:
         kwargs["shift_labels"] = F.pad(kwargs["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
     extra = -seq % strategy.sequence_chunks
     order = head_tail_order(seq + extra, strategy.cp) if strategy.ring else None
-    fills = {"input_ids": pad_id, "inputs_embeds": 0.0, "shift_labels": IGNORE_INDEX, "attention_mask": 0}
+    fills = {"input_ids": pad_id, "inputs_embeds": 0.0, "mm_token_type_ids": 0, "shift_labels": IGNORE_INDEX,
+             "attention_mask": 0}
     for key, fill in fills.items():
         value = kwargs.get(key)
         if value is None:
             continue
         if extra:
             value = F.pad(value, (0, 0) * (value.ndim - 2) + (0, extra), value=fill)
-        kwargs[key] = value if order is None else value[:, order.to(value.device)]
+        if order is not None and (order_tokens or key == "shift_labels"):
+            value = value[:, order.to(value.device)]
+        kwargs[key] = value
     if kwargs.get("position_ids") is not None and extra:  # the padding continues the positions
         last = kwargs["position_ids"][..., -1:]
         more = last + torch.arange(1, extra + 1, device=last.device)
@@ -97,9 +112,36 @@ def _head_tail_rotary(cp: int):
     return hook
 
 
+def _head_tail_decoder_input(cp: int):
+    """A pre-hook that puts a vision-language decoder's input in head-tail order.
+
+    Qwen3-VL's deepstack adds features at the visual positions (`visual_pos_masks`), one row per
+    position in the mask's order: the mask is permuted with the tokens, and the rows so that the
+    k-th visual position of the permuted mask gets its own row.
+    """
+
+    def hook(mod, args, kwargs):
+        embeds = kwargs["inputs_embeds"]
+        order = head_tail_order(embeds.shape[1], cp).to(embeds.device)
+        kwargs["inputs_embeds"] = embeds[:, order]
+        mask = kwargs.get("visual_pos_masks")
+        if mask is not None:
+            row = (mask.flatten().cumsum(0) - 1).view(mask.shape)  # each visual position's row
+            kwargs["visual_pos_masks"] = mask[:, order]
+            rows = row[:, order][kwargs["visual_pos_masks"]]
+            kwargs["deepstack_visual_embeds"] = [e[rows] for e in kwargs["deepstack_visual_embeds"]]
+        return args, kwargs
+
+    return hook
+
+
 def _refuse_what_cp_cannot_honour(kwargs: dict) -> None:
-    """Explicit positions and padding masks under cp; an all-ones mask is dropped (it masks nothing)."""
-    if kwargs.get("position_ids") is not None:
+    """Explicit positions and padding masks under cp; an all-ones mask is dropped (it masks nothing).
+
+    M-RoPE's positions (3, b, s) are whole-sequence positions, not packing: they are taken.
+    """
+    positions = kwargs.get("position_ids")
+    if positions is not None and positions.ndim != 3:
         raise ValueError("position_ids are not supported under context parallelism (positions follow the tokens)")
     mask = kwargs.pop("attention_mask", None)
     if mask is not None and not bool(mask.all()):

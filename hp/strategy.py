@@ -185,6 +185,15 @@ class Strategy:
         return tuple(axis for axis in ("dp", "ep") if axis in self.mesh_axes)
 
     @property
+    def token_axes(self) -> tuple[str, ...]:
+        """The mesh axes a batch of tokens is split over: the batch axes, then cp.
+
+        >>> Strategy(dp=4, ep=2, cp=2, tp=2).token_axes
+        ('dp', 'ep', 'cp')
+        """
+        return (*self.batch_axes, *(("cp",) if self.cp > 1 else ()))
+
+    @property
     def fsdp_axes(self) -> tuple[str, ...]:
         """The mesh axes FSDP shards parameters over, flattened: dp and cp of size > 1 (none without fsdp).
 

@@ -28,7 +28,7 @@ TP_PLAN = {
     "lm_head.weight": "vocab/tp h",
 }
 _NAMES = dict(blocks=f"{DECODER}.layers", embedding=f"{DECODER}.embed_tokens", rotary=f"{DECODER}.rotary_emb",
-              vision="model.visual")
+              vision="model.visual", decoder=DECODER)
 
 PLAN = ModelPlan(params=TP_PLAN, residual=(f"{_LAYERS}.self_attn.o_proj", f"{_LAYERS}.mlp.down_proj"), **_NAMES)
 MOE_PLAN = ModelPlan(

@@ -51,3 +51,9 @@ def test_zoo_strategies_on_four_gloo_processes():
     run = torchrun(str(HERE / "workers" / "zoo_gloo.py"), 4, timeout=600)
     assert_finished(run)
     assert sorted(re.findall(r"rank (\d) ok", run.stdout)) == ["0", "1", "2", "3"]
+
+
+def test_vl_families_with_images_under_fsdp_cp_and_ep_on_two_gloo_processes():
+    run = torchrun(str(HERE / "workers" / "vl_gloo.py"), 2, timeout=600)
+    assert_finished(run)
+    assert sorted(re.findall(r"rank (\d) ok", run.stdout)) == ["0", "1"]

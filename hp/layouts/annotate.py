@@ -29,7 +29,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from hp.layouts.errors import LayoutError
 from hp.layouts.parse import layout as parse
 from hp.layouts.placements import bind, from_placements, mesh_axes, to_placements
-from hp.layouts.reshard import reshard
+from hp.layouts.reshard import cut, reshard
 from hp.layouts.rules import Rules, resolve
 from hp.layouts.types import Layout
 
@@ -133,10 +133,13 @@ def constrain(
     mesh: DeviceMesh | None = None,
     rules: RulesLike = None,
     uneven: bool = False,
+    pending_grad: bool = False,
 ) -> DTensor:
     """Reshard `x` to `spec`, differentiably (like `with_sharding_constraint`).
 
-    A plain tensor is taken as replicated on `mesh` (required then).
+    A plain tensor is taken as replicated on `mesh` (required then). With `pending_grad`, `x` must be
+    replicated wherever `spec` splits it: each rank keeps its block and the gradient comes back as a
+    pending sum over the splitting axes, instead of gathered (`hp.layouts.reshard.cut`).
 
     >>> import hp, torch
     >>> mesh = hp.mesh(tp=2, simulate=True)
@@ -155,7 +158,7 @@ def constrain(
         raise LayoutError("hp.constrain cannot move a DTensor to another mesh")
     bound, placements = _prepare(spec, x.device_mesh, x.shape, rules, uneven)
     if tuple(x.placements) != placements:
-        x = reshard(x, placements)
+        x = cut(x, placements) if pending_grad else reshard(x, placements)
     else:
         x = x.view_as(x)  # a fresh node, so tagging never renames the caller's tensor
     return _tag(x, bound)

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
 
@@ -37,6 +38,47 @@ def reshard(x: DTensor, placements: Sequence[Placement]) -> DTensor:
     if into_partial:
         x = _replicate_to_partial(x, into_partial, placements)
     return x
+
+
+def cut(x: DTensor, placements: Sequence[Placement]) -> DTensor:
+    """`x`, replicated on the mesh dims that `placements` shard, cut to each rank's block; its gradient
+    comes back as a pending sum over those dims (each rank's block in place, zeros elsewhere).
+
+    `redistribute` would gather the gradient instead. A value computed in full on every rank and
+    then split by data parallel (a vision tower's output at the decoder's input) wants the pending
+    sum: the parameters that computed it get pending gradients, resolved once with all the others
+    (FSDP's reduce-scatter sums them, which a gathered, already whole gradient would double).
+    """
+    placements = tuple(placements)
+    cuts = [m for m, (p, q) in enumerate(zip(x.placements, placements)) if p != q]
+    if any(x.placements[m] != Replicate() or not isinstance(placements[m], Shard) for m in cuts):
+        raise ValueError(f"cut only splits replicated dims: {x.placements} -> {placements}")
+    return _Cut.apply(x, placements) if cuts else x
+
+
+class _Cut(torch.autograd.Function):
+    """Replicated -> sharded without communication, and back as a pending sum (each block in place)."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor, placements: tuple[Placement, ...]) -> DTensor:
+        ctx.replicated = x.placements
+        return x.redistribute(x.device_mesh, placements)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        mesh, shape = grad.device_mesh, tuple(grad.shape)
+        _, offset = compute_local_shape_and_global_offset(shape, mesh, grad.placements)
+        whole = _in_place(grad.to_local(), shape, offset)
+        pending = [Partial() if p != q else p for p, q in zip(ctx.replicated, grad.placements)]
+        return DTensor.from_local(whole, mesh, pending, run_check=False, shape=shape, stride=grad.stride()), None
+
+
+@maybe_run_for_local_tensor  # rank-dependent: runs once per simulated rank
+def _in_place(block: torch.Tensor, shape: tuple[int, ...], offset) -> torch.Tensor:
+    """Zeros of `shape` holding `block` at `offset`."""
+    whole = block.new_zeros(shape)
+    whole[tuple(slice(o, o + n) for o, n in zip(offset, block.shape))] = block
+    return whole
 
 
 def _redistribute(x: DTensor, placements: tuple[Placement, ...]) -> DTensor:

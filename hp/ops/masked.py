@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
+from hp.layouts.reshard import cut
 from hp.ops.rule import rule
 
 aten = torch.ops.aten
@@ -56,6 +57,53 @@ rule(aten.masked_scatter.default, _spec, whole=_whole)
 rule(aten.masked_scatter_backward.default, _backward_spec, whole=_backward_whole)
 
 
+def masked_scatter(x, mask, source):
+    """`x.masked_scatter(mask, source)` of a replicated DTensor `x`, on each rank's copy; a pending
+    gradient passes back pending (`NotImplemented` for other layouts: the rule above takes them).
+
+    >>> import hp, torch
+    >>> mesh = hp.mesh(dp=2, simulate=True)
+    >>> with hp.simulated(mesh), hp.region():
+    ...     x = hp.shard(torch.zeros(1, 3, 2), "b s h", mesh)
+    ...     y = x.masked_scatter(torch.tensor([[[True], [False], [True]]]), torch.ones(2, 2))
+    ...     print(hp.describe(y), y.full_tensor()[0, :, 0].tolist())
+    f32[1, 3, 2] [1.0, 0.0, 1.0]
+    """
+    if not (_replicated_dtensor(x) and all(_replicated_dtensor(t) or not isinstance(t, DTensor)
+                                           for t in (mask, source))):
+        return NotImplemented
+    return _MaskedScatter.apply(x, _local(mask), source)
+
+
+class _MaskedScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: DTensor, mask: torch.Tensor, source) -> DTensor:
+        ctx.mask, ctx.source = mask, (source.shape, isinstance(source, DTensor))
+        out = x.to_local().masked_scatter(mask, _local(source).to(x.dtype))
+        return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        if any(not (p.is_replicate() or p.is_partial()) for p in grad.placements):
+            grad = grad.redistribute(grad.device_mesh, [p if p.is_partial() else Replicate() for p in grad.placements])
+        g = grad.to_local()
+        mask = ctx.mask.expand_as(g)
+        (shape, is_dtensor) = ctx.source
+        to_x = DTensor.from_local(g.masked_fill(mask, 0), grad.device_mesh, grad.placements, run_check=False)
+        to_source = aten.masked_scatter_backward(g, mask, shape)
+        if is_dtensor:
+            to_source = DTensor.from_local(to_source, grad.device_mesh, grad.placements, run_check=False)
+        return to_x, None, to_source
+
+
+def _replicated_dtensor(t) -> bool:
+    return isinstance(t, DTensor) and all(p.is_replicate() for p in t.placements)
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def masked_getitem(x, index):
     """`x[mask, ...]` of a DTensor `x` with a boolean mask, as a replicated DTensor.
 
@@ -90,14 +138,24 @@ def masked_setitem(x, index, value):
     if local_index is None:
         return NotImplemented
     whole = _replicated(x)
-    rows = value.full_tensor() if isinstance(value, DTensor) else value
-    written = whole.to_local().clone()
-    written[local_index] = rows.to(x.dtype)
-    placements = [Replicate()] * x.device_mesh.ndim
-    new = DTensor.from_local(written, x.device_mesh, placements, run_check=False).redistribute(
-        x.device_mesh, x.placements)
-    x.copy_(new)
+    written = _rows_written(whole, local_index, value)
+    if written is NotImplemented:
+        rows = value.full_tensor() if isinstance(value, DTensor) else value
+        local = whole.to_local().clone()
+        local[local_index] = rows.to(x.dtype)
+        written = DTensor.from_local(local, x.device_mesh, whole.placements, run_check=False)
+    x.copy_(cut(written, x.placements))  # each rank writes its own block; the value's gradient pends over the split
     return None
+
+
+def _rows_written(whole: DTensor, index: tuple, value):
+    """`whole[mask] = rows` (or `whole[mask, :]`) as a masked scatter, whose backward keeps a pending
+    gradient pending; NotImplemented for other indexing or a split value."""
+    mask = index[0]
+    if index[1:] not in ((), (slice(None),)) or mask.ndim >= whole.ndim:
+        return NotImplemented
+    mask = mask.reshape(*mask.shape, *[1] * (whole.ndim - mask.ndim)).expand(whole.shape)
+    return masked_scatter(whole, mask, value)
 
 
 def _boolean_index(x, index) -> tuple | None:
