@@ -11,11 +11,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hp.train import quickstart_data
+from hp.train import quickstart_data, quickstart_vl_data
 from hp.train.data import (
     IGNORE_INDEX, TEMPLATES, Conversation, TokenBatches, build_examples, collate, encode_conversation,
     encode_prompt, load_examples,
 )
+from hp.train.images import load_image
 from hp.train.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 ROOT = Path(__file__).parent.parent
@@ -310,9 +311,15 @@ def test_quickstart_files_load_and_are_reproducible(tmp_path):
     word = prompt.split("\n")[1]
     assert prompt == f"Human: uppercase\n{word}\nAssistant:" and supervised_text(data[0]) == word.upper() + "\n"
     quickstart_data.write(tmp_path, 2000, 0)  # what examples/make_quickstart_data.py writes
-    for name in ("quickstart.json", "dataset_info.json"):
+    quickstart_vl_data.write(tmp_path, 200, 0)  # and examples/make_quickstart_vl_data.py, in either order
+    for name in ("quickstart.json", "quickstart_vl.json", "dataset_info.json"):
         assert (tmp_path / name).read_bytes() == (data_dir / name).read_bytes()
+    for png in sorted((data_dir / "quickstart_vl").iterdir()):  # the same pictures, whatever zlib compressed them
+        assert load_image(str(png)).tobytes() == load_image(str(tmp_path / "quickstart_vl" / png.name)).tobytes()
+    assert len(list((tmp_path / "quickstart_vl").iterdir())) == 200
     assert (data_dir / "quickstart.json").stat().st_size < 300_000
+    vl_bytes = sum(f.stat().st_size for f in (data_dir / "quickstart_vl").iterdir())
+    assert vl_bytes + (data_dir / "quickstart_vl.json").stat().st_size < 100_000
 
 
 def test_encode_conversation_matches_the_loader():

@@ -49,7 +49,7 @@ from hp.train.sharding_keys import (
     from_hf_fsdp,
     read_json,
 )
-from hp.train.templates import TEMPLATES as TEMPLATE_TABLE
+from hp.train.templates import TEMPLATE_NAMES
 
 __all__ = [
     "ACTIVATION_MODES", "DEFAULT_MASTER_PORT", "DEVICES", "DTYPES", "EVAL_STRATEGIES", "SCHEDULERS", "STAGES", "TEMPLATES",
@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 STAGES = ("pt", "sft")  # training stages hp train runs; LlamaFactory's rm, ppo, dpo, kto are not here yet
-TEMPLATES = tuple(TEMPLATE_TABLE)
+TEMPLATES = TEMPLATE_NAMES
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 EVAL_STRATEGIES = ("no", "steps", "epoch")
 DEVICES = ("auto", "cpu", "cuda", "npu")

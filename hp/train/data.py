@@ -13,6 +13,11 @@ optionally `columns` and (sharegpt) `tags` renaming the record keys:
              assistant_tag (gpt), observation_tag (observation),
              function_tag (function_call), system_tag (system)
 
+Both formattings take LlamaFactory's `images` column too: a record's image
+files (a list of paths, or one path, relative to `dataset_dir`, which is
+LlamaFactory's default `media_dir`), each placed where an `<image>` stands
+in the record's messages (see "Images" below).
+
 Without a `dataset_info.json`, a name may instead be a `.json` or `.jsonl`
 file path relative to `dataset_dir`, read as alpaca with default columns.
 Only local `.json` (a list of objects) and `.jsonl` (one object a line) files
@@ -39,6 +44,20 @@ may be shorter); sharegpt is refused for pt, as in LlamaFactory. Labels are
 aligned with `input_ids` (HF causal LMs shift them); -100 marks tokens
 without loss.
 
+Images (sft, for a vision-language model: `vision`, which `load_examples`
+reads from the model config when a dataset has an images column) are read
+as LlamaFactory's multimodal data: the template must place them
+(`qwen2_vl`), each record must hold as many `<image>` placeholders in its
+messages as images, and each placeholder becomes its image's tokens
+(`hp.train.vision.Vision.tokens`), never supervised. Every image is opened
+and sized while the data is read, so a missing or unreadable file, a picture
+smaller than one patch, or a `cutoff_len` that would cut through an image
+(refused: a cut image no longer matches its patches) is an error naming the
+record before any worker starts; a text model, a template without images,
+or stage pt given a dataset with images are refused by the dataset's name.
+An example keeps its images' paths (`images`); a batch reads and cuts them
+(`hp.train.batch`).
+
 An sft example left with no supervised token (a tiny `cutoff_len`) is
 dropped and counted in `Examples.dropped`, since it would only cost
 compute (LlamaFactory keeps it); if every example is dropped the load
@@ -58,24 +77,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from hp.train.batch import Batch, collate
 from hp.train.config import STAGES
 from hp.train.encoding import (  # noqa: F401 - encode_prompt and get_template are re-exported for callers
     IGNORE_INDEX, Conversation, check_supervision, document_end_id, encode_conversation, encode_prompt, get_template,
     template_for,
 )
-from hp.train.templates import TEMPLATES, Template  # noqa: F401 - TEMPLATES re-exported
+from hp.train.templates import IMAGE_PLACEHOLDER, TEMPLATES, VISION_TEMPLATES, Template  # noqa: F401 - re-exported
 from hp.train.tokenizer import Tokenizer
+from hp.train.vision import Vision
 
 FORMATTINGS = ("alpaca", "sharegpt")
 INFO_FILE = "dataset_info.json"
 
 # LlamaFactory's defaults; None means "no such column unless mapped".
 ALPACA_COLUMNS: dict[str, str | None] = {
-    "prompt": "instruction", "query": "input", "response": "output", "system": None, "history": None,
+    "prompt": "instruction", "query": "input", "response": "output", "system": None, "history": None, "images": None,
 }
-SHAREGPT_COLUMNS: dict[str, str | None] = {"messages": "conversations", "system": None, "tools": None}
+SHAREGPT_COLUMNS: dict[str, str | None] = {"messages": "conversations", "system": None, "tools": None, "images": None}
 # LlamaFactory's data arguments that change the sft encoding, with its defaults (config keys of the same names).
 SFT_OPTIONS: dict[str, Any] = {
     "default_system": None, "train_on_prompt": False, "mask_history": False, "enable_thinking": True,
@@ -97,6 +116,15 @@ class DatasetSpec:
     columns: Mapping[str, str | None] = field(default_factory=lambda: dict(ALPACA_COLUMNS))
     tags: Mapping[str, str] = field(default_factory=lambda: dict(SHAREGPT_TAGS))
     mapped: frozenset[str] = frozenset()  # column roles that dataset_info.json named explicitly
+    media_dir: Path | None = None  # where image paths start: dataset_dir (LlamaFactory's default); None: the file's
+
+    def image_path(self, name: str) -> str:
+        """The path of an image the records name (relative to `media_dir`, or absolute).
+
+        >>> DatasetSpec("d", Path("data/d.json")).image_path("pics/1.png")
+        'data/pics/1.png'
+        """
+        return str((self.media_dir if self.media_dir is not None else self.file.parent) / name)
 
     def where(self, index: int | None = None) -> str:
         """`dataset 'name' (file)`, with the record number when given: the prefix of every error."""
@@ -106,25 +134,29 @@ class DatasetSpec:
 
 @dataclass
 class Examples:
-    """Tokenized examples (dicts of `input_ids` and `labels`) and what loading left out.
+    """Tokenized examples (dicts of `input_ids` and `labels`, and `images`' paths if any) and what loading left out.
 
     >>> Examples([{"input_ids": [1, 2], "labels": [1, 2]}]).summary()
     '1 examples, 2 tokens, 2 supervised, 0 dropped'
     """
 
-    examples: list[dict[str, list[int]]]
+    examples: list[dict[str, list]]
     dropped: int = 0  # sft examples left with no supervised token
+    vision: Vision | None = None  # how the model reads the examples' images; None: batches of text
 
     def __len__(self) -> int:
         return len(self.examples)
 
-    def __getitem__(self, i: int) -> dict[str, list[int]]:
+    def __getitem__(self, i: int) -> dict[str, list]:
         return self.examples[i]
 
     def summary(self) -> str:
         tokens = sum(len(e["input_ids"]) for e in self.examples)
         supervised = sum(sum(label != IGNORE_INDEX for label in e["labels"]) for e in self.examples)
-        return f"{len(self.examples)} examples, {tokens} tokens, {supervised} supervised, {self.dropped} dropped"
+        images = sum(len(e.get("images", ())) for e in self.examples)
+        shown = f", {images} images" if images else ""
+        return (f"{len(self.examples)} examples, {tokens} tokens, {supervised} supervised, {self.dropped} dropped"
+                f"{shown}")
 
 
 # ---------------------------------------------------------------- finding files
@@ -161,7 +193,7 @@ def _bare_file_spec(name: str, directory: Path) -> DatasetSpec:
             f"dataset {name!r}: {directory} has no {INFO_FILE} and no file {path} "
             f"(name a .json/.jsonl file in dataset_dir, or add {INFO_FILE})"
         )
-    return DatasetSpec(name, path)
+    return DatasetSpec(name, path, media_dir=directory)
 
 
 def _spec_from_info(name: str, info: Mapping[str, Any], directory: Path, info_path: Path) -> DatasetSpec:
@@ -189,7 +221,7 @@ def _spec_from_info(name: str, info: Mapping[str, Any], directory: Path, info_pa
     if not path.is_file():
         raise ValueError(f"dataset {name!r}: file {path} does not exist (file_name in {info_path})")
     mapped = frozenset(entry.get("columns", {}))
-    return DatasetSpec(name, path, formatting, columns, tags, mapped)
+    return DatasetSpec(name, path, formatting, columns, tags, mapped, media_dir=directory)
 
 
 def _overrides(given: Any, defaults: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -359,6 +391,40 @@ def pt_text(record: Mapping[str, Any], spec: DatasetSpec, index: int = 0) -> str
     return "\n".join(_text(p, spec, "a text column", index) for p in parts if p)
 
 
+def record_images(record: Mapping[str, Any], spec: DatasetSpec, index: int = 0) -> list[str]:
+    """The paths of the images a record names in its images column (none when it has no such column or value).
+
+    >>> spec = DatasetSpec("d", Path("data/d.json"), "sharegpt", {**SHAREGPT_COLUMNS, "images": "images"})
+    >>> record_images({"images": ["a.png", "b.png"]}, spec)
+    ['data/a.png', 'data/b.png']
+    """
+    value = _column(record, spec, "images", index, required=False)
+    names = [value] if isinstance(value, str) else value or []
+    if not (isinstance(names, list) and all(isinstance(name, str) for name in names)):
+        raise ValueError(f"{spec.where(index)}: {spec.columns['images']!r} must be a list of image file paths "
+                         f"(relative to dataset_dir), got {value!r}")
+    return [spec.image_path(name) for name in names]
+
+
+def _check_takes_images(spec: DatasetSpec, stage: str, template: Template, vision: Vision | None) -> None:
+    """A dataset with an images column needs sft, a template that places images and a model that reads them."""
+    column = f"column {spec.columns['images']!r}"
+    if vision is None:
+        raise ValueError(
+            f"{spec.where()}: its records have images ({column}), but the model is a text model, which reads none; "
+            f"expected a vision-language model (model_name_or_path: hp/tiny-qwen2.5-vl) with template: "
+            f"{', '.join(VISION_TEMPLATES)}, or no images column in {INFO_FILE}"
+        )
+    if stage != "sft":
+        raise ValueError(f"{spec.where()}: its records have images ({column}), which stage {stage} does not read "
+                         "(pt packs plain text); expected stage: sft")
+    if template.mm_plugin is None:
+        raise ValueError(
+            f"{spec.where()}: its records have images ({column}), but template {template.name!r} places none "
+            f"(LlamaFactory refuses images with it too); expected template: {', '.join(VISION_TEMPLATES)}"
+        )
+
+
 # ---------------------------------------------------------------- tokens
 
 
@@ -392,14 +458,37 @@ def load_examples(config: Any, tokenizer: Tokenizer) -> Examples:
     """
     return build_examples(
         config.dataset, config.dataset_dir, tokenizer, stage=config.stage, template=config.template,
-        cutoff_len=config.cutoff_len, max_samples=config.max_samples, **_options(config),
+        cutoff_len=config.cutoff_len, max_samples=config.max_samples, **_options(config, tokenizer),
     )
 
 
-def _options(config: Any) -> dict[str, Any]:
-    """The config's sft options and its preprocessing_num_workers, as build_examples takes them."""
+def _options(config: Any, tokenizer: Tokenizer) -> dict[str, Any]:
+    """The config's sft options, its preprocessing_num_workers and its model's Vision, as build_examples takes them."""
     options = {key: getattr(config, key, default) for key, default in SFT_OPTIONS.items()}
-    return {**options, "workers": getattr(config, "preprocessing_num_workers", None)}
+    return {**options, "workers": getattr(config, "preprocessing_num_workers", None),
+            "vision": model_vision(config, tokenizer)}
+
+
+def model_vision(config: Any, tokenizer: Tokenizer) -> Vision | None:
+    """How the config's model reads images, when one of its datasets has an images column; else None (text).
+
+    Text data never reads the model's config, so it loads as it always did.
+
+    >>> from types import SimpleNamespace
+    >>> from hp.train.tokenizer import load_tokenizer
+    >>> data_dir = Path(__file__).parents[2] / "examples" / "data"
+    >>> config = SimpleNamespace(dataset="quickstart_vl", dataset_dir=data_dir, model_name_or_path="hp/tiny-qwen2.5-vl")
+    >>> model_vision(config, load_tokenizer("hp/tiny-qwen2.5-vl")).spec.factor
+    8
+    """
+    datasets = [name for name in (config.dataset, getattr(config, "eval_dataset", None)) if name]
+    specs = [spec for name in datasets for spec in dataset_specs(name, config.dataset_dir)]
+    model = getattr(config, "model_name_or_path", None)
+    if model is None or not any(spec.columns.get("images") for spec in specs):
+        return None
+    from hp.train.model import model_config
+
+    return Vision.of(model_config(model, tokenizer.vocab_size))
 
 
 def load_splits(config: Any, tokenizer: Tokenizer) -> tuple[Examples, Examples | None]:
@@ -421,7 +510,7 @@ def load_splits(config: Any, tokenizer: Tokenizer) -> tuple[Examples, Examples |
     if config.eval_dataset:
         held = build_examples(config.eval_dataset, config.dataset_dir, tokenizer, stage=config.stage,
                               template=config.template, cutoff_len=config.cutoff_len, max_samples=config.max_samples,
-                              **_options(config))
+                              **_options(config, tokenizer))
         return examples, held
     if config.val_size:
         return split_for_eval(examples, config.val_size, config.seed)
@@ -444,10 +533,11 @@ def split_for_eval(examples: Examples, val_size: float, seed: int) -> tuple[Exam
     random.Random(f"hp.train.data:eval:{seed}").shuffle(order)
     chosen = set(order[:held])
     rest = [e for i, e in enumerate(examples.examples) if i not in chosen]
-    return Examples(rest, examples.dropped), Examples([e for i, e in enumerate(examples.examples) if i in chosen])
+    held_out = [e for i, e in enumerate(examples.examples) if i in chosen]
+    return Examples(rest, examples.dropped, examples.vision), Examples(held_out, vision=examples.vision)
 
 
-def eval_batches(examples: Examples, batch_size: int, pad_id: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(examples: Examples, batch_size: int, pad_id: int) -> list[Batch]:
     """Every example once, in order, `batch_size` rows a batch; the last is filled with rows without loss.
 
     >>> data = Examples([{"input_ids": [1, 2], "labels": [1, 2]}] * 3)
@@ -456,7 +546,7 @@ def eval_batches(examples: Examples, batch_size: int, pad_id: int) -> list[tuple
     """
     rows = list(examples.examples)
     rows += [{"input_ids": [pad_id], "labels": [IGNORE_INDEX]}] * (-len(rows) % batch_size)
-    return [collate(rows[i : i + batch_size], pad_id) for i in range(0, len(rows), batch_size)]
+    return [collate(rows[i : i + batch_size], pad_id, vision=examples.vision) for i in range(0, len(rows), batch_size)]
 
 
 def build_examples(
@@ -474,8 +564,12 @@ def build_examples(
     enable_thinking: bool | None = True,
     preserve_thinking: bool = False,
     workers: int | None = None,
+    vision: Vision | None = None,
 ) -> Examples:
     """Read, render and tokenize the named datasets (see the module docstring for the rules).
+
+    `vision` is how the model reads images (`Vision.of` its config): a dataset
+    with images needs one, and the examples carry it to their batches.
 
     `workers` > 1 tokenizes in that many forked processes (LlamaFactory's
     `preprocessing_num_workers`); the records keep their order, so the
@@ -510,27 +604,29 @@ def build_examples(
     for spec in dataset_specs(dataset, dataset_dir):
         records = read_records(spec)[:max_samples]
         _check_mapped_columns(spec, records)
+        if spec.columns.get("images"):
+            _check_takes_images(spec, stage, tmpl, vision)
         jobs += [(spec, i, record) for i, record in enumerate(records)]
-    encoder = _Encoder(tokenizer, tmpl, stage, cutoff_len, end, train_on_prompt, mask_history)
+    encoder = _Encoder(tokenizer, tmpl, stage, cutoff_len, end, train_on_prompt, mask_history,
+                       vision if tmpl.mm_plugin else None)
     encoded = _encode_all(encoder, jobs, workers or 1)
     if stage == "pt":
         examples, dropped = pack(encoded, cutoff_len), 0
     else:
         # an example with nothing to learn (an empty answer, or no room left for one) would only cost
-        examples = [{"input_ids": ids, "labels": labels} for ids, labels in encoded
-                    if any(label != IGNORE_INDEX for label in labels)]
+        examples = [e for e in encoded if any(label != IGNORE_INDEX for label in e["labels"])]
         dropped = len(encoded) - len(examples)
     if not examples:
         raise ValueError(
             f"dataset {dataset!r}: no example left: none of the {dropped} examples keeps a supervised token within "
             f"cutoff_len={cutoff_len} (empty answers, or too small a cutoff_len)"
         )
-    return Examples(examples, dropped)
+    return Examples(examples, dropped, vision)
 
 
 @dataclass(frozen=True)
 class _Encoder:
-    """One record (dataset spec, index, record) to its document (pt) or (ids, labels) (sft)."""
+    """One record (dataset spec, index, record) to its document (pt) or example (sft: ids, labels, images)."""
 
     tokenizer: Tokenizer
     template: Template
@@ -539,6 +635,7 @@ class _Encoder:
     end: int | None
     train_on_prompt: bool
     mask_history: bool
+    vision: Vision | None = None  # set when the template places images
 
     def __call__(self, job: tuple[DatasetSpec, int, dict[str, Any]]) -> Any:
         spec, i, record = job
@@ -548,8 +645,45 @@ class _Encoder:
         conv = read(record, spec, i)
         if conv.turns[-1][0] != "assistant":
             raise ValueError(f"{spec.where(i)}: the conversation ends with a user turn; sft needs a response last")
-        return encode_conversation(conv, self.tokenizer, self.template, self.cutoff_len,
-                                   train_on_prompt=self.train_on_prompt, mask_history=self.mask_history)
+        if self.vision is not None:
+            return self._with_images(conv, spec, i, record, self.vision)
+        ids, labels = self._encode(conv)
+        return {"input_ids": ids, "labels": labels}
+
+    def _encode(self, conv: Conversation, images: Sequence[list[int]] = (), *,
+                whole: bool = False) -> tuple[list[int], list[int]]:
+        """(ids, labels) of `conv`, cut to cutoff_len unless `whole`."""
+        return encode_conversation(conv, self.tokenizer, self.template, None if whole else self.cutoff_len,
+                                   train_on_prompt=self.train_on_prompt, mask_history=self.mask_history, images=images)
+
+    def _with_images(self, conv: Conversation, spec: DatasetSpec, i: int, record: dict[str, Any],
+                     vision: Vision) -> dict[str, list]:
+        """The example of a record that may hold images: each `<image>` its image's tokens, none supervised."""
+        where = spec.where(i)
+        paths = record_images(record, spec, i)
+        placeholders = sum(content.count(IMAGE_PLACEHOLDER) for _, content in conv.turns)
+        if placeholders != len(paths):
+            column = (f"its column {spec.columns['images']!r} names {len(paths)}" if spec.columns.get("images")
+                      else f"the dataset has no images column in {INFO_FILE}, so it has {len(paths)}")
+            raise ValueError(f"{where}: its messages hold {placeholders} {IMAGE_PLACEHOLDER} placeholder(s) and "
+                             f"{column} image(s); each image goes where an {IMAGE_PLACEHOLDER} stands, so the two "
+                             "counts must be equal")
+        runs = [vision.tokens(grid) for grid in vision.grids(paths, where)]
+        ids, labels = self._encode(conv, runs)
+        wanted = sum(len(run) - 2 for run in runs)
+        found = ids.count(vision.image_token_id)
+        if found > wanted:
+            raise ValueError(f"{where}: its text spells the image token (id {vision.image_token_id}) itself, which "
+                             "would take the place of an image's patches; expected it only where <image> is")
+        if found < wanted:
+            whole = len(self._encode(conv, runs, whole=True)[0])
+            raise ValueError(
+                f"{where}: cutoff_len = {self.cutoff_len} cuts through its images ({len(runs)} image(s) of {wanted} "
+                f"image tokens in a conversation of {whole} tokens); hp train does not cut an image, whose tokens "
+                f"must match its patches: expected cutoff_len >= {whole}, or smaller images"
+            )
+        example = {"input_ids": ids, "labels": vision.unsupervised(ids, labels)}
+        return {**example, "images": paths} if paths else example
 
 
 _WORKER_ENCODER: _Encoder | None = None  # what a tokenizing process was started with
@@ -596,31 +730,6 @@ def _document(text: str, tokenizer: Tokenizer, end: int) -> list[int]:
 # ---------------------------------------------------------------- batches
 
 
-def collate(
-    examples: Sequence[Mapping[str, list[int]]], pad_id: int, pad_to_multiple_of: int = 1
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, labels) LongTensors, right-padded to the longest example (labels with -100).
-
-    Right padding needs no attention mask: causal attention never lets a real
-    token see the pads after it, and their labels carry no loss.
-    `pad_to_multiple_of` rounds the length up (context parallel splits the
-    sequence into equal chunks).
-
-    >>> ids, labels = collate([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]},
-    ...                        {"input_ids": [4], "labels": [-100]}], pad_id=0, pad_to_multiple_of=2)
-    >>> ids.tolist(), labels.tolist()
-    ([[1, 2, 3, 0], [4, 0, 0, 0]], [[1, 2, 3, -100], [-100, -100, -100, -100]])
-    """
-    longest = max(len(e["input_ids"]) for e in examples)
-    length = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
-    ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), length), IGNORE_INDEX, dtype=torch.long)
-    for row, e in enumerate(examples):
-        ids[row, : len(e["input_ids"])] = torch.tensor(e["input_ids"], dtype=torch.long)
-        labels[row, : len(e["labels"])] = torch.tensor(e["labels"], dtype=torch.long)
-    return ids, labels
-
-
 class TokenBatches:
     """An endless, seeded stream of global batches over `examples`, resumable from `state_dict()`.
 
@@ -636,20 +745,24 @@ class TokenBatches:
     position (epoch, index of the next batch in that epoch) is
     `state_dict()`, and `load_state_dict` of it continues exactly there.
 
+    A batch is a `hp.train.batch.Batch`: with `vision` (the examples'), a
+    vision-language model's, with their images.
+
     >>> data = [{"input_ids": [i], "labels": [i]} for i in range(5)]
     >>> batches = TokenBatches(data, batch_size=2, seed=0, pad_id=0)
-    >>> len(batches), next(batches)[0].shape, batches.state_dict()["index"]
+    >>> len(batches), next(batches).input_ids.shape, batches.state_dict()["index"]
     (2, torch.Size([2, 1]), 1)
     """
 
     def __init__(
         self,
-        examples: Sequence[Mapping[str, list[int]]],
+        examples: Sequence[Mapping[str, list]],
         batch_size: int,
         seed: int,
         pad_id: int,
         *,
         pad_to_multiple_of: int = 1,
+        vision: Vision | None = None,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
@@ -660,6 +773,7 @@ class TokenBatches:
         self.seed = seed
         self.pad_id = pad_id
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.vision = vision
         self.epoch = 0
         self.index = 0
         self._order: tuple[int, list[int]] | None = None  # (epoch, permutation), cached
@@ -668,20 +782,20 @@ class TokenBatches:
         """Batches per epoch."""
         return len(self.examples) // self.batch_size
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[Batch]:
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __next__(self) -> Batch:
         batch = self.batch_at(self.epoch, self.index)
         self.advance()
         return batch
 
-    def batch_at(self, epoch: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch_at(self, epoch: int, index: int) -> Batch:
         """The `index`-th batch of `epoch`, without moving the stream (a loader's workers collate ahead with it)."""
         order = self._permutation(epoch)
         start = index * self.batch_size
         rows = [self.examples[i] for i in order[start : start + self.batch_size]]
-        return collate(rows, self.pad_id, self.pad_to_multiple_of)
+        return collate(rows, self.pad_id, self.pad_to_multiple_of, self.vision)
 
     def advance(self) -> None:
         """Move to the next batch's position."""

@@ -23,6 +23,14 @@ long each keeps a share in proportion to its length. Turns that find no
 room left are dropped, and an `efficient_eos` template keeps one token for
 its final eos.
 
+Images are given as the token ids each one takes (`images`: a run per
+image, in the order of the `<image>` placeholders in the turns): each
+placeholder of a turn's text is replaced by its run, the texts around it
+tokenized on their own, which gives the ids LlamaFactory's Qwen2-VL plugin
+gets by writing the vision tokens into the text (an HF tokenizer splits its
+special tokens out first). The cut of `cutoff_len` does not know images:
+the data layer refuses a conversation whose images it would cut.
+
 `template` unset (None) means, as in LlamaFactory, the tokenizer's own
 `chat_template` read back by `hp.train.chat_template`, or `empty` when the
 tokenizer has none (the byte tokenizer of `hp/tiny-llama` has none). A
@@ -35,11 +43,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hp.train.chat_template import parse_chat_template
-from hp.train.templates import BOS, EOS, TEMPLATES, Part, Special, Template, fill, missing_tokens
+from hp.train.templates import (
+    BOS, EOS, IMAGE_PLACEHOLDER, TEMPLATES, VISION_TEMPLATES, Part, Special, Template, fill, missing_tokens,
+)
 
 if TYPE_CHECKING:
     from hp.train.tokenizer import Tokenizer
@@ -74,9 +85,10 @@ def get_template(template: str | Template | None, tokenizer: Tokenizer | None = 
         if isinstance(getattr(hf, "chat_template", None), str):
             return parse_chat_template(hf)
         return TEMPLATES["empty"]
-    if template not in TEMPLATES:
-        raise ValueError(f"template {template!r} is unknown; known: {', '.join(TEMPLATES)}")
-    return TEMPLATES[template]
+    known = {**TEMPLATES, **VISION_TEMPLATES}
+    if template not in known:
+        raise ValueError(f"template {template!r} is unknown; known: {', '.join(known)}")
+    return known[template]
 
 
 def check_template(template: Template, tokenizer: Tokenizer, stage: str = "sft") -> None:
@@ -227,11 +239,15 @@ def _token_id(token: str, tokenizer: Tokenizer) -> int:
     return found
 
 
-def _ids(parts: list[Part], template: Template, tokenizer: Tokenizer) -> list[int]:
-    """Token ids of a turn's parts, each text tokenized on its own (as LlamaFactory, so its ids are ours)."""
+def _ids(parts: list[Part], template: Template, tokenizer: Tokenizer,
+         images: Iterator[Sequence[int]] | None = None) -> list[int]:
+    """Token ids of a turn's parts, each text tokenized on its own (as LlamaFactory, so its ids are ours);
+    with `images`, each `<image>` in a text is the next image's ids."""
     ids: list[int] = []
     for part in parts:
-        if isinstance(part, str):
+        if isinstance(part, str) and images is not None and IMAGE_PLACEHOLDER in part:
+            ids += _with_images(part, tokenizer, images)
+        elif isinstance(part, str):
             ids += tokenizer.encode(part) if part else []
         elif part == BOS:
             ids += [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
@@ -244,8 +260,26 @@ def _ids(parts: list[Part], template: Template, tokenizer: Tokenizer) -> list[in
     return ids
 
 
+def _with_images(text: str, tokenizer: Tokenizer, images: Iterator[Sequence[int]]) -> list[int]:
+    """`text` tokenized with each `<image>` replaced by the next image's ids.
+
+    >>> from hp.train.tokenizer import ByteTokenizer
+    >>> _with_images("a<image>b", ByteTokenizer(), iter([[300, 301]]))
+    [97, 300, 301, 98]
+    """
+    first, *rest = text.split(IMAGE_PLACEHOLDER)
+    ids = tokenizer.encode(first) if first else []
+    for piece in rest:
+        run = next(images, None)
+        if run is None:  # the data layer counts placeholders and images first; this guards direct callers
+            raise ValueError(f"a turn has more {IMAGE_PLACEHOLDER} placeholders than images were given")
+        ids += [*run, *(tokenizer.encode(piece) if piece else [])]
+    return ids
+
+
 def encode_pairs(
-    conv: Conversation, tokenizer: Tokenizer, template: Template, *, drop_history_thoughts: bool = False
+    conv: Conversation, tokenizer: Tokenizer, template: Template, *, drop_history_thoughts: bool = False,
+    images: Sequence[Sequence[int]] = (),
 ) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, answer ids) for each user turn and the answer after it (an empty answer when none).
 
@@ -255,7 +289,9 @@ def encode_pairs(
     preserve_thinking) removes them from all answers but the last, and then
     only the last may get an empty thought. An answer left without a thought
     gets the empty one at its head, or at the end of its prompt when
-    `enable_thinking` is not True.
+    `enable_thinking` is not True. `images` are the ids of each image, in
+    order, for the `<image>` placeholders of the turns (not of the system
+    prompt); none given, `<image>` is text.
 
     >>> from hp.train.tokenizer import ByteTokenizer
     >>> encode_pairs(Conversation([("user", "a"), ("assistant", "b")]), ByteTokenizer(), TEMPLATES["empty"])
@@ -269,6 +305,7 @@ def encode_pairs(
             earlier = i < len(turns) - 1
             if role == "assistant" and (template.enable_thinking is False or (drop_history_thoughts and earlier)):
                 turns[i] = (role, _without_thought(content, thought))
+    runs = iter(images) if images else None
     encoded = []
     for i, (role, content) in enumerate(turns):
         parts: list[Part] = []
@@ -279,7 +316,7 @@ def encode_pairs(
             elif system:  # Llama-2 style: the system text opens the first user message
                 content = str(fill(template.system, system)[0]) + content
         slot = template.user if role == "user" else template.assistant
-        encoded.append(_ids(parts + fill(slot, content), template, tokenizer))
+        encoded.append(_ids(parts, template, tokenizer) + _ids(fill(slot, content), template, tokenizer, runs))
     pairs = [(encoded[i], encoded[i + 1]) for i in range(0, len(encoded), 2)]
     if thought is None:
         return pairs
@@ -333,6 +370,7 @@ def encode_conversation(
     *,
     train_on_prompt: bool = False,
     mask_history: bool = False,
+    images: Sequence[Sequence[int]] = (),
 ) -> tuple[list[int], list[int]]:
     """(input_ids, labels) of a conversation, at most `cutoff_len` long: labels are -100 but on the answers.
 
@@ -340,7 +378,7 @@ def encode_conversation(
     supervises the last answer only and shares `cutoff_len` out from the
     last turn back, so that a cut drops the oldest turns (LlamaFactory's
     supervised processor; its efficient_eos label then follows the reversed
-    order too, as there).
+    order too, as there). `images` are the ids of each image (see `encode_pairs`).
 
     >>> from hp.train.tokenizer import ByteTokenizer
     >>> encode_conversation(Conversation([("user", "a"), ("assistant", "b")]), ByteTokenizer(), TEMPLATES["default"])
@@ -348,7 +386,7 @@ def encode_conversation(
     """
     check_supervision(template, train_on_prompt=train_on_prompt, mask_history=mask_history)
     pairs = encode_pairs(conv, tokenizer, template,
-                         drop_history_thoughts=mask_history and not template.preserve_thinking)
+                         drop_history_thoughts=mask_history and not template.preserve_thinking, images=images)
     limit = cutoff_len if cutoff_len is not None else sum(len(p) + len(a) for p, a in pairs) + 1
     eos = eos_id(template, tokenizer)
     used = 1 if template.efficient_eos else 0  # the final eos is kept room for

@@ -25,11 +25,13 @@ def export(checkpoint_dir: str, out_dir: str) -> str:
     Traceback (most recent call last):
     hp.train.checkpoint.CheckpointError: ...
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from hp.train.model import model_class
 
     checkpoint.require_complete(checkpoint_dir)
     config = AutoConfig.from_pretrained(checkpoint_dir, local_files_only=True)
-    model = AutoModelForCausalLM.from_config(config)
+    model = model_class(config).from_config(config)
     checkpoint.load_model_weights(checkpoint_dir, model)
     model.save_pretrained(out_dir, safe_serialization=True)
     for name in _TOKENIZER_FILES:

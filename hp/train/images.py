@@ -153,13 +153,35 @@ def patchify(image: Image, spec: ImageSpec = ImageSpec()) -> tuple[torch.Tensor,
     >>> tuple(pixels.shape), grid
     ((1564, 1176), (1, 34, 46))
     """
-    width, height = image.size
+    size = _fitted(image.size, spec)
+    pixels = _normalized(_resized(_rgb(image), size), spec)
+    return _cut(pixels, spec), _grid(size, spec)
+
+
+def grid_of(image: Image, spec: ImageSpec = ImageSpec()) -> tuple[int, int, int]:
+    """The grid `patchify(image, spec)` gives, found from the image's size alone (nothing is resized).
+
+    The vision tower merges each `merge_size x merge_size` square of patches into one token, so the
+    image takes `t * h * w // merge_size**2` tokens of the text. Refuses what `patchify` refuses.
+
+    >>> from PIL import Image
+    >>> grid_of(Image.new("RGB", (640, 480)))
+    (1, 34, 46)
+    """
+    return _grid(_fitted(image.size, spec), spec)
+
+
+def _fitted(size: tuple[int, int], spec: ImageSpec) -> tuple[int, int]:
+    """The (height, width) an image of `size` (width, height) is resized to; refuses one smaller than a patch."""
+    width, height = size
     if min(width, height) < spec.patch_size:
         raise ValueError(f"the image is {width}x{height} pixels (width x height), smaller than one "
                          f"{spec.patch_size}x{spec.patch_size} patch")
-    size = fit_size(height, width, spec.factor, spec.min_pixels, spec.max_pixels)
-    pixels = _normalized(_resized(_rgb(image), size), spec)
-    return _cut(pixels, spec), (1, size[0] // spec.patch_size, size[1] // spec.patch_size)
+    return fit_size(height, width, spec.factor, spec.min_pixels, spec.max_pixels)
+
+
+def _grid(size: tuple[int, int], spec: ImageSpec) -> tuple[int, int, int]:
+    return 1, size[0] // spec.patch_size, size[1] // spec.patch_size
 
 
 def _rgb(image: Image) -> Image:

@@ -152,7 +152,8 @@ _ADAPTERS = "adapter tuning (LoRA, OFT) is not available yet: every weight train
 _FREEZE = "freeze tuning is not available yet: every weight trains, as finetuning_type: full says"
 _PREFERENCE = "reward and preference training (stages rm, ppo, dpo, kto) is not available yet"
 _QUANTIZED = "quantized training is not available yet: weights are trained in fp32"
-_MULTIMODAL = "multimodal training is not available yet: hp train reads text models and text datasets"
+_MULTIMODAL = ("LlamaFactory's image, video and audio settings are not available yet: hp train reads images for "
+               "Qwen2.5-VL at its processor's pixel bounds, trains every weight, and reads no video or audio")
 _KTRANSFORMERS = "KTransformers (MoE experts on the CPU) is not available"
 _FP8 = "FP8 training is not available: bf16: true is the only mixed precision"
 _LOSS = "only the cross-entropy loss of the supervised tokens is available (DFT, ASFT and EAFT are not)"

@@ -2,7 +2,8 @@
 
 A global batch is a deterministic function of its position (epoch, index) in
 the seeded stream (`hp.train.data.TokenBatches`), so worker processes can
-collate the next batches while the step runs without changing which rows a
+collate the next batches while the step runs (a vision-language batch's
+images are read and cut into patches there too) without changing which rows a
 step sees: the loader hands batches back in order, and the stream's own
 position moves one batch per batch handed out, so checkpoints record the
 same position as without workers and a resumed run continues exactly there.
@@ -13,10 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import torch
 from torch.utils.data import DataLoader, Dataset
 
-from hp.train.data import TokenBatches
+from hp.train.data import Batch, TokenBatches
 
 
 class _Positions(Dataset):
@@ -25,7 +25,7 @@ class _Positions(Dataset):
     def __init__(self, batches: TokenBatches) -> None:
         self.batches = batches
 
-    def __getitem__(self, position: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, position: tuple[int, int]) -> Batch:
         return self.batches.batch_at(*position)
 
 
@@ -42,8 +42,11 @@ class Prefetched:
 
     >>> data = [{"input_ids": [i], "labels": [i]} for i in range(5)]
     >>> plain, ahead = TokenBatches(data, 2, seed=0, pad_id=0), Prefetched(TokenBatches(data, 2, seed=0, pad_id=0), 1)
-    >>> all(torch.equal(next(plain)[0], next(ahead)[0]) for _ in range(3)), ahead.state_dict() == plain.state_dict()
-    (True, True)
+    >>> import torch
+    >>> all(torch.equal(next(plain).input_ids, next(ahead).input_ids) for _ in range(3))
+    True
+    >>> ahead.state_dict() == plain.state_dict()
+    True
     """
 
     def __init__(self, batches: TokenBatches, workers: int) -> None:
@@ -55,7 +58,7 @@ class Prefetched:
     def __iter__(self) -> Prefetched:
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __next__(self) -> Batch:
         batch = next(self._ahead)
         self.batches.advance()
         return batch

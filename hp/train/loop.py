@@ -2,8 +2,11 @@
 
 Every rank draws the same global batches (`per_device_train_batch_size` x dp
 rows per micro-batch) and the strategy lays them out, so data, cp and tp
-ranks agree without a sampler. One optimizer step takes
-`gradient_accumulation_steps` micro-batches, each loss divided by their
+ranks agree without a sampler. A batch (`hp.train.batch.Batch`) is passed
+to the model as keywords: `input_ids` and `labels`, and for a
+vision-language model its images (`mm_token_type_ids`, `pixel_values`,
+`image_grid_thw`; HF computes the M-RoPE positions from them). One
+optimizer step takes `gradient_accumulation_steps` micro-batches, each loss divided by their
 number (HF Trainer's convention). Rank 0 shows a progress bar (loss,
 tokens/s, memory), appends a JSON line per logging step to
 `output_dir/metrics.jsonl`, draws `training_loss.png` when matplotlib is
@@ -83,7 +86,8 @@ def train(config: TrainConfig) -> dict:
     tokenizer = load_tokenizer(config.model_name_or_path)
     examples, held_out = load_splits(config, tokenizer)
     dp = config.parallel.dp
-    batches = TokenBatches(examples, config.per_device_train_batch_size * dp, config.seed, tokenizer.pad_token_id)
+    batches = TokenBatches(examples, config.per_device_train_batch_size * dp, config.seed, tokenizer.pad_token_id,
+                           vision=examples.vision)
     evaluation = (eval_batches(held_out, config.per_device_eval_batch_size * dp, tokenizer.pad_token_id)
                   if config.evaluates else [])
     model = build_model(config.model_name_or_path, tokenizer.vocab_size, mesh, strategy, seed=config.seed)
@@ -178,10 +182,10 @@ def evaluate(model: nn.Module, batches, config: TrainConfig, device: str) -> flo
     total, tokens = 0.0, 0
     model.eval()
     with torch.no_grad(), autocast:
-        for input_ids, labels in batches:
-            supervised = int((labels[:, 1:] != IGNORE_INDEX).sum())  # HF shifts labels by one
+        for batch in batches:
+            supervised = int((batch.labels[:, 1:] != IGNORE_INDEX).sum())  # HF shifts labels by one
             if supervised:
-                loss = model(input_ids=input_ids.to(device), labels=labels.to(device)).loss
+                loss = model(**batch.inputs(device)).loss
                 total += _value(loss) * supervised
                 tokens += supervised
     model.train()
@@ -251,12 +255,12 @@ def _step(model: nn.Module, batches, config: TrainConfig, device: str) -> tuple[
     autocast = torch.autocast(device, dtype=torch.bfloat16) if config.bf16 else nullcontext()
     total, tokens = 0.0, 0
     for _ in range(accumulate):
-        input_ids, labels = next(batches)
+        batch = next(batches)
         with autocast:
-            loss = model(input_ids=input_ids.to(device), labels=labels.to(device)).loss
+            loss = model(**batch.inputs(device)).loss  # input_ids and labels, and a VL model's images
         (loss / accumulate).backward()
         total += _value(loss) / accumulate
-        tokens += input_ids.numel()  # processed tokens, padding included
+        tokens += batch.input_ids.numel()  # processed tokens, padding included
     return total, tokens
 
 

@@ -1,9 +1,12 @@
 """The model a training run starts from: an embedded tiny model, or a local HF directory, laid out.
 
 The embedded models are built from a config in code (no download), sized for
-the byte-level tokenizer and seeded: `hp/tiny-llama`, a small Llama, and
+the byte-level tokenizer and seeded: `hp/tiny-llama`, a small Llama,
 `hp/tiny-qwen3-moe`, a small Qwen3 mixture of experts (8 experts, top 2, with
-HF's auxiliary load-balancing loss) for expert parallel. A local directory (config.json and
+HF's auxiliary load-balancing loss) for expert parallel, and
+`hp/tiny-qwen2.5-vl`, a small Qwen2.5-VL (the tiny Llama's decoder size, a
+tiny vision tower) whose tokenizer adds Qwen's chat and vision tokens to the
+bytes (`EMBEDDED_TOKENS`). A local directory (config.json and
 safetensors) of any family in the zoo (`hp.models.supported()`, picked by the
 config's `model_type`) is built on the meta device, laid out by the strategy
 with its family's plan, and then
@@ -35,6 +38,9 @@ from hp.train.config import ConfigError
 
 TINY_LLAMA = "hp/tiny-llama"
 TINY_QWEN3_MOE = "hp/tiny-qwen3-moe"
+TINY_QWEN2_5_VL = "hp/tiny-qwen2.5-vl"
+# Qwen's chat tokens (LlamaFactory's qwen2_vl template spells them) and vision tokens, as Qwen2.5-VL's tokenizer has them.
+QWEN_VL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
 def tiny_llama_config(vocab_size: int):
@@ -74,8 +80,55 @@ def tiny_qwen3_moe_config(vocab_size: int):
     )
 
 
+def tiny_qwen2_5_vl_config(vocab_size: int):
+    """The embedded vision-language model: a Qwen2.5-VL with the tiny Llama's decoder size (2 layers, hidden
+    128, 4 heads and 2 key/value heads of dim 32; M-RoPE sections 4, 6, 6 of the 16 rotary frequencies) and a
+    tiny vision tower (2 blocks, hidden 64, 2 heads, 4-pixel patches merged 2 x 2, 2 frames a patch; windows of
+    4 x 4 merged tokens, the last block attending the whole image, as Qwen2.5-VL's do).
+
+    Its tokens are the byte tokenizer's and `QWEN_VL_TOKENS` after them (`vision_start_token_id`,
+    `vision_end_token_id` and `image_token_id` are theirs); `vocab_size` (the tokenizer's) is padded to a
+    multiple of 64.
+
+    >>> config = tiny_qwen2_5_vl_config(265)
+    >>> config.model_type, config.text_config.vocab_size, config.image_token_id, config.vision_config.patch_size
+    ('qwen2_5_vl', 320, 263, 4)
+    """
+    from transformers import Qwen2_5_VLConfig
+
+    from hp.train.tokenizer import ByteTokenizer
+
+    tokenizer = ByteTokenizer(QWEN_VL_TOKENS)
+    start, end, image, video = (tokenizer.encode(token)[0] for token in QWEN_VL_TOKENS[2:])
+    text = {"vocab_size": -(-max(vocab_size, tokenizer.vocab_size) // 64) * 64, "hidden_size": 128,
+            "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 1024, "use_cache": False, "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.encode("<|im_end|>")[0],  # the chat's eos, as Qwen2.5-VL's config has it
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]}}
+    vision = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "out_hidden_size": 128,
+              "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 32,
+              "fullatt_block_indexes": [1]}
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, use_cache=False,
+                            vision_start_token_id=start, vision_end_token_id=end, image_token_id=image,
+                            video_token_id=video)
+
+
 # The embedded models, by name: each built from a config in code, for the byte-level tokenizer.
-EMBEDDED = {TINY_LLAMA: tiny_llama_config, TINY_QWEN3_MOE: tiny_qwen3_moe_config}
+EMBEDDED = {TINY_LLAMA: tiny_llama_config, TINY_QWEN3_MOE: tiny_qwen3_moe_config,
+            TINY_QWEN2_5_VL: tiny_qwen2_5_vl_config}
+# The special tokens an embedded model's byte tokenizer adds after its own three (none: bytes alone).
+EMBEDDED_TOKENS = {TINY_QWEN2_5_VL: QWEN_VL_TOKENS}
+
+
+def model_class(config):
+    """The transformers auto class that builds a model of `config`: image-text-to-text for a vision-language one.
+
+    >>> model_class(tiny_llama_config(259)).__name__, model_class(tiny_qwen2_5_vl_config(265)).__name__
+    ('AutoModelForCausalLM', 'AutoModelForImageTextToText')
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
 
 
 def model_config(name_or_path: str, vocab_size: int):
@@ -98,6 +151,8 @@ def check_fits(config, strategy: Strategy, *, weights: str | None = None, name: 
                labels: Mapping[str, str] | None = None, expert_module_cls: str | None = None) -> None:
     """Refuse a model the zoo has no plan for, weights that do not fit it, or a strategy its shapes cannot take.
 
+    A vision-language model must be one whose images hp train prepares (`hp.train.vision.Vision.of`).
+
     The model is built on the meta device (no memory, no weights); the
     safetensors in the directory `weights` (when given) must hold each of its
     parameters in its shape, and every layout the strategy would apply is
@@ -117,22 +172,21 @@ def check_fits(config, strategy: Strategy, *, weights: str | None = None, name: 
     ...
     hp.train.config.ConfigError: parallel.ep = 2: model_name_or_path = 'hp/tiny-llama' is a dense llama model, ...
     """
-    from transformers import AutoModelForCausalLM
-
     from hp.models import plan_for
+    from hp.train.vision import Vision
 
     labels = labels or {}
     try:
         plan = plan_for(config)
     except ValueError as e:
         raise ConfigError(f"model_name_or_path: {e}") from None
-    if plan.vision is not None:
-        raise ConfigError(f"model_name_or_path: {config.model_type} is a vision-language model, which hp train does "
-                          "not read images for yet (the zoo lays it out with hp.apply_strategy); expected a text "
-                          "model")
+    try:
+        Vision.of(config)  # a vision-language model whose images hp train prepares, or a text model
+    except ValueError as e:
+        raise ConfigError(f"model_name_or_path: {e}") from None
     _check_experts(config, strategy, name, labels)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = model_class(config).from_config(config)
     if weights is not None:
         check_weights(model, weights)
     try:
@@ -252,18 +306,16 @@ def build_model(name_or_path: str, vocab_size: int, mesh, strategy: Strategy, *,
     >>> model.config.hidden_size
     128
     """
-    from transformers import AutoModelForCausalLM
-
     from hp.models import plan_for
 
     config = model_config(name_or_path, vocab_size)
     plan = plan_for(config)
     if name_or_path in EMBEDDED:
         torch.manual_seed(seed)  # the same initial weights on every rank and in every run
-        model = AutoModelForCausalLM.from_config(config)
+        model = model_class(config).from_config(config)
         return apply_strategy(model, mesh, strategy, plan).to(mesh.device_type)
     with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config)
+        model = model_class(config).from_config(config)
     computed = _non_persistent_buffers(model)  # RoPE's frequencies, Gemma's embedding scale: not in the files
     apply_strategy(model, mesh, strategy, plan)
     model.to_empty(device=mesh.device_type)

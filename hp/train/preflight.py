@@ -10,7 +10,9 @@ experts that expert parallel and the routing bias need and ep divides), the chat
 against the tokenizer (its special tokens, or the tokenizer's own
 chat_template when `template` is unset), and the data (every
 dataset file parses, holds the columns its template needs, fills a batch,
-and leaves examples for evaluation when asked to). Each problem is a
+and leaves examples for evaluation when asked to; every image a record
+names opens, is at least one patch, and fits in `cutoff_len` with as many
+`<image>` placeholders as images, for a model that reads images). Each problem is a
 `ConfigError` naming the key and the file or record.
 """
 

@@ -25,7 +25,8 @@ all exact; batch 16 was noisier: lr 1e-3 (constant or cosine) ended at
 0.01-0.5 with all answers exact, but lr 3e-3 with cosine decay stayed on
 the plateau for all 200 steps. The files are seeded, so they are the same
 on every run; `examples/make_quickstart_data.py` writes the copy in
-`examples/data/`.
+`examples/data/` (`dataset_info.json` there names the vision-language
+quickstart too: `hp.train.quickstart_vl_data`).
 """
 
 from __future__ import annotations
@@ -54,12 +55,27 @@ def records(n: int, seed: int) -> list[dict[str, str]]:
 
 
 def write(out_dir: Path, n: int = 2000, seed: int = 0) -> Path:
-    """Write `quickstart.json` (a record a line, for readable diffs) and `dataset_info.json`; returns the former."""
+    """Write `quickstart.json` (a record a line, for readable diffs) and its `dataset_info.json` entry (other
+    entries kept); returns the former."""
     out_dir.mkdir(parents=True, exist_ok=True)
     lines = ",\n".join(json.dumps(r) for r in records(n, seed))
     data = out_dir / f"{NAME}.json"
     data.write_text(f"[\n{lines}\n]\n", encoding="utf-8")
     columns = {"prompt": "instruction", "query": "input", "response": "output"}  # the defaults, spelled out
-    info = {NAME: {"file_name": data.name, "columns": columns}}
-    (out_dir / "dataset_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    add_to_dataset_info(out_dir, NAME, {"file_name": data.name, "columns": columns})
     return data
+
+
+def add_to_dataset_info(out_dir: Path, name: str, entry: dict) -> None:
+    """Set `name`'s entry in `out_dir/dataset_info.json`, keeping the others, names in sorted order.
+
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp())
+    >>> add_to_dataset_info(d, "b", {"file_name": "b.json"}); add_to_dataset_info(d, "a", {"file_name": "a.json"})
+    >>> list(json.loads((d / "dataset_info.json").read_text()))
+    ['a', 'b']
+    """
+    path = out_dir / "dataset_info.json"
+    info = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    info = dict(sorted({**info, name: entry}.items()))
+    path.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")

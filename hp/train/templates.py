@@ -15,8 +15,17 @@ the tokenizer must hold each as one token, or `missing_tokens` names it
 (LlamaFactory would add it to the vocabulary and resize the embeddings;
 hp train refuses instead of training on different ids). Stop words other
 than the one that replaces eos only stop generation, so they are not
-required. The config validates `template` against `TEMPLATES` before any
+required. The config validates `template` against `TEMPLATE_NAMES` before any
 worker starts, and the data layer encodes with the same values.
+
+A template for a vision-language model (`VISION_TEMPLATES`: LlamaFactory's
+`qwen2_vl`) is a text template and the name of the plugin that places images
+(`mm_plugin`, as LlamaFactory's `get_mm_plugin`): each `<image>` placeholder
+(`IMAGE_PLACEHOLDER`) of a turn becomes the image's tokens
+(`hp.train.vision`). A template without a plugin reads `<image>` as text, and
+the data layer refuses records with images for it, as LlamaFactory's base
+plugin does. `TEMPLATES` holds the text templates, each checked against
+LlamaFactory's own encoding (`tests/test_templates.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 CONTENT = "{{content}}"  # LlamaFactory's placeholder; replaced once, so braces in the text itself stay as they are
+IMAGE_PLACEHOLDER = "<image>"  # where an image goes in a turn's text (LlamaFactory's IMAGE_PLACEHOLDER)
 
 
 @dataclass(frozen=True)
@@ -90,6 +100,7 @@ class Template:
     document_end: str | None = None  # what ends a pt document when not the eos (llama3's <|end_of_text|>)
     enable_thinking: bool | None = True  # reasoning templates: where the empty thought goes (see above)
     preserve_thinking: bool = False  # reasoning templates: earlier answers keep their thoughts under mask_history
+    mm_plugin: str | None = None  # what places images: "qwen2_vl" (vision_start, image tokens, vision_end), or none
 
     def __post_init__(self) -> None:
         # A slot without the placeholder would drop the turn's text; LlamaFactory refuses those as well.
@@ -195,3 +206,15 @@ TEMPLATES: dict[str, Template] = {
         Template("falcon", user=("User: {{content}}\nFalcon:",), assistant=("{{content}}\n",), efficient_eos=True),
     )
 }
+
+# Templates of vision-language models: LlamaFactory's qwen2_vl is its qwen template with another default system
+# prompt and the Qwen2-VL plugin, which Qwen2.5-VL uses too.
+VISION_TEMPLATES: dict[str, Template] = {
+    t.name: t
+    for t in (
+        Template("qwen2_vl", user=(_QWEN_USER,), assistant=(_QWEN_ANSWER,), system=(_QWEN_SYSTEM,),
+                 default_system="You are a helpful assistant.", stop_words=("<|im_end|>",), replace_eos=True,
+                 special_tokens=_IM, mm_plugin="qwen2_vl"),
+    )
+}
+TEMPLATE_NAMES = (*TEMPLATES, *VISION_TEMPLATES)  # every name `template` takes

@@ -1,0 +1,249 @@
+"""`hp train` on LlamaFactory's multimodal data: the reader, its batches, bad images by record, the tiny Qwen2.5-VL.
+
+Datasets are written to tmp_path with Pillow in LlamaFactory's `mllm_demo`
+layout (sharegpt messages with `<image>` placeholders, an `images` column of
+paths relative to the dataset directory) and read with the embedded
+`hp/tiny-qwen2.5-vl`'s tokenizer and vision config (4-pixel patches merged
+2 x 2: an 8k x 8k picture is k x k image tokens, at least 56 x 56 pixels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from train_runs import hp_train, summary
+
+import hp.cli
+from hp.strategy import Strategy
+from hp.train.config import ConfigError
+from hp.train.data import IGNORE_INDEX, TokenBatches, build_examples, collate
+from hp.train.images import ImageSpec, load_image, patchify
+from hp.train.loader import Prefetched
+from hp.train.model import TINY_QWEN2_5_VL, check_fits, tiny_qwen2_5_vl_config
+from hp.train.quickstart_vl_data import INFO
+from hp.train.templates import TEMPLATES, VISION_TEMPLATES
+from hp.train.tokenizer import load_tokenizer
+from hp.train.vision import Vision
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICKSTART_VL = str(ROOT / "examples" / "quickstart_vl.yaml")
+TOK = load_tokenizer(TINY_QWEN2_5_VL)
+CONFIG = tiny_qwen2_5_vl_config(TOK.vocab_size)
+VISION = Vision.of(CONFIG)
+SIZES = {"a.png": (16, 24), "b.png": (80, 64), "c.png": (40, 40)}  # (width, height): they grow, stay, grow
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+def dataset(directory: Path, records: list[dict], info: dict = INFO, images: dict | None = None) -> Path:
+    """`records` as the dataset `d` of `directory`, in mllm_demo's layout; `images` (name: (w, h) or bytes) in pics/."""
+    (directory / "pics").mkdir(parents=True, exist_ok=True)
+    for name, content in (SIZES if images is None else images).items():
+        if isinstance(content, bytes):
+            (directory / "pics" / name).write_bytes(content)
+        else:
+            Image.effect_noise(content, 60).convert("RGB").save(directory / "pics" / name)
+    (directory / "dataset_info.json").write_text(json.dumps({"d": {**info, "file_name": "d.json"}}))
+    (directory / "d.json").write_text(json.dumps(records))
+    return directory
+
+
+RECORDS = [
+    {"messages": [user("<image>What is it?"), assistant("noise")], "images": ["pics/a.png"]},
+    {"messages": [user("Compare <image> and<image>."), assistant("same"), user("Sure?"), assistant("yes")],
+     "images": ["pics/b.png", "pics/c.png"]},
+    {"messages": [user("No picture here."), assistant("fine")]},
+]
+
+
+def read(directory: Path, **options):
+    return build_examples("d", directory, TOK, template=options.pop("template", "qwen2_vl"),
+                          cutoff_len=options.pop("cutoff_len", 512), vision=options.pop("vision", VISION), **options)
+
+
+def test_the_reader_places_each_image_as_its_tokens_and_batches_its_patches(tmp_path):
+    data = read(dataset(tmp_path, RECORDS))
+    assert data.vision == VISION and VISION.spec == ImageSpec(patch_size=4)  # the processor's defaults otherwise
+    paths = [str(tmp_path / "pics" / name) for name in ("a.png", "b.png", "c.png")]
+    assert [e.get("images", []) for e in data.examples] == [paths[:1], paths[1:], []]
+    patches = [patchify(load_image(p), VISION.spec) for p in paths]
+    grids = [grid for _, grid in patches]
+    assert grids == [(1, 18, 12), (1, 16, 20), (1, 14, 14)]  # 16 x 24 grows to 48 x 72, 80 x 64 stays, 40 x 40 to 56
+    for example, its_grids in zip(data.examples, (grids[:1], grids[1:], [])):
+        ids, labels = example["input_ids"], example["labels"]
+        starts = [k for k, i in enumerate(ids) if i == CONFIG.vision_start_token_id]
+        assert len(starts) == len(its_grids)
+        for start, (t, h, w) in zip(starts, its_grids):  # start, t*h*w / merge^2 image tokens, end
+            n = t * h * w // 4
+            assert ids[start + 1 : start + 2 + n] == [CONFIG.image_token_id] * n + [CONFIG.vision_end_token_id]
+        supervised = TOK.decode([i for i, label in zip(ids, labels) if label != IGNORE_INDEX])
+        assert all(label == IGNORE_INDEX for i, label in zip(ids, labels) if i >= CONFIG.vision_start_token_id)
+        assert supervised == {0: "noise\n", 1: "same\nyes\n", 2: "fine\n"}[data.examples.index(example)]
+    text = TOK.decode(data[0]["input_ids"])  # the vision tokens carry no text; LlamaFactory's qwen2_vl rendering
+    assert text == ("system\nYou are a helpful assistant.\nuser\nWhat is it?\nassistant\nnoise\n")
+    assert data[1]["input_ids"][: data[1]["input_ids"].index(CONFIG.vision_start_token_id)][-8:] == TOK.encode("Compare ")
+
+    batch = collate(data.examples, TOK.pad_token_id, vision=data.vision)
+    assert list(batch.inputs()) == ["input_ids", "labels", "mm_token_type_ids", "pixel_values", "image_grid_thw"]
+    assert torch.equal(batch.pixel_values, torch.cat([p for p, _ in patches]))  # in the order the images appear
+    assert batch.image_grid_thw.tolist() == [list(g) for g in grids]
+    assert torch.equal(batch.mm_token_type_ids, (batch.input_ids == CONFIG.image_token_id).int())
+    assert int(batch.mm_token_type_ids.sum()) == sum(t * h * w // 4 for t, h, w in grids)
+    text_only = collate(data.examples[2:], TOK.pad_token_id, vision=data.vision)
+    assert list(text_only.inputs()) == ["input_ids", "labels", "mm_token_type_ids"]
+    assert data.summary().endswith("3 images")
+
+
+def test_the_tiny_vl_tokenizer_reads_qwens_tokens_whole_as_its_hf_export_does():
+    text = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>héllo <|im_end|x<|im_end|>"
+    ids = TOK.encode(text)
+    assert ids[:3] == [259, 117, 115] and ids.count(CONFIG.image_token_id) == 1 and ids[-1] == 260
+    assert ids == TOK.as_hf().encode(text, add_special_tokens=False)
+    assert TOK.decode(ids) == "user\nhéllo <|im_end|x"  # special tokens carry no text
+
+
+def test_loader_processes_read_and_cut_the_same_images(tmp_path):
+    data = read(dataset(tmp_path, RECORDS * 2))
+    plain, ahead = (TokenBatches(data, 2, 0, TOK.pad_token_id, vision=data.vision) for _ in range(2))
+    ahead = Prefetched(ahead, workers=1)
+    for _ in range(4):
+        want, got = next(plain), next(ahead)
+        assert want.inputs().keys() == got.inputs().keys() and all(torch.equal(w, g) for w, g in zip(want, got))
+
+
+def test_qwen2_vl_is_the_checked_qwen_template_with_its_system_prompt_and_the_image_plugin():
+    # LlamaFactory registers qwen2_vl as its qwen template with "You are a helpful assistant." and the Qwen2-VL
+    # plugin, so the text of a record encodes as qwen's, which tests/test_templates.py holds to LlamaFactory's goldens
+    want = dataclasses.replace(TEMPLATES["qwen"], name="qwen2_vl", default_system="You are a helpful assistant.",
+                               mm_plugin="qwen2_vl")
+    assert VISION_TEMPLATES["qwen2_vl"] == want
+
+
+def test_text_batches_hold_input_ids_and_labels_only():
+    rows = [{"input_ids": [1, 2], "labels": [1, 2]}] * 3
+    batch = next(TokenBatches(rows, 2, 0, pad_id=0))
+    assert list(batch.inputs()) == ["input_ids", "labels"]  # the text model is called as before images existed
+    ids, labels = batch
+    assert ids is batch.input_ids and labels is batch.labels
+
+
+def _bad(tmp_path, record: dict | None = None, **images) -> Path:
+    images = {**SIZES, **images}
+    return dataset(tmp_path, [RECORDS[0], record or RECORDS[0]], images=images)
+
+
+WHERE = r"dataset 'd' \(.*d\.json, record 1\)"
+
+
+@pytest.mark.parametrize("record, images, message", [
+    ({**RECORDS[0], "images": ["pics/gone.png"]}, {}, WHERE + r": image 0: image file .*pics/gone\.png does not exist"),
+    ({**RECORDS[0], "images": ["pics/x.png"]}, {"x.png": b"not a picture"},
+     WHERE + r": image 0: image file .*pics/x\.png cannot be read as an image"),
+    ({**RECORDS[0], "images": ["pics/x.png"]}, {"x.png": (3, 40)},
+     WHERE + r": image 0 \(.*pics/x\.png\): the image is 3x40 pixels \(width x height\), smaller than one 4x4 patch"),
+    ({"messages": [user("<image><image>Two?"), assistant("one")], "images": ["pics/a.png"]}, {},
+     WHERE + r": its messages hold 2 <image> placeholder\(s\) and its column 'images' names 1 image\(s\)"),
+    ({"messages": [user("Where?"), assistant("here")], "images": ["pics/a.png"]}, {},
+     WHERE + r": its messages hold 0 <image> placeholder\(s\) and its column 'images' names 1 image\(s\)"),
+    ({**RECORDS[0], "images": [3]}, {}, WHERE + r": 'images' must be a list of image file paths"),
+    ({"messages": [user("<image>"), assistant("x")], "images": ["pics/big.png"]}, {"big.png": (400, 400)},
+     WHERE + r": cutoff_len = 512 cuts through its images \(1 image\(s\) of 2500 image tokens in a conversation of "
+     r"2562 tokens\); hp train does not cut an image.*expected cutoff_len >= 2562"),
+], ids=["missing", "not_an_image", "smaller_than_a_patch", "more_placeholders", "fewer_placeholders", "not_paths",
+        "cut_by_cutoff_len"])
+def test_a_bad_record_is_named(tmp_path, record, images, message):
+    with pytest.raises(ValueError, match=message):
+        read(_bad(tmp_path, record, **images))
+
+
+def test_images_need_a_vision_model_a_template_placing_them_and_sft(tmp_path):
+    directory = dataset(tmp_path, RECORDS)
+    where = r"dataset 'd' \(.*d\.json\): its records have images \(column 'images'\)"
+    with pytest.raises(ValueError, match=where + r", but the model is a text model, which reads none; expected a "
+                                              r"vision-language model \(model_name_or_path: hp/tiny-qwen2.5-vl"):
+        read(directory, vision=None)
+    with pytest.raises(ValueError, match=where + r", but template 'qwen' places none .*expected template: qwen2_vl"):
+        read(directory, template="qwen")
+    with pytest.raises(ValueError, match=where + r", which stage pt does not read"):
+        read(directory, stage="pt", template="empty")
+    text = dataset(tmp_path / "text", RECORDS[2:], info={"formatting": "sharegpt", "columns": {"messages": "messages"},
+                                                          "tags": INFO["tags"]})
+    assert read(text, vision=None).examples[0].keys() == {"input_ids", "labels"}  # text data, text model: as before
+
+
+def test_the_model_is_checked_for_images_before_any_worker(tmp_path, capsys):
+    check_fits(CONFIG, Strategy(tp=2), name=TINY_QWEN2_5_VL)  # the decoder splits over tp; the tower is replicated
+    from hp.models import tiny_config
+
+    with pytest.raises(ConfigError, match=r"model_name_or_path: qwen3_vl is a vision-language model whose images hp "
+                                          r"train does not prepare yet"):
+        check_fits(tiny_config("qwen3_vl"), Strategy())
+    directory = _bad(tmp_path / "data", {**RECORDS[0], "images": ["pics/gone.png"]})
+    code = hp.cli.main(["train", QUICKSTART_VL, f"dataset_dir={directory}", "dataset=d",
+                        f"output_dir={tmp_path / 'out'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and re.search(WHERE + r": image 0: image file .*gone\.png does not exist", err), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_tiny_vl_models_loss_on_a_reader_batch_is_hfs_with_its_processor_and_m_rope(tmp_path):
+    """The batch is well formed: HF's own image processor and M-RoPE positions give the same loss, 1-D ones another."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    data = read(dataset(tmp_path, RECORDS))
+    batch = collate(data.examples, TOK.pad_token_id, vision=data.vision)
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(CONFIG)
+    out = model(**batch.inputs())
+    spec = VISION.spec
+    processor = Qwen2VLImageProcessorPil(patch_size=spec.patch_size, merge_size=spec.merge_size,
+                                         temporal_patch_size=spec.temporal_patch_size, min_pixels=spec.min_pixels,
+                                         max_pixels=spec.max_pixels, image_mean=list(spec.mean),
+                                         image_std=list(spec.std))
+    images = [Image.open(p).convert("RGB") for e in data.examples for p in e.get("images", [])]
+    hf = processor(images=images, return_tensors="pt")
+    types = (batch.input_ids == CONFIG.image_token_id).int()
+    positions, _ = model.model.get_rope_index(batch.input_ids, types, image_grid_thw=hf["image_grid_thw"])
+    want = model(input_ids=batch.input_ids, labels=batch.labels, pixel_values=hf["pixel_values"],
+                 image_grid_thw=hf["image_grid_thw"], position_ids=positions)
+    assert out.loss.item() == pytest.approx(want.loss.item(), rel=1e-6)
+    assert torch.allclose(out.logits, want.logits, atol=1e-6)
+    flat = model(input_ids=batch.input_ids, labels=batch.labels, pixel_values=batch.pixel_values,
+                 image_grid_thw=batch.image_grid_thw)  # no mm_token_type_ids: HF falls back to 1-D positions
+    assert (flat.logits - out.logits).abs().max() > 1e-3
+
+
+def test_the_vl_quickstart_trains_on_two_workers_and_evaluates_as_hf(tmp_path):
+    """tp=2 on gloo workers: the loss falls, and the held-out loss is HF's on the checkpoint's weights."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from hp.train.checkpoint import load_model_weights
+    from hp.train.config import load_config
+    from hp.train.data import load_splits
+
+    overrides = ["max_steps=8", "save_steps=8", "logging_steps=1", "per_device_train_batch_size=8",
+                 "learning_rate=3e-3", "warmup_ratio=0", "do_eval=true", f"output_dir={tmp_path}",
+                 f"dataset_dir={ROOT / 'examples' / 'data'}"]
+    result = summary(hp_train(*overrides, config=QUICKSTART_VL))
+    assert result["steps"] == 8 and result["comm_bytes_per_step"]["tp"] > 0
+    assert result["last_loss"] < 0.8 * result["first_loss"], result
+    _, held = load_splits(load_config(QUICKSTART_VL, overrides), TOK)
+    model = Qwen2_5_VLForConditionalGeneration(CONFIG)
+    load_model_weights(str(tmp_path / "checkpoint-8"), model)
+    want = model(**collate(held.examples, TOK.pad_token_id, vision=held.vision).inputs()).loss.item()
+    assert result["eval_loss"] == pytest.approx(want, rel=1e-5)
