@@ -89,7 +89,11 @@ def layouts(strategy: Strategy, plan: ModelPlan) -> tuple[dict[str, str], dict, 
     if strategy.tp == 1:
         return experts, inputs, {}
     outputs = {name: residual for name in (*starts, *plan.residual)}
-    return {**experts, **plan.params}, inputs, outputs
+    params = {**experts, **plan.params}
+    if strategy.vision_tp:  # the tower's stream is its patches, whole on every rank: "p h"
+        outputs.update({name: "p h" for name in plan.vision_residual})
+        params.update(plan.vision_params)
+    return params, inputs, outputs
 
 
 def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any], plan: ModelPlan) -> nn.Module:

@@ -41,6 +41,9 @@ class ModelPlan:
     embeds the text, scatters the tower's output into it and computes the
     positions on the whole sequence, so the residual stream starts at the
     decoder's `inputs_embeds`, and that is where the sequence splits.
+    `vision_params` and `vision_residual` are the tower's own tensor-parallel
+    layouts and residual modules, used when the strategy splits the tower
+    over tp too (`Strategy.vision_tp`).
 
     >>> import hp
     >>> plan = hp.ModelPlan(params={"*.q_proj.weight": "out/tp in"}, residual=("*.o_proj",))
@@ -58,6 +61,8 @@ class ModelPlan:
     routers: tuple[str, ...] = ()
     vision: str | None = None
     decoder: str | None = None
+    vision_params: Mapping[str, str] = field(default_factory=dict)
+    vision_residual: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
@@ -65,7 +70,10 @@ class ModelPlan:
         object.__setattr__(self, "experts", tuple(self.experts))
         object.__setattr__(self, "routers", tuple(self.routers))
         object.__setattr__(self, "expert_params", MappingProxyType(dict(self.expert_params)))
+        object.__setattr__(self, "vision_params", MappingProxyType(dict(self.vision_params)))
+        object.__setattr__(self, "vision_residual", tuple(self.vision_residual))
 
     def __hash__(self) -> int:
         return hash((tuple(self.params.items()), self.residual, self.blocks, self.embedding, self.rotary,
-                     self.experts, tuple(self.expert_params.items()), self.routers, self.vision, self.decoder))
+                     self.experts, tuple(self.expert_params.items()), self.routers, self.vision, self.decoder,
+                     tuple(self.vision_params.items()), self.vision_residual))

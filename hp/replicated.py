@@ -36,7 +36,11 @@ from hp.parallelize import PlanError, forward_inside
 
 
 def run_replicated(module: nn.Module, mesh, pending: Sequence[str] = ()) -> nn.Module:
-    """Run `module`'s forward on plain local tensors; its gradients pend over the mesh axes `pending`.
+    """Run `module`'s forward on each rank's local values; its gradients pend over the mesh axes `pending`.
+
+    Parameters replicated over the whole mesh enter as plain tensors. Parameters laid out over
+    other axes than `pending` (a tensor-parallel tower) enter as DTensors on the mesh of those
+    axes, so the module computes as any laid-out module does, on that smaller mesh.
 
     >>> import hp, torch
     >>> mesh = hp.mesh(dp=2, simulate=True)
@@ -52,22 +56,25 @@ def run_replicated(module: nn.Module, mesh, pending: Sequence[str] = ()) -> nn.M
     unknown = sorted(set(pending) - set(names))
     if unknown:
         raise PlanError(f"hp.run_replicated: pending axes {unknown} are not axes of the mesh {names}")
-    grad_placements = tuple(Partial() if name in pending else Replicate() for name in names)
-    forward_inside(module, lambda: _Plain(grad_placements, type(module).__name__))
+    dims = frozenset(names.index(a) for a in pending)
+    kept = tuple(n for n in names if n not in pending)
+    submesh = mesh[kept] if dims and kept else mesh
+    forward_inside(module, lambda: _Local(mesh, dims, submesh, type(module).__name__))
 
-    def as_replicated(mod, args, out):
-        return tree_map_only(torch.Tensor, lambda t: _Whole.apply(t, mesh, grad_placements), out)
+    def whole(mod, args, out):
+        return tree_map_only(torch.Tensor, lambda t: _Whole.apply(t, mesh, dims), out)
 
-    module.register_forward_hook(as_replicated)
+    module.register_forward_hook(whole)
     return module
 
 
-class _Plain(TorchFunctionMode):
-    """Every DTensor argument enters as its local value, its gradient declared `grad_placements`."""
+class _Local(TorchFunctionMode):
+    """Every DTensor argument enters as its local value (on `submesh` where it is laid out there), its
+    gradient declared pending over the mesh dims `dims`."""
 
-    def __init__(self, grad_placements: tuple, where: str):
+    def __init__(self, mesh, dims: frozenset[int], submesh, where: str):
         super().__init__()
-        self.grad_placements, self.where = grad_placements, where
+        self.mesh, self.dims, self.submesh, self.where = mesh, dims, submesh, where
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -75,21 +82,41 @@ class _Plain(TorchFunctionMode):
             args, kwargs = tree_map_only(DTensor, self._local, (args, kwargs))
         return func(*args, **kwargs)
 
-    def _local(self, t: DTensor) -> torch.Tensor:
-        if not all(p.is_replicate() for p in t.placements):
-            raise PlanError(f"hp.run_replicated: {self.where} runs whole on every rank, but one of its tensors is "
-                            f"laid out {describe(t)}; leave its parameters out of the tensor-parallel plan")
-        return t.to_local(grad_placements=self.grad_placements)
+    def _local(self, t: DTensor):
+        if t.device_mesh != self.mesh:
+            return t  # already on the submesh
+        laid_out = [m for m, p in enumerate(t.placements) if not p.is_replicate()]
+        if any(m in self.dims for m in laid_out):
+            raise PlanError(f"hp.run_replicated: {self.where} runs whole on every rank of the axes its gradients "
+                            f"pend over, but one of its tensors is laid out {describe(t)} over them")
+        if laid_out and self.submesh is self.mesh:
+            return t
+        local = t.to_local(grad_placements=[Partial() if m in self.dims else p for m, p in enumerate(t.placements)])
+        if not laid_out:
+            return local
+        kept = [p for m, p in enumerate(t.placements) if m not in self.dims]
+        return DTensor.from_local(local, self.submesh, kept, run_check=False, shape=t.shape, stride=t.stride())
 
 
 class _Whole(torch.autograd.Function):
-    """A rank's plain output as a replicated DTensor; its gradient comes back laid out `grad_placements`."""
+    """An output (plain, or on the submesh) as a DTensor replicated over the pending dims; its gradient
+    comes back as a pending sum over those dims, laid out as the output was over the others."""
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor, mesh, grad_placements: tuple) -> DTensor:
-        ctx.grad_placements = grad_placements
-        return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    def forward(ctx, t: torch.Tensor, mesh, dims: frozenset[int]) -> DTensor:
+        ctx.submesh = t.device_mesh if isinstance(t, DTensor) else None
+        own = iter(t.placements if ctx.submesh is not None else ())
+        placements = [Replicate() if m in dims or ctx.submesh is None else next(own) for m in range(mesh.ndim)]
+        ctx.target = [Partial() if m in dims else p for m, p in enumerate(placements)]
+        ctx.dims = dims
+        local = t.to_local() if ctx.submesh is not None else t
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
 
     @staticmethod
     def backward(ctx, grad: DTensor):
-        return reshard(grad, ctx.grad_placements).to_local(), None, None
+        local = reshard(grad, ctx.target).to_local()
+        if ctx.submesh is None:
+            return local, None, None
+        own = [p for m, p in enumerate(ctx.target) if m not in ctx.dims]
+        return DTensor.from_local(local, ctx.submesh, own, run_check=False, shape=grad.shape,
+                                  stride=grad.stride()), None, None

@@ -85,6 +85,7 @@ class Strategy:
     tp2d: bool = False  # 2D tensor parallel
     offload: str | None = None  # hp.offload's slow tier for saved activations (None: nothing offloaded)
     offload_budget: float = DEFAULT_OFFLOAD_BUDGET  # hp.offload's budget: this fraction of the step's recorded peak
+    vision_tp: bool = False  # a vision-language model's vision tower splits over tp too (else replicated)
     recompute: bool = False  # each decoder block recomputes its activations in backward instead of keeping them
 
     def __post_init__(self) -> None:
@@ -92,7 +93,7 @@ class Strategy:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise StrategyError(key, value, ": expected an integer >= 1")
-        for key in ("sp", "fsdp", "reshard_after_forward", "tp2d", "recompute"):
+        for key in ("sp", "fsdp", "reshard_after_forward", "tp2d", "recompute", "vision_tp"):
             if not isinstance(getattr(self, key), bool):
                 raise StrategyError(key, getattr(self, key), ": expected true or false")
         for key in ("param_dtype", "reduce_dtype"):
@@ -149,7 +150,7 @@ class Strategy:
         >>> Strategy.of({"pp": 2})
         Traceback (most recent call last):
         ...
-        hp.strategy.StrategyError: pp = 2: unknown strategy key; expected one of dp, cp, tp, sp, cp_algorithm, fsdp, reshard_after_forward, param_dtype, reduce_dtype, ep, expert_bias_rate, tp2d, offload, offload_budget, recompute
+        hp.strategy.StrategyError: pp = 2: unknown strategy key; expected one of dp, cp, tp, sp, cp_algorithm, fsdp, reshard_after_forward, param_dtype, reduce_dtype, ep, expert_bias_rate, tp2d, offload, offload_budget, vision_tp, recompute
         """
         if spec is None:
             return cls()

@@ -38,8 +38,11 @@ def _local(t):
 TP, TP_SP = {"tp": 2}, {"tp": 2, "sp": True}
 DP, DP_EP = {"dp": 2}, {"dp": 2, "ep": 2}
 RING, ULYSSES_TP = {"cp": 2, "cp_algorithm": "ring"}, {"cp": 2, "cp_algorithm": "ulysses", "tp": 2}
+VISION_TP = {"vision_tp": True}  # the tower split over tp too
 MATRIX = [("qwen2_5_vl", TP), ("qwen2_5_vl", TP_SP), ("qwen2_5_vl", DP), ("qwen2_5_vl", RING),
-          ("qwen3_vl", TP_SP), ("qwen3_vl", RING), ("qwen3_vl", ULYSSES_TP), ("qwen3_vl_moe", TP), ("qwen3_vl_moe", DP_EP)]
+          ("qwen2_5_vl", {**DP, **TP_SP, **VISION_TP}), ("qwen3_vl", TP_SP), ("qwen3_vl", RING),
+          ("qwen3_vl", ULYSSES_TP), ("qwen3_vl", {**RING, **TP, **VISION_TP}), ("qwen3_vl_moe", TP),
+          ("qwen3_vl_moe", DP_EP)]
 
 
 @pytest.mark.parametrize("family, strategy", MATRIX, ids=[f"{f}-{'-'.join(f'{k}{v}' for k, v in s.items())}"
@@ -59,11 +62,11 @@ def test_laid_out_vl_models_give_hfs_loss_and_gradients_with_images(family, stra
         hp.reduce_gradients(model)
         assert abs(_local(loss).item() - want.item()) / want.item() < 1e-5
         grads = {name: _local(p.grad) for name, p in model.named_parameters()}
-        if "tp" in strategy:  # the decoder is split over tp, the vision tower is not
+        if "tp" in strategy:  # the decoder is split over tp, the vision tower only with vision_tp
             assert "/tp" in hp.describe(model.model.language_model.layers[0].self_attn.q_proj.weight)
-        assert "/tp" not in hp.describe(model.model.visual.blocks[0].attn.qkv.weight)
+        assert ("/tp" in hp.describe(model.model.visual.blocks[0].attn.qkv.weight)) == ("vision_tp" in strategy)
     # the tower's gradients pend over every axis that splits the decoder's input, to be summed once
-    assert pending == {hp.Strategy.of(strategy).token_axes}
+    assert pending == {hp.Strategy.of(strategy).token_axes}, pending
     assert any(name.startswith("model.visual.") for name in grads)
     for name, r in reference.named_parameters():
         assert rel_err(grads[name], r.grad) < 1e-5, name
