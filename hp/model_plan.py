@@ -41,7 +41,9 @@ class ModelPlan:
     embeds the text, scatters the tower's output into it and computes the
     positions on the whole sequence, so the residual stream starts at the
     decoder's `inputs_embeds`, and that is where the sequence splits.
-    `vision_params` and `vision_residual` are the tower's own tensor-parallel
+    `projector` lists the tower's modules that map its output into the
+    decoder's width (LlamaFactory's multi-modal projector, frozen apart from
+    the rest of the tower). `vision_params` and `vision_residual` are the tower's own tensor-parallel
     layouts and residual modules, used when the strategy splits the tower
     over tp too (`Strategy.vision_tp`).
 
@@ -61,6 +63,7 @@ class ModelPlan:
     routers: tuple[str, ...] = ()
     vision: str | None = None
     decoder: str | None = None
+    projector: tuple[str, ...] = ()
     vision_params: Mapping[str, str] = field(default_factory=dict)
     vision_residual: tuple[str, ...] = ()
 
@@ -72,8 +75,9 @@ class ModelPlan:
         object.__setattr__(self, "expert_params", MappingProxyType(dict(self.expert_params)))
         object.__setattr__(self, "vision_params", MappingProxyType(dict(self.vision_params)))
         object.__setattr__(self, "vision_residual", tuple(self.vision_residual))
+        object.__setattr__(self, "projector", tuple(self.projector))
 
     def __hash__(self) -> int:
         return hash((tuple(self.params.items()), self.residual, self.blocks, self.embedding, self.rotary,
                      self.experts, tuple(self.expert_params.items()), self.routers, self.vision, self.decoder,
-                     tuple(self.vision_params.items()), self.vision_residual))
+                     tuple(self.vision_params.items()), self.vision_residual, self.projector))

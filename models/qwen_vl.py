@@ -45,7 +45,8 @@ VISION_TP_PLAN = {
     f"{_BLOCKS}.mlp.linear_fc2.weight": "out in/tp",
 }
 VISION_RESIDUAL = (f"{_BLOCKS}.attn.proj", f"{_BLOCKS}.mlp.down_proj", f"{_BLOCKS}.mlp.linear_fc2")
-_NAMES = dict(vision_params=VISION_TP_PLAN, vision_residual=VISION_RESIDUAL, blocks=f"{DECODER}.layers", embedding=f"{DECODER}.embed_tokens", rotary=f"{DECODER}.rotary_emb",
+_NAMES = dict(vision_params=VISION_TP_PLAN, vision_residual=VISION_RESIDUAL,
+              projector=("model.visual.merger", "model.visual.deepstack_merger_list"), blocks=f"{DECODER}.layers", embedding=f"{DECODER}.embed_tokens", rotary=f"{DECODER}.rotary_emb",
               vision="model.visual", decoder=DECODER)
 
 PLAN = ModelPlan(params=TP_PLAN, residual=(f"{_LAYERS}.self_attn.o_proj", f"{_LAYERS}.mlp.down_proj"), **_NAMES)

@@ -247,3 +247,19 @@ def test_the_vl_quickstart_trains_on_two_workers_and_evaluates_as_hf(tmp_path):
     load_model_weights(str(tmp_path / "checkpoint-8"), model)
     want = model(**collate(held.examples, TOK.pad_token_id, vision=held.vision).inputs()).loss.item()
     assert result["eval_loss"] == pytest.approx(want, rel=1e-5)
+
+
+def test_the_tower_and_projector_are_frozen_by_default_as_in_llamafactory():
+    from hp.train.config import validate
+    from hp.train.model import build_model, freeze_parts
+
+    minimal = {"model_name_or_path": TINY_QWEN2_5_VL, "dataset": "quickstart_vl", "output_dir": "out"}
+    cfg = validate(minimal)
+    assert (cfg.freeze_vision_tower, cfg.freeze_multi_modal_projector, cfg.freeze_language_model) == (True, True, False)
+    model = build_model(TINY_QWEN2_5_VL, 265, hp.mesh(tp=1, simulate=True), Strategy(), seed=0)
+    assert freeze_parts(model, vision_tower=True, projector=True, language_model=False) == ["vision_tower", "projector"]
+    training = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert {"lm_head.weight", "model.language_model.embed_tokens.weight"} <= training
+    assert not any(name.startswith("model.visual.") for name in training)
+    with pytest.raises(ConfigError, match="leaves nothing to train"):
+        validate({**minimal, "freeze_language_model": True})

@@ -92,6 +92,10 @@ class TrainConfig:
     stage: str = "sft"  # one of STAGES
     do_train: bool = True  # must be true: only training is available
     finetuning_type: str = "full"  # every weight trains; LoRA and freeze are not available yet
+    # a vision-language model's parts that keep their weights (LlamaFactory's defaults: the tower and projector)
+    freeze_vision_tower: bool = True
+    freeze_multi_modal_projector: bool = True
+    freeze_language_model: bool = False
     # dataset
     dataset: str  # comma-separated dataset names
     dataset_dir: str = "data"
@@ -203,6 +207,9 @@ _RULES: dict[str, _Rule] = {
     "do_train": _Rule("bool", lambda v: v, "true (only training is available yet)"),
     "trust_remote_code": _Rule("bool"),
     "finetuning_type": _Rule("str", choices=("full",), allowed="(LoRA and freeze are not available yet)"),
+    "freeze_vision_tower": _Rule("bool"),
+    "freeze_multi_modal_projector": _Rule("bool"),
+    "freeze_language_model": _Rule("bool"),
     "weight_decay": _Rule("float", lambda v: v >= 0, "a number >= 0"),
     "max_grad_norm": _Rule("float", lambda v: v > 0, "a number > 0, or null for no clipping", optional=True),
     "dataset": _Rule("str", _dataset_names, "comma-separated dataset names, such as 'alpaca_en_demo,identity'"),
@@ -270,6 +277,7 @@ _PARALLEL_RULES: dict[str, _Rule] = {
     "offload": _Rule("str", optional=True),
     "offload_budget": _Rule("float", lambda v: 0 < v <= 1, "a fraction of the step's recorded peak memory, in (0, 1]"),
     "recompute": _Rule("bool"),
+    "vision_tp": _Rule("bool"),
     "activation_mode": _Rule("str", choices=ACTIVATION_MODES),
     "reshard_after_forward": _Rule("bool"),
     "param_dtype": _Rule("str", choices=DTYPES, optional=True),
@@ -795,6 +803,9 @@ def _check_training(config: TrainConfig) -> None:
     if config.evaluates and not (config.val_size or config.eval_dataset):
         raise ConfigError(f"eval_strategy = {config.eval_strategy!r} (do_eval = {config.do_eval}) has nothing to evaluate "
                           "on: expected val_size > 0 or eval_dataset")
+    if config.freeze_vision_tower and config.freeze_multi_modal_projector and config.freeze_language_model:
+        raise ConfigError("freeze_language_model = True with freeze_vision_tower and freeze_multi_modal_projector "
+                          "(their defaults) leaves nothing to train; set one of them to false")
     if config.val_size and config.eval_dataset:
         raise ConfigError(f"val_size = {config.val_size:g} with eval_dataset = {config.eval_dataset!r}: expected one "
                           "of them (a held-out split, or datasets of its own)")

@@ -153,7 +153,7 @@ _FREEZE = "freeze tuning is not available yet: every weight trains, as finetunin
 _PREFERENCE = "reward and preference training (stages rm, ppo, dpo, kto) is not available yet"
 _QUANTIZED = "quantized training is not available yet: weights are trained in fp32"
 _MULTIMODAL = ("LlamaFactory's image, video and audio settings are not available yet: hp train reads images for "
-               "Qwen2.5-VL at its processor's pixel bounds, trains every weight, and reads no video or audio")
+               "Qwen2.5-VL at its processor's pixel bounds, and reads no video or audio")
 _KTRANSFORMERS = "KTransformers (MoE experts on the CPU) is not available"
 _FP8 = "FP8 training is not available: bf16: true is the only mixed precision"
 _LOSS = "only the cross-entropy loss of the supervised tokens is available (DFT, ASFT and EAFT are not)"
@@ -210,8 +210,7 @@ _TABLE: dict[str, ForeignKey] = {
     **_refused(_MULTIMODAL, {
         "image_max_pixels": 768 * 768, "image_min_pixels": 32 * 32, "image_do_pan_and_scan": False,
         "crop_to_patches": False, "video_max_pixels": 256 * 256, "video_min_pixels": 16 * 16, "video_fps": 2.0,
-        "video_maxlen": 128, "use_audio_in_video": False, "audio_sampling_rate": 16000, "media_dir": None,
-        "freeze_vision_tower": True, "freeze_multi_modal_projector": True, "freeze_language_model": False}),
+        "video_maxlen": 128, "use_audio_in_video": False, "audio_sampling_rate": 16000, "media_dir": None}),
     **_noted("a setting of llamafactory-cli export; hp export CHECKPOINT DIR writes an HF model directory",
              "export_dir", "export_size", "export_device", "export_quantization_bit", "export_quantization_dataset",
              "export_quantization_nsamples", "export_quantization_maxlen", "export_legacy_format",

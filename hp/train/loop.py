@@ -56,7 +56,7 @@ from hp.train.config import TrainConfig, to_dict
 from hp.train.data import IGNORE_INDEX, TokenBatches, eval_batches, load_splits
 from hp.train.errors import TrainingError
 from hp.train.loader import loader
-from hp.train.model import build_model
+from hp.train.model import build_model, freeze_parts
 from hp.train.preflight import resume_path
 from hp.train.report import METRICS, TENSORBOARD_DIR, Reporter
 from hp.train.tokenizer import load_tokenizer
@@ -91,6 +91,8 @@ def train(config: TrainConfig) -> dict:
     evaluation = (eval_batches(held_out, config.per_device_eval_batch_size * dp, tokenizer.pad_token_id)
                   if config.evaluates else [])
     model = build_model(config.model_name_or_path, tokenizer.vocab_size, mesh, strategy, seed=config.seed)
+    freeze_parts(model, vision_tower=config.freeze_vision_tower, projector=config.freeze_multi_modal_projector,
+                 language_model=config.freeze_language_model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     total = total_steps(config, len(batches))
     scheduler = _scheduler(config, optimizer, total)

@@ -325,6 +325,39 @@ def build_model(name_or_path: str, vocab_size: int, mesh, strategy: Strategy, *,
     return model
 
 
+def freeze_parts(model: nn.Module, *, vision_tower: bool, projector: bool, language_model: bool) -> list[str]:
+    """Keep the weights of a vision-language model's parts (LlamaFactory's freeze_* keys); the frozen parts' names.
+
+    The parts are its family plan's: the vision tower (`ModelPlan.vision`) without the projector
+    (`ModelPlan.projector`), the projector, and the language model (every other weight: the decoder and
+    the head). A frozen weight gets no gradient, so the optimizer leaves it. A text model is left as it is.
+
+    >>> import hp
+    >>> model = build_model("hp/tiny-qwen2.5-vl", 265, hp.mesh(tp=1, simulate=True), Strategy(), seed=0)
+    >>> freeze_parts(model, vision_tower=True, projector=False, language_model=False)
+    ['vision_tower']
+    >>> model.model.visual.blocks[0].attn.qkv.weight.requires_grad, model.model.visual.merger.mlp[0].weight.requires_grad
+    (False, True)
+    """
+    from hp.models import plan_for
+
+    plan = plan_for(model.config)
+    if plan.vision is None:
+        return []
+    frozen = {"vision_tower": vision_tower, "projector": projector, "language_model": language_model}
+
+    def part(name: str) -> str:
+        within = lambda prefix: name.startswith(prefix + ".")  # noqa: E731
+        if any(within(p) for p in plan.projector):
+            return "projector"
+        return "vision_tower" if within(plan.vision) else "language_model"
+
+    for name, param in model.named_parameters():
+        if frozen[part(name)]:
+            param.requires_grad_(False)
+    return [name for name, on in frozen.items() if on]
+
+
 def load_safetensors(model: nn.Module, directory: str) -> None:
     """Fill `model`'s (possibly sharded) parameters from HF safetensors, each rank reading its own blocks."""
     import torch.distributed.checkpoint as dcp
