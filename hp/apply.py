@@ -39,6 +39,7 @@ from hp.recompute import recompute_blocks
 from hp.replicated import run_replicated
 from hp.sequence import prepare_sequences
 from hp.strategy import Strategy, StrategyError
+from hp.vision_batch import split_images
 
 
 def strategy_mesh(strategy: Strategy | Mapping[str, Any], *, simulate: bool = False):
@@ -121,6 +122,8 @@ def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any
     parallelize(model, mesh, params, inputs=inputs, outputs=outputs)
     if plan.vision is not None:  # whole on every rank; its gradients pend where the decoder's input splits
         run_replicated(model.get_submodule(plan.vision), mesh, pending=strategy.token_axes)
+        if strategy.batch_axes:  # each rank encodes its own samples' images
+            split_images(model.get_submodule(plan.vision.rpartition(".")[0]), mesh, strategy.batch_axes)
     if plan.decoder is not None and strategy.token_axes:
         _cut_decoder_input(model.get_submodule(plan.decoder), token_layout(strategy))
     experts = expert_parallel(model, plan.experts)
