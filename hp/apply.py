@@ -160,6 +160,9 @@ def check_strategy(model: nn.Module, strategy: Strategy | Mapping[str, Any], pla
     params, _, _ = layouts(strategy, plan)
     check_plan(model, strategy.mesh_axes, _present(params, model.named_parameters(remove_duplicate=False)))
     _check_attention(model, strategy)
+    if strategy.vision_tp and plan.vision is None:
+        raise StrategyError("vision_tp", True, f": the plan of {type(model).__name__} has no vision tower to split; "
+                            "leave it out")
     if strategy.expert_bias_rate and not any(fnmatch.fnmatchcase(n, g) for n, _ in model.named_modules()
                                              for g in plan.routers):
         raise StrategyError("expert_bias_rate", strategy.expert_bias_rate, f": the plan of {type(model).__name__} "

@@ -97,3 +97,12 @@ def test_five_adamw_steps_of_qwen2_5_vl_follow_hf(strategy):
             opt.zero_grad()
             got.append(_local(loss).item())
     assert max(abs(g - w) / w for g, w in zip(got, want)) < 1e-5, (got, want)
+
+
+def test_vision_tp_is_refused_for_a_model_without_a_vision_tower():
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("llama", layers=1))
+    with pytest.raises(StrategyError, match="vision_tp = True: the plan of LlamaForCausalLM has no vision tower"):
+        hp.check_strategy(model, {"tp": 2, "vision_tp": True}, plan_for(model.config))

@@ -82,6 +82,7 @@ def test_defaults_are_llamafactorys():
     cfg = validate(MINIMAL)
     assert to_dict(cfg) == {
         **MINIMAL, "stage": "sft", "do_train": True, "trust_remote_code": False, "finetuning_type": "full",
+        "freeze_vision_tower": True, "freeze_multi_modal_projector": True, "freeze_language_model": False,
         "weight_decay": 0.0, "max_grad_norm": 1.0, "dataset_dir": "data", "template": None, "cutoff_len": 2048, "max_samples": None,
         "default_system": None, "train_on_prompt": False, "mask_history": False, "enable_thinking": True,
         "preserve_thinking": False,
