@@ -263,3 +263,18 @@ def test_the_tower_and_projector_are_frozen_by_default_as_in_llamafactory():
     assert not any(name.startswith("model.visual.") for name in training)
     with pytest.raises(ConfigError, match="leaves nothing to train"):
         validate({**minimal, "freeze_language_model": True})
+
+
+def test_a_local_qwen2_5_vl_directory_is_read_under_the_names_transformers_saves(tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    from hp.models import tiny_config
+    from hp.train.model import build_model
+
+    torch.manual_seed(0)
+    saved = AutoModelForImageTextToText.from_config(tiny_config("qwen2_5_vl", layers=1))
+    saved.save_pretrained(tmp_path)  # as `model.layers.*` and `visual.*`, not the modules' names
+    model = build_model(str(tmp_path), 256, hp.mesh(tp=1, simulate=True), Strategy(), seed=1)
+    for (name, p), want in zip(model.named_parameters(), saved.parameters()):
+        got = p.full_tensor() if hasattr(p, "full_tensor") else p
+        assert torch.equal(got.detach(), want.detach()), name

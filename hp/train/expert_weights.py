@@ -21,7 +21,7 @@ import torch
 PARTS = {"experts.gate_up_proj": ("gate_proj", "up_proj"), "experts.down_proj": ("down_proj",)}
 _PACKED = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)$")
 
-Stored = Mapping[str, tuple[tuple[int, ...], str]]  # weight name -> (shape, file name)
+Stored = Mapping[str, tuple[tuple[int, ...], str, str]]  # weight name -> (shape, file name, name in the file)
 
 
 def stored_keys(name: str, experts: int) -> list[list[str]] | None:
@@ -78,5 +78,5 @@ def load(param: torch.Tensor, keys: list[list[str]], stored: Stored, directory: 
                 if start >= stop:
                     continue
                 with safe_open(f"{directory}/{stored[key][1]}", framework="pt") as f:
-                    block = f.get_slice(key)[start - j * rows:stop - j * rows, columns]
+                    block = f.get_slice(stored[key][2])[start - j * rows:stop - j * rows, columns]
                 local[i, start - first:stop - first].copy_(block)

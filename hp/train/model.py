@@ -14,7 +14,9 @@ each rank reads only its own blocks of the weights from the safetensors files
 (`torch.distributed.checkpoint` with its HF reader), so a model larger than
 one rank's memory still loads. A mixture of experts stored one expert at a
 time, as transformers saves it, is read into the packed experts the model
-holds, block by block (`hp.train.expert_weights`).
+holds, block by block (`hp.train.expert_weights`), and a family that
+transformers saves under other names than its modules' (Qwen-VL's
+`visual.*`, `model.layers.*`) is read by transformers' own renaming rules.
 """
 
 from __future__ import annotations
@@ -243,7 +245,7 @@ def check_weights(model: nn.Module, directory: str) -> None:
     ...
     hp.train.config.ConfigError: model_name_or_path = '/nonexistent' holds no *.safetensors weights
     """
-    stored = _stored_shapes(directory)
+    stored = _model_names(model, _stored_shapes(directory))
     for name, param in _loaded_state(model).items():
         try:
             if expert_weights.one_by_one(name, tuple(param.shape), stored):
@@ -253,10 +255,26 @@ def check_weights(model: nn.Module, directory: str) -> None:
         if name not in stored:
             raise ConfigError(f"model_name_or_path = {directory!r}: no weight {name!r} in its safetensors, which the "
                               f"model its config.json describes needs ({len(stored)} weights found there)")
-        shape, file = stored[name]
+        shape, file, _ = stored[name]
         if shape != tuple(param.shape):
             raise ConfigError(f"model_name_or_path = {directory!r}: weight {name!r} has shape {list(shape)} in {file}, "
                               f"but its config.json makes it {list(param.shape)}")
+
+
+def _model_names(model: nn.Module, stored: dict[str, tuple]) -> dict[str, tuple]:
+    """`stored` by the names of `model`'s own weights: {model name: (shape, file, stored name)}.
+
+    transformers saves some families under other names than their modules have (a Qwen-VL
+    model's `model.layers.*` and `visual.*` are `model.language_model.layers.*` and
+    `model.visual.*` once built) and renames them as it loads; its own renaming rules for
+    the model (`transformers.conversion_mapping`) say how, and are applied here the same way.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    renamings = [r for r in get_model_conversion_mapping(model) if isinstance(r, WeightRenaming)]
+    return {rename_source_key(key, renamings, [])[0] if renamings else key: (*value, key)
+            for key, value in stored.items()}
 
 
 def _stored_shapes(directory: str) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -366,15 +384,17 @@ def load_safetensors(model: nn.Module, directory: str) -> None:
     from hp.train.checkpoint import distributed
 
     wanted = _loaded_state(model)
-    stored = _stored_shapes(directory)
+    stored = _model_names(model, _stored_shapes(directory))
     for name, param in list(wanted.items()):
         keys = expert_weights.one_by_one(name, tuple(param.shape), stored)
         if keys:
             expert_weights.load(model.get_parameter(name), keys, stored, directory)
             del wanted[name]
-    state = to_storable(wanted)
+    as_stored = {stored[name][2]: tensor for name, tensor in wanted.items()}  # the files' names
+    state = to_storable(as_stored)
     dcp.load(state, storage_reader=HuggingFaceStorageReader(directory), no_dist=not distributed())
-    model.load_state_dict(from_storable(state, wanted), strict=False)
+    loaded = from_storable(state, as_stored)
+    model.load_state_dict({name: loaded[stored[name][2]] for name in wanted}, strict=False)
 
 
 @contextmanager
