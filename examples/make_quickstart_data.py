@@ -1,6 +1,8 @@
-"""Write the quickstart dataset to examples/data/ (the task and why it suits: `hp.train.quickstart_data`).
+"""Write a quickstart dataset to examples/data/ (the tasks and why they suit: `hp.train.quickstart_data`,
+`hp.train.quickstart_vl_data`).
 
-    python examples/make_quickstart_data.py   # writes examples/data/{quickstart,dataset_info}.json
+    python examples/make_quickstart_data.py      # examples/data/quickstart.json, its dataset_info.json entry
+    python examples/make_quickstart_data.py vl   # examples/data/quickstart_vl.json and quickstart_vl/*.png
 """
 
 from __future__ import annotations
@@ -8,16 +10,22 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hp.train.quickstart_data import write
+from hp.train import quickstart_data, quickstart_vl_data
+
+# task: (writer, records by default, what a record is)
+TASKS = {"text": (quickstart_data.write, 2000, "examples"), "vl": (quickstart_vl_data.write, 200, "pictures")}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("task", nargs="?", choices=TASKS, default="text")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "data")
-    parser.add_argument("--num", type=int, default=2000, help="number of examples")
+    parser.add_argument("--num", type=int, help="number of records (default: 2000 examples, 200 pictures)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    print(f"wrote {args.num} examples to {write(args.out_dir, args.num, args.seed)}")
+    write, default, what = TASKS[args.task]
+    num = args.num or default
+    print(f"wrote {num} {what} to {write(args.out_dir, num, args.seed)}")
 
 
 if __name__ == "__main__":

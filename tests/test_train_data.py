@@ -311,7 +311,7 @@ def test_quickstart_files_load_and_are_reproducible(tmp_path):
     word = prompt.split("\n")[1]
     assert prompt == f"Human: uppercase\n{word}\nAssistant:" and supervised_text(data[0]) == word.upper() + "\n"
     quickstart_data.write(tmp_path, 2000, 0)  # what examples/make_quickstart_data.py writes
-    quickstart_vl_data.write(tmp_path, 200, 0)  # and examples/make_quickstart_vl_data.py, in either order
+    quickstart_vl_data.write(tmp_path, 200, 0)  # and `make_quickstart_data.py vl`, in either order
     for name in ("quickstart.json", "quickstart_vl.json", "dataset_info.json"):
         assert (tmp_path / name).read_bytes() == (data_dir / name).read_bytes()
     for png in sorted((data_dir / "quickstart_vl").iterdir()):  # the same pictures, whatever zlib compressed them

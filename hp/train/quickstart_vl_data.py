@@ -21,7 +21,7 @@ record is 145-150 tokens.
 The records are laid out as LlamaFactory's `mllm_demo`: sharegpt `messages`
 with role/content tags and an `images` column of paths relative to the
 dataset directory. The files are seeded, so they are the same on every run;
-`examples/make_quickstart_vl_data.py` writes the copy in `examples/data/`
+`examples/make_quickstart_data.py vl` writes the copy in `examples/data/`
 (200 records and pictures, 66 KB).
 
 Measured with `hp train examples/quickstart_vl.yaml` (tp=2 on 2 CPU cores

@@ -65,7 +65,7 @@ def main() -> None:
     check("qwen2_5_vl", {"dp": 2, "fsdp": True}, rank, steps=5)
     check("qwen3_vl", {"cp": 2, "cp_algorithm": "ring", "fsdp": True}, rank, steps=1)
     # rank 1's samples hold no image: it encodes a blank one, for FSDP's collectives and backward
-    check("qwen3_vl_moe", {"dp": 2, "ep": 2, "fsdp": True}, rank, steps=1, images=(((16, 16),), (), (), ()))
+    check("qwen3_vl_moe", {"dp": 2, "ep": 2, "fsdp": True}, rank, steps=5, images=(((16, 16),), (), (), ()))
     print(f"rank {rank} ok", flush=True)
 
 
