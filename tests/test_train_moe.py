@@ -182,6 +182,7 @@ def _escaped(words: str) -> str:
 
 
 def test_the_loop_reports_the_step_load_nudges_the_bias_and_drops_the_evaluations(tmp_path):
+    from hp.train.batch import Batch
     from hp.train.loop import Progress, _log, balance_experts, evaluate
     from hp.train.report import Reporter
 
@@ -199,7 +200,7 @@ def test_the_loop_reports_the_step_load_nudges_the_bias_and_drops_the_evaluation
         want = 0.01 * torch.sign(counts.mean() - counts)  # up below the mean load, down above it
         assert torch.equal(router.expert_bias, want)
     assert balance_experts(model, 0.01) is None  # counted since the last call only
-    evaluate(model, [(ids, ids)], config, "cpu")
+    evaluate(model, [Batch(ids, ids)], config, "cpu")
     assert balance_experts(model, 0.01) is None  # the evaluation's forwards do not count for the next step
 
     class Bar:
