@@ -1,4 +1,4 @@
-"""`hp.run_replicated`: a module computed whole on every rank, on plain tensors.
+"""`hp.run_replicated`: a module computed whole on every rank, on local tensors.
 
 A vision-language model's vision tower is replicated: every rank of the
 decoder's mesh encodes the same images with the same weights. Running it on
@@ -17,7 +17,9 @@ is brought to a pending sum over `pending` axes (each rank's part; an
 already whole gradient is kept by the first rank of each group) and whole
 over the others, and the parameters' gradients pend over the same axes,
 resolved once with every other gradient (`hp.reduce_gradients`, or FSDP's
-reduce-scatter). The module must be replicated over the whole mesh.
+reduce-scatter). The module must be replicated over the `pending` axes; a
+tower laid out over the others (tp) computes there as DTensors on the
+submesh of those axes.
 """
 
 from __future__ import annotations
