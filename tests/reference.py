@@ -52,11 +52,17 @@ def laid_out_step(model, strategy: dict | Strategy, ids: torch.Tensor, labels: t
 def five_adamw_steps(family: str, strategy: dict, lr: float = 1e-3, **overrides) -> None:
     """5 AdamW steps of a one-layer `family` under `strategy` give HF's losses."""
     reference, model = tiny_pair(family, layers=1, **overrides)
-    batches = [batch(seed=s) for s in range(5)]
+    batches = [dict(zip(("input_ids", "labels"), batch(seed=s))) for s in range(5)]
+    adamw_steps_follow(reference, model, batches, strategy, lr)
+
+
+def adamw_steps_follow(reference, model, batches: list[dict], strategy: dict, lr: float = 1e-3) -> None:
+    """An AdamW step per batch (the forward's keywords) gives `reference`'s losses on `model` laid out by
+    `strategy` on simulated ranks (the same weights to start with)."""
     opt = torch.optim.AdamW(reference.parameters(), lr=lr)
     want = []
-    for ids, labels in batches:
-        loss = reference(input_ids=ids, labels=labels).loss
+    for inputs in batches:
+        loss = reference(**inputs).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -66,8 +72,8 @@ def five_adamw_steps(family: str, strategy: dict, lr: float = 1e-3, **overrides)
         hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         got = []
-        for ids, labels in batches:
-            loss = model(input_ids=ids, labels=labels).loss
+        for inputs in batches:
+            loss = model(**inputs).loss
             loss.backward()
             hp.reduce_gradients(model)
             opt.step()

@@ -20,7 +20,7 @@ from transformers import AutoModelForImageTextToText
 import hp
 from hp.models import plan_for, tiny_config, tiny_vl_batch
 from hp.strategy import StrategyError
-from tests.reference import rel_err
+from tests.reference import adamw_steps_follow, rel_err
 
 def vl_pair(family: str, layers: int = 2):
     torch.manual_seed(0)
@@ -75,28 +75,7 @@ def test_laid_out_vl_models_give_hfs_loss_and_gradients_with_images(family, stra
 @pytest.mark.parametrize("strategy", [TP, TP_SP, RING], ids=["tp", "tp_sp", "cp_ring"])
 def test_five_adamw_steps_of_qwen2_5_vl_follow_hf(strategy):
     reference, model = vl_pair("qwen2_5_vl", layers=1)
-    batches = [tiny_vl_batch(reference, seq=32, seed=s) for s in range(5)]
-    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    want = []
-    for batch in batches:
-        loss = reference(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want.append(loss.item())
-    mesh = hp.strategy_mesh(strategy, simulate=True)
-    with hp.simulated(mesh):
-        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        got = []
-        for batch in batches:
-            loss = model(**batch).loss
-            loss.backward()
-            hp.reduce_gradients(model)
-            opt.step()
-            opt.zero_grad()
-            got.append(_local(loss).item())
-    assert max(abs(g - w) / w for g, w in zip(got, want)) < 1e-5, (got, want)
+    adamw_steps_follow(reference, model, [tiny_vl_batch(reference, seq=32, seed=s) for s in range(5)], strategy)
 
 
 def test_vision_tp_is_refused_for_a_model_without_a_vision_tower():
