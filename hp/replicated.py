@@ -81,8 +81,17 @@ class _Local(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if getattr(func, "__name__", None) != "__get__":  # attribute reads compute nothing
-            args, kwargs = tree_map_only(DTensor, self._local, (args, kwargs))
+            args = tuple(self._argument(a) for a in args)
+            kwargs = {k: self._argument(v) for k, v in kwargs.items()}
         return func(*args, **kwargs)
+
+    def _argument(self, value):
+        """One level deep, as `hp.region` looks: a tensor, or tensors in one list (`torch.cat`)."""
+        if isinstance(value, DTensor):
+            return self._local(value)
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            return type(value)(self._local(v) if isinstance(v, DTensor) else v for v in value)
+        return value
 
     def _local(self, t: DTensor):
         if t.device_mesh != self.mesh:
