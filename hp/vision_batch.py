@@ -22,6 +22,7 @@ batch's images, which gives the same values.
 from __future__ import annotations
 
 import inspect
+import itertools
 
 import torch
 from torch import nn
@@ -78,7 +79,7 @@ def image_owners(input_ids: torch.Tensor, grid: torch.Tensor, config) -> list[in
 def _features(model: nn.Module, pixels: torch.Tensor, grid: torch.Tensor, mine: list[int]):
     """The tower's output for the images `mine`, the others' features zeros of their sizes."""
     rows = grid.prod(-1).tolist()
-    starts = [sum(rows[:k]) for k in range(len(rows))]
+    starts = [0, *itertools.accumulate(rows)]
     if mine:
         own = model.get_image_features(torch.cat([pixels[starts[k]:starts[k] + rows[k]] for k in mine]),
                                        grid[mine], return_dict=True)
