@@ -9,8 +9,8 @@ batch and sequence splits of the inputs, context-parallel attention, the
 sequence preparation of `hp.sequence`, FSDP or the dp/cp gradient
 reduction of `hp.data_parallel`, expert parallel for the plan's experts
 modules (`hp.ops.expert_parallel`) with the routing bias of
-`hp.expert_balance`, and activation recompute of the plan's
-blocks (`hp.recompute`). A vision-language plan's vision tower runs whole
+`hp.expert_balance`, activation recompute of the plan's
+blocks (`hp.recompute`), and `torch.compile` of each block (`hp.compile_blocks`). A vision-language plan's vision tower runs whole
 on every rank (`hp.run_replicated`) and is an FSDP unit of its own; its
 decoder's input is cut to each rank's batch and sequence block with a
 pending gradient (`hp.constrain(pending_grad=True)`), so the tower's
@@ -26,6 +26,7 @@ from typing import Any
 
 from torch import nn
 
+from hp.compiled import compile_blocks
 from hp.data_parallel import fully_shard_model
 from hp.expert_balance import biased_routing
 from hp.layouts import constrain
@@ -139,6 +140,9 @@ def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any
         prepare_sequences(model, strategy, plan)
     if strategy.recompute:
         recompute_blocks(model.get_submodule(plan.blocks))
+    if strategy.compile:
+        _check_compile(model, plan)
+        compile_blocks(model.get_submodule(plan.blocks))
     return model
 
 
@@ -160,6 +164,8 @@ def check_strategy(model: nn.Module, strategy: Strategy | Mapping[str, Any], pla
     params, _, _ = layouts(strategy, plan)
     check_plan(model, strategy.mesh_axes, _present(params, model.named_parameters(remove_duplicate=False)))
     _check_attention(model, strategy)
+    if strategy.compile:
+        _check_compile(model, plan)
     if strategy.vision_tp and plan.vision is None:
         raise StrategyError("vision_tp", True, f": the plan of {type(model).__name__} has no vision tower to split; "
                             "leave it out")
@@ -179,6 +185,15 @@ def _cut_decoder_input(decoder: nn.Module, tokens: str) -> None:
         return args, kwargs
 
     decoder.register_forward_pre_hook(cut_input, with_kwargs=True, prepend=True)
+
+
+def _check_compile(model: nn.Module, plan: ModelPlan) -> None:
+    if plan.experts:
+        raise StrategyError("compile", True, f": the blocks of {type(model).__name__} route tokens to experts by "
+                            "counts known only while the step runs, which one graph cannot hold yet; leave compile off")
+    if plan.vision is not None:
+        raise StrategyError("compile", True, f": {type(model).__name__}'s blocks are not checked under torch.compile "
+                            "yet (a vision tower's features enter the decoder); leave compile off")
 
 
 def _check_attention(model: nn.Module, strategy: Strategy) -> None:

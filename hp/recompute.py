@@ -17,10 +17,9 @@ blocks; this module is how, for any block:
   parameter names and `state_dict` keys stay the model's own (checkpoints and
   HF weights load unchanged).
 - The recompute runs in backward, outside what the model's forward hooks
-  entered: `hp.region()` and hp's context variables (the context-parallel
-  algorithm among them). It runs under the forward's context variables, and
-  in a region when the forward ran in one, so the same kernels run, issue the
-  same collectives and save the same tensors.
+  entered: `hp.region()`, `hp.context_parallel` and `hp.rules`. It runs
+  again under the forward's choices of each, so the same kernels run, issue
+  the same collectives and save the same tensors.
 - RNG state is restored before the recompute (checkpoint's default, and the
   simulated ranks' own states under `hp.simulated`), so dropout draws the
   same masks.
@@ -30,7 +29,6 @@ blocks; this module is how, for any block:
 
 from __future__ import annotations
 
-import contextvars
 import functools
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -41,6 +39,8 @@ from torch.distributed._local_tensor import enabled_local_tensor_mode
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils.checkpoint import checkpoint
 
+from hp.layouts.rules import active_rules
+from hp.ops.context_parallel import context_parallel, current_algorithm
 from hp.region import region
 
 # Keyword arguments under which HF decoder layers take a KV cache.
@@ -116,21 +116,20 @@ class _Recomputed:
         forward = functools.partial(type(self.block).forward, self.block)
         if not torch.is_grad_enabled() or any(kwargs.get(k) is not None for k in CACHE_ARGUMENTS):
             return forward(*args, **kwargs)
-        # The forward and its recompute both run in this copy of the forward's context variables.
-        run = functools.partial(contextvars.copy_context().run, forward, **kwargs)
-        return checkpoint(run, *args, use_reentrant=False, context_fn=_as_in_forward)
+        return checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=False, context_fn=_as_in_forward)
 
 
 def _as_in_forward() -> tuple[AbstractContextManager, AbstractContextManager]:
     """checkpoint's context_fn, called in forward just before the block runs: (nothing for the forward,
     what the recompute must run under to repeat it)."""
-    in_region = _in_region()
+    in_region, (algorithm, order), rules = _in_region(), current_algorithm(), active_rules()
     replay_rng = _simulated_rng_replay()
 
     @contextmanager
     def as_forward_ran() -> Iterator[None]:
         # A backward called inside a region (unusual) already has one: a second would see every op twice.
-        with region() if in_region and not _in_region() else nullcontext(), replay_rng():
+        with region() if in_region and not _in_region() else nullcontext(), replay_rng(), \
+                context_parallel(algorithm, order=order), rules if rules is not None else nullcontext():
             yield
 
     return nullcontext(), as_forward_ran()

@@ -87,13 +87,14 @@ class Strategy:
     offload_budget: float = DEFAULT_OFFLOAD_BUDGET  # hp.offload's budget: this fraction of the step's recorded peak
     vision_tp: bool = False  # a vision-language model's vision tower splits over tp too (else replicated)
     recompute: bool = False  # each decoder block recomputes its activations in backward instead of keeping them
+    compile: bool = False  # each decoder block runs under torch.compile(fullgraph=True) (hp.compile_blocks)
 
     def __post_init__(self) -> None:
         for key in ("dp", "cp", "tp", "ep"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise StrategyError(key, value, ": expected an integer >= 1")
-        for key in ("sp", "fsdp", "reshard_after_forward", "tp2d", "recompute", "vision_tp"):
+        for key in ("sp", "fsdp", "reshard_after_forward", "tp2d", "recompute", "vision_tp", "compile"):
             if not isinstance(getattr(self, key), bool):
                 raise StrategyError(key, getattr(self, key), ": expected true or false")
         for key in ("param_dtype", "reduce_dtype"):
@@ -122,6 +123,7 @@ class Strategy:
                                 "choose one")
         self._refuse_fsdp_options_without_fsdp()
         self._refuse_what_is_not_built()
+        self._refuse_what_does_not_compile()
 
     def _refuse_fsdp_options_without_fsdp(self) -> None:
         """FSDP's own options given where FSDP does not run would silently change nothing."""
@@ -141,6 +143,20 @@ class Strategy:
             raise StrategyError("offload", "host", ": the host tier (pinned memory and a copy stream on an "
                                 "accelerator) is not available yet; use offload: disk")
 
+    def _refuse_what_does_not_compile(self) -> None:
+        """Combinations whose blocks cannot be one graph yet: refused here, not as a graph break."""
+        if not self.compile:
+            return
+        if self.recompute:
+            raise StrategyError("compile", True, ": compiled blocks cannot recompute yet (torch's activation "
+                                "checkpoint under torch.compile cannot save DTensors' meshes); choose one")
+        if self.offload is not None:
+            raise StrategyError("compile", True, ": compiled blocks cannot offload yet (hp.offload moves tensors "
+                                "from saved-tensor hooks, which compiled graphs do not run); choose one")
+        if self.ep > 1:
+            raise StrategyError("compile", True, ": expert parallel sizes its all-to-alls by routing counts known "
+                                "only while the step runs, which one graph cannot hold; leave compile off with ep")
+
     @classmethod
     def of(cls, spec: Strategy | Mapping[str, Any] | None) -> Strategy:
         """A Strategy from itself, a mapping of its fields, or None (one device).
@@ -150,7 +166,7 @@ class Strategy:
         >>> Strategy.of({"pp": 2})
         Traceback (most recent call last):
         ...
-        hp.strategy.StrategyError: pp = 2: unknown strategy key; expected one of dp, cp, tp, sp, cp_algorithm, fsdp, reshard_after_forward, param_dtype, reduce_dtype, ep, expert_bias_rate, tp2d, offload, offload_budget, vision_tp, recompute
+        hp.strategy.StrategyError: pp = 2: unknown strategy key; expected one of dp, cp, tp, sp, cp_algorithm, fsdp, reshard_after_forward, param_dtype, reduce_dtype, ep, expert_bias_rate, tp2d, offload, offload_budget, vision_tp, recompute, compile
         """
         if spec is None:
             return cls()

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from gloo_launch import assert_finished, clean_env, torchrun
 
 HERE = Path(__file__).parent
@@ -57,3 +58,11 @@ def test_vl_families_with_images_under_fsdp_cp_and_ep_on_two_gloo_processes():
     run = torchrun(str(HERE / "workers" / "vl_gloo.py"), 2, timeout=600)
     assert_finished(run)
     assert sorted(re.findall(r"rank (\d) ok", run.stdout)) == ["0", "1"]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_compiled_blocks_follow_hf_on_gloo_processes(ranks):
+    # 2 ranks: tp, tp+sp (inductor), cp ring and Ulysses, FSDP; 4 ranks: the 2D and SUMMA layouts.
+    run = torchrun(str(HERE / "workers" / "compile_gloo.py"), ranks, timeout=600)
+    assert_finished(run)
+    assert len(re.findall(r"compiled blocks follow the reference", run.stdout)) == ranks

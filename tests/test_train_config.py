@@ -95,7 +95,7 @@ def test_defaults_are_llamafactorys():
         "plot_loss": False, "resume_from_checkpoint": None, "per_device_train_batch_size": 1,
         "gradient_accumulation_steps": 1, "learning_rate": 5e-5, "num_train_epochs": 3.0, "max_steps": -1,
         "lr_scheduler_type": "linear", "warmup_ratio": 0.0, "bf16": False, "seed": 42,
-        "disable_gradient_checkpointing": False,
+        "disable_gradient_checkpointing": False, "torch_compile": False,
         "parallel": Strategy(recompute=True).as_dict(),
         "use_hyper_parallel": False, "hyper_parallel_args": None, "hyper_parallel_cp_size": None,
         "deepspeed": None, "fsdp": None, "fsdp_config": None,
@@ -113,6 +113,14 @@ def test_defaults_are_llamafactorys():
 ])
 def test_activation_recompute_as_llamafactory_sets_it(raw, recompute):
     assert validate({**MINIMAL, **raw}).parallel.recompute is recompute
+
+
+@pytest.mark.parametrize("raw", [{"torch_compile": True}, {"parallel": {"compile": True}},
+                                 {"torch_compile": True, "parallel": {"compile": True}}])
+def test_compiled_blocks_as_llamafactorys_torch_compile_or_parallel_compile_ask(raw):
+    """Compiled blocks keep their activations: LlamaFactory's default recompute yields to them."""
+    strategy = validate({**MINIMAL, **raw}).parallel
+    assert strategy.compile and not strategy.recompute
 
 
 @pytest.mark.parametrize("offload", ["disk", {"budget": 0.3, "tiers": ["device", "disk"]}, {"budget": 0.3}])
@@ -392,6 +400,13 @@ BAD = [
     ({"parallel": {"offload_budget": 0.3}}, "offload_budget = 0.3: only offload has a budget"),
     ({"disable_gradient_checkpointing": True, "parallel": {"activation_mode": "recompute"}},
      "disable_gradient_checkpointing = True conflicts with the parallel settings, which ask for recompute"),
+    ({"torch_compile": True, "parallel": {"recompute": True}},
+     "torch_compile = True: compiled blocks cannot recompute yet"),
+    ({"parallel": {"compile": True, "offload": "disk"}}, "parallel.compile = True: compiled blocks cannot offload yet"),
+    ({"torch_compile": True, "parallel": {"ep": 2}, "nproc_per_node": 2},
+     "torch_compile = True: expert parallel sizes its all-to-alls by routing counts known only while the step runs"),
+    ({"torch_compile": True, "parallel": {"compile": False}}, "parallel.compile = False conflicts with torch_compile = True"),
+    ({"parallel": {"compile": "yes"}}, "parallel.compile = 'yes': expected true or false"),
     # LlamaFactory's HyperParallel keys
     ({"hyper_parallel_args": {"tp_size": 2}}, "hyper_parallel_args = {'tp_size': 2} is given but use_hyper_parallel is not true"),
     ({"use_hyper_parallel": True, "hyper_parallel_args": 4}, "hyper_parallel_args = 4: expected a mapping of tp_size"),

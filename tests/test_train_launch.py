@@ -64,14 +64,15 @@ def test_two_nodes_join_one_rendezvous(tmp_path):
     [
         (["parallel.tp=1", "parallel.dp=2", "parallel.fsdp=true"], "dp"),
         (["parallel.tp=1", "parallel.cp=2", "parallel.cp_algorithm=ring", "disable_gradient_checkpointing=false"], "cp"),
-        (["parallel.sp=true"], "tp"),
+        (["parallel.sp=true", "torch_compile=true"], "tp"),
         (["parallel.dp=2", "parallel.fsdp=true", "parallel.sp=true", "disable_gradient_checkpointing=false"], "tp"),
     ],
 )
 def test_every_strategy_of_the_zoo_trains_through_hp_train(tmp_path, strategy, axis):
     """Same first loss as one device would give (the global batch is the same), bytes on the right axis.
 
-    Two cases recompute activations (LlamaFactory's default, which the quickstart turns off).
+    Two cases recompute activations (LlamaFactory's default, which the quickstart turns off); the
+    tp+sp case compiles each decoder block (LlamaFactory's torch_compile key).
     """
     import torch
     from transformers import LlamaForCausalLM

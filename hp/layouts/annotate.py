@@ -57,6 +57,13 @@ def _bound(layout: Layout, mesh: DeviceMesh, shape: tuple[int, ...], uneven: boo
     return _bind_on_device(layout, mesh, shape, uneven)
 
 
+@torch.compiler.assume_constant_result
+def _placements_when_traced(spec, mesh, shape: tuple[int, ...], rules, uneven: bool) -> tuple[Placement, ...]:
+    """`_prepare`'s placements, computed once when `torch.compile` traces a call and kept as a
+    constant of the graph: parsing and binding are Python that dynamo need not trace."""
+    return _prepare(spec, mesh, shape, rules, uneven)[1]
+
+
 def _bind_on_device(layout: Layout, mesh: DeviceMesh, shape: Sequence[int], uneven: bool):
     bound = bind(layout, mesh, shape, uneven=uneven)
     if bound.tier != "device":
@@ -156,6 +163,11 @@ def constrain(
         x = DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
     elif mesh is not None and mesh != x.device_mesh:
         raise LayoutError("hp.constrain cannot move a DTensor to another mesh")
+    if torch.compiler.is_compiling():  # traced code keeps no names: placements are all it needs
+        placements = _placements_when_traced(spec, x.device_mesh, tuple(x.shape), rules, uneven)
+        if tuple(x.placements) == placements:
+            return x
+        return cut(x, placements) if pending_grad else reshard(x, placements)
     bound, placements = _prepare(spec, x.device_mesh, x.shape, rules, uneven)
     if tuple(x.placements) != placements:
         x = cut(x, placements) if pending_grad else reshard(x, placements)

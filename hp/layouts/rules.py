@@ -10,17 +10,18 @@ resolved silently. Nested `with` blocks extend and override the outer rules.
 
 from __future__ import annotations
 
-import contextvars
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from hp.layouts.errors import LayoutError
 from hp.layouts.types import Layout
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-_ACTIVE: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("hp_rules", default=None)
+# The active rules, innermost last. A plain stack, not a ContextVar: `torch.compile`
+# traces (and guards on) a module global's read, not ContextVar.get.
+_ACTIVE: list[Rules] = []
 
 
 @dataclass(frozen=True)
@@ -37,16 +38,14 @@ class Rules:
     """
 
     bindings: Mapping[str, tuple[str, ...]]
-    _tokens: list = field(default_factory=list, init=False, compare=False, repr=False)
 
     def __enter__(self) -> Rules:
-        outer = _ACTIVE.get()
-        merged = self if outer is None else outer.merged(self)
-        self._tokens.append(_ACTIVE.set(merged))
+        merged = _ACTIVE[-1].merged(self) if _ACTIVE else self
+        _ACTIVE.append(merged)
         return merged
 
     def __exit__(self, *exc) -> None:
-        _ACTIVE.reset(self._tokens.pop())
+        _ACTIVE.pop()
 
     def merged(self, inner: Rules) -> Rules:
         """These rules overridden and extended by `inner`."""
@@ -108,12 +107,12 @@ def rules(bindings: Mapping[str, str | tuple[str, ...] | None] | None = None, /,
 
 def active_rules() -> Rules | None:
     """The rules of the innermost active `with hp.rules(...)`, if any."""
-    return _ACTIVE.get()
+    return _ACTIVE[-1] if _ACTIVE else None
 
 
 def resolve(layout: Layout, explicit: Rules | Mapping | None = None) -> Layout:
     """Apply the explicit rules if given, else the active ones, else nothing."""
-    chosen = explicit if explicit is not None else _ACTIVE.get()
+    chosen = explicit if explicit is not None else active_rules()
     if chosen is None:
         return layout
     if not isinstance(chosen, Rules):

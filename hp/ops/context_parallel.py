@@ -15,7 +15,6 @@ says how the caller laid the sequence out (see `head_tail_order`).
 
 from __future__ import annotations
 
-import contextvars
 from contextlib import contextmanager
 
 import torch
@@ -27,9 +26,9 @@ from hp.ops.local import to_dtensor
 from hp.ops.ring_attention import ORDERS, RingAttention
 from hp.strategy import CP_ALGORITHMS
 
-_ALGORITHM: contextvars.ContextVar[tuple[str, str]] = contextvars.ContextVar(
-    "hp_cp_algorithm", default=("ulysses", "contiguous")
-)
+# The innermost `context_parallel` choice last. A plain stack, not a ContextVar:
+# `torch.compile` traces (and guards on) a module global's read, not ContextVar.get.
+_ALGORITHM: list[tuple[str, str]] = [("ulysses", "contiguous")]
 
 
 @contextmanager
@@ -49,11 +48,22 @@ def context_parallel(algorithm: str = "ulysses", *, order: str = "contiguous"):
     if order not in ORDERS or (algorithm == "ulysses" and order != "contiguous"):
         allowed = ORDERS if algorithm == "ring" else ("contiguous",)
         raise ValueError(f"sequence order {order!r} is not supported by {algorithm} attention (allowed: {allowed})")
-    token = _ALGORITHM.set((algorithm, order))
+    _ALGORITHM.append((algorithm, order))
     try:
         yield
     finally:
-        _ALGORITHM.reset(token)
+        _ALGORITHM.pop()
+
+
+def current_algorithm() -> tuple[str, str]:
+    """(algorithm, order) of the innermost `context_parallel`, ("ulysses", "contiguous") outside any.
+
+    >>> import hp
+    >>> with hp.context_parallel("ring", order="head_tail"):
+    ...     current_algorithm()
+    ('ring', 'head_tail')
+    """
+    return _ALGORITHM[-1]
 
 
 def swap_heads_and_sequence(t: torch.Tensor, group, parts: int, heads_to_seq: bool) -> torch.Tensor:
@@ -77,7 +87,7 @@ def sequence_parallel_attention(
     In head-tail order a fallback would mask the permuted sequence as if it were
     in order (silently wrong), so there every unsupported call is an error.
     """
-    algorithm, order = _ALGORITHM.get()
+    algorithm, order = current_algorithm()
     why = _unsupported(query, key, value, attn_mask, dropout_p, enable_gqa, algorithm)
     if why:
         if order == "head_tail":

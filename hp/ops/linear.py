@@ -42,7 +42,6 @@ parallelism does).
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -113,21 +112,18 @@ class _MatmulScatter(torch.autograd.Function):
         return grad_in, grad_w, grad_b, None, None
 
 
-# (id(input), step, axis) -> (weak ref to input, prepared local input): shared by the
-# linears that read one input (tensors compare elementwise: no WeakKeyDictionary).
-_PREPARED: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
-
-
 def _shared(input: DTensor, step: str, axis: int, make) -> torch.Tensor:
-    """`make()` once per (input, step, axis) while the input lives."""
-    key = (id(input), step, axis)
-    hit = _PREPARED.get(key)
-    if hit is not None and hit[0]() is input:
-        return hit[1]
-    for stale in [k for k, (ref, _) in _PREPARED.items() if ref() is None]:
-        del _PREPARED[stale]
-    prepared = make()
-    _PREPARED[key] = (weakref.ref(input), prepared)
+    """`make()` once per (input, step, axis) while the input lives: the linears that read one
+    input (q, k and v) share its gather, and their gradients meet before one reduction.
+
+    Kept on the input tensor itself, which `torch.compile` traces as an intermediate's
+    attribute (a global cache would make every prepared tensor an output of the graph).
+    """
+    name = f"_hp_{step}{axis}"
+    prepared = getattr(input, name, None)
+    if prepared is None:
+        prepared = make()
+        setattr(input, name, prepared)
     return prepared
 
 
@@ -146,7 +142,7 @@ def linear_summa(input, weight, bias=None):
         return NotImplemented
     mesh, w, x, last = weight.device_mesh, weight.placements, input.placements, input.ndim - 1
     split = {m: p for m, p in enumerate(w) if not isinstance(p, Replicate)}
-    if input.device_mesh != mesh or len(split) != 2 or sorted(getattr(p, "dim", -1) for p in split.values()) != [0, 1]:
+    if input.device_mesh != mesh or len(split) != 2 or sorted([getattr(p, "dim", -1) for p in split.values()]) != [0, 1]:
         return NotImplemented
     if any(type(p) is not Shard for p in split.values()):
         return NotImplemented
@@ -269,7 +265,7 @@ def _plan(input, weight, bias):
         return None
     if any(z > min(o, i) for z in z_axes):  # tokens/z/o needs z before o and i in the mesh
         return None
-    splits = mesh.size(o) * mesh.size(i) * math.prod(mesh.size(z) for z in z_axes)
+    splits = mesh.size(o) * mesh.size(i) * math.prod([mesh.size(z) for z in z_axes])  # a list: dynamo traces no generator into C
     if input.shape[token_dim] % splits or weight.shape[0] % mesh.size(o):
         return None
     if bias is not None and (

@@ -37,6 +37,8 @@ def to_dtensor(
     shape = tuple(shape)
     if stride is None:
         stride = _dense_stride(shape, tuple(dim_order) if dim_order is not None else tuple(range(len(shape))))
+    if torch.compiler.is_compiling():  # dynamo traces DTensor's own wrap, not a spec cache
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
     return _Wrap.apply(local, _spec(mesh, tuple(placements), shape, tuple(stride), local.dtype))
 
 
@@ -99,11 +101,14 @@ def local_block(param: DTensor, pending_axes: Sequence[int] = ()) -> torch.Tenso
     `DTensor.to_local` at a fraction of its cost on hot paths: one small autograd step, the
     gradient's spec built once per signature.
     """
+    compiling = torch.compiler.is_compiling()
     if not param.requires_grad:
-        return param._local_tensor
+        return param.to_local() if compiling else param._local_tensor
     # as DTensor.to_local: a pending sum's gradient is whole on every rank
     grads = tuple(Partial() if m in pending_axes else Replicate() if p.is_partial() else p
                   for m, p in enumerate(param.placements))
+    if compiling:
+        return param.to_local(grad_placements=grads)
     return _Unwrap.apply(param, grads)
 
 

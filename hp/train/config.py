@@ -140,6 +140,7 @@ class TrainConfig:
     bf16: bool = False
     seed: int = 42
     disable_gradient_checkpointing: bool = False  # LlamaFactory recomputes each block's activations unless this
+    torch_compile: bool = False  # LlamaFactory's name for parallel.compile: each decoder block under torch.compile
     # parallel
     parallel: Strategy = field(default_factory=Strategy)
     use_hyper_parallel: bool = False
@@ -250,6 +251,7 @@ _RULES: dict[str, _Rule] = {
     "warmup_ratio": _Rule("float", lambda v: 0 <= v < 1, "a number in [0, 1)"),
     "bf16": _Rule("bool"),
     "disable_gradient_checkpointing": _Rule("bool"),
+    "torch_compile": _Rule("bool"),
     "seed": _Rule("int", lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)"),
     "use_hyper_parallel": _Rule("bool"),
     "hyper_parallel_cp_size": _Rule("int", lambda v: v >= 1, "an integer >= 1, or null for hyper_parallel_args' cp_size",
@@ -277,6 +279,7 @@ _PARALLEL_RULES: dict[str, _Rule] = {
     "offload": _Rule("str", optional=True),
     "offload_budget": _Rule("float", lambda v: 0 < v <= 1, "a fraction of the step's recorded peak memory, in (0, 1]"),
     "recompute": _Rule("bool"),
+    "compile": _Rule("bool"),
     "vision_tp": _Rule("bool"),
     "activation_mode": _Rule("str", choices=ACTIVATION_MODES),
     "reshard_after_forward": _Rule("bool"),
@@ -655,6 +658,8 @@ def _parallel(given: dict[str, Any], hyper: dict[str, Any] | None, elsewhere: li
     for translation in elsewhere:
         fold.add(translation.source, translation.fields)
         notes.append(translation.note)
+    if values.get("torch_compile"):
+        fold.add("torch_compile = True", {"compile": True})
     if hyper is not None and hyper.get("fsdp_size", 1) > 1:
         _hyper_fsdp_size(fold, hyper["fsdp_size"], values)
     _derive_dp(fold, values)
@@ -758,12 +763,13 @@ def _derive_dp(fold: _Fold, values: Mapping[str, Any]) -> None:
 
 def _with_recompute(strategy: Strategy, given: dict[str, Any], hyper: dict[str, Any] | None,
                     elsewhere: list[Translation], disable: bool) -> Strategy:
-    """Activation recompute as LlamaFactory has it: on unless disable_gradient_checkpointing, or as parallel says."""
+    """Activation recompute as LlamaFactory has it: on unless disable_gradient_checkpointing or compiled blocks,
+    or as parallel says."""
     explicit = ("recompute" in given or "offload" in given or "activation_mode" in given
                 or "activation_mode" in (hyper or {})
                 or any("recompute" in t.fields for t in elsewhere))
     if not explicit:
-        return dataclasses.replace(strategy, recompute=not disable)
+        return dataclasses.replace(strategy, recompute=not disable and not strategy.compile)
     if disable and strategy.recompute:
         raise ConfigError("disable_gradient_checkpointing = True conflicts with the parallel settings, which ask for "
                           "recompute (parallel.recompute, activation_mode: recompute or fsdp_config's "

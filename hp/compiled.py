@@ -1,0 +1,62 @@
+"""`hp.compile_blocks`: a laid-out model's decoder blocks under `torch.compile`, one graph each.
+
+Why: a laid-out step is bound by host-side dispatch (Python, DTensor's
+sharding propagation, autograd bookkeeping) long before its kernels on an
+accelerator. Compiled, a block pays that once, when dynamo traces it; each
+step then runs the block's forward and backward as two graphs whose
+collectives are functional ops.
+
+Choices, as torchtitan makes them:
+
+- Per block, not the whole model: every decoder layer runs the same code, so
+  one graph serves them all (the parameters are inputs), and compile time
+  does not grow with depth.
+- The block's `forward` is compiled, not its `__call__`: module hooks stay
+  eager around it (FSDP2's gathers and reshards, hp's layouts at the block's
+  boundary, `hp.recompute`'s checkpoint around the compiled forward), while
+  the layouts of the modules inside are traced with it.
+- `fullgraph=True`: a graph break inside a block is an error naming the line,
+  not a silent fall back to eager.
+
+What hp's kernels and layouts do under tracing: layouts are parsed and bound
+once, when a call is traced (`hp.constrain` keeps the placements as a
+constant of the graph); blocks move between local tensors and DTensors
+through DTensor's own `from_local` / `to_local`; the context-parallel choice
+and the active rules are module globals that dynamo guards on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+
+def compile_blocks(blocks: Iterable[nn.Module], *, backend: str = "inductor") -> None:
+    """Compile each of `blocks` (a model's decoder layers, say) in place, `fullgraph=True`.
+
+    `backend` is `torch.compile`'s ("inductor" generates kernels; "aot_eager" traces forward
+    and backward the same way and runs them eagerly, which is quicker to compile).
+
+    >>> import torch
+    >>> layers = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    >>> compile_blocks(layers, backend="eager")
+    >>> layers[0](torch.ones(1, 2)).shape
+    torch.Size([1, 2])
+    >>> is_compiled(layers[1])
+    True
+    """
+    for block in blocks:
+        if not is_compiled(block):
+            # the instance's forward as it is now (hp.recompute may have replaced it)
+            block.forward = torch.compile(block.forward, fullgraph=True, backend=backend)
+
+
+def is_compiled(block: nn.Module) -> bool:
+    """Whether `compile_blocks` compiled `block`'s forward.
+
+    >>> is_compiled(torch.nn.Linear(2, 2))
+    False
+    """
+    return hasattr(block.__dict__.get("forward"), "_torchdynamo_orig_callable")
