@@ -22,7 +22,8 @@ with torchrun, one thread per rank), as
 - `hp`: `hp.apply_strategy` with the Llama plan at `tp=2` on `hp.mesh(tp=N)`,
   N the ranks: the Megatron layouts, vocab-parallel LM head and loss (on one
   rank the tp axis has size 1: everything is laid out, nothing moves);
-- `hp_compiled`: `hp` with each decoder layer under `torch.compile(fullgraph=True)`;
+- `hp_compiled`: `hp` with `compile=True`: each decoder layer under
+  `torch.compile(fullgraph=True)`, inductor's kernels (`hp.compile_blocks`);
   when that cannot compile, a record says why and the figures are null.
 
 The first step of each configuration must give the plain model's loss
@@ -121,16 +122,12 @@ def measure(name: str, shape: dict, mesh, reps: int, emit) -> None:
         torch.manual_seed(0)
         return LlamaForCausalLM(config)
 
-    def laid_out():
-        return hp.apply_strategy(fresh(), mesh, {"tp": 2}, plan_for(config))
+    def laid_out(compile: bool):
+        return hp.apply_strategy(fresh(), mesh, {"tp": 2, "compile": compile}, plan_for(config))
 
     plain, torch_tp = fresh(), fresh()
     parallelize_module(torch_tp, mesh, torch_tp_plan(shape["layers"], vocab_parallel=False))
-    variants = {"plain": plain, "torch": torch_tp, "hp": laid_out()}
-    compiled = laid_out()
-    for layer in compiled.model.layers:
-        layer.compile(fullgraph=True)
-    variants["hp_compiled"] = compiled
+    variants = {"plain": plain, "torch": torch_tp, "hp": laid_out(False), "hp_compiled": laid_out(True)}
     optimizers = {k: adamw(_groups(m)) for k, m in variants.items()}
     ranks = mesh.size()
     losses = {}

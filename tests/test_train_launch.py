@@ -10,7 +10,7 @@ import json
 
 import pytest
 from gloo_launch import _free_port, torchrun
-from train_runs import DATA, QUICKSTART, WORKERS, first_batch, hp_train, local_hf_model, summary
+from train_runs import DATA, QUICKSTART, WORKERS, first_batch, hp_train, local_hf_model, losses, summary
 
 from hp.models import FAMILIES
 
@@ -59,20 +59,33 @@ def test_two_nodes_join_one_rendezvous(tmp_path):
     assert (tmp_path / "checkpoint-3" / "trainer_state.pt").is_file()
 
 
+def test_compiled_blocks_train_as_eager_ones(tmp_path):
+    """LlamaFactory's torch_compile under tp+sp: the losses of eager blocks, step by step (the first
+    step runs eagerly under the byte trace, the others compiled)."""
+    runs = {}
+    for name, extra in (("eager", []), ("compiled", ["torch_compile=true"])):
+        out = tmp_path / name
+        summary(hp_train("parallel.sp=true", "max_steps=3", "logging_steps=1", "per_device_train_batch_size=4",
+                         f"output_dir={out}", *extra))
+        runs[name] = losses(out)
+    assert runs["compiled"].keys() == runs["eager"].keys() == {1, 2, 3}
+    for step, want in runs["eager"].items():
+        assert runs["compiled"][step] == pytest.approx(want, rel=1e-5), step
+
+
 @pytest.mark.parametrize(
     "strategy, axis",
     [
         (["parallel.tp=1", "parallel.dp=2", "parallel.fsdp=true"], "dp"),
         (["parallel.tp=1", "parallel.cp=2", "parallel.cp_algorithm=ring", "disable_gradient_checkpointing=false"], "cp"),
-        (["parallel.sp=true", "torch_compile=true"], "tp"),
+        (["parallel.sp=true"], "tp"),
         (["parallel.dp=2", "parallel.fsdp=true", "parallel.sp=true", "disable_gradient_checkpointing=false"], "tp"),
     ],
 )
 def test_every_strategy_of_the_zoo_trains_through_hp_train(tmp_path, strategy, axis):
     """Same first loss as one device would give (the global batch is the same), bytes on the right axis.
 
-    Two cases recompute activations (LlamaFactory's default, which the quickstart turns off); the
-    tp+sp case compiles each decoder block (LlamaFactory's torch_compile key).
+    Two cases recompute activations (LlamaFactory's default, which the quickstart turns off).
     """
     import torch
     from transformers import LlamaForCausalLM

@@ -12,7 +12,8 @@ tokens/s, memory), appends a JSON line per logging step to
 `output_dir/metrics.jsonl`, draws `training_loss.png` when matplotlib is
 installed, and prints a summary JSON object as its last stdout line:
 first/last loss, steps, tokens/s, collective bytes per step per mesh axis
-(one step traced with `hp.comm.trace()`), peak memory, and the latest
+(the first step traced with `hp.comm.trace()`, eagerly: compiled blocks
+compile on the second), peak memory, and the latest
 evaluation loss and perplexity. A mixture-of-experts model's load balance is
 measured after every optimizer step (`hp.expert_balance.measure`, on every
 rank: the tokens each expert got, summed over ranks): rank 0 shows the
@@ -39,7 +40,7 @@ import os
 import resource
 import shutil
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -115,7 +116,7 @@ def train(config: TrainConfig) -> dict:
         while step < total:
             epoch = batches.epoch
             start = time.perf_counter()
-            with hp.comm.trace() if step == first else nullcontext() as trace:  # every step moves the same bytes
+            with _traced() if step == first else nullcontext() as trace:  # every step moves the same bytes
                 loss, tokens = forward_backward()
                 hp.reduce_gradients(model)
                 norm = clip_gradients(model.parameters(), config.max_grad_norm or math.inf)
@@ -249,6 +250,14 @@ def total_steps(config: TrainConfig, batches_per_epoch: int) -> int:
     if config.max_steps > 0:
         return config.max_steps
     return max(1, math.ceil(config.num_train_epochs * batches_per_epoch / config.gradient_accumulation_steps))
+
+
+@contextmanager
+def _traced():
+    """`hp.comm.trace()` over a step run eagerly: its dispatch mode sees every collective of hp's
+    eager kernels, while compiled code cannot run under a dispatch mode (and issues the same ones)."""
+    with torch.compiler.set_stance("force_eager"), hp.comm.trace() as trace:
+        yield trace
 
 
 def _step(model: nn.Module, batches, config: TrainConfig, device: str) -> tuple[float, int]:

@@ -1,8 +1,8 @@
 """Worker for test_gloo.py: hp-laid-out Llama blocks under `torch.compile(fullgraph=True)` on real gloo ranks.
 
-On 2 ranks, each strategy's compiled model against HF's unsharded one: the loss and every
-gradient of 3 AdamW steps (fp32, relative 1e-5), no graph compiled after the first step and
-no graph break. tp+sp goes through `hp.Strategy(compile=True)` with inductor's generated
+On 2 ranks, each strategy's compiled model against the same layout run eagerly: the loss and
+every gradient of 3 AdamW steps (fp32, relative 1e-5), and the first loss against HF's
+unsharded model; no graph compiled after the first step and no graph break. tp+sp goes through `hp.Strategy(compile=True)` with inductor's generated
 kernels; the other strategies through `hp.compile_blocks(..., backend="aot_eager")`, which
 traces forward and backward the same way (dynamo, AOTAutograd, DTensor's subclass
 desugaring) and runs the traced graphs eagerly, so compiling costs seconds. On 4 ranks, the
@@ -28,35 +28,41 @@ STRATEGIES_2 = [({"tp": 2, "sp": True, "compile": True}, None), ({"tp": 2}, "aot
 SCHEMES_4 = ["2d", "summa"]
 
 
-def pair():
+def triple():
+    """HF's model, and two copies of it to lay out: one to run eagerly, one compiled."""
     torch.manual_seed(0)
     config = tiny_config("llama", layers=2)
-    reference, model = AutoModelForCausalLM.from_config(config), AutoModelForCausalLM.from_config(config)
-    model.load_state_dict(reference.state_dict())
-    return reference, model
+    reference = AutoModelForCausalLM.from_config(config)
+    copies = [AutoModelForCausalLM.from_config(config) for _ in range(2)]
+    for model in copies:
+        model.load_state_dict(reference.state_dict())
+    return reference, *copies
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, torch.distributed.tensor.DTensor) else t
 
 
-def follows(reference, model, where: str, batch: int = 4) -> None:
-    """3 AdamW steps of `model` give `reference`'s losses and gradients; nothing compiles after the first."""
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+def follows(reference, eager, compiled, where: str, batch: int = 4) -> None:
+    """3 AdamW steps of `compiled` give `eager`'s losses and gradients; nothing compiles after the first."""
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (eager, compiled)]
     for step in range(3):
         ids = torch.randint(0, 256, (batch, 16), generator=torch.Generator().manual_seed(step))
-        want = reference(input_ids=ids, labels=ids).loss
-        want.backward()
-        got = model(input_ids=ids, labels=ids).loss
-        got.backward()
-        rel = abs(whole(got).item() - want.item()) / want.item()
-        assert rel < 1e-5, f"{where} step {step}: loss {whole(got).item()} vs {want.item()} ({rel:.1e})"
-        for (name, p), r in zip(model.named_parameters(), reference.parameters()):
-            g = whole(p.grad)
-            err = ((g - r.grad).norm() / r.grad.norm()).item()
+        losses = []
+        for model in (eager, compiled):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(whole(loss).item())
+        if step == 0:
+            want = reference(input_ids=ids, labels=ids).loss.item()
+            assert abs(losses[1] - want) / want < 1e-5, f"{where}: first loss {losses[1]} vs HF's {want}"
+        rel = abs(losses[1] - losses[0]) / losses[0]
+        assert rel < 1e-5, f"{where} step {step}: loss {losses[1]} vs eager {losses[0]} ({rel:.1e})"
+        for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
+            g, want_g = whole(p.grad), whole(q.grad)
+            err = ((g - want_g).norm() / want_g.norm()).item()
             assert err < 1e-5, f"{where} step {step}: gradient of {name} off by {err:.1e}"
-        for o in (ref_opt, opt):
+        for o in optimizers:
             o.step()
             o.zero_grad()
         if step == 0:
@@ -69,20 +75,23 @@ def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
     if world == 2:
         for strategy, backend in STRATEGIES_2:
-            reference, model = pair()
-            hp.apply_strategy(model, hp.strategy_mesh(strategy), strategy, plan_for(model.config))
+            reference, eager, compiled = triple()
+            mesh, plan = hp.strategy_mesh(strategy), plan_for(reference.config)
+            hp.apply_strategy(eager, mesh, {**strategy, "compile": False}, plan)
+            hp.apply_strategy(compiled, mesh, strategy, plan)
             if backend is not None:
-                hp.compile_blocks(model.model.layers, backend=backend)
-            follows(reference, model, f"{strategy} ({backend or 'inductor'})")
+                hp.compile_blocks(compiled.model.layers, backend=backend)
+            follows(reference, eager, compiled, f"{strategy} ({backend or 'inductor'})")
     else:
         axes = {"x": 2, "y": 2}
         mesh = hp.mesh(list(axes.items()))
         for scheme in SCHEMES_4:
             plan, outputs = choice_layouts(tp_plan.Choice(scheme, axes, 0, 1))
-            reference, model = pair()
-            hp.parallelize(model, mesh, plan, outputs=outputs)
-            hp.compile_blocks(model.model.layers, backend="aot_eager")
-            follows(reference, model, f"{scheme} {axes}", batch=8)
+            reference, eager, compiled = triple()
+            for model in (eager, compiled):
+                hp.parallelize(model, mesh, plan, outputs=outputs)
+            hp.compile_blocks(compiled.model.layers, backend="aot_eager")
+            follows(reference, eager, compiled, f"{scheme} {axes}", batch=8)
     print(f"rank {os.environ['RANK']}: compiled blocks follow the reference", flush=True)
 
 
