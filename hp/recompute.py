@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -125,14 +125,29 @@ def _as_in_forward() -> tuple[AbstractContextManager, AbstractContextManager]:
     in_region, (algorithm, order), rules = _in_region(), current_algorithm(), active_rules()
     replay_rng = _simulated_rng_replay()
 
-    @contextmanager
-    def as_forward_ran() -> Iterator[None]:
+    def contexts() -> list[AbstractContextManager]:
         # A backward called inside a region (unusual) already has one: a second would see every op twice.
-        with region() if in_region and not _in_region() else nullcontext(), replay_rng(), \
-                context_parallel(algorithm, order=order), rules if rules is not None else nullcontext():
-            yield
+        return [region() if in_region and not _in_region() else nullcontext(), replay_rng(),
+                context_parallel(algorithm, order=order), rules if rules is not None else nullcontext()]
 
-    return nullcontext(), as_forward_ran()
+    return nullcontext(), _Reentrant(contexts)
+
+
+class _Reentrant(AbstractContextManager):
+    """A context made anew each time it is entered (some torch releases enter checkpoint's
+    recompute context more than once)."""
+
+    def __init__(self, make: Callable[[], list[AbstractContextManager]]) -> None:
+        self.make, self.stacks = make, []
+
+    def __enter__(self) -> None:
+        stack = ExitStack()
+        for context in self.make():
+            stack.enter_context(context)
+        self.stacks.append(stack)
+
+    def __exit__(self, *exc) -> bool | None:
+        return self.stacks.pop().__exit__(*exc)
 
 
 def _in_region() -> bool:

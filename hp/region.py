@@ -28,6 +28,7 @@ from hp.ops.context_parallel import sequence_parallel_attention
 from hp.ops.cross_entropy import vocab_parallel_cross_entropy
 from hp.ops.embedding import vocab_parallel_embedding
 from hp.ops.linear import linear
+from hp.ops.pad import blockwise_pad
 from hp.ops.local import to_dtensor
 from hp.ops.rule import RuleError
 from hp.source import user_line
@@ -58,6 +59,7 @@ KERNELS = {
     torch.nn.functional.embedding: vocab_parallel_embedding,
     torch.nn.functional.linear: in_turn(linear, fused.fused_linear),
     torch.nn.functional.scaled_dot_product_attention: sequence_parallel_attention,
+    torch.nn.functional.pad: blockwise_pad,
     **fused.SLICES,
     torch.Tensor.__getitem__: in_turn(fused.fused_getitem, masked.masked_getitem),
     torch.Tensor.__setitem__: masked.masked_setitem,

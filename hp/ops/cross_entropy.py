@@ -24,6 +24,8 @@ from hp.ops.local import to_dtensor
 
 
 def _all_reduce(t: torch.Tensor, op: str, group) -> torch.Tensor:
+    if group.size() == 1:  # a one-rank mesh axis: nothing to reduce
+        return t
     return funcol.wait_tensor(funcol.all_reduce(t, op, group))
 
 

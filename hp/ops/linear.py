@@ -1,4 +1,4 @@
-"""Tensor-parallel linear kernels: 1D column-parallel (Megatron's f) and 2D.
+"""Tensor-parallel linear kernels: 1D column-parallel (Megatron's f), 2D, and blockwise.
 
 1D: a weight laid out `out/a in` on a replicated input computes its output
 slice locally; backward, the input gradient is a partial sum over a. Left to
@@ -37,6 +37,10 @@ the mesh (`tokens/z/o`, the token-sharded 3D variant): the weight is then
 replicated over z, and its gradient is left as a pending sum over z
 (`+z`), reduced where the training step reduces gradients (as data
 parallelism does).
+
+Blockwise: a replicated weight, or one split by its input features as the
+input's are (row parallel), multiplies each rank's block as it is; the
+output keeps the input's token layout, a pending sum over the row axis.
 """
 
 from __future__ import annotations
@@ -58,10 +62,14 @@ _REDUCE_SCATTER = getattr(funcol, "reduce_scatter_single", None) or funcol.reduc
 
 
 def _gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    if group.size() == 1:  # a one-rank mesh axis: nothing to gather
+        return t
     return funcol.wait_tensor(_ALL_GATHER(t.contiguous(), dim, group))
 
 
 def _scatter(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    if group.size() == 1:  # a one-rank mesh axis: nothing to reduce
+        return t
     return funcol.wait_tensor(_REDUCE_SCATTER(t.contiguous(), "sum", dim, group))
 
 
@@ -88,6 +96,8 @@ class _ReduceGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.group.size() == 1:  # a one-rank mesh axis: nothing to reduce
+            return grad, None
         return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group)), None
 
 
@@ -129,7 +139,7 @@ def _shared(input: DTensor, step: str, axis: int, make) -> torch.Tensor:
 
 def linear(input, weight, bias=None):
     """`F.linear` for the layouts of the module docstring; NotImplemented otherwise."""
-    for kernel in (linear_2d, linear_summa, column_parallel):
+    for kernel in (linear_2d, linear_summa, column_parallel, blockwise_linear):
         out = kernel(input, weight, bias)
         if out is not NotImplemented:
             return out
@@ -176,6 +186,36 @@ def column_parallel(input, weight, bias=None):
     if a is None or type(weight.placements[a]) is not Shard:
         return NotImplemented
     return column_product(input, weight, bias, a, Shard(input.ndim - 1))
+
+
+def blockwise_linear(input, weight, bias=None):
+    """`F.linear` on each rank's block where that is exact without communication; NotImplemented otherwise.
+
+    On each mesh axis the weight is replicated (the input's tokens may be split there: the weight's
+    gradient is then a pending sum over that axis) or split by its input features as the input's
+    features are (Megatron's row parallel: the output is a pending sum over that axis, for the
+    residual stream's layout to resolve). DTensor would compute the same blocks, through a
+    sharding propagation per op (and some torch releases refuse to flatten a split sequence dim).
+    """
+    if not (isinstance(input, DTensor) and isinstance(weight, DTensor)) or weight.ndim != 2:
+        return NotImplemented
+    mesh, last = weight.device_mesh, input.ndim - 1
+    if input.device_mesh != mesh:
+        return NotImplemented
+    rows, tokens = [], []
+    for m, (x, w) in enumerate(zip(input.placements, weight.placements)):
+        if isinstance(w, Replicate) and (isinstance(x, Replicate) or (type(x) is Shard and x.dim != last)):
+            tokens += [m] if type(x) is Shard else []
+        elif type(w) is Shard and w.dim == 1 and type(x) is Shard and x.dim == last:
+            rows.append(m)
+        else:
+            return NotImplemented
+    if len(rows) > 1 or (bias is not None and (rows or not isinstance(bias, DTensor)
+                                               or not all(p.is_replicate() for p in bias.placements))):
+        return NotImplemented
+    out = F.linear(local_block(input), local_block(weight, tokens), local_block(bias, tokens) if bias is not None else None)
+    placements = [Partial() if m in rows else p for m, p in enumerate(input.placements)]
+    return to_dtensor(out, mesh, placements, (*input.shape[:-1], weight.shape[0]))
 
 
 def column_axis(input, weight, bias=None) -> int | None:
