@@ -58,10 +58,16 @@ def _bound(layout: Layout, mesh: DeviceMesh, shape: tuple[int, ...], uneven: boo
 
 
 @torch.compiler.assume_constant_result
-def _placements_when_traced(spec, mesh, shape: tuple[int, ...], rules, uneven: bool) -> tuple[Placement, ...]:
-    """`_prepare`'s placements, computed once when `torch.compile` traces a call and kept as a
-    constant of the graph: parsing and binding are Python that dynamo need not trace."""
-    return _prepare(spec, mesh, shape, rules, uneven)[1]
+def _placements_when_traced(spec, mesh, ndim: int, rules, uneven: bool) -> tuple[Placement, ...]:
+    """`_prepare`'s placements for a tensor of `ndim` dims, computed once when `torch.compile`
+    traces a call and kept as a constant of the graph: parsing and binding are Python that
+    dynamo need not trace.
+
+    Placements do not depend on sizes, and sizes may be symbolic in a graph (a sequence length
+    that varies between calls): each dim stands in as a multiple of every split, so the size
+    checks, which the eager path makes, are skipped here.
+    """
+    return _prepare(spec, mesh, (math.prod(mesh.shape),) * ndim, rules, uneven)[1]
 
 
 def _bind_on_device(layout: Layout, mesh: DeviceMesh, shape: Sequence[int], uneven: bool):
@@ -164,7 +170,7 @@ def constrain(
     elif mesh is not None and mesh != x.device_mesh:
         raise LayoutError("hp.constrain cannot move a DTensor to another mesh")
     if torch.compiler.is_compiling():  # traced code keeps no names: placements are all it needs
-        placements = _placements_when_traced(spec, x.device_mesh, tuple(x.shape), rules, uneven)
+        placements = _placements_when_traced(spec, x.device_mesh, x.ndim, rules, uneven)
         if tuple(x.placements) == placements:
             return x
         return cut(x, placements) if pending_grad else reshard(x, placements)

@@ -2,7 +2,8 @@
 
 On 2 ranks, each strategy's compiled model against the same layout run eagerly: the loss and
 every gradient of 3 AdamW steps (fp32, relative 1e-5), and the first loss against HF's
-unsharded model; no graph compiled after the first step and no graph break. tp+sp goes through `hp.Strategy(compile=True)` with inductor's generated
+unsharded model; no graph compiled after the first step and no graph break; under tp+sp, two
+more sequence lengths compile one graph more, with the length symbolic. tp+sp goes through `hp.Strategy(compile=True)` with inductor's generated
 kernels; the other strategies through `hp.compile_blocks(..., backend="aot_eager")`, which
 traces forward and backward the same way (dynamo, AOTAutograd, DTensor's subclass
 desugaring) and runs the traced graphs eagerly, so compiling costs seconds. On 4 ranks, the
@@ -71,6 +72,16 @@ def follows(reference, eager, compiled, where: str, batch: int = 4) -> None:
     assert not counters["graph_break"], f"{where}: graph breaks {dict(counters['graph_break'])}"
 
 
+def lengths_vary(eager, compiled, where: str) -> None:
+    """Another sequence length compiles once more, with the length symbolic; a third reuses that graph."""
+    graphs = counters["stats"]["unique_graphs"]
+    for seq in (24, 32):
+        ids = torch.randint(0, 256, (4, seq), generator=torch.Generator().manual_seed(seq))
+        want, got = (whole(m(input_ids=ids, labels=ids).loss).item() for m in (eager, compiled))
+        assert abs(got - want) / want < 1e-5, f"{where} at {seq} tokens: loss {got} vs eager {want}"
+    assert counters["stats"]["unique_graphs"] <= graphs + 1, f"{where}: each length compiled anew"
+
+
 def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
     if world == 2:
@@ -82,6 +93,8 @@ def main() -> None:
             if backend is not None:
                 hp.compile_blocks(compiled.model.layers, backend=backend)
             follows(reference, eager, compiled, f"{strategy} ({backend or 'inductor'})")
+            if strategy.get("sp"):
+                lengths_vary(eager, compiled, f"{strategy} (inductor)")
     else:
         axes = {"x": 2, "y": 2}
         mesh = hp.mesh(list(axes.items()))
