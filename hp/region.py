@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from hp.layouts import describe
-from hp.ops import fused, masked, npu_attention, residual
+from hp.ops import flatten, fused, masked, npu_attention, residual
 from hp.ops.context_parallel import sequence_parallel_attention
 from hp.ops.cross_entropy import vocab_parallel_cross_entropy
 from hp.ops.embedding import vocab_parallel_embedding
@@ -65,6 +65,7 @@ KERNELS = {
     torch.Tensor.__setitem__: masked.masked_setitem,
     torch.Tensor.masked_scatter: masked.masked_scatter,
     **residual.KERNELS,
+    **flatten.KERNELS,
     **npu_attention.kernels(),
 }
 _NO_STRATEGY = re.compile(r"Operator (\S+) does not have a sharding strategy registered")

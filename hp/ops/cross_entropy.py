@@ -17,7 +17,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed._local_tensor import maybe_run_for_local_tensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hp.ops.local import to_dtensor
@@ -96,7 +96,9 @@ def vocab_parallel_cross_entropy(
     total = loss.sum()
     if reduction == "sum":
         return total
-    count = (target.full_tensor() != ignore_index).sum()
+    # each rank counts its own rows; the counts are summed where the losses are (one scalar each)
+    counted = [Partial() if _splits_rows(p) else Replicate() for p in placements]
+    count = to_dtensor((local_target != ignore_index).sum(), mesh, counted, ())
     return total / count
 
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
+from torch.distributed._local_tensor import maybe_run_for_local_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor._utils import compute_global_tensor_info
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 def to_dtensor(
@@ -87,11 +89,43 @@ class _Wrap(torch.autograd.Function):
         if not isinstance(grad, DTensor):
             return grad, None
         wanted = tuple(Replicate() if p.is_partial() else p for p in ctx.spec.placements)
+        if tuple(grad.placements) != wanted and _only_cuts(grad.placements, wanted):
+            mesh = ctx.spec.mesh
+            return _cut_blocks(grad._local_tensor, grad.placements, wanted, mesh.get_coordinate(), mesh.shape), None
         if tuple(grad.placements) != wanted:
             target = DTensorSpec(ctx.spec.mesh, wanted, tensor_meta=grad._spec.tensor_meta)
             return redistribute_local_tensor(grad._local_tensor, grad._spec, target), None
         # a graph of the backward itself (create_graph=True) needs the differentiable unwrap
         return (grad.to_local() if torch.is_grad_enabled() else grad._local_tensor), None
+
+
+def _only_cuts(have: Sequence[Placement], wanted: Sequence[Placement]) -> bool:
+    """`wanted` only splits what `have` holds whole, a strided shard among the splits.
+
+    Some torch releases cannot redistribute into a strided shard that stands alone on its
+    dim (as flattening `b s/cp` leaves the rows); cutting each rank's block needs no help.
+    """
+    cuts = [w for h, w in zip(have, wanted) if h != w]
+    dims = [w.dim for w in wanted if isinstance(w, (Shard, _StridedShard))]
+    return (any(isinstance(w, _StridedShard) for w in cuts) and len(dims) == len(set(dims))
+            and all(h.is_replicate() and isinstance(w, (Shard, _StridedShard)) for h, w in zip(have, wanted) if h != w))
+
+
+@maybe_run_for_local_tensor  # rank-dependent: runs once per simulated rank
+def _cut_blocks(whole: torch.Tensor, have, wanted, coordinate, sizes) -> torch.Tensor:
+    """This rank's block of `whole` (whole on the mesh dims where `wanted` splits it)."""
+    block = whole
+    for m, (h, w) in enumerate(zip(have, wanted)):
+        if h == w:
+            continue
+        n, c = sizes[m], coordinate[m]
+        if isinstance(w, _StridedShard):  # the dim as (split_factor, rest): each rank takes its part of rest
+            sf = w.split_factor
+            parts = block.unflatten(w.dim, (sf, block.shape[w.dim] // sf))
+            block = parts.chunk(n, w.dim + 1)[c].flatten(w.dim, w.dim + 1)
+        else:
+            block = block.chunk(n, w.dim)[c]
+    return block.contiguous()
 
 
 def local_block(param: DTensor, pending_axes: Sequence[int] = ()) -> torch.Tensor:
