@@ -196,6 +196,10 @@ def blockwise_linear(input, weight, bias=None):
     features are (Megatron's row parallel: the output is a pending sum over that axis, for the
     residual stream's layout to resolve). DTensor would compute the same blocks, through a
     sharding propagation per op (and some torch releases refuse to flatten a split sequence dim).
+
+    A replicated weight meeting tokens split by the batch only (data parallel) is left to
+    DTensor: FSDP2 frees its gathered weights after forward, and saved as plain blocks here
+    they were taken for activations by `hp.offload`, which then moved freed storage.
     """
     if not (isinstance(input, DTensor) and isinstance(weight, DTensor)) or weight.ndim != 2:
         return NotImplemented
@@ -210,6 +214,8 @@ def blockwise_linear(input, weight, bias=None):
             rows.append(m)
         else:
             return NotImplemented
+    if not rows and all(input.placements[m].dim == 0 for m in tokens):
+        return NotImplemented  # only the batch split (data parallel): see the docstring
     if len(rows) > 1 or (bias is not None and (rows or not isinstance(bias, DTensor)
                                                or not all(p.is_replicate() for p in bias.placements))):
         return NotImplemented
