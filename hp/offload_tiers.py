@@ -90,7 +90,10 @@ class DiskTier:
         with open(path, "rb", buffering=0) as f:
             view, done = _bytes_of(storage), 0
             while done < size:
-                done += f.readinto(view[done:])
+                got = f.readinto(view[done:])
+                if not got:  # a cut file would otherwise be read forever
+                    raise OSError(f"hp.offload: {path} holds {done} of its {size} bytes; the tier's file was cut short")
+                done += got
         os.unlink(path)
         device = self._devices.pop(key)
         if device.type != "cpu":
