@@ -170,16 +170,14 @@ def constrain(
     elif mesh is not None and mesh != x.device_mesh:
         raise LayoutError("hp.constrain cannot move a DTensor to another mesh")
     if torch.compiler.is_compiling():  # traced code keeps no names: placements are all it needs
-        placements = _placements_when_traced(spec, x.device_mesh, x.ndim, rules, uneven)
-        if tuple(x.placements) == placements:
-            return x
-        return cut(x, placements) if pending_grad else reshard(x, placements)
-    bound, placements = _prepare(spec, x.device_mesh, x.shape, rules, uneven)
+        bound, placements = None, _placements_when_traced(spec, x.device_mesh, x.ndim, rules, uneven)
+    else:
+        bound, placements = _prepare(spec, x.device_mesh, x.shape, rules, uneven)
     if tuple(x.placements) != placements:
         x = cut(x, placements) if pending_grad else reshard(x, placements)
     else:
         x = x.view_as(x)  # a fresh node, so tagging never renames the caller's tensor
-    return _tag(x, bound)
+    return x if bound is None else _tag(x, bound)
 
 
 def from_local(

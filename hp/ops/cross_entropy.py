@@ -14,19 +14,13 @@ rules, which gather the logits: slower, still exact.
 from __future__ import annotations
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from hp.ops.collectives import all_reduce
 from hp.ops.local import to_dtensor
-
-
-def _all_reduce(t: torch.Tensor, op: str, group) -> torch.Tensor:
-    if group.size() == 1:  # a one-rank mesh axis: nothing to reduce
-        return t
-    return funcol.wait_tensor(funcol.all_reduce(t, op, group))
 
 
 class _VocabParallelNLL(torch.autograd.Function):
@@ -35,14 +29,14 @@ class _VocabParallelNLL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_start: int, group, ignore_index: int):
         x = logits.float()
-        row_max = _all_reduce(x.max(dim=1).values, "max", group)
+        row_max = all_reduce(x.max(dim=1).values, "max", group)
         shifted = x - row_max[:, None]
         exp = shifted.exp()
-        sum_exp = _all_reduce(exp.sum(dim=1), "sum", group)
+        sum_exp = all_reduce(exp.sum(dim=1), "sum", group)
         local = _shift(target, vocab_start)
         mine = (local >= 0) & (local < x.shape[1]) & (target != ignore_index)
         index = local.clamp(0, x.shape[1] - 1)[:, None]
-        picked = _all_reduce(shifted.gather(1, index).squeeze(1) * mine, "sum", group)
+        picked = all_reduce(shifted.gather(1, index).squeeze(1) * mine, "sum", group)
         valid = target != ignore_index
         loss = (sum_exp.log() - picked) * valid
         ctx.save_for_backward(exp / sum_exp[:, None], index, mine, valid)

@@ -48,29 +48,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from hp.ops.collectives import all_gather, all_reduce, reduce_scatter
 from hp.ops.local import local_block, to_dtensor
-
-
-# Newer torch names these *_single and deprecates the *_tensor forms, the only ones torch 2.11 has.
-_ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-_REDUCE_SCATTER = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
-
-
-def _gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
-    if group.size() == 1:  # a one-rank mesh axis: nothing to gather
-        return t
-    return funcol.wait_tensor(_ALL_GATHER(t.contiguous(), dim, group))
-
-
-def _scatter(t: torch.Tensor, dim: int, group) -> torch.Tensor:
-    if group.size() == 1:  # a one-rank mesh axis: nothing to reduce
-        return t
-    return funcol.wait_tensor(_REDUCE_SCATTER(t.contiguous(), "sum", dim, group))
 
 
 class _Gather(torch.autograd.Function):
@@ -79,11 +62,11 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, dim: int, group):
         ctx.dim, ctx.group = dim, group
-        return _gather(local, dim, group)
+        return all_gather(local, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _scatter(grad, ctx.dim, ctx.group), None, None
+        return reduce_scatter(grad, ctx.dim, ctx.group), None, None
 
 
 class _ReduceGradient(torch.autograd.Function):
@@ -96,9 +79,7 @@ class _ReduceGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.group.size() == 1:  # a one-rank mesh axis: nothing to reduce
-            return grad, None
-        return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group)), None
+        return all_reduce(grad, "sum", ctx.group), None
 
 
 class _MatmulScatter(torch.autograd.Function):
@@ -108,13 +89,13 @@ class _MatmulScatter(torch.autograd.Function):
     def forward(ctx, gathered, weight, bias, dim: int, group):
         ctx.save_for_backward(gathered, weight)
         ctx.dim, ctx.group, ctx.has_bias = dim, group, bias is not None
-        out = _scatter(gathered @ weight.t(), dim, group)
+        out = reduce_scatter(gathered @ weight.t(), dim, group)
         return out + bias if bias is not None else out
 
     @staticmethod
     def backward(ctx, grad):
         gathered, weight = ctx.saved_tensors
-        grad_all = _gather(grad, ctx.dim, ctx.group)  # every token's output gradient
+        grad_all = all_gather(grad, ctx.dim, ctx.group)  # every token's output gradient
         grad_in = grad_all @ weight  # partial over the other axis: its gather's backward sums it
         flat_grad, flat_in = grad_all.flatten(0, -2), gathered.flatten(0, -2)
         grad_w = flat_grad.t() @ flat_in

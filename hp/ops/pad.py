@@ -5,7 +5,7 @@ HF's causal-LM loss pads the labels by one token (`b/dp s`, padded along
 each block, so hp pads the blocks and keeps the input's layout, without
 DTensor's sharding propagation (whose pad rule some torch releases get
 wrong on meshes of more than one axis). Padding a split dim, or a pending
-sum with a nonzero value, is left to DTensor.
+sum, is left to DTensor.
 """
 
 from __future__ import annotations
