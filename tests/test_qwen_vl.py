@@ -84,3 +84,17 @@ def test_vision_tp_is_refused_for_a_model_without_a_vision_tower():
         model = AutoModelForCausalLM.from_config(tiny_config("llama", layers=1))
     with pytest.raises(StrategyError, match="vision_tp = True: the plan of LlamaForCausalLM has no vision tower"):
         hp.check_strategy(model, {"tp": 2, "vision_tp": True}, plan_for(model.config))
+
+
+@pytest.mark.parametrize("family, words", [
+    ("qwen2_5_vl", "compile = True: Qwen2_5_VLForConditionalGeneration's blocks are not checked under torch.compile"),
+    ("qwen3_moe", "compile = True: the blocks of Qwen3MoeForCausalLM route tokens to experts"),
+])
+def test_compile_is_refused_by_name_for_plans_it_does_not_cover(family, words):
+    from transformers import AutoModelForCausalLM
+
+    auto = AutoModelForImageTextToText if family.endswith("_vl") else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(tiny_config(family, layers=1))
+    with pytest.raises(StrategyError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        hp.check_strategy(model, {"tp": 2, "compile": True}, plan_for(model.config))
