@@ -38,6 +38,7 @@ from hp.ops.expert_parallel import expert_parallel
 from hp.parallelize import check_plan, forward_inside, parallelize
 from hp.recompute import recompute_blocks
 from hp.replicated import run_replicated
+from hp.rowwise import run_rowwise
 from hp.sequence import prepare_sequences
 from hp.strategy import Strategy, StrategyError
 from hp.vision_batch import split_images
@@ -121,6 +122,7 @@ def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any
     params = _present(params, model.named_parameters(remove_duplicate=False))
     outputs = _present(outputs, model.named_modules())
     parallelize(model, mesh, params, inputs=inputs, outputs=outputs)
+    run_rowwise(model, plan)
     if plan.vision is not None:  # whole on every rank; its gradients pend where the decoder's input splits
         run_replicated(model.get_submodule(plan.vision), mesh, pending=strategy.token_axes)
         if strategy.batch_axes:  # each rank encodes its own samples' images

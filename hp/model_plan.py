@@ -45,7 +45,12 @@ class ModelPlan:
     decoder's width (LlamaFactory's multi-modal projector, frozen apart from
     the rest of the tower). `vision_params` and `vision_residual` are the tower's own tensor-parallel
     layouts and residual modules, used when the strategy splits the tower
-    over tp too (`Strategy.vision_tp`).
+    over tp too (`Strategy.vision_tp`). `rowwise` lists globs of modules that
+    mix values only along their input's last dim (the norms), and
+    `rowwise_functions` names functions of the decoder blocks' modeling module
+    that do too and are called `f(q, k, ...) -> (q', k')` (HF's
+    `apply_rotary_pos_emb`): both run on each rank's block wherever that dim
+    is whole (`hp.ops.blockwise`).
 
     >>> import hp
     >>> plan = hp.ModelPlan(params={"*.q_proj.weight": "out/tp in"}, residual=("*.o_proj",))
@@ -66,6 +71,8 @@ class ModelPlan:
     projector: tuple[str, ...] = ()
     vision_params: Mapping[str, str] = field(default_factory=dict)
     vision_residual: tuple[str, ...] = ()
+    rowwise: tuple[str, ...] = ("*norm",)
+    rowwise_functions: tuple[str, ...] = ("apply_rotary_pos_emb",)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
@@ -76,8 +83,11 @@ class ModelPlan:
         object.__setattr__(self, "vision_params", MappingProxyType(dict(self.vision_params)))
         object.__setattr__(self, "vision_residual", tuple(self.vision_residual))
         object.__setattr__(self, "projector", tuple(self.projector))
+        object.__setattr__(self, "rowwise", tuple(self.rowwise))
+        object.__setattr__(self, "rowwise_functions", tuple(self.rowwise_functions))
 
     def __hash__(self) -> int:
         return hash((tuple(self.params.items()), self.residual, self.blocks, self.embedding, self.rotary,
                      self.experts, tuple(self.expert_params.items()), self.routers, self.vision, self.decoder,
-                     tuple(self.vision_params.items()), self.vision_residual, self.projector))
+                     tuple(self.vision_params.items()), self.vision_residual, self.projector, self.rowwise,
+                     self.rowwise_functions))

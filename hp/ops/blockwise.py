@@ -1,0 +1,200 @@
+"""Row-wise functions (norms, RoPE) on each rank's block, without DTensor's per-op cost.
+
+An RMSNorm or a rotary embedding mixes values only along its input's last
+dim. Wherever that dim is whole, each rank's block of the result is the
+function of its blocks, so the function can run once on plain tensors
+instead of as a chain of DTensor ops, each paying a sharding propagation
+(the bulk of a laid-out step's host time when kernels are small).
+`blockwise(fn, like)` wraps such a function: it runs `fn` on the blocks of
+its DTensor arguments and of the parameters it reads, and hands results
+back laid out as the arguments `like` names.
+
+It runs blockwise only where that is exact, decided once per call signature:
+
+- every DTensor is on one mesh, none holds a pending sum, none is split
+  along its last dim;
+- each dim (counted from the right, as broadcasting aligns them) is split
+  by the same mesh axes in every argument that splits it, and each axis
+  splits the same dim wherever it splits one;
+- the parameters it reads are replicated (their gradients then pend over
+  the axes that split the arguments), and the arguments are not split by
+  the batch alone: FSDP frees its gathered weights after forward, and
+  saved as plain blocks they are taken for activations by `hp.offload`;
+- on the first call of a signature, each result's block has the shape of
+  its `like` argument's block (a plain tensor whole on every rank would
+  otherwise broadcast against a split dim unnoticed).
+
+Otherwise, and under `torch.compile` (which traces DTensor ops into one
+graph anyway), `fn` runs on the DTensors as before.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_global_tensor_info
+from torch.overrides import TorchFunctionMode
+
+from hp.ops.local import local_block, to_dtensor
+from hp.watch import run_kernel
+
+
+def blockwise(fn: Callable, like: Sequence[int] = (0,)) -> Callable:
+    """`fn`, run on each rank's blocks where that is exact (module docstring).
+
+    `fn` mixes values only along its inputs' last dim; its i-th result is laid out as its
+    positional argument `like[i]` (one result when `like` has one entry).
+
+    >>> import hp, torch
+    >>> from torch.distributed._local_tensor import LocalTensorMode
+    >>> mesh = hp.mesh(tp=2, simulate=True)
+    >>> unit = blockwise(lambda x: x / x.norm(dim=-1, keepdim=True))
+    >>> with LocalTensorMode(2), hp.region():
+    ...     y = unit(hp.shard(torch.ones(4, 2), "b/tp h", mesh))
+    ...     print(hp.describe(y), round(y.full_tensor()[0, 0].item(), 4))
+    f32[4/tp, 2] 0.7071
+    """
+    plans: dict = {}
+
+    def on_blocks(args, kwargs, plan):
+        (mesh, pending, batch_only), wraps = plan
+        try:
+            out = _results(_run(fn, mesh, pending, batch_only, args, kwargs))
+        except _NotBlockwise:  # a parameter unlike those of the call that made the plan
+            return fn(*args, **kwargs)
+        wrapped = tuple(to_dtensor(o, mesh, placements, shape, stride=stride)
+                        for o, (placements, shape, stride) in zip(out, wraps))
+        return wrapped[0] if len(like) == 1 else wrapped
+
+    on_blocks.__name__ = f"blockwise {getattr(fn, '__qualname__', getattr(fn, '__name__', 'function'))}"
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if torch.compiler.is_compiling() or not any(isinstance(a, DTensor) for a in args):
+            return fn(*args, **kwargs)
+        key = _signature(args, kwargs)
+        plan = plans.get(key, None) if key is not None else False
+        if plan is None:
+            if len(plans) >= _PLANS_PER_FUNCTION:
+                plans.clear()
+            plan = plans[key] = _plan(fn, like, args, kwargs)
+        if plan is False:
+            return fn(*args, **kwargs)
+        return run_kernel(on_blocks, (args, kwargs, plan), {})
+
+    run.hp_blockwise = fn
+    return run
+
+
+_PLANS_PER_FUNCTION = 1024
+
+
+def _plan(fn, like: Sequence[int], args: tuple, kwargs: dict):
+    """How results of this signature are laid out, or False where running on blocks is not exact.
+
+    A plan is ((mesh, pending axes, batch-only), ((placements, shape, stride) per result)).
+    """
+    tensors = [a for a in args if isinstance(a, DTensor)]
+    if max(like) >= len(args) or not all(isinstance(args[i], DTensor) for i in like):
+        return False
+    mesh = tensors[0].device_mesh
+    by_dim: dict[int, tuple[int, ...]] = {}  # aligned dim -> the axes that split it
+    by_axis: dict[int, int] = {}  # axis -> the aligned dim it splits
+    for t in tensors:
+        if t.device_mesh != mesh:
+            return False
+        splits: dict[int, list[int]] = {}
+        for m, p in enumerate(t.placements):
+            if not (isinstance(p, Replicate) or type(p) is Shard):  # a pending sum, a strided shard
+                return False
+            if type(p) is Shard:
+                splits.setdefault(p.dim - t.ndim, []).append(m)
+        if -1 in splits:
+            return False
+        for dim, axes in splits.items():
+            if by_dim.setdefault(dim, tuple(axes)) != tuple(axes):
+                return False
+            if any(by_axis.setdefault(m, dim) != dim for m in axes):
+                return False
+    pending = tuple(sorted(m for axes in by_dim.values() for m in axes))
+    batch_only = all(dim == -args[like[0]].ndim for dim in by_dim)
+    try:  # the trial run: does each result's block have its argument's block's shape?
+        with torch.no_grad():
+            out = _results(_run(fn, mesh, pending, batch_only, args, kwargs))
+    except (_NotBlockwise, RuntimeError):
+        return False
+    wraps = []
+    for o, i in zip(out, like):
+        if not isinstance(o, torch.Tensor) or isinstance(o, DTensor) or o.shape != args[i]._local_tensor.shape:
+            return False
+        placements = tuple(args[i].placements)
+        stride = o.stride() if mesh.size() == 1 else compute_global_tensor_info(o, mesh, placements)[1]
+        wraps.append((placements, tuple(args[i].shape), tuple(stride)))
+    if len(out) != len(like):
+        return False
+    return (mesh, pending, batch_only), tuple(wraps)
+
+
+def _run(fn, mesh, pending: tuple[int, ...], batch_only: bool, args: tuple, kwargs: dict):
+    """`fn` on the blocks of its DTensor arguments and of the parameters it reads; results plain."""
+    local_args = [local_block(a) if isinstance(a, DTensor) else a for a in args]
+    with _Blocks(mesh, pending, batch_only):
+        return fn(*local_args, **kwargs)
+
+
+def _results(out) -> tuple:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _signature(args: tuple, kwargs: dict):
+    """What decides the plan: each tensor's mesh, layout, shape, stride and dtype, other arguments' values.
+
+    A mesh by identity: an equal mesh of another (since destroyed) world must not lend its
+    process groups, and the plan holds the mesh, so its id is not reused while cached.
+
+    None where that is no key: symbolic sizes, a tensor passed by keyword, an unhashable value.
+    """
+    if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+        return None
+    key = tuple(
+        (id(a.device_mesh), tuple(a.placements), a.shape, a.stride(), a.dtype) if isinstance(a, DTensor)
+        else (a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
+        for a in args
+    ) + tuple(sorted(kwargs.items()))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+class _NotBlockwise(Exception):
+    """A parameter that `fn` reads cannot be used as its block."""
+
+
+class _Blocks(TorchFunctionMode):
+    """Inside `fn`: the DTensors it reads besides its arguments (parameters) as their blocks."""
+
+    def __init__(self, mesh, pending: tuple[int, ...], batch_only: bool):
+        super().__init__()
+        self.mesh, self.pending, self.batch_only = mesh, pending, batch_only
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) != "__get__":
+            args = tuple(self._block(a) for a in args)
+            kwargs = {k: self._block(v) for k, v in kwargs.items()}
+        with torch._C.DisableTorchFunction():  # all plain now: the region has nothing to convert
+            return func(*args, **kwargs)
+
+    def _block(self, value):
+        if not isinstance(value, DTensor):
+            return value
+        if value.device_mesh != self.mesh or not all(isinstance(p, Replicate) for p in value.placements):
+            raise _NotBlockwise
+        if self.batch_only and self.pending and value.requires_grad:
+            raise _NotBlockwise
+        return local_block(value, self.pending)
