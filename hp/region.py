@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from hp.layouts import describe
-from hp.ops import flatten, fused, masked, npu_attention, residual
+from hp.ops import batch_dims, flatten, fused, masked, npu_attention, residual
 from hp.ops.context_parallel import sequence_parallel_attention
 from hp.ops.cross_entropy import vocab_parallel_cross_entropy
 from hp.ops.embedding import vocab_parallel_embedding
@@ -35,8 +35,9 @@ from hp.source import user_line
 from hp.watch import run_kernel
 
 
-def in_turn(*kernels):
-    """One kernel that tries `kernels` in order: the first that applies wins.
+def in_turn(*kernels, name: str | None = None):
+    """One kernel (called `name`, else as the first) that tries `kernels` in order: the first that
+    applies wins.
 
     >>> in_turn(lambda x: NotImplemented, lambda x: x + 1)(1)
     2
@@ -49,7 +50,7 @@ def in_turn(*kernels):
                 return out
         return NotImplemented
 
-    first_applicable.__name__ = kernels[0].__name__
+    first_applicable.__name__ = name or kernels[0].__name__
     return first_applicable
 
 
@@ -58,7 +59,9 @@ KERNELS = {
     torch.nn.functional.cross_entropy: vocab_parallel_cross_entropy,
     torch.nn.functional.embedding: vocab_parallel_embedding,
     torch.nn.functional.linear: in_turn(linear, fused.fused_linear),
-    torch.nn.functional.scaled_dot_product_attention: sequence_parallel_attention,
+    torch.nn.functional.scaled_dot_product_attention: in_turn(
+        sequence_parallel_attention, batch_dims.blockwise_attention, name="attention"
+    ),
     torch.nn.functional.pad: blockwise_pad,
     **fused.SLICES,
     torch.Tensor.__getitem__: in_turn(fused.fused_getitem, masked.masked_getitem),
@@ -66,6 +69,7 @@ KERNELS = {
     torch.Tensor.masked_scatter: masked.masked_scatter,
     **residual.KERNELS,
     **flatten.KERNELS,
+    **batch_dims.KERNELS,
     **npu_attention.kernels(),
 }
 _NO_STRATEGY = re.compile(r"Operator (\S+) does not have a sharding strategy registered")
@@ -130,9 +134,14 @@ def _mesh_of(args: tuple, kwargs: dict):
     since this runs for every op of a model's forward.
     """
     mesh, plain = None, False
-    for group in (args, kwargs.values()):
-        for a in group:
-            for t in a if isinstance(a, (list, tuple)) else (a,):
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, torch.Tensor):
+            if isinstance(a, DTensor):
+                mesh = mesh or a.device_mesh
+            else:
+                plain = True
+        elif isinstance(a, (list, tuple)):
+            for t in a:
                 if isinstance(t, DTensor):
                     mesh = mesh or t.device_mesh
                 elif isinstance(t, torch.Tensor):
