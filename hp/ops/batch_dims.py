@@ -8,7 +8,8 @@ some torch releases refuse outright where a kernel flattens the batch dims
 internally (SDPA's math path, matmul's batch folding: "Attempted to flatten
 multiple dimensions, with dimension 1 being sharded"). These kernels run the
 op on the blocks when every operand is split the same way along batch dims
-only; anything else is left to DTensor (NotImplemented).
+only; anything else, and code `torch.compile` traces, is left to DTensor
+(NotImplemented).
 """
 
 from __future__ import annotations
@@ -64,9 +65,12 @@ KERNELS = {
 
 
 def _same_batch_split(*tensors) -> bool:
-    """DTensors of one rank and mesh, laid out alike, split only along dims before the last two."""
+    """DTensors of one rank and mesh, laid out alike, split only along dims before the last two.
+
+    Not while `torch.compile` traces: the graph holds the same local ops either way.
+    """
     first = tensors[0]
-    if not all(isinstance(t, DTensor) for t in tensors):
+    if torch.compiler.is_compiling() or not all(isinstance(t, DTensor) for t in tensors):
         return False
     placements, mesh, ndim = tuple(first.placements), first.device_mesh, first.ndim
     if any(t.device_mesh != mesh or t.ndim != ndim or tuple(t.placements) != placements for t in tensors):
