@@ -30,6 +30,7 @@ from hp.compiled import compile_blocks
 from hp.data_parallel import fully_shard_model
 from hp.expert_balance import biased_routing
 from hp.layouts import constrain
+from hp.lora import adapter_layouts
 from hp.hf_attention import ulysses_around_attention, uses_sdpa
 from hp.mesh import mesh as make_mesh
 from hp.model_plan import ModelPlan
@@ -119,7 +120,7 @@ def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any
     """
     strategy = Strategy.of(strategy)
     params, inputs, outputs = layouts(strategy, plan)
-    params = _present(params, model.named_parameters(remove_duplicate=False))
+    params = _present({**params, **adapter_layouts(params)}, model.named_parameters(remove_duplicate=False))
     outputs = _present(outputs, model.named_modules())
     parallelize(model, mesh, params, inputs=inputs, outputs=outputs)
     run_rowwise(model, plan)
@@ -164,6 +165,7 @@ def check_strategy(model: nn.Module, strategy: Strategy | Mapping[str, Any], pla
     strategy = Strategy.of(strategy)
     strategy.check_fits(model.config)
     params, _, _ = layouts(strategy, plan)
+    params = {**params, **adapter_layouts(params)}
     check_plan(model, strategy.mesh_axes, _present(params, model.named_parameters(remove_duplicate=False)))
     _check_attention(model, strategy)
     if strategy.compile:
