@@ -137,6 +137,15 @@ def has_lora(model: nn.Module) -> bool:
     return any(hasattr(m, "lora_A") for m in model.modules())
 
 
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name is a LoRA weight's (`...q_proj.lora_A.weight`).
+
+    >>> is_adapter("model.layers.0.self_attn.q_proj.lora_B.weight"), is_adapter("lm_head.weight")
+    (True, False)
+    """
+    return ".lora_A." in name or ".lora_B." in name
+
+
 def _targeted(name: str, module: nn.Module, lora: Lora, blocks: str) -> bool:
     if not isinstance(module, nn.Linear) or hasattr(module, "lora_A"):
         return False

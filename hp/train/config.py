@@ -40,7 +40,9 @@ from typing import Any
 
 import yaml
 
+from hp.lora import Lora
 from hp.strategy import CP_ALGORITHMS, DEFAULTS, DTYPES, Strategy, StrategyError
+from hp.train.finetuning import Finetuning, Freeze
 from hp.train.llamafactory_keys import verdict
 from hp.train.sharding_keys import (
     ShardingKeyError,
@@ -57,6 +59,7 @@ __all__ = [
     "apply_overrides", "load_config", "read_hyper_parallel_args", "strategy_labels", "to_dict", "validate",
 ]
 
+FINETUNING_TYPES = ("full", "lora", "freeze")  # hp.train.finetuning
 STAGES = ("pt", "sft")  # training stages hp train runs; LlamaFactory's rm, ppo, dpo, kto are not here yet
 TEMPLATES = TEMPLATE_NAMES
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
@@ -91,7 +94,18 @@ class TrainConfig:
     # method
     stage: str = "sft"  # one of STAGES
     do_train: bool = True  # must be true: only training is available
-    finetuning_type: str = "full"  # every weight trains; LoRA and freeze are not available yet
+    finetuning_type: str = "full"  # one of FINETUNING_TYPES (hp.train.finetuning)
+    # lora: adapters on the linears lora_target names ("all": every linear of the decoder blocks)
+    lora_rank: int = 8
+    lora_alpha: float | None = None  # None: 2 * lora_rank
+    lora_dropout: float = 0.0
+    lora_target: str = "all"  # comma-separated module names, or "all"
+    additional_target: str | None = None  # comma-separated modules trained in full beside the adapters
+    use_rslora: bool = False  # scale by alpha / sqrt(rank) instead of alpha / rank
+    # freeze: the last n decoder layers train (the first -n when negative), the modules named in them
+    freeze_trainable_layers: int = 2
+    freeze_trainable_modules: str = "all"  # comma-separated names of a layer's modules (mlp, self_attn), or "all"
+    freeze_extra_modules: str | None = None  # comma-separated modules outside the layers that train too
     # a vision-language model's parts that keep their weights (LlamaFactory's defaults: the tower and projector)
     freeze_vision_tower: bool = True
     freeze_multi_modal_projector: bool = True
@@ -166,6 +180,19 @@ class TrainConfig:
     notes: tuple[str, ...] = field(default=(), compare=False)  # messages about how it was written, not the config
 
     @property
+    def finetuning(self) -> Finetuning:
+        """What trains, as finetuning_type and its keys say."""
+        names = lambda v: tuple(n.strip() for n in v.split(",")) if v else ()  # noqa: E731
+        if self.finetuning_type == "lora":
+            lora = Lora(rank=self.lora_rank, alpha=self.lora_alpha, dropout=self.lora_dropout,
+                        targets=names(self.lora_target), rslora=self.use_rslora, extra=names(self.additional_target))
+            return Finetuning(lora=lora)
+        if self.finetuning_type == "freeze":
+            return Finetuning(freeze=Freeze(self.freeze_trainable_layers, names(self.freeze_trainable_modules),
+                                            names(self.freeze_extra_modules)))
+        return Finetuning()
+
+    @property
     def datasets(self) -> tuple[str, ...]:
         """The dataset names, in order."""
         return tuple(self.dataset.split(","))
@@ -207,7 +234,17 @@ _RULES: dict[str, _Rule] = {
     "stage": _Rule("str", choices=STAGES, allowed="(LlamaFactory's other stages are not available yet)"),
     "do_train": _Rule("bool", lambda v: v, "true (only training is available yet)"),
     "trust_remote_code": _Rule("bool"),
-    "finetuning_type": _Rule("str", choices=("full",), allowed="(LoRA and freeze are not available yet)"),
+    "finetuning_type": _Rule("str", choices=FINETUNING_TYPES),
+    "lora_rank": _Rule("int", lambda v: v >= 1, "an integer >= 1"),
+    "lora_alpha": _Rule("float", lambda v: v > 0, "a number > 0, or null for 2 * lora_rank", optional=True),
+    "lora_dropout": _Rule("float", lambda v: 0 <= v < 1, "a probability in [0, 1)"),
+    "lora_target": _Rule("str", _dataset_names, "'all', or comma-separated module names such as 'q_proj,v_proj'"),
+    "additional_target": _Rule("str", _dataset_names, "comma-separated module names, or null", optional=True),
+    "use_rslora": _Rule("bool"),
+    "freeze_trainable_layers": _Rule("int", lambda v: v != 0,
+                                     "a non-zero integer (n > 0: the last n layers train; n < 0: the first -n)"),
+    "freeze_trainable_modules": _Rule("str", _dataset_names, "'all', or comma-separated module names such as 'mlp'"),
+    "freeze_extra_modules": _Rule("str", _dataset_names, "comma-separated module names, or null", optional=True),
     "freeze_vision_tower": _Rule("bool"),
     "freeze_multi_modal_projector": _Rule("bool"),
     "freeze_language_model": _Rule("bool"),
@@ -561,8 +598,8 @@ def _unset_notes(raw: Mapping[str, Any]) -> tuple[str, ...]:
     """Where an unset key means something else in LlamaFactory, and hp cannot follow it yet."""
     if "finetuning_type" in raw:
         return ()
-    note = ("finetuning_type unset: LlamaFactory's default is lora; hp train trains every weight (full), as LoRA is "
-            "not available yet")
+    note = ("finetuning_type unset: LlamaFactory's default is lora; hp train's is full (every weight trains); set "
+            "finetuning_type: lora for adapters")
     return (note,)
 
 

@@ -148,8 +148,8 @@ def _optimizer(name: str, defaults: Mapping[str, Any]) -> dict[str, ForeignKey]:
     return _refused(f"{name} is not available: hp train's optimizer is torch's AdamW", defaults)
 
 
-_ADAPTERS = "adapter tuning (LoRA, OFT) is not available yet: every weight trains, as finetuning_type: full says"
-_FREEZE = "freeze tuning is not available yet: every weight trains, as finetuning_type: full says"
+_ADAPTERS = ("LoRA's variants (DoRA, PiSSA, LoRA+), OFT and loading or stacking trained adapters are not available "
+             "yet: finetuning_type lora trains new plain LoRA adapters")
 _PREFERENCE = "reward and preference training (stages rm, ppo, dpo, kto) is not available yet"
 _QUANTIZED = "quantized training is not available yet: weights are trained in fp32"
 _MULTIMODAL = ("LlamaFactory's image, video and audio settings are not available yet: hp train reads images for "
@@ -242,13 +242,10 @@ _TABLE: dict[str, ForeignKey] = {
     **_refused("tool formats are not available yet: a dataset's tools column is read and ignored, and a function "
                "call is encoded as a plain answer", {"tool_format": None}),
     # ------------------------------------------------ finetuning: methods, losses, optimizers
-    **_refused(_FREEZE, {"freeze_trainable_layers": 2, "freeze_trainable_modules": "all",
-                         "freeze_extra_modules": None}),
     **_refused("LLaMA Pro block expansion (a freeze or LoRA method) is not available yet", {"use_llama_pro": False}),
     **_refused(_ADAPTERS, {
-        "adapter_name_or_path": None, "adapter_folder": None, "additional_target": None, "create_new_adapter": False,
-        "lora_rank": 8, "lora_alpha": None, "lora_dropout": 0.0, "lora_target": "all", "loraplus_lr_ratio": None,
-        "loraplus_lr_embedding": 1e-6, "use_rslora": False, "use_dora": False, "pissa_init": False, "pissa_iter": 16,
+        "adapter_name_or_path": None, "adapter_folder": None, "create_new_adapter": False, "loraplus_lr_ratio": None,
+        "loraplus_lr_embedding": 1e-6, "use_dora": False, "pissa_init": False, "pissa_iter": 16,
         "pissa_convert": False, "oft_rank": 0, "oft_block_size": 32, "oft_target": "all", "module_dropout": 0.0}),
     **_refused(_PREFERENCE, {
         "pref_beta": 0.1, "pref_ftx": 0.0, "pref_bco_weight": 0.0, "pref_loss": "sigmoid", "dpo_label_smoothing": 0.0,

@@ -91,10 +91,12 @@ def train(config: TrainConfig) -> dict:
                            vision=examples.vision)
     evaluation = (eval_batches(held_out, config.per_device_eval_batch_size * dp, tokenizer.pad_token_id)
                   if config.evaluates else [])
-    model = build_model(config.model_name_or_path, tokenizer.vocab_size, mesh, strategy, seed=config.seed)
+    model = build_model(config.model_name_or_path, tokenizer.vocab_size, mesh, strategy, seed=config.seed,
+                        finetuning=config.finetuning)
     freeze_parts(model, vision_tower=config.freeze_vision_tower, projector=config.freeze_multi_modal_projector,
                  language_model=config.freeze_language_model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    trained = [p for p in model.parameters() if p.requires_grad]  # frozen weights keep no optimizer state
+    optimizer = torch.optim.AdamW(trained, lr=config.learning_rate, weight_decay=config.weight_decay)
     total = total_steps(config, len(batches))
     scheduler = _scheduler(config, optimizer, total)
     step = _restore(config, model, optimizer, scheduler, batches)

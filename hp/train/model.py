@@ -22,6 +22,7 @@ transformers saves under other names than its modules' (Qwen-VL's
 from __future__ import annotations
 
 import fnmatch
+import math
 import os
 from collections.abc import Mapping
 from contextlib import contextmanager
@@ -32,11 +33,13 @@ from torch import nn
 
 from hp.apply import apply_strategy, check_strategy
 from hp.expert_balance import BIAS as ROUTING_BIAS
+from hp.lora import LoraError, is_adapter
 from hp.parallelize import PlanError
 from hp.storable import from_storable, to_storable
 from hp.strategy import Strategy, StrategyError, num_experts
 from hp.train import expert_weights
 from hp.train.config import ConfigError
+from hp.train.finetuning import Finetuning, FreezeError, apply_finetuning
 
 TINY_LLAMA = "hp/tiny-llama"
 TINY_QWEN3_MOE = "hp/tiny-qwen3-moe"
@@ -150,7 +153,8 @@ def model_config(name_or_path: str, vocab_size: int):
 
 
 def check_fits(config, strategy: Strategy, *, weights: str | None = None, name: str | None = None,
-               labels: Mapping[str, str] | None = None, expert_module_cls: str | None = None) -> None:
+               labels: Mapping[str, str] | None = None, expert_module_cls: str | None = None,
+               finetuning: Finetuning = Finetuning()) -> None:
     """Refuse a model the zoo has no plan for, weights that do not fit it, or a strategy its shapes cannot take.
 
     A vision-language model must be one whose images hp train prepares (`hp.train.vision.Vision.of`).
@@ -161,7 +165,9 @@ def check_fits(config, strategy: Strategy, *, weights: str | None = None, name: 
     bound to its parameter, as the workers would. Expert parallel and the
     routing bias need a mixture-of-experts model, and `expert_module_cls`
     (HyperParallel's) must name the class of the plan's MoE blocks or experts
-    modules. `name` is the model as the config names it, and `labels` the key
+    modules. `finetuning`'s adapters and frozen modules must name modules of
+    the model, and the adapters' layouts fit as the base weights' do.
+    `name` is the model as the config names it, and `labels` the key
     a strategy field was written as when not `parallel.FIELD` (say,
     HyperParallel's `hyper_parallel_args.ep_size`).
 
@@ -191,6 +197,11 @@ def check_fits(config, strategy: Strategy, *, weights: str | None = None, name: 
         model = model_class(config).from_config(config)
     if weights is not None:
         check_weights(model, weights)
+    try:
+        apply_finetuning(model, finetuning, plan.blocks)
+    except (LoraError, FreezeError) as e:
+        kind = "lora" if finetuning.lora is not None else "freeze"
+        raise ConfigError(f"finetuning_type = {kind!r}: {e}") from None
     try:
         check_strategy(model, strategy, plan)
     except StrategyError as e:
@@ -301,9 +312,10 @@ def _stored_shapes(directory: str) -> dict[str, tuple[tuple[int, ...], str]]:
 def _loaded_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The parameters and buffers a HF directory stores for `model` (a tied output layer is stored once).
 
-    hp's own routing bias is not among them: a run from HF weights starts it at zero.
+    hp's own routing bias is not among them: a run from HF weights starts it at zero; nor are LoRA's
+    adapters, which start as `hp.add_lora` starts them.
     """
-    state = {k: v for k, v in model.state_dict().items() if not k.endswith(f".{ROUTING_BIAS}")}
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith(f".{ROUTING_BIAS}") and not is_adapter(k)}
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     return state
@@ -315,8 +327,12 @@ def _given(strategy: Strategy) -> str:
     return ", ".join(f"{k}={v}" for k, v in strategy.as_dict().items() if default[k] != v) or "one device"
 
 
-def build_model(name_or_path: str, vocab_size: int, mesh, strategy: Strategy, *, seed: int) -> nn.Module:
+def build_model(name_or_path: str, vocab_size: int, mesh, strategy: Strategy, *, seed: int,
+                finetuning: Finetuning = Finetuning()) -> nn.Module:
     """The model of `name_or_path`, laid out by `strategy` on `mesh` with its family's plan, on the mesh's device.
+
+    `finetuning` adds adapters or freezes weights first (`hp.train.finetuning`); adapters of a
+    model read from files start as `hp.add_lora` starts them, drawn from `seed`.
 
     >>> import hp
     >>> mesh = hp.mesh(tp=1, simulate=True)
@@ -331,16 +347,39 @@ def build_model(name_or_path: str, vocab_size: int, mesh, strategy: Strategy, *,
     if name_or_path in EMBEDDED:
         torch.manual_seed(seed)  # the same initial weights on every rank and in every run
         model = model_class(config).from_config(config)
+        apply_finetuning(model, finetuning, plan.blocks)
         return apply_strategy(model, mesh, strategy, plan).to(mesh.device_type)
     with _parameters_on_meta():
         model = model_class(config).from_config(config)
+        apply_finetuning(model, finetuning, plan.blocks)
     computed = _non_persistent_buffers(model)  # RoPE's frequencies, Gemma's embedding scale: not in the files
     apply_strategy(model, mesh, strategy, plan)
     model.to_empty(device=mesh.device_type)
     for name, value in computed.items():
         model.get_buffer(name).copy_(value)
     load_safetensors(model, name_or_path)
+    _start_adapters(model, seed)
     return model
+
+
+def _start_adapters(model: nn.Module, seed: int) -> None:
+    """LoRA weights, which no model file holds: A as `nn.Linear` draws a weight, B zeros, the same on every rank
+    and under every layout (each rank keeps its block of the whole draw)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if not is_adapter(name):
+            continue
+        whole = torch.zeros(param.shape, dtype=param.dtype)
+        if ".lora_A." in name:
+            bound = 1 / math.sqrt(param.shape[1])
+            whole.uniform_(-bound, bound, generator=generator)
+        with torch.no_grad():
+            if isinstance(param, DTensor):
+                param.copy_(distribute_tensor(whole.to(param.device_mesh.device_type), param.device_mesh, param.placements))
+            else:
+                param.copy_(whole)
 
 
 def freeze_parts(model: nn.Module, *, vision_tower: bool, projector: bool, language_model: bool) -> list[str]:

@@ -144,7 +144,8 @@ def _check_model(config: TrainConfig, vocab_size: int) -> None:
     weights = None if config.model_name_or_path in EMBEDDED else config.model_name_or_path
     check_fits(hf_config, config.parallel, weights=weights, name=config.model_name_or_path,
                labels=strategy_labels(config),
-               expert_module_cls=(config.hyper_parallel_args or {}).get("expert_module_cls"))
+               expert_module_cls=(config.hyper_parallel_args or {}).get("expert_module_cls"),
+               finetuning=config.finetuning)
 
 
 def _model_words(config: TrainConfig, error: Exception) -> str:
