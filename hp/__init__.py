@@ -34,7 +34,8 @@ from hp.apply import apply_strategy, check_strategy, strategy_mesh
 from hp.compiled import compile_blocks
 from hp.data_parallel import reduce_gradients
 from hp.offload import OffloadError, offload
-from hp.lora import Lora, LoraError, add_lora
+from hp.finetune import Lora, LoraError
+from hp.lora import add_lora
 
 __all__ = [
     "Layout", "LayoutError", "Lora", "LoraError", "MeshError", "ModelPlan", "OffloadError", "PlanError", "RuleError", "Rules", "Strategy", "StrategyError",

@@ -33,57 +33,15 @@ gathered under sequence parallel.
 from __future__ import annotations
 
 import fnmatch
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from hp.finetune import Lora, LoraError
 from hp.layouts import layout
 
-
-class LoraError(ValueError):
-    """A LoRA setting that cannot be applied, named with the value at fault."""
-
-
-@dataclass(frozen=True)
-class Lora:
-    """Which linears get adapters, and their shape.
-
-    `targets`: module names (the last part of a dotted name, as PEFT's `target_modules`), or
-    `("all",)` for every linear of the decoder blocks. `alpha` defaults to twice the rank
-    (LlamaFactory's default). `extra` names modules trained in full beside the adapters
-    (LlamaFactory's `additional_target`, PEFT's `modules_to_save`).
-
-    >>> Lora(rank=8).scale, Lora(rank=16, alpha=16, rslora=True).scale
-    (2.0, 4.0)
-    """
-
-    rank: int = 8
-    alpha: float | None = None
-    dropout: float = 0.0
-    targets: tuple[str, ...] = ("all",)
-    rslora: bool = False
-    extra: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "targets", tuple(self.targets))
-        object.__setattr__(self, "extra", tuple(self.extra))
-        if not isinstance(self.rank, int) or self.rank < 1:
-            raise LoraError(f"lora rank = {self.rank!r}: expected a positive integer")
-        if not 0.0 <= self.dropout < 1.0:
-            raise LoraError(f"lora dropout = {self.dropout!r}: expected a probability in [0, 1)")
-        if self.alpha is not None and self.alpha <= 0:
-            raise LoraError(f"lora alpha = {self.alpha!r}: expected a positive number")
-        if not self.targets:
-            raise LoraError("lora targets = (): name the linears to adapt, or 'all'")
-
-    @property
-    def scale(self) -> float:
-        """The factor of B A x: alpha / rank, or alpha / sqrt(rank) with rsLoRA."""
-        alpha = 2.0 * self.rank if self.alpha is None else float(self.alpha)
-        return alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+__all__ = ["Lora", "LoraError", "adapter_layouts", "add_lora", "has_lora", "is_adapter"]
 
 
 def add_lora(model: nn.Module, lora: Lora, *, blocks: str = "model.layers") -> list[str]:

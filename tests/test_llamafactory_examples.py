@@ -46,8 +46,8 @@ def demo_data(tmp_path_factory) -> Path:
     return data
 
 
-@pytest.mark.parametrize("name", ["qwen3_full_sft", "qwen3_full_sft_fsdp2"])
-def test_a_full_sft_example_runs_as_given(name, qwen3, demo_data, tmp_path):
+@pytest.mark.parametrize("name", ["qwen3_full_sft", "qwen3_full_sft_fsdp2", "qwen3_lora_sft"])
+def test_an_sft_example_runs_as_given(name, qwen3, demo_data, tmp_path):
     run = hp_train(f"model_name_or_path={qwen3}", f"dataset_dir={demo_data}", f"output_dir={tmp_path}", "max_steps=2",
                    config=str(EXAMPLES / f"{name}.yaml"))
     result = summary(run)
@@ -58,8 +58,7 @@ def test_a_full_sft_example_runs_as_given(name, qwen3, demo_data, tmp_path):
 
 @pytest.mark.parametrize("name, keys", [
     # keys at LlamaFactory's default values (lora_rank 8, lora_target all, pref_beta 0.1, ...) change nothing: not listed
-    ("qwen3_lora_sft", ["finetuning_type = 'lora'"]),
-    ("qwen3_lora_dpo", ["stage = 'dpo'", "finetuning_type = 'lora'"]),
+    ("qwen3_lora_dpo", ["stage = 'dpo'"]),
     ("qwen3vl_full_sft", ["image_max_pixels = 262144", "video_max_pixels = 16384", "template = 'qwen3_vl_nothink'"]),
     ("llama3_full_sft_galore", ["use_galore = True", "galore_layerwise = True", "galore_rank = 128", "pure_bf16 = True"]),
 ])

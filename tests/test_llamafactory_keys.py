@@ -163,24 +163,24 @@ def test_a_refusal_names_the_key_the_value_the_reason_and_the_harmless_values():
 
 
 def test_every_refused_key_is_listed_at_once_with_the_other_problems():
-    raw = {**MINIMAL, "lora_rank": 16, "use_galore": True, "optim": "sgd", "neftune_noise_alpha": 5,
+    raw = {**MINIMAL, "use_dora": True, "use_galore": True, "optim": "sgd", "neftune_noise_alpha": 5,
            "learnig_rate": 1e-4, "cache_dir": "/data/hf"}
     with pytest.raises(ConfigError) as err:
         validate(raw)
     lines = str(err.value).splitlines()
     assert lines[0] == "5 problems in the config:"
     assert [line.split(" = ")[0] for line in lines[1:]] == [
-        "  - lora_rank", "  - use_galore", "  - optim", "  - neftune_noise_alpha", "  - unknown key 'learnig_rate'"]
+        "  - use_dora", "  - use_galore", "  - optim", "  - neftune_noise_alpha", "  - unknown key 'learnig_rate'"]
     assert "(GaLore is not available: hp train's optimizer is torch's AdamW)" in lines[2]
     assert "expected no optim key, or a value that changes nothing here: adamw_torch, adamw_torch_fused" in lines[3]
 
 
 def test_harmless_values_pass_silently_and_notes_are_kept():
-    raw = {**MINIMAL, "fp16": False, "optim": "adamw_torch_fused", "adam_epsilon": "1e-8", "lora_rank": 8,
+    raw = {**MINIMAL, "fp16": False, "optim": "adamw_torch_fused", "adam_epsilon": "1e-8", "use_dora": False,
            "flash_attn": "fa2", "use_reentrant_gc": False, "hf_hub_token": "hf_secret", "packing": False}
     cfg = validate(raw)
     assert dict(cfg.no_effect) == {"fp16": False, "optim": "adamw_torch_fused", "adam_epsilon": "1e-8",
-                                   "lora_rank": 8, "flash_attn": "fa2", "use_reentrant_gc": False,
+                                   "use_dora": False, "flash_attn": "fa2", "use_reentrant_gc": False,
                                    "hf_hub_token": HIDDEN, "packing": False}
     notes = {key: verdict(key, value, cfg.stage).message for key, value in cfg.no_effect.items()}
     assert [key for key, note in notes.items() if note] == ["flash_attn", "use_reentrant_gc", "hf_hub_token"]

@@ -82,7 +82,9 @@ def test_defaults_are_llamafactorys():
     cfg = validate(MINIMAL)
     assert to_dict(cfg) == {
         **MINIMAL, "stage": "sft", "do_train": True, "trust_remote_code": False, "finetuning_type": "full",
-        "freeze_vision_tower": True, "freeze_multi_modal_projector": True, "freeze_language_model": False,
+        "lora_rank": 8, "lora_alpha": None, "lora_dropout": 0.0, "lora_target": "all", "additional_target": None,
+        "use_rslora": False, "freeze_trainable_layers": 2, "freeze_trainable_modules": "all",
+        "freeze_extra_modules": None, "freeze_vision_tower": True, "freeze_multi_modal_projector": True, "freeze_language_model": False,
         "weight_decay": 0.0, "max_grad_norm": 1.0, "dataset_dir": "data", "template": None, "cutoff_len": 2048, "max_samples": None,
         "default_system": None, "train_on_prompt": False, "mask_history": False, "enable_thinking": True,
         "preserve_thinking": False,
@@ -325,7 +327,10 @@ BAD = [
     ({"parallel": {"fsdp_sise": 2}}, "unknown key 'parallel.fsdp_sise' = 2; did you mean 'parallel.fsdp'?"),
     ({"use_hyper_parallel": True, "hyper_parallel_args": {"tp_sise": 2}},
      "unknown key 'hyper_parallel_args.tp_sise' = 2; did you mean 'hyper_parallel_args.tp_size'?"),
-    ({"finetuning_type": "lora"}, "finetuning_type = 'lora': expected one of 'full' (LoRA and freeze are not available"),
+    ({"finetuning_type": "oft"}, "finetuning_type = 'oft': expected one of 'full', 'lora', 'freeze'"),
+    ({"lora_rank": 0}, "lora_rank = 0: expected an integer >= 1"),
+    ({"lora_dropout": 1}, "lora_dropout = 1: expected a probability in [0, 1)"),
+    ({"freeze_trainable_layers": 0}, "freeze_trainable_layers = 0: expected a non-zero integer"),
     ({"max_grad_norm": 0}, "max_grad_norm = 0: expected a number > 0, or null for no clipping"),
     ({"max_samples": 0}, "max_samples = 0: expected an integer >= 1, or null for every record"),
     ({"use_hyper_parallel": True, "hyper_parallel_args": {"ep_style": "etp"}},
@@ -500,17 +505,19 @@ def test_config_error_is_a_value_error():
 
 def test_the_config_and_its_strategy_import_no_torch():
     """Checked before any worker starts: these modules do no tensor or distributed work."""
+    import hp.finetune
     import hp.strategy
     import hp.train.llamafactory_keys
     import hp.train.templates
 
-    for module in (config_module, hp.strategy, hp.train.templates, hp.train.llamafactory_keys):
+    for module in (config_module, hp.strategy, hp.finetune, hp.train.templates, hp.train.llamafactory_keys):
         tree = ast.parse(Path(module.__file__).read_text())
         imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
         assert not {name for name in imported if name.split(".")[0] == "torch"}, imported
-        assert {name for name in imported if name.split(".")[0] == "hp"} <= {"hp.strategy", "hp.train.templates", "hp.train.sharding_keys",
-                                                                          "hp.train.llamafactory_keys"}, imported
+        allowed = {"hp.strategy", "hp.finetune", "hp.train.templates", "hp.train.sharding_keys",
+                   "hp.train.llamafactory_keys"}
+        assert {name for name in imported if name.split(".")[0] == "hp"} <= allowed, imported
 
 
 def test_train_config_fields_match_to_dict():
@@ -528,7 +535,7 @@ def test_llamafactory_keys_without_effect_are_kept_and_round_trip():
 
 
 def test_every_problem_of_a_config_is_listed_at_once():
-    raw = {**MINIMAL, "learnig_rate": 1e-4, "bf16": "yes", "lora_rank": 16, "pref_loss": "orpo",
+    raw = {**MINIMAL, "learnig_rate": 1e-4, "bf16": "yes", "use_dora": True, "pref_loss": "orpo",
            "parallel": {"tpp": 2}}
     with pytest.raises(ConfigError) as err:
         validate(raw)
@@ -536,8 +543,9 @@ def test_every_problem_of_a_config_is_listed_at_once():
     assert lines[0] == "5 problems in the config:"
     assert lines[1:] == [
         "  - unknown key 'learnig_rate' = 0.0001; did you mean 'learning_rate'?",
-        ("  - lora_rank = 16 is not taken by hp train (adapter tuning (LoRA, OFT) is not available yet: every weight "
-         "trains, as finetuning_type: full says); expected no lora_rank key, or a value that changes nothing here: 8"),
+        ("  - use_dora = True is not taken by hp train (LoRA's variants (DoRA, PiSSA, LoRA+), OFT and loading or "
+         "stacking trained adapters are not available yet: finetuning_type lora trains new plain LoRA adapters); "
+         "expected no use_dora key, or a value that changes nothing here: false"),
         ("  - pref_loss = 'orpo' is not taken by hp train (reward and preference training (stages rm, ppo, dpo, kto) "
          "is not available yet); expected no pref_loss key, or a value that changes nothing here: sigmoid"),
         "  - bf16 = 'yes': expected true or false",

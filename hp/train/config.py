@@ -40,9 +40,9 @@ from typing import Any
 
 import yaml
 
-from hp.lora import Lora
+from hp.finetune import Finetuning, Freeze, Lora
 from hp.strategy import CP_ALGORITHMS, DEFAULTS, DTYPES, Strategy, StrategyError
-from hp.train.finetuning import Finetuning, Freeze
+
 from hp.train.llamafactory_keys import verdict
 from hp.train.sharding_keys import (
     ShardingKeyError,

@@ -12,36 +12,12 @@ groups and the adapters' layouts see the final model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from torch import nn
 
-from hp.lora import Lora, add_lora
+from hp.finetune import Finetuning, Freeze, FreezeError
+from hp.lora import add_lora
 
-
-class FreezeError(ValueError):
-    """A freeze setting that names nothing in the model."""
-
-
-@dataclass(frozen=True)
-class Freeze:
-    """LlamaFactory's freeze tuning: which blocks, and which of their modules, train.
-
-    >>> Freeze(trainable_layers=-1, trainable_modules=("mlp",)).trainable_modules
-    ('mlp',)
-    """
-
-    trainable_layers: int = 2
-    trainable_modules: tuple[str, ...] = ("all",)
-    extra_modules: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Finetuning:
-    """What trains: everything (neither set), adapters, or part of the blocks."""
-
-    lora: Lora | None = None
-    freeze: Freeze | None = None
+__all__ = ["Finetuning", "Freeze", "FreezeError", "apply_finetuning"]
 
 
 def apply_finetuning(model: nn.Module, finetuning: Finetuning, blocks: str) -> None:
