@@ -1,4 +1,4 @@
-"""The `hp` command: `hp train CONFIG [key=value ...]`, `hp export CHECKPOINT OUT_DIR`, `hp explain SCRIPT`.
+"""The `hp` command: `hp train CONFIG [key=value ...]`, `hp export CHECKPOINT OUT_DIR [--merge]`, `hp explain SCRIPT`.
 
 `hp train` validates a LlamaFactory-style YAML and trains (`hp.train.launch`); it
 exits 0 when the run finished, 1 when it failed during training, 2 on bad
@@ -54,7 +54,7 @@ def _export(args: argparse.Namespace) -> int:
     from hp.train.export import export
 
     try:
-        print(export(args.checkpoint, args.out_dir))
+        print(export(args.checkpoint, args.out_dir, merge=args.merge))
     except CheckpointError as error:
         return errors.report(ConfigError(str(error)), "hp export")
     except BaseException as error:  # noqa: BLE001
@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     export = commands.add_parser("export", help="write a training checkpoint as HF safetensors")
     export.add_argument("checkpoint", help="a checkpoint-N directory of an hp train run")
     export.add_argument("out_dir")
+    export.add_argument("--merge", action="store_true",
+                        help="a LoRA run: fold the adapters into their weights and write a plain HF model")
     export.set_defaults(run=_export)
     explain = commands.add_parser("explain", help="per-op layouts and collectives of a script")
     explain.add_argument("--json", action="store_true", help="print the table as JSON")

@@ -18,8 +18,8 @@ class LoraError(ValueError):
 class Lora:
     """Which linears get adapters, and their shape.
 
-    `targets`: module names (the last part of a dotted name, as PEFT's `target_modules`), or
-    `("all",)` for every linear of the decoder blocks. `alpha` defaults to twice the rank
+    `targets`: module names (a full dotted name, or its last part, as PEFT's `target_modules`),
+    or `("all",)` for every linear of the decoder blocks. `alpha` defaults to twice the rank
     (LlamaFactory's default). `extra` names modules trained in full beside the adapters
     (LlamaFactory's `additional_target`, PEFT's `modules_to_save`).
 

@@ -41,7 +41,8 @@ from torch import nn
 from hp.finetune import Lora, LoraError
 from hp.layouts import layout
 
-__all__ = ["Lora", "LoraError", "adapter_layouts", "add_lora", "has_lora", "is_adapter"]
+__all__ = ["Lora", "LoraError", "adapter_layouts", "add_lora", "from_peft_config", "has_lora", "is_adapter",
+           "merge_lora", "peft_config", "peft_state"]
 
 
 def add_lora(model: nn.Module, lora: Lora, *, blocks: str = "model.layers") -> list[str]:
@@ -67,6 +68,7 @@ def add_lora(model: nn.Module, lora: Lora, *, blocks: str = "model.layers") -> l
     for name in extra:
         for param in model.get_submodule(name).parameters():
             param.requires_grad_(True)
+    model.hp_lora = (lora, tuple(adapted))
     return adapted
 
 
@@ -104,12 +106,65 @@ def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
+def peft_config(model: nn.Module, base: str | None = None) -> dict:
+    """PEFT's `adapter_config.json` for `model`'s adapters (`peft.PeftModel.from_pretrained` reads it).
+
+    The targets are the adapted modules' full names (PEFT matches a listed name whole or as a
+    suffix), so the file names exactly the modules that carry adapters; `base` is the base model's
+    directory or name, where PEFT looks for it by default.
+    """
+    lora, adapted = model.hp_lora
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.rank,
+        "lora_alpha": lora.alpha if lora.alpha is not None else 2 * lora.rank, "lora_dropout": lora.dropout,
+        "use_rslora": lora.rslora, "target_modules": list(adapted), "modules_to_save": list(lora.extra) or None,
+        "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
+    }
+
+
+def from_peft_config(config: dict) -> Lora:
+    """The `Lora` that `peft_config` wrote (its targets: the adapted modules' names).
+
+    >>> from_peft_config({"r": 4, "lora_alpha": 8, "target_modules": ["model.layers.0.mlp.up_proj"]}).scale
+    2.0
+    """
+    return Lora(rank=config["r"], alpha=config.get("lora_alpha"), dropout=config.get("lora_dropout", 0.0),
+                targets=tuple(config["target_modules"]), rslora=config.get("use_rslora", False),
+                extra=tuple(config.get("modules_to_save") or ()))
+
+
+def peft_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The weights PEFT's `adapter_model.safetensors` holds: adapters and the modules trained in full,
+    under PEFT's names (`base_model.model.` and the module's name)."""
+    lora, _ = model.hp_lora
+    state = model.state_dict()
+    extra = {name for name, _ in model.named_modules() if name and name.rsplit(".", 1)[-1] in lora.extra}
+    kept = {k: v for k, v in state.items() if is_adapter(k) or any(k.startswith(f"{m}.") for m in extra)}
+    return {f"base_model.model.{k}": v.detach().contiguous() for k, v in kept.items()}
+
+
+def merge_lora(model: nn.Module) -> None:
+    """Fold each adapter into its base weight (W + s B A) and remove it: a plain HF model again."""
+    for module in model.modules():
+        if hasattr(module, "lora_A"):
+            with torch.no_grad():
+                delta = module.lora_B.weight @ module.lora_A.weight
+                module.weight += module.lora_scale * delta.to(module.weight.dtype)
+            module.hp_lora_hook.remove()
+            for name in ("lora_A", "lora_B", "lora_dropout"):
+                delattr(module, name)
+            del module.lora_scale, module.hp_lora_hook
+    if hasattr(model, "hp_lora"):
+        del model.hp_lora
+
+
 def _targeted(name: str, module: nn.Module, lora: Lora, blocks: str) -> bool:
+    """An `nn.Linear` that `lora` names: by its full name or its last part, or any of the blocks' for "all"."""
     if not isinstance(module, nn.Linear) or hasattr(module, "lora_A"):
         return False
     if lora.targets == ("all",):
         return fnmatch.fnmatchcase(name, f"{blocks}.*")
-    return name.rsplit(".", 1)[-1] in lora.targets
+    return name in lora.targets or name.rsplit(".", 1)[-1] in lora.targets
 
 
 def _adapt(linear: nn.Linear, lora: Lora) -> None:
@@ -120,7 +175,7 @@ def _adapt(linear: nn.Linear, lora: Lora) -> None:
         nn.init.zeros_(linear.lora_B.weight)
     linear.lora_dropout = nn.Dropout(lora.dropout) if lora.dropout else nn.Identity()
     linear.lora_scale = lora.scale
-    linear.register_forward_hook(_add_adapter)
+    linear.hp_lora_hook = linear.register_forward_hook(_add_adapter)
 
 
 def _add_adapter(linear: nn.Linear, args: tuple, out: torch.Tensor) -> torch.Tensor:

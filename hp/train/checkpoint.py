@@ -24,6 +24,7 @@ with a `CheckpointError` naming the file and the object.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import pickle
 import random
@@ -37,10 +38,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from hp.lora import has_lora, peft_config
 from hp.storable import from_storable, to_storable
 
 _NAME = re.compile(r"checkpoint-(\d+)\Z")
 TRAINER_STATE = "trainer_state.pt"
+ADAPTER_CONFIG = "adapter_config.json"  # PEFT's, beside the weights of a LoRA run
 _METADATA = ".metadata"  # DCP's index of the blocks, a pickle
 _METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _METADATA_FUNCTIONS = {("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
@@ -65,11 +68,13 @@ def latest(output_dir: str) -> str | None:
 
 
 def save(output_dir: str, step: int, model: nn.Module, optimizer, extra: dict[str, Any], *, tokenizer=None,
-         keep: int | None = None, model_only: bool = False) -> str:
+         keep: int | None = None, model_only: bool = False, base_model: str | None = None) -> str:
     """Write checkpoint-`step` atomically; `extra` (scheduler, data position, ...) goes into trainer_state.pt.
 
     `model_only` leaves the optimizer state out (LlamaFactory's `save_only_model`): such a
-    checkpoint exports, but does not resume.
+    checkpoint exports, but does not resume. A model with LoRA adapters also gets PEFT's
+    `adapter_config.json` (`base_model`: the model the adapters were trained on), which
+    `hp export` reads.
     """
     final = os.path.join(output_dir, f"checkpoint-{step}")
     partial = final + ".partial"
@@ -84,6 +89,9 @@ def save(output_dir: str, step: int, model: nn.Module, optimizer, extra: dict[st
         state = {"step": step, "rng": _rng_state(), "model_only": model_only, **extra}
         torch.save(state, os.path.join(partial, TRAINER_STATE))
         model.config.to_json_file(os.path.join(partial, "config.json"))
+        if has_lora(model):
+            with open(os.path.join(partial, ADAPTER_CONFIG), "w") as f:
+                json.dump(peft_config(model, base_model), f, indent=2)
         if tokenizer is not None:
             tokenizer.save_pretrained(partial)
     _barrier()

@@ -147,7 +147,8 @@ def train(config: TrainConfig) -> dict:
                     forward_backward.restore_optimizer_states()  # the checkpoint holds their bytes
                 extra = {"scheduler": scheduler.state_dict(), "data": batches.state_dict()}
                 checkpoint.save(config.output_dir, step, model, optimizer, extra, tokenizer=tokenizer,
-                                keep=config.save_total_limit, model_only=config.save_only_model)
+                                keep=config.save_total_limit, model_only=config.save_only_model,
+                                base_model=config.model_name_or_path)
     finally:
         if bar is not None:
             bar.close()  # ends its line, also before a failure's message

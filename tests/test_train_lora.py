@@ -1,0 +1,101 @@
+"""`hp train` with LoRA and freeze: adapters that train, export in PEFT's format, merge, and frozen weights that stay."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from gloo_launch import clean_env
+from train_runs import hp_train, summary
+
+LORA = ["finetuning_type=lora", "lora_rank=4", "lora_alpha=8", "max_steps=4", "save_steps=4", "learning_rate=1e-2"]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> Path:
+    """Four LoRA steps at tp=2 (the quickstart's layout), saved at the end."""
+    out = tmp_path_factory.mktemp("lora")
+    result = summary(hp_train(*LORA, f"output_dir={out}"))
+    assert result["steps"] == 4
+    return out
+
+
+def _export(checkpoint: Path, out: Path, *flags: str) -> None:
+    run = subprocess.run([sys.executable, "-m", "hp.cli", "export", str(checkpoint), str(out), *flags],
+                         env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def _hp_model(checkpoint: Path):
+    """The checkpoint's model as hp trained it: base weights and adapters, unmerged."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hp.lora import add_lora, from_peft_config
+    from hp.train.checkpoint import load_model_weights
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint))
+    add_lora(model, from_peft_config(json.loads((checkpoint / "adapter_config.json").read_text())))
+    load_model_weights(str(checkpoint), model)
+    return model
+
+
+def _logits(model) -> torch.Tensor:
+    ids = torch.randint(0, 259, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_a_lora_adapter_exported_by_hp_loads_in_peft_with_hp_s_logits(lora_run, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    checkpoint = lora_run / "checkpoint-4"
+    _export(checkpoint, tmp_path / "adapter")
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir() if p.suffix in (".json", ".safetensors")) == [
+        "adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    mine = _hp_model(checkpoint)
+    assert any(m.lora_B.weight.abs().max() > 0 for m in mine.modules() if hasattr(m, "lora_B"))  # they trained
+    torch.manual_seed(42)  # the run's seed: hp/tiny-llama's base weights, which LoRA leaves as they were
+    base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint))
+    theirs = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    assert (_logits(theirs) - _logits(mine)).abs().max().item() <= 1e-5
+
+
+def test_merge_writes_a_plain_hf_model_with_the_same_logits(lora_run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = lora_run / "checkpoint-4"
+    _export(checkpoint, tmp_path / "merged", "--merge")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    assert (_logits(merged) - _logits(_hp_model(checkpoint))).abs().max().item() <= 1e-5
+
+
+def test_freeze_trains_only_the_last_layers(tmp_path):
+    """freeze_trainable_layers=1 with mlp: the first layer and every attention keep their weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hp.train.checkpoint import load_model_weights
+
+    out = tmp_path / "freeze"
+    summary(hp_train("finetuning_type=freeze", "freeze_trainable_layers=1", "freeze_trainable_modules=mlp",
+                     "freeze_extra_modules=norm", "max_steps=2", "save_steps=2", f"output_dir={out}"))
+    config = AutoConfig.from_pretrained(out / "checkpoint-2")
+    trained = AutoModelForCausalLM.from_config(config)
+    load_model_weights(str(out / "checkpoint-2"), trained)
+    torch.manual_seed(42)
+    start = AutoModelForCausalLM.from_config(config)
+    changed = {n for (n, a), b in zip(trained.named_parameters(), start.parameters()) if not torch.equal(a, b)}
+    last = config.num_hidden_layers - 1
+    assert changed == {f"model.layers.{last}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")} | {"model.norm.weight"}
+
+
+def test_lora_targets_that_name_nothing_stop_the_run_before_any_worker(tmp_path):
+    run = hp_train("finetuning_type=lora", "lora_target=qkv", f"output_dir={tmp_path}")
+    assert run.returncode == 2
+    assert "finetuning_type = 'lora': lora targets = ('qkv',) match no nn.Linear of LlamaForCausalLM" in run.stderr
+    assert "starting" not in run.stderr
