@@ -14,7 +14,8 @@ parallel under FSDP (dp=4 of which ep=2): the experts sharded again over the
 two ranks that hold the same experts, everything else over all four, its
 Switch auxiliary loss in the loss; and its weights saved by transformers (one
 expert at a time) read back by `hp train`'s loader into those packed, sharded
-blocks. Every check raises on failure.
+blocks. And LoRA under (dp=2 fsdp, tp=2): only the adapters train, as in the
+unsharded LoRA model. Every check raises on failure.
 """
 
 from __future__ import annotations
@@ -93,6 +94,38 @@ def check(family: str, strategy: dict, rank: int, **overrides) -> None:
             o.zero_grad()
 
 
+def check_lora(rank: int) -> None:
+    """LoRA under FSDP and tp: the adapters' gradients and 5 AdamW steps of them equal the unsharded LoRA model's."""
+    reference, model = tiny_pair("llama")
+    for m in (reference, model):
+        hp.add_lora(m, hp.Lora(rank=4, alpha=8))
+    torch.manual_seed(1)
+    for name, p in reference.named_parameters():
+        if "lora_" in name:
+            p.data.normal_(0, 0.05)  # B at random: A's gradients are not zero
+    model.load_state_dict(reference.state_dict())
+    strategy = {"dp": 2, "tp": 2, "fsdp": True}
+    hp.apply_strategy(model, hp.strategy_mesh(strategy), strategy, plan_for(model.config))
+    trained = lambda m: [p for p in m.parameters() if p.requires_grad]  # noqa: E731
+    ref_opt, opt = torch.optim.AdamW(trained(reference), lr=1e-2), torch.optim.AdamW(trained(model), lr=1e-2)
+    for step in range(5):
+        ids = torch.randint(0, 256, (4, 16))
+        want = reference(input_ids=ids, labels=labelled(ids)).loss
+        got = model(input_ids=ids, labels=labelled(ids)).loss
+        want.backward()
+        got.backward()
+        where = f"rank {rank} lora {strategy} step {step}"
+        torch.testing.assert_close(got.full_tensor(), want, rtol=1e-5, atol=0, msg=where)
+        hp.reduce_gradients(model)
+        for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+            assert (p.grad is None) == (r.grad is None) == (not p.requires_grad), f"{where}: {name}"
+            if step == 0 and p.grad is not None:
+                torch.testing.assert_close(p.grad.full_tensor(), r.grad, msg=f"{where}: {name}")
+        for o in (ref_opt, opt):
+            o.step()
+            o.zero_grad()
+
+
 def check_mixed_precision(rank: int) -> None:
     """bf16 gathered and computed in, fp32 reduced in and kept: the loss within bf16's error of HF's fp32 one."""
     strategy = {"cp": 4, "fsdp": True, "param_dtype": "bfloat16", "reduce_dtype": "float32"}
@@ -151,6 +184,7 @@ def main() -> None:
         {"cp": 2, "tp": 2, "cp_algorithm": "ring", "fsdp": True, "reshard_after_forward": False},
     ):
         check("llama", strategy, rank)
+    check_lora(rank)
     check_mixed_precision(rank)
     check("qwen3_moe", {"dp": 4, "ep": 2, "fsdp": True}, rank, output_router_logits=True, router_aux_loss_coef=0.1)
     check_expert_loading(rank)
