@@ -66,6 +66,13 @@ of `hp` and `torch_lp` with the same layers shrunk to hidden 64 and 2 x 32
 tokens, where compute nearly vanishes and what is left is each framework's
 own cost per step.
 
+LoRA against full fine-tuning: `hp` at tp=2 with and without rank-8
+adapters on every linear of the layers (`hp.add_lora`), at batch 2 x 128
+tokens, where weights, gradients and AdamW's states dominate a rank's
+memory: step time, MemTracker's peak per rank, and the bytes one rank sends
+per step (`hp.comm.trace`); `lora_mem_ratio` and `lora_bytes_ratio` are
+LoRA over full, on the summary line.
+
 Context parallel memory: a 2-layer model (1 with `--quick`) of the same
 width, batch 1, at 512, 1024 and 2048 tokens, `{"cp": 2, "cp_algorithm": A}`
 (A from `--cp-algorithm`: "ring", the default, or "ulysses") against the
@@ -123,6 +130,7 @@ if TYPE_CHECKING:
 
 RANKS = 2  # tp (and cp) degree, and the number of processes launched
 RECOMPUTE = "hp_recompute"  # the variant with activation recompute: memory for time, never "best"
+LORA_BATCH, LORA_SEQ = 2, 128  # LoRA against full fine-tuning: few tokens, so weights and states dominate memory
 
 
 @dataclass(frozen=True)
@@ -254,6 +262,12 @@ def summarize(records: list[dict], settings: Settings) -> dict:
     summary["targets_met"] = summary["tp_step_ratio_vs_torch"] <= 1.15 and (
         longest < 2048 or summary["cp_mem_ratio"] <= 0.55
     )
+    lora = {r["config"]: r for r in records if r["bench"] == "lora_step"}
+    summary["lora_step_ratio"] = round(lora["lora"]["median_s"] / lora["full"]["median_s"], 4)
+    summary["lora_mem_ratio"] = round(max(lora["lora"]["peak_bytes"]) / max(lora["full"]["peak_bytes"]), 4)
+    summary["lora_bytes_ratio"] = round(lora["lora"]["comm_bytes"] / lora["full"]["comm_bytes"], 4)
+    # LoRA's targets: at most half the memory per rank, at most 5% more bytes moved
+    summary["lora_targets_met"] = summary["lora_mem_ratio"] <= 0.5 and summary["lora_bytes_ratio"] <= 1.05
     summary["inputs"] = {**asdict(settings), "ranks": RANKS, "dtype": "float32"}
     return summary
 
@@ -272,6 +286,7 @@ def worker(s: Settings) -> None:
     emit = emitter(rank)
     emit({"bench": "setup", "device": str(device), "torch": torch.__version__, **_versions()})
     run_tp(s, device, emit)
+    run_lora(s, device, emit)
     run_cp(s, device, emit)
     dist.barrier()  # every rank is past its last collective
     emit({DONE: True})
@@ -331,18 +346,22 @@ class Variant:
 
 
 def hp_variant(
-    name: str, config: LlamaConfig, device: torch.device, strategy: dict, compile_mlp: bool = False
+    name: str, config: LlamaConfig, device: torch.device, strategy: dict, compile_mlp: bool = False, lora=None
 ) -> Variant:
     from hp.models import plan_for
 
     import hp
 
-    model = hp.apply_strategy(fresh_model(config, device), hp.strategy_mesh(strategy), strategy, plan_for(config))
+    model = fresh_model(config, device)
+    if lora is not None:  # adapters first: apply_strategy lays them out with their base weights
+        hp.add_lora(model, lora)
+    model = hp.apply_strategy(model, hp.strategy_mesh(strategy), strategy, plan_for(config))
     if compile_mlp:
         for layer in model.model.layers:
             layer.mlp.compile()
+    trained = [p for p in model.parameters() if p.requires_grad]  # frozen weights keep no optimizer state
     # reduce_gradients resolves pending sums over dp/cp: a no-op for tp, kept as the real step has it
-    return Variant(name, model, adamw(model.parameters()), before_step=hp.reduce_gradients)
+    return Variant(name, model, adamw(trained), before_step=hp.reduce_gradients)
 
 
 def torch_tp_plan(layers: int, vocab_parallel: bool) -> dict:
@@ -450,6 +469,32 @@ def run_tp(s: Settings, device: torch.device, emit: Emit) -> None:
     emit({"bench": "dispatch_us", **dispatch_costs(hp_mesh, device)})
     for record in fixed_costs(s, device):
         emit(record)
+
+
+def run_lora(s: Settings, device: torch.device, emit: Emit) -> None:
+    """LoRA (rank 8 on every linear of the layers) against full fine-tuning, both at tp=2 with hp.
+
+    At LORA_BATCH x LORA_SEQ tokens, where weights, gradients and optimizer state dominate a
+    rank's memory: step time (interleaved), MemTracker's peak per rank, and the bytes one rank
+    sends per step (`hp.comm.trace`).
+    """
+    import hp
+
+    config = llama_config(s, s.layers, LORA_SEQ)
+    ids = token_batch(s.vocab, LORA_BATCH, LORA_SEQ, device)
+    variants = [hp_variant("full", config, device, {"tp": RANKS}),
+                hp_variant("lora", config, device, {"tp": RANKS}, lora=hp.Lora(rank=8))]
+    for _ in range(s.warmup):
+        for v in variants:
+            step(v, ids)
+    times = time_interleaved(variants, ids, s.reps, device)
+    for v in variants:
+        with hp.comm.trace() as trace:
+            step(v, ids)
+        emit({"bench": "lora_step", "config": v.name, "median_s": round(statistics.median(times[v.name]), 4),
+              "comm_bytes": sum(sum(kinds.values()) for kinds in trace.per_axis().values()),
+              "trained_params": sum(p.numel() for p in v.model.parameters() if p.requires_grad),
+              "batch": LORA_BATCH, "seq": LORA_SEQ, **peak_memory(v, ids, device)})
 
 
 def fixed_costs(s: Settings, device: torch.device, reps: int = 20) -> list[dict]:

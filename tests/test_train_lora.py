@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 from gloo_launch import clean_env
-from train_runs import hp_train, summary
+from train_runs import ROOT, hp_train, summary
 
-LORA = ["finetuning_type=lora", "lora_rank=4", "lora_alpha=8", "max_steps=4", "save_steps=4", "learning_rate=1e-2"]
+QUICKSTART_LORA = str(ROOT / "examples" / "quickstart_lora.yaml")
 
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory) -> Path:
-    """Four LoRA steps at tp=2 (the quickstart's layout), saved at the end."""
+    """The LoRA quickstart (tp=2; adapters, embedding and head train), 20 steps, saved at the end."""
     out = tmp_path_factory.mktemp("lora")
-    result = summary(hp_train(*LORA, f"output_dir={out}"))
-    assert result["steps"] == 4
+    result = summary(hp_train("max_steps=20", "save_steps=20", f"output_dir={out}", config=QUICKSTART_LORA))
+    assert result["steps"] == 20 and result["last_loss"] < 0.9 * result["first_loss"], result
     return out
 
 
@@ -53,7 +53,7 @@ def test_a_lora_adapter_exported_by_hp_loads_in_peft_with_hp_s_logits(lora_run, 
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    checkpoint = lora_run / "checkpoint-4"
+    checkpoint = lora_run / "checkpoint-20"
     _export(checkpoint, tmp_path / "adapter")
     assert sorted(p.name for p in (tmp_path / "adapter").iterdir() if p.suffix in (".json", ".safetensors")) == [
         "adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json"]
@@ -68,7 +68,7 @@ def test_a_lora_adapter_exported_by_hp_loads_in_peft_with_hp_s_logits(lora_run, 
 def test_merge_writes_a_plain_hf_model_with_the_same_logits(lora_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    checkpoint = lora_run / "checkpoint-4"
+    checkpoint = lora_run / "checkpoint-20"
     _export(checkpoint, tmp_path / "merged", "--merge")
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert not any("lora" in name for name, _ in merged.named_parameters())
