@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 import hp
 from hp.cost import ring_bytes
+from hp.explain import Explanation
 from hp.models import plan_for, tiny_config
 from hp.strategy import Strategy
 
@@ -31,6 +32,19 @@ def tiny_pair(model_type: str, layers: int = 2, **overrides):
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(reference.state_dict())
     return reference, model
+
+
+def explained_loss(family: str, strategy: dict, layers: int = 1) -> tuple[float, float, Explanation]:
+    """(HF's loss, the laid-out model's loss, `hp.explain`'s records of its forward) on one batch."""
+    reference, model = tiny_pair(family, layers=layers)
+    ids, labels = batch()
+    want = reference(input_ids=ids, labels=labels).loss.item()
+    mesh = hp.strategy_mesh(strategy, simulate=True)
+    with hp.simulated(mesh):
+        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
+        report = hp.explain(lambda: model(input_ids=ids, labels=labels).loss)
+        got = report.result.full_tensor().item()
+    return want, got, report
 
 
 @contextmanager

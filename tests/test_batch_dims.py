@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
+from reference import explained_loss
 
 import hp
 from hp.ops.batch_dims import blockwise_attention, blockwise_matmul
@@ -94,20 +95,6 @@ def test_batched_matmul_on_blocks_gives_the_unsharded_values_and_gradients(sizes
 
 def test_eager_attention_runs_its_matmuls_on_blocks():
     """Gemma-2's eager attention (two matmuls) under tp: blockwise matmuls, HF's loss."""
-    from hp.models import plan_for, tiny_config
-    from transformers import AutoModelForCausalLM
-
-    config = tiny_config("gemma2", layers=1)
-    torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(config)
-    ids = torch.randint(0, config.vocab_size, (2, 8))
-    want = reference(input_ids=ids, labels=ids).loss
-    mesh = hp.strategy_mesh({"tp": 2}, simulate=True)
-    with hp.simulated(mesh):
-        model = AutoModelForCausalLM.from_config(config)
-        model.load_state_dict(reference.state_dict())
-        model = hp.apply_strategy(model, mesh, {"tp": 2}, plan_for(config))
-        report = hp.explain(lambda: model(input_ids=ids, labels=ids).loss)
-        loss = report.result.full_tensor()
-    torch.testing.assert_close(loss, want)
+    want, got, report = explained_loss("gemma2", {"tp": 2})
+    assert abs(got - want) / want < 1e-5
     assert sum(r.op == "hp kernel blockwise_matmul" for r in report.records) == 2

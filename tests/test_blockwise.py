@@ -7,6 +7,7 @@ import types
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from reference import explained_loss
 from torch import nn
 from transformers.models.llama import modeling_llama
 
@@ -113,23 +114,9 @@ def test_rotary_on_blocks_gives_the_unsharded_values_and_gradients(case):
 
 def test_the_zoo_runs_its_norms_and_rope_on_blocks():
     """Through `hp.apply_strategy`: tp and tp+sp run every norm and RoPE blockwise, at HF's loss."""
-    from hp.models import plan_for, tiny_config
-    from transformers import AutoModelForCausalLM
-
-    config = tiny_config("llama", layers=2)
-    torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(config)
-    ids = torch.randint(0, config.vocab_size, (2, 8))
-    want = reference(input_ids=ids, labels=ids).loss
     for strategy in ({"tp": 2}, {"tp": 2, "sp": True}):
-        mesh = hp.strategy_mesh(strategy, simulate=True)
-        with hp.simulated(mesh):
-            model = AutoModelForCausalLM.from_config(config)
-            model.load_state_dict(reference.state_dict())
-            model = hp.apply_strategy(model, mesh, strategy, plan_for(config))
-            report = hp.explain(lambda: model(input_ids=ids, labels=ids).loss)
-            loss = report.result.full_tensor()
-        torch.testing.assert_close(loss, want)
+        want, got, report = explained_loss("llama", strategy, layers=2)
+        assert abs(got - want) / want < 1e-5, strategy
         ran = [r.op for r in report.records if r.op.startswith("hp kernel blockwise")]
         assert ran.count("hp kernel blockwise LlamaRMSNorm.forward") == 2 * 2 + 1, strategy
         assert ran.count("hp kernel blockwise apply_rotary_pos_emb") == 2, strategy
