@@ -484,6 +484,9 @@ def run_lora(s: Settings, device: torch.device, emit: Emit) -> None:
     ids = token_batch(s.vocab, LORA_BATCH, LORA_SEQ, device)
     variants = [hp_variant("full", config, device, {"tp": RANKS}),
                 hp_variant("lora", config, device, {"tp": RANKS}, lora=hp.Lora(rank=8))]
+    # MemTracker hooks each module's inputs for backward, which needs them to require gradients: with the
+    # embedding frozen they would not (PEFT's users do the same for gradient checkpointing)
+    variants[1].model.enable_input_require_grads()
     for _ in range(s.warmup):
         for v in variants:
             step(v, ids)

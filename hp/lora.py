@@ -57,14 +57,14 @@ def add_lora(model: nn.Module, lora: Lora, *, blocks: str = "model.layers") -> l
     adapted = [name for name, module in model.named_modules() if _targeted(name, module, lora, blocks)]
     if not adapted:
         raise LoraError(f"lora targets = {lora.targets!r} match no nn.Linear of {type(model).__name__}")
+    extra = [name for name, _ in model.named_modules() if name and name.rsplit(".", 1)[-1] in lora.extra]
+    missing = set(lora.extra) - {name.rsplit(".", 1)[-1] for name in extra}
+    if missing:  # checked before anything changes: a refused call leaves the model as it was
+        raise LoraError(f"lora extra modules {sorted(missing)} match no module of {type(model).__name__}")
     for param in model.parameters():
         param.requires_grad_(False)
     for name in adapted:
         _adapt(model.get_submodule(name), lora)
-    extra = [name for name, _ in model.named_modules() if name and name.rsplit(".", 1)[-1] in lora.extra]
-    missing = set(lora.extra) - {name.rsplit(".", 1)[-1] for name in extra}
-    if missing:
-        raise LoraError(f"lora extra modules {sorted(missing)} match no module of {type(model).__name__}")
     for name in extra:
         for param in model.get_submodule(name).parameters():
             param.requires_grad_(True)

@@ -94,6 +94,7 @@ def test_targets_that_match_nothing_are_refused_by_name():
         hp.add_lora(model, hp.Lora(targets=("qkv",)))
     with pytest.raises(hp.LoraError, match=r"lora extra modules \['score'\] match no module"):
         hp.add_lora(model, hp.Lora(extra=("score",)))
+    assert not has_lora(model) and all(p.requires_grad for p in model.parameters())  # left as it was
 
 
 def test_extra_modules_train_in_full():

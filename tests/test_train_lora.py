@@ -10,16 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 from gloo_launch import clean_env
-from train_runs import ROOT, hp_train, summary
+from train_runs import ROOT, hp_train, losses, summary
 
 QUICKSTART_LORA = str(ROOT / "examples" / "quickstart_lora.yaml")
+LORA_RUN = ["max_steps=20", "save_steps=10", "logging_steps=1"]
 
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory) -> Path:
-    """The LoRA quickstart (tp=2; adapters, embedding and head train), 20 steps, saved at the end."""
+    """The LoRA quickstart (tp=2; adapters, embedding and head train), 20 steps, saved at 10 and 20."""
     out = tmp_path_factory.mktemp("lora")
-    result = summary(hp_train("max_steps=20", "save_steps=20", f"output_dir={out}", config=QUICKSTART_LORA))
+    result = summary(hp_train(*LORA_RUN, f"output_dir={out}", config=QUICKSTART_LORA))
     assert result["steps"] == 20 and result["last_loss"] < 0.9 * result["first_loss"], result
     return out
 
@@ -75,6 +76,17 @@ def test_merge_writes_a_plain_hf_model_with_the_same_logits(lora_run, tmp_path):
     assert (_logits(merged) - _logits(_hp_model(checkpoint))).abs().max().item() <= 1e-5
 
 
+def test_a_lora_checkpoint_resumes_under_fsdp_with_the_same_losses(lora_run, tmp_path):
+    """Adapters, their optimizer state and the frozen weights reshard from tp=2 to FSDP over dp=2."""
+    resumed = summary(hp_train(*LORA_RUN, "parallel.tp=1", "parallel.dp=2", "parallel.fsdp=true",
+                               f"output_dir={tmp_path}", f"resume_from_checkpoint={lora_run / 'checkpoint-10'}",
+                               config=QUICKSTART_LORA))
+    assert resumed["steps_this_run"] == 10
+    want, got = losses(lora_run), losses(tmp_path)
+    for step in range(11, 21):
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step
+
+
 def test_freeze_trains_only_the_last_layers(tmp_path):
     """freeze_trainable_layers=1 with mlp: the first layer and every attention keep their weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -99,3 +111,19 @@ def test_lora_targets_that_name_nothing_stop_the_run_before_any_worker(tmp_path)
     assert run.returncode == 2
     assert "finetuning_type = 'lora': lora targets = ('qkv',) match no nn.Linear of LlamaForCausalLM" in run.stderr
     assert "starting" not in run.stderr
+
+
+@pytest.mark.parametrize("freeze, message", [
+    (dict(trainable_layers=3), "freeze_trainable_layers = 3: LlamaForCausalLM has 2 decoder layers"),
+    (dict(trainable_modules=("attn",)), r"freeze_trainable_modules \['attn'\] name no module of LlamaDecoderLayer"),
+    (dict(extra_modules=("head",)), "freeze_extra_modules names 'head', which is no module outside the decoder"),
+])
+def test_freeze_names_that_match_nothing_are_refused_and_change_nothing(freeze, message):
+    from reference import tiny_pair
+
+    from hp.train.finetuning import Finetuning, Freeze, FreezeError, apply_finetuning
+
+    _, model = tiny_pair("llama")
+    with pytest.raises(FreezeError, match=message):
+        apply_finetuning(model, Finetuning(freeze=Freeze(**freeze)), "model.layers")
+    assert all(p.requires_grad for p in model.parameters())

@@ -37,32 +37,35 @@ def apply_finetuning(model: nn.Module, finetuning: Finetuning, blocks: str) -> N
 
 
 def _freeze(model: nn.Module, freeze: Freeze, blocks: str) -> None:
+    """Every weight frozen but those `freeze` names; a name that matches nothing is refused first."""
+    trained = _trained_by(model, freeze, blocks)
+    for param in model.parameters():
+        param.requires_grad_(False)
+    for param in trained:
+        param.requires_grad_(True)
+
+
+def _trained_by(model: nn.Module, freeze: Freeze, blocks: str) -> list[nn.Parameter]:
     layers = model.get_submodule(blocks)
     count = len(layers)
     if abs(freeze.trainable_layers) > count:
         raise FreezeError(f"freeze_trainable_layers = {freeze.trainable_layers}: {type(model).__name__} has {count} "
                           f"decoder layers; expected at most {count} either way")
-    chosen = range(count - freeze.trainable_layers, count) if freeze.trainable_layers > 0 else range(-freeze.trainable_layers)
-    for param in model.parameters():
-        param.requires_grad_(False)
+    n = freeze.trainable_layers
+    chosen = range(count - n, count) if n > 0 else range(-n)
     every = freeze.trainable_modules == ("all",)
-    found = set()
-    for i in chosen:
-        for name, param in layers[i].named_parameters():
-            module = name.split(".")[0]
-            if every or module in freeze.trainable_modules:
-                param.requires_grad_(True)
-                found.add(module)
-    missing = set(freeze.trainable_modules) - found - {"all"}
+    have = {name.split(".")[0] for name, _ in layers[0].named_parameters()}
+    missing = set(freeze.trainable_modules) - have - {"all"}
     if missing:
         raise FreezeError(f"freeze_trainable_modules {sorted(missing)} name no module of {type(layers[0]).__name__} "
-                          f"(it has {', '.join(sorted({n.split('.')[0] for n, _ in layers[0].named_parameters()}))})")
+                          f"(it has {', '.join(sorted(have))})")
+    trained = [param for i in chosen for name, param in layers[i].named_parameters()
+               if every or name.split(".")[0] in freeze.trainable_modules]
     outside = {name: module for name, module in model.named_modules() if name and not name.startswith(blocks)}
     for extra in freeze.extra_modules:
         matched = [m for name, m in outside.items() if name.rsplit(".", 1)[-1] == extra]
         if not matched:
             raise FreezeError(f"freeze_extra_modules names {extra!r}, which is no module outside the decoder layers "
                               f"of {type(model).__name__}")
-        for module in matched:
-            for param in module.parameters():
-                param.requires_grad_(True)
+        trained += [param for module in matched for param in module.parameters()]
+    return trained
