@@ -484,9 +484,6 @@ def run_lora(s: Settings, device: torch.device, emit: Emit) -> None:
     ids = token_batch(s.vocab, LORA_BATCH, LORA_SEQ, device)
     variants = [hp_variant("full", config, device, {"tp": RANKS}),
                 hp_variant("lora", config, device, {"tp": RANKS}, lora=hp.Lora(rank=8))]
-    # MemTracker hooks each module's inputs for backward, which needs them to require gradients: with the
-    # embedding frozen they would not (PEFT's users do the same for gradient checkpointing)
-    variants[1].model.enable_input_require_grads()
     for _ in range(s.warmup):
         for v in variants:
             step(v, ids)
@@ -582,6 +579,16 @@ def timed_step(v: Variant, ids: torch.Tensor, device: torch.device) -> float:
     return elapsed.item()
 
 
+class _NoHook:
+    """Stands in for a gradient hook MemTracker would otherwise put on a frozen parameter."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
 def peak_memory(v: Variant, ids: torch.Tensor, device: torch.device) -> dict:
     """Peak bytes of one step on each rank (see the module docstring for the CPU measure)."""
     if device.type != "cpu":
@@ -592,6 +599,9 @@ def peak_memory(v: Variant, ids: torch.Tensor, device: torch.device) -> dict:
 
     tracker = MemTracker()
     tracker.track_external(v.model, v.optimizer, ids)
+    for param in v.model.parameters():
+        if not param.requires_grad:  # frozen (LoRA): no gradient to hook, and MemTracker's hook would refuse them
+            tracker._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
     with tracker:
         step(v, ids)
     peak = tracker.get_tracker_snapshot("peak")[device]
