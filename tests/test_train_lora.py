@@ -79,6 +79,7 @@ def test_merge_writes_a_plain_hf_model_with_the_same_logits(lora_run, tmp_path):
 def test_a_lora_checkpoint_resumes_under_fsdp_with_the_same_losses(lora_run, tmp_path):
     """Adapters, their optimizer state and the frozen weights reshard from tp=2 to FSDP over dp=2."""
     resumed = summary(hp_train(*LORA_RUN, "parallel.tp=1", "parallel.dp=2", "parallel.fsdp=true",
+                               "per_device_train_batch_size=16",  # the same 32 examples a step over dp=2
                                f"output_dir={tmp_path}", f"resume_from_checkpoint={lora_run / 'checkpoint-10'}",
                                config=QUICKSTART_LORA))
     assert resumed["steps_this_run"] == 10
