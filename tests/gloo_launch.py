@@ -21,6 +21,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 
 EXIT_ABORT = "terminate called without an active exception"
 
@@ -39,10 +40,31 @@ def clean_env() -> dict[str, str]:
 
 
 def torchrun(script: str, nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run `script` on `nproc` workers; past `timeout` seconds the launcher is told to stop, which
+    stops its workers (each runs in a session of its own, which killing the launcher alone would
+    leave spinning on the machine's cores), and TimeoutExpired is raised."""
     # --standalone: the launcher's store binds a port the system picks, so launches running side
     # by side (pytest's workers) never race for one
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), script, *args]
-    return subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    # files, not pipes: a worker that outlived its launcher would keep a pipe open forever
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, env=clean_env(), stdout=out, stderr=err, text=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # the elastic agent ends its workers on SIGTERM
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise subprocess.TimeoutExpired(cmd, timeout, _read(out), _read(err)) from None
+        return subprocess.CompletedProcess(cmd, proc.returncode, _read(out), _read(err))
+
+
+def _read(file) -> str:
+    file.seek(0)
+    return file.read()
 
 
 def assert_finished(run: subprocess.CompletedProcess) -> None:

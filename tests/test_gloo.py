@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,16 @@ def test_plain_launch_is_a_one_rank_world_and_sizes_are_checked():
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "plain ok" in run.stdout
+
+
+def test_a_launch_past_its_timeout_leaves_no_worker_behind(tmp_path):
+    script = tmp_path / "hangs.py"
+    script.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        torchrun(str(script), 2, timeout=20)
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True).stdout.split()
+    assert not left, f"workers still running: {left}"
 
 
 def test_zoo_strategies_on_four_gloo_processes():
