@@ -33,6 +33,7 @@ gathered under sequence parallel.
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Mapping
 
 import torch
@@ -42,7 +43,7 @@ from hp.finetune import Lora, LoraError
 from hp.layouts import layout
 
 __all__ = ["Lora", "LoraError", "adapter_layouts", "add_lora", "from_peft_config", "has_lora", "is_adapter",
-           "merge_lora", "peft_config", "peft_state"]
+           "merge_lora", "peft_config", "peft_state", "start_adapters"]
 
 
 def add_lora(model: nn.Module, lora: Lora, *, blocks: str = "model.layers") -> list[str]:
@@ -68,7 +69,7 @@ def add_lora(model: nn.Module, lora: Lora, *, blocks: str = "model.layers") -> l
     for name in extra:
         for param in model.get_submodule(name).parameters():
             param.requires_grad_(True)
-    model.hp_lora = (lora, tuple(adapted))
+    model.hp_lora = (lora, tuple(adapted), tuple(extra))
     return adapted
 
 
@@ -113,7 +114,7 @@ def peft_config(model: nn.Module, base: str | None = None) -> dict:
     suffix), so the file names exactly the modules that carry adapters; `base` is the base model's
     directory or name, where PEFT looks for it by default.
     """
-    lora, adapted = model.hp_lora
+    lora, adapted, _ = model.hp_lora
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.rank,
         "lora_alpha": lora.alpha if lora.alpha is not None else 2 * lora.rank, "lora_dropout": lora.dropout,
@@ -136,10 +137,8 @@ def from_peft_config(config: dict) -> Lora:
 def peft_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The weights PEFT's `adapter_model.safetensors` holds: adapters and the modules trained in full,
     under PEFT's names (`base_model.model.` and the module's name)."""
-    lora, _ = model.hp_lora
-    state = model.state_dict()
-    extra = {name for name, _ in model.named_modules() if name and name.rsplit(".", 1)[-1] in lora.extra}
-    kept = {k: v for k, v in state.items() if is_adapter(k) or any(k.startswith(f"{m}.") for m in extra)}
+    _, _, extra = model.hp_lora
+    kept = {k: v for k, v in model.state_dict().items() if is_adapter(k) or k.startswith(tuple(f"{m}." for m in extra))}
     return {f"base_model.model.{k}": v.detach().contiguous() for k, v in kept.items()}
 
 
@@ -156,6 +155,26 @@ def merge_lora(model: nn.Module) -> None:
             del module.lora_scale, module.hp_lora_hook
     if hasattr(model, "hp_lora"):
         del model.hp_lora
+
+
+def start_adapters(model: nn.Module, seed: int) -> None:
+    """Draw the adapters again as `add_lora` starts them (A as `nn.Linear` draws a weight, B zeros),
+    from `seed`: the same on every rank and under every layout, each rank keeping its block of the
+    whole draw. For adapters whose storage was made empty (a model built on the meta device)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if not is_adapter(name):
+            continue
+        whole = torch.zeros(param.shape, dtype=param.dtype)
+        if ".lora_A." in name:
+            bound = 1 / math.sqrt(param.shape[1])  # nn.Linear's Kaiming-uniform bound
+            whole.uniform_(-bound, bound, generator=generator)
+        if isinstance(param, DTensor):
+            whole = distribute_tensor(whole.to(param.device_mesh.device_type), param.device_mesh, param.placements)
+        with torch.no_grad():
+            param.copy_(whole)
 
 
 def _targeted(name: str, module: nn.Module, lora: Lora, blocks: str) -> bool:

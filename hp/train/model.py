@@ -22,7 +22,6 @@ transformers saves under other names than its modules' (Qwen-VL's
 from __future__ import annotations
 
 import fnmatch
-import math
 import os
 from collections.abc import Mapping
 from contextlib import contextmanager
@@ -33,7 +32,7 @@ from torch import nn
 
 from hp.apply import apply_strategy, check_strategy
 from hp.expert_balance import BIAS as ROUTING_BIAS
-from hp.lora import LoraError, is_adapter
+from hp.lora import LoraError, is_adapter, start_adapters
 from hp.parallelize import PlanError
 from hp.storable import from_storable, to_storable
 from hp.strategy import Strategy, StrategyError, num_experts
@@ -315,7 +314,8 @@ def _loaded_state(model: nn.Module) -> dict[str, torch.Tensor]:
     hp's own routing bias is not among them: a run from HF weights starts it at zero; nor are LoRA's
     adapters, which start as `hp.add_lora` starts them.
     """
-    state = {k: v for k, v in model.state_dict().items() if not k.endswith(f".{ROUTING_BIAS}") and not is_adapter(k)}
+    state = {k: v for k, v in model.state_dict().items()
+             if not k.endswith(f".{ROUTING_BIAS}") and not is_adapter(k)}
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     return state
@@ -358,28 +358,8 @@ def build_model(name_or_path: str, vocab_size: int, mesh, strategy: Strategy, *,
     for name, value in computed.items():
         model.get_buffer(name).copy_(value)
     load_safetensors(model, name_or_path)
-    _start_adapters(model, seed)
+    start_adapters(model, seed)
     return model
-
-
-def _start_adapters(model: nn.Module, seed: int) -> None:
-    """LoRA weights, which no model file holds: A as `nn.Linear` draws a weight, B zeros, the same on every rank
-    and under every layout (each rank keeps its block of the whole draw)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    generator = torch.Generator().manual_seed(seed)
-    for name, param in model.named_parameters():
-        if not is_adapter(name):
-            continue
-        whole = torch.zeros(param.shape, dtype=param.dtype)
-        if ".lora_A." in name:
-            bound = 1 / math.sqrt(param.shape[1])
-            whole.uniform_(-bound, bound, generator=generator)
-        with torch.no_grad():
-            if isinstance(param, DTensor):
-                param.copy_(distribute_tensor(whole.to(param.device_mesh.device_type), param.device_mesh, param.placements))
-            else:
-                param.copy_(whole)
 
 
 def freeze_parts(model: nn.Module, *, vision_tower: bool, projector: bool, language_model: bool) -> list[str]:
