@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -42,7 +43,8 @@ from torch import nn
 from hp.finetune import Lora, LoraError
 from hp.layouts import layout
 
-__all__ = ["Lora", "LoraError", "adapter_layouts", "add_lora", "from_peft_config", "has_lora", "is_adapter",
+__all__ = ["Lora", "LoraError", "adapter_layouts", "adapters_off", "add_lora", "from_peft_config", "has_lora",
+           "is_adapter",
            "merge_lora", "peft_config", "peft_state", "start_adapters"]
 
 
@@ -142,6 +144,34 @@ def peft_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {f"base_model.model.{k}": v.detach().contiguous() for k, v in kept.items()}
 
 
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` computing as its base while inside: every adapter is skipped (PEFT's `disable_adapter`).
+
+    Preference training reads its reference model so under LoRA: the base weights never change.
+
+    >>> import torch
+    >>> from hp.models import tiny_config
+    >>> from transformers import AutoModelForCausalLM
+    >>> model = AutoModelForCausalLM.from_config(tiny_config("llama", layers=1))
+    >>> ids = torch.tensor([[1, 2, 3]])
+    >>> base = model(input_ids=ids).logits
+    >>> _ = add_lora(model, Lora(rank=2)); _ = [torch.nn.init.ones_(m.lora_B.weight) for m in model.modules()
+    ...                                           if hasattr(m, "lora_B")]
+    >>> with adapters_off(model):
+    ...     torch.equal(model(input_ids=ids).logits, base)
+    True
+    """
+    adapted = [m for m in model.modules() if hasattr(m, "lora_A")]
+    for module in adapted:
+        module.lora_off = True
+    try:
+        yield model
+    finally:
+        for module in adapted:
+            module.lora_off = False
+
+
 def merge_lora(model: nn.Module) -> None:
     """Fold each adapter into its base weight (W + s B A) and remove it: a plain HF model again."""
     for module in model.modules():
@@ -198,4 +228,6 @@ def _adapt(linear: nn.Linear, lora: Lora) -> None:
 
 
 def _add_adapter(linear: nn.Linear, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    if getattr(linear, "lora_off", False):  # inside adapters_off
+        return out
     return out + linear.lora_B(linear.lora_A(linear.lora_dropout(args[0]))) * linear.lora_scale

@@ -84,18 +84,11 @@ def prepare(kwargs: dict, strategy: Strategy, pad_id: int, *, order_tokens: bool
     if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
         kwargs["shift_labels"] = F.pad(kwargs["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
     extra = -seq % strategy.sequence_chunks
-    order = head_tail_order(seq + extra, strategy.cp) if strategy.ring else None
     fills = {"input_ids": pad_id, "inputs_embeds": 0.0, "mm_token_type_ids": 0, "shift_labels": IGNORE_INDEX,
              "attention_mask": 0}
     for key, fill in fills.items():
-        value = kwargs.get(key)
-        if value is None:
-            continue
-        if extra:
-            value = F.pad(value, (0, 0) * (value.ndim - 2) + (0, extra), value=fill)
-        if order is not None and (order_tokens or key == "shift_labels"):
-            value = value[:, order.to(value.device)]
-        kwargs[key] = value
+        if kwargs.get(key) is not None:
+            kwargs[key] = arrange(kwargs[key], strategy, fill, order=order_tokens or key == "shift_labels")
     if kwargs.get("position_ids") is not None and extra:  # the padding continues the positions
         last = kwargs["position_ids"][..., -1:]
         more = last + torch.arange(1, extra + 1, device=last.device)
@@ -103,6 +96,25 @@ def prepare(kwargs: dict, strategy: Strategy, pad_id: int, *, order_tokens: bool
     if kwargs.get("shift_labels") is not None:
         kwargs["labels"] = kwargs["shift_labels"]  # HF computes the loss only when labels are given
     return kwargs
+
+
+def arrange(values: torch.Tensor, strategy: Strategy, fill: float | int, *, order: bool = True) -> torch.Tensor:
+    """A per-token tensor (b, s, ...) laid along the sequence as the model's outputs come back under `strategy`:
+    right-padded with `fill` to a multiple of the sequence chunks and, under ring attention (`order`), in
+    head-tail order. A loss that weighs each position of the logits or hidden states (a label, a mask)
+    arranges its weights so; without a split sequence they are returned as they are.
+
+    >>> arrange(torch.tensor([[1, 2, 3]]), Strategy(cp=2, cp_algorithm="ring"), 0).tolist()
+    [[1, 0, 2, 3]]
+    """
+    if not strategy.splits_sequence:
+        return values
+    extra = -values.shape[1] % strategy.sequence_chunks
+    if extra:
+        values = F.pad(values, (0, 0) * (values.ndim - 2) + (0, extra), value=fill)
+    if strategy.ring and order:
+        values = values[:, head_tail_order(values.shape[1], strategy.cp).to(values.device)]
+    return values
 
 
 def _head_tail_rotary(cp: int):

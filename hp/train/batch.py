@@ -10,6 +10,13 @@ the model's keyword arguments; a batch of text has only the first two, so a
 text model is called exactly as before images existed. Iterating a batch
 gives its tensors in that order, so a text batch unpacks as the
 `(input_ids, labels)` pair it used to be.
+
+The preference stages' batches (`hp.train.objectives`) are batches of text:
+a pairwise one (rm, dpo) holds each pair's chosen answer in its first half
+of rows and its rejected answer at the same row of the second half, as
+LlamaFactory's collator concatenates them; a KTO one holds its answers, the
+batch of their mismatched pairs (`kl`) and whether each answer is
+desirable (`desirable`), which the objective reads and the model does not.
 """
 
 from __future__ import annotations
@@ -38,10 +45,13 @@ class Batch:
     mm_token_type_ids: torch.Tensor | None = None
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
+    kl: Batch | None = None  # KTO: the answers' mismatched pairs
+    desirable: torch.Tensor | None = None  # KTO: whether each answer is desirable (bool)
 
     def inputs(self, device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
-        """The present tensors by name (moved to `device` when given): `model(**batch.inputs(device))`."""
-        present = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        """The present model inputs by name (moved to `device` when given): `model(**batch.inputs(device))`."""
+        present = {f.name: getattr(self, f.name) for f in fields(self)
+                   if f.name not in _NOT_INPUTS and getattr(self, f.name) is not None}
         return present if device is None else {name: t.to(device) for name, t in present.items()}
 
     def __iter__(self) -> Iterator[torch.Tensor]:
@@ -49,6 +59,9 @@ class Batch:
 
     def __getitem__(self, index: int) -> torch.Tensor:
         return tuple(self.inputs().values())[index]
+
+
+_NOT_INPUTS = ("kl", "desirable")  # what the objective reads, not the model
 
 
 def collate(
@@ -60,7 +73,9 @@ def collate(
     token see the pads after it, and their labels carry no loss.
     `pad_to_multiple_of` rounds the length up (context parallel splits the
     sequence into equal chunks). An example's images are the paths in its
-    `images` key (see `hp.train.vision`); a batch for a vision-language model
+    `images` key (see `hp.train.vision`). Pairwise examples (`chosen_ids`, `chosen_labels`, `rejected_ids`,
+    `rejected_labels`) and KTO's (`input_ids`, `labels`, `kl_input_ids`, `kl_labels`, `kto_tag`) give the
+    preference batches of the module docstring. A batch for a vision-language model
     (`vision` given) has `mm_token_type_ids` even when none of its examples has
     an image, and pixels only when one has.
 
@@ -69,6 +84,16 @@ def collate(
     >>> ids.tolist(), labels.tolist()
     ([[1, 2, 3, 0], [4, 0, 0, 0]], [[1, 2, 3, -100], [-100, -100, -100, -100]])
     """
+    if "chosen_ids" in examples[0]:  # pairs: chosen rows, then rejected rows
+        rows = [{"input_ids": e[f"{side}_ids"], "labels": e[f"{side}_labels"]}
+                for side in ("chosen", "rejected") for e in examples]
+        return collate(rows, pad_id, pad_to_multiple_of)
+    if "kto_tag" in examples[0]:
+        kl = [{"input_ids": e["kl_input_ids"], "labels": e["kl_labels"]} for e in examples]
+        answers = collate([{"input_ids": e["input_ids"], "labels": e["labels"]} for e in examples], pad_id,
+                          pad_to_multiple_of)
+        return Batch(answers.input_ids, answers.labels, kl=collate(kl, pad_id, pad_to_multiple_of),
+                     desirable=torch.tensor([bool(e["kto_tag"]) for e in examples]))
     longest = max(len(e["input_ids"]) for e in examples)
     length = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
     ids = torch.full((len(examples), length), pad_id, dtype=torch.long)

@@ -60,7 +60,11 @@ __all__ = [
 ]
 
 FINETUNING_TYPES = ("full", "lora", "freeze")  # hp.train.finetuning
-STAGES = ("pt", "sft")  # training stages hp train runs; LlamaFactory's rm, ppo, dpo, kto are not here yet
+STAGES = ("pt", "sft", "rm", "dpo", "kto")  # training stages hp train runs (LlamaFactory's ppo is not here yet)
+PAIRWISE_STAGES = ("rm", "dpo")  # stages that read chosen/rejected pairs (`ranking: true` datasets)
+PREFERENCE_STAGES = ("rm", "dpo", "kto")  # stages trained on judged answers (hp.train.objectives)
+PREF_LOSSES = ("sigmoid", "hinge", "ipo", "simpo", "orpo")  # dpo's pref_loss (hp.train.preference)
+REFERENCE_FREE_LOSSES = ("simpo", "orpo")  # pref_loss values that need no reference model
 TEMPLATES = TEMPLATE_NAMES
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 EVAL_STRATEGIES = ("no", "steps", "epoch")
@@ -76,6 +80,28 @@ RESUME_LAST = "last"  # resume_from_checkpoint: the newest complete checkpoint i
 
 class ConfigError(ValueError):
     """A training configuration that cannot run: the message names the key, the value and what is allowed."""
+
+
+@dataclass(frozen=True)
+class Preference:
+    """The preference stages' settings, with LlamaFactory's names and defaults (see `hp.train.preference`).
+
+    >>> Preference(loss="simpo").uses_reference
+    False
+    """
+
+    beta: float = 0.1  # pref_beta: the inverse temperature of the implicit reward (and SimPO's, ORPO's weight)
+    loss: str = "sigmoid"  # pref_loss, one of PREF_LOSSES (dpo; kto has its own)
+    ftx: float = 0.0  # pref_ftx: the weight of the chosen answers' language-modelling loss added to it
+    label_smoothing: float = 0.0  # dpo_label_smoothing: sigmoid DPO's assumed rate of flipped preferences
+    simpo_gamma: float = 0.5  # SimPO's target reward margin
+    kto_chosen_weight: float = 1.0  # KTO's weight of desirable answers
+    kto_rejected_weight: float = 1.0  # KTO's weight of undesirable answers
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the loss compares with a reference model (DPO's and KTO's do; SimPO and ORPO do not)."""
+        return self.loss not in REFERENCE_FREE_LOSSES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +136,15 @@ class TrainConfig:
     freeze_vision_tower: bool = True
     freeze_multi_modal_projector: bool = True
     freeze_language_model: bool = False
+    # preference stages (rm, dpo, kto): LlamaFactory's keys, hp.train.config.Preference
+    pref_beta: float = 0.1
+    pref_ftx: float = 0.0
+    pref_loss: str = "sigmoid"  # one of PREF_LOSSES
+    dpo_label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+    kto_chosen_weight: float = 1.0
+    kto_rejected_weight: float = 1.0
+    ref_model: str | None = None  # the reference model's directory; None: model_name_or_path (under LoRA: adapters off)
     # dataset
     dataset: str  # comma-separated dataset names
     dataset_dir: str = "data"
@@ -193,6 +228,12 @@ class TrainConfig:
         return Finetuning()
 
     @property
+    def preference(self) -> Preference:
+        """The preference stages' settings."""
+        return Preference(self.pref_beta, self.pref_loss, self.pref_ftx, self.dpo_label_smoothing, self.simpo_gamma,
+                          self.kto_chosen_weight, self.kto_rejected_weight)
+
+    @property
     def datasets(self) -> tuple[str, ...]:
         """The dataset names, in order."""
         return tuple(self.dataset.split(","))
@@ -231,7 +272,16 @@ def _dataset_names(v: str) -> bool:
 
 _RULES: dict[str, _Rule] = {
     "model_name_or_path": _Rule("str", _nonempty, "a model directory or name"),
-    "stage": _Rule("str", choices=STAGES, allowed="(LlamaFactory's other stages are not available yet)"),
+    "stage": _Rule("str", choices=STAGES, allowed="(LlamaFactory's ppo is not available yet)"),
+    "pref_beta": _Rule("float", lambda v: v > 0, "a number > 0"),
+    "pref_ftx": _Rule("float", lambda v: v >= 0, "a number >= 0 (0: no language-modelling loss added)"),
+    "pref_loss": _Rule("str", choices=PREF_LOSSES, allowed="(LlamaFactory's bco_pair, sppo_hard and nca_pair are not "
+                       "available yet)"),
+    "dpo_label_smoothing": _Rule("float", lambda v: 0 <= v <= 0.5, "a number in [0, 0.5]"),
+    "simpo_gamma": _Rule("float"),
+    "kto_chosen_weight": _Rule("float", lambda v: v > 0, "a number > 0"),
+    "kto_rejected_weight": _Rule("float", lambda v: v > 0, "a number > 0"),
+    "ref_model": _Rule("str", _nonempty, "a model directory, or null for model_name_or_path", optional=True),
     "do_train": _Rule("bool", lambda v: v, "true (only training is available yet)"),
     "trust_remote_code": _Rule("bool"),
     "finetuning_type": _Rule("str", choices=FINETUNING_TYPES),
@@ -852,6 +902,33 @@ def _check_training(config: TrainConfig) -> None:
     if config.val_size and config.eval_dataset:
         raise ConfigError(f"val_size = {config.val_size:g} with eval_dataset = {config.eval_dataset!r}: expected one "
                           "of them (a held-out split, or datasets of its own)")
+    _check_preference(config)
+
+
+def _check_preference(config: TrainConfig) -> None:
+    """What the preference stages cannot take yet, and preference keys set where nothing reads them."""
+    if config.stage not in PREFERENCE_STAGES:
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+        given = [f"{key} = {getattr(config, key)!r}" for key in _PREFERENCE_KEYS if getattr(config, key) != defaults[key]]
+        if given:
+            raise ConfigError(f"{', '.join(given)} with stage = {config.stage!r}: the preference keys act in stages "
+                              f"{', '.join(PREFERENCE_STAGES)} only; expected their defaults, or a preference stage")
+        return
+    if config.evaluates:
+        raise ConfigError(f"stage = {config.stage!r} with evaluation (eval_strategy = {config.eval_strategy!r}, do_eval "
+                          f"= {config.do_eval}): evaluating a preference stage is not available yet; its rewards and "
+                          "accuracies are reported for the training batches. Expected eval_strategy: 'no', do_eval: "
+                          "false")
+    if config.stage == "dpo" and config.ref_model is not None and not config.preference.uses_reference:
+        raise ConfigError(f"ref_model = {config.ref_model!r} with pref_loss = {config.pref_loss!r}: that loss needs no "
+                          "reference model; expected ref_model: null")
+    if config.stage == "rm" and config.ref_model is not None:
+        raise ConfigError(f"ref_model = {config.ref_model!r} with stage = 'rm': a reward model has no reference; "
+                          "expected ref_model: null")
+
+
+_PREFERENCE_KEYS = ("pref_beta", "pref_ftx", "pref_loss", "dpo_label_smoothing", "simpo_gamma", "kto_chosen_weight",
+                    "kto_rejected_weight", "ref_model")
 
 
 def _workers_per_node(config: TrainConfig) -> int:

@@ -150,7 +150,8 @@ def _optimizer(name: str, defaults: Mapping[str, Any]) -> dict[str, ForeignKey]:
 
 _ADAPTERS = ("LoRA's variants (DoRA, PiSSA, LoRA+), OFT and loading or stacking trained adapters are not available "
              "yet: finetuning_type lora trains new plain LoRA adapters")
-_PREFERENCE = "reward and preference training (stages rm, ppo, dpo, kto) is not available yet"
+_PREFERENCE = ("PPO, BCO, LD-DPO, a reward model read while training, and reference adapters are not available yet: "
+               "the preference stages are rm, dpo (pref_loss sigmoid, hinge, ipo, simpo, orpo) and kto")
 _QUANTIZED = "quantized training is not available yet: weights are trained in fp32"
 _MULTIMODAL = ("LlamaFactory's image, video and audio settings are not available yet: hp train reads images for "
                "Qwen2.5-VL at its processor's pixel bounds, and reads no video or audio")
@@ -248,10 +249,9 @@ _TABLE: dict[str, ForeignKey] = {
         "loraplus_lr_embedding": 1e-6, "use_dora": False, "pissa_init": False, "pissa_iter": 16,
         "pissa_convert": False, "oft_rank": 0, "oft_block_size": 32, "oft_target": "all", "module_dropout": 0.0}),
     **_refused(_PREFERENCE, {
-        "pref_beta": 0.1, "pref_ftx": 0.0, "pref_bco_weight": 0.0, "pref_loss": "sigmoid", "dpo_label_smoothing": 0.0,
-        "kto_chosen_weight": 1.0, "kto_rejected_weight": 1.0, "simpo_gamma": 0.5, "ld_alpha": None,
+        "pref_bco_weight": 0.0, "ld_alpha": None,
         "ppo_buffer_size": 1, "ppo_epochs": 4, "ppo_score_norm": False, "ppo_target": 6.0, "ppo_whiten_rewards": False,
-        "ref_model": None, "ref_model_adapters": None, "ref_model_quantization_bit": None, "reward_model": None,
+        "ref_model_adapters": None, "ref_model_quantization_bit": None, "reward_model": None,
         "reward_model_adapters": None, "reward_model_quantization_bit": None, "reward_model_type": "lora"}),
     **_optimizer("GaLore", {"use_galore": False, "galore_target": "all", "galore_rank": 16,
                             "galore_update_interval": 200, "galore_scale": 2.0, "galore_proj_type": "std",

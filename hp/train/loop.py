@@ -29,6 +29,16 @@ summary are strict JSON: a loss or gradient norm that stops being finite
 ends the run with `TrainingError` naming the step, before that step's
 update is saved, so the last checkpoint stays the last good one. A resumed
 run first drops the metrics lines past its checkpoint (they would repeat).
+
+The stage decides what a micro-batch's loss is (`hp.train.objectives`): the
+model's own loss for pt and sft; for dpo and kto the preference loss
+against a reference model, built like the policy from `ref_model` (default
+`model_name_or_path`) and frozen, or, under LoRA without `ref_model`, the
+policy with its adapters off; for rm a value head's pairwise loss. The
+preference stages' rewards, margins and accuracies (LlamaFactory's
+`rewards/...` names, averaged over the step's micro-batches) go into the
+progress bar, each metrics line, and the summary (`rewards`: the last
+step's, `first_rewards`: the first's).
 """
 
 from __future__ import annotations
@@ -53,11 +63,13 @@ from hp.device import bind_local_device, detect
 from hp.expert_balance import ExpertLoad, measure, nudge_routing_bias
 from hp.models import plan_for
 from hp.train import checkpoint
-from hp.train.config import TrainConfig, to_dict
+from hp.train.config import PREFERENCE_STAGES, TrainConfig, to_dict
 from hp.train.data import IGNORE_INDEX, TokenBatches, eval_batches, load_splits
 from hp.train.errors import TrainingError
 from hp.train.loader import loader
+from hp.train.finetuning import Finetuning
 from hp.train.model import build_model, freeze_parts
+from hp.train.objectives import Dpo, Kto, LanguageModeling, Reference, Reward
 from hp.train.preflight import resume_path
 from hp.train.report import METRICS, TENSORBOARD_DIR, Reporter
 from hp.train.tokenizer import load_tokenizer
@@ -74,6 +86,8 @@ class Progress:
     eval_loss: float | None = None  # the latest evaluation's
     expert_load: ExpertLoad | None = None  # the latest step's, for a mixture-of-experts model
     offload_bytes: int | None = None  # bytes hp.offload wrote out and read back in the latest planned step
+    rewards: dict[str, float] = field(default_factory=dict)  # a preference stage's, the latest step's
+    first_rewards: dict[str, float] = field(default_factory=dict)  # and the first step's of this run
 
 
 def train(config: TrainConfig) -> dict:
@@ -92,7 +106,8 @@ def train(config: TrainConfig) -> dict:
     evaluation = (eval_batches(held_out, config.per_device_eval_batch_size * dp, tokenizer.pad_token_id)
                   if config.evaluates else [])
     model = build_model(config.model_name_or_path, tokenizer.vocab_size, mesh, strategy, seed=config.seed,
-                        finetuning=config.finetuning)
+                        finetuning=config.finetuning, value_head=config.stage == "rm")
+    objective = make_objective(config, model, mesh, tokenizer.vocab_size)
     freeze_parts(model, vision_tower=config.freeze_vision_tower, projector=config.freeze_multi_modal_projector,
                  language_model=config.freeze_language_model)
     trained = [p for p in model.parameters() if p.requires_grad]  # frozen weights keep no optimizer state
@@ -109,7 +124,7 @@ def train(config: TrainConfig) -> dict:
     progress = Progress()
     bar = _progress_bar(total, step) if rank0 else None
     device, first = mesh.device_type, step
-    forward_backward = functools.partial(_step, model, stream, config, device)
+    forward_backward = functools.partial(_step, objective, stream, config, device)
     if strategy.offload is not None:  # saved activations under a budget, AdamW's states away between updates
         blocks = tuple(model.get_submodule(plan_for(model.config).blocks))  # the planner may recompute these
         forward_backward = hp.offload(forward_backward, budget=strategy.offload_budget, modules=[model],
@@ -119,7 +134,7 @@ def train(config: TrainConfig) -> dict:
             epoch = batches.epoch
             start = time.perf_counter()
             with _traced() if step == first else nullcontext() as trace:  # every step moves the same bytes
-                loss, tokens = forward_backward()
+                loss, tokens, rewards = forward_backward()
                 hp.reduce_gradients(model)
                 norm = clip_gradients(model.parameters(), config.max_grad_norm or math.inf)
                 _require_finite(config, step + 1, loss, norm)
@@ -133,6 +148,8 @@ def train(config: TrainConfig) -> dict:
             progress.seconds += time.perf_counter() - start
             progress.tokens += tokens
             progress.losses.append(loss)
+            progress.rewards = rewards
+            progress.first_rewards = progress.first_rewards or rewards
             if trace is not None:
                 progress.comm = {axis: sum(kinds.values()) for axis, kinds in trace.per_axis().items()}
             step += 1
@@ -159,6 +176,31 @@ def train(config: TrainConfig) -> dict:
         _plot(config.output_dir)
         print(json.dumps(summary, allow_nan=False), flush=True)
     return summary
+
+
+def make_objective(config: TrainConfig, model: nn.Module, mesh, vocab_size: int):
+    """What the stage's micro-batch loss is (`hp.train.objectives`), with its reference model when it needs one."""
+    strategy = config.parallel
+    if config.stage not in PREFERENCE_STAGES:
+        return LanguageModeling(model)
+    if config.stage == "rm":
+        return Reward(model, strategy)
+    pref = config.preference
+    reference = None
+    if config.stage == "kto" or pref.uses_reference:
+        reference = _reference(config, model, mesh, vocab_size)
+    if config.stage == "kto":
+        return Kto(model, reference, strategy, pref)
+    return Dpo(model, reference, strategy, pref)
+
+
+def _reference(config: TrainConfig, model: nn.Module, mesh, vocab_size: int) -> Reference:
+    """The policy with its adapters off under LoRA (no ref_model), else a frozen model laid out like the policy."""
+    if config.finetuning.lora is not None and config.ref_model is None:
+        return Reference(model, adapters=True)
+    frozen = build_model(config.ref_model or config.model_name_or_path, vocab_size, mesh, config.parallel,
+                         seed=config.seed, finetuning=Finetuning())
+    return Reference(frozen.requires_grad_(False).eval())
 
 
 def balance_experts(model: nn.Module, rate: float) -> ExpertLoad | None:
@@ -263,19 +305,21 @@ def _traced():
         yield trace
 
 
-def _step(model: nn.Module, batches, config: TrainConfig, device: str) -> tuple[float, int]:
-    """One optimizer step's forward and backward over the accumulated micro-batches; (loss, tokens)."""
+def _step(objective, batches, config: TrainConfig, device: str) -> tuple[float, int, dict[str, float]]:
+    """One optimizer step's forward and backward over the accumulated micro-batches; (loss, tokens, rewards)."""
     accumulate = config.gradient_accumulation_steps
     autocast = torch.autocast(device, dtype=torch.bfloat16) if config.bf16 else nullcontext()
-    total, tokens = 0.0, 0
+    total, tokens, rewards = 0.0, 0, {}
     for _ in range(accumulate):
         batch = next(batches)
         with autocast:
-            loss = model(**batch.inputs(device)).loss  # input_ids and labels, and a VL model's images
-        (loss / accumulate).backward()
-        total += _value(loss) / accumulate
-        tokens += batch.input_ids.numel()  # processed tokens, padding included
-    return total, tokens
+            outcome = objective(batch, device)
+        (outcome.loss / accumulate).backward()
+        total += _value(outcome.loss) / accumulate
+        for key, value in outcome.metrics.items():
+            rewards[key] = rewards.get(key, 0.0) + value / accumulate
+        tokens += sum(b.input_ids.numel() for b in (batch, batch.kl) if b is not None)  # processed, padding included
+    return total, tokens, rewards
 
 
 def clip_gradients(params, max_norm: float) -> float:
@@ -332,10 +376,13 @@ def _log(config: TrainConfig, step: int, loss: float, lr: float, progress: Progr
     memory = peak_memory_bytes(device)
     load = progress.expert_load
     moe = {} if load is None else {"moe": f"{load.imbalance:.2f}"}
-    bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:.0f}", mem=f"{memory / 2**20:.0f}MiB", **moe)
+    shown = {"acc": "rewards/accuracies", "margin": "rewards/margins", "kl": "kl"}
+    prefs = {name: f"{progress.rewards[key]:.3f}" for name, key in shown.items() if key in progress.rewards}
+    bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:.0f}", mem=f"{memory / 2**20:.0f}MiB", **moe, **prefs)
     bar.update(1)
     if step % config.logging_steps == 0 or step == 1:
-        record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "peak_memory_bytes": memory}
+        record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "peak_memory_bytes": memory,
+                  **progress.rewards}
         if load is not None:
             record.update(expert_imbalance=load.imbalance, expert_load=[list(layer) for layer in load.per_layer])
         report.write(record)
@@ -344,6 +391,7 @@ def _log(config: TrainConfig, step: int, loss: float, lr: float, progress: Progr
 def _summary(config: TrainConfig, progress: Progress, step: int, device: str) -> dict:
     moe = {} if progress.expert_load is None else {"expert_imbalance": progress.expert_load.imbalance}
     offload = {} if progress.offload_bytes is None else {"offload_bytes_per_step": progress.offload_bytes}
+    rewards = {"rewards": progress.rewards, "first_rewards": progress.first_rewards} if progress.rewards else {}
     return {
         "first_loss": progress.losses[0] if progress.losses else None,
         "last_loss": progress.losses[-1] if progress.losses else None,
@@ -356,6 +404,7 @@ def _summary(config: TrainConfig, progress: Progress, step: int, device: str) ->
         "peak_memory_bytes": peak_memory_bytes(device),
         **moe,  # a mixture-of-experts model's, at the last step
         **offload,  # under hp.offload: what its latest planned step moved
+        **rewards,  # a preference stage's (LlamaFactory's rewards/... names), the last and the first step's
         "output_dir": config.output_dir,
     }
 

@@ -17,6 +17,12 @@ time, as transformers saves it, is read into the packed experts the model
 holds, block by block (`hp.train.expert_weights`), and a family that
 transformers saves under other names than its modules' (Qwen-VL's
 `visual.*`, `model.layers.*`) is read by transformers' own renaming rules.
+
+A reward model (stage rm) is the causal LM with a value head: a linear layer
+`v_head` from the last hidden state to one score (TRL's and LlamaFactory's
+value head, without dropout), whole on every rank and trained in full under
+every finetuning type; it starts from `nn.Linear`'s draw under the run's
+seed, and is saved with the model's weights.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from hp.train import expert_weights
 from hp.train.config import ConfigError
 from hp.train.finetuning import Finetuning, FreezeError, apply_finetuning
 
+VALUE_HEAD = "v_head"  # the reward model's linear layer from the last hidden state to a score
 TINY_LLAMA = "hp/tiny-llama"
 TINY_QWEN3_MOE = "hp/tiny-qwen3-moe"
 TINY_QWEN2_5_VL = "hp/tiny-qwen2.5-vl"
@@ -312,10 +319,10 @@ def _loaded_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The parameters and buffers a HF directory stores for `model` (a tied output layer is stored once).
 
     hp's own routing bias is not among them: a run from HF weights starts it at zero; nor are LoRA's
-    adapters, which start as `hp.add_lora` starts them.
+    adapters, which start as `hp.add_lora` starts them, nor a reward model's value head.
     """
     state = {k: v for k, v in model.state_dict().items()
-             if not k.endswith(f".{ROUTING_BIAS}") and not is_adapter(k)}
+             if not k.endswith(f".{ROUTING_BIAS}") and not is_adapter(k) and not k.startswith(f"{VALUE_HEAD}.")}
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     return state
@@ -328,11 +335,12 @@ def _given(strategy: Strategy) -> str:
 
 
 def build_model(name_or_path: str, vocab_size: int, mesh, strategy: Strategy, *, seed: int,
-                finetuning: Finetuning = Finetuning()) -> nn.Module:
+                finetuning: Finetuning = Finetuning(), value_head: bool = False) -> nn.Module:
     """The model of `name_or_path`, laid out by `strategy` on `mesh` with its family's plan, on the mesh's device.
 
     `finetuning` adds adapters or freezes weights first (`hp.train.finetuning`); adapters of a
-    model read from files start as `hp.add_lora` starts them, drawn from `seed`.
+    model read from files start as `hp.add_lora` starts them, drawn from `seed`. `value_head`
+    adds a reward model's (the module docstring).
 
     >>> import hp
     >>> mesh = hp.mesh(tp=1, simulate=True)
@@ -348,10 +356,15 @@ def build_model(name_or_path: str, vocab_size: int, mesh, strategy: Strategy, *,
         torch.manual_seed(seed)  # the same initial weights on every rank and in every run
         model = model_class(config).from_config(config)
         apply_finetuning(model, finetuning, plan.blocks)
+        if value_head:
+            add_value_head(model, seed)
         return apply_strategy(model, mesh, strategy, plan).to(mesh.device_type)
     with _parameters_on_meta():
         model = model_class(config).from_config(config)
         apply_finetuning(model, finetuning, plan.blocks)
+    # a value head is drawn for real and kept whole: to_empty drops what the parameters held
+    drawn = {f"{VALUE_HEAD}.{n}": p.detach().clone() for n, p in add_value_head(model, seed).named_parameters()
+             } if value_head else {}
     computed = _non_persistent_buffers(model)  # RoPE's frequencies, Gemma's embedding scale: not in the files
     apply_strategy(model, mesh, strategy, plan)
     model.to_empty(device=mesh.device_type)
@@ -359,7 +372,36 @@ def build_model(name_or_path: str, vocab_size: int, mesh, strategy: Strategy, *,
         model.get_buffer(name).copy_(value)
     load_safetensors(model, name_or_path)
     start_adapters(model, seed)
+    _copy_whole(model, drawn)
     return model
+
+
+def _copy_whole(model: nn.Module, values: Mapping[str, torch.Tensor]) -> None:
+    """Copy whole tensors into `model`'s parameters of those names, laid out or not (each rank keeps its block)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for name, whole in values.items():
+        param = model.get_parameter(name)
+        if isinstance(param, DTensor):
+            whole = distribute_tensor(whole.to(param.device_mesh.device_type), param.device_mesh, param.placements)
+        with torch.no_grad():
+            param.copy_(whole)
+
+
+def add_value_head(model: nn.Module, seed: int) -> nn.Module:
+    """Give `model` a reward model's value head (`VALUE_HEAD`), drawn as `nn.Linear` draws under `seed`.
+
+    >>> from hp.models import tiny_config
+    >>> from transformers import AutoModelForCausalLM
+    >>> head = add_value_head(AutoModelForCausalLM.from_config(tiny_config("llama", layers=1)), seed=0)
+    >>> head.weight.shape, head.weight.requires_grad
+    (torch.Size([1, 64]), True)
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        head = nn.Linear(model.config.get_text_config().hidden_size, 1)
+    model.add_module(VALUE_HEAD, head)
+    return head
 
 
 def freeze_parts(model: nn.Module, *, vision_tower: bool, projector: bool, language_model: bool) -> list[str]:
