@@ -29,7 +29,8 @@ def qwen3(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def demo_data(tmp_path_factory) -> Path:
-    """identity, alpaca_en_demo and c4_demo in LlamaFactory's formats, named in a dataset_info.json."""
+    """identity, alpaca_en_demo, c4_demo, dpo_en_demo and kto_en_demo in LlamaFactory's formats, named in a
+    dataset_info.json as LlamaFactory names them."""
     data = tmp_path_factory.mktemp("data")
     identity = [{"instruction": q, "input": "", "output": f"I am {{{{name}}}}, made by {{{{author}}}}. ({q})"}
                 for q in ("hi", "who are you?", "what is your name?", "introduce yourself")] * 4
@@ -38,10 +39,24 @@ def demo_data(tmp_path_factory) -> Path:
     (data / "alpaca_en_demo.json").write_text(json.dumps(alpaca))
     (data / "c4_demo.jsonl").write_text("".join(json.dumps({"text": f"document {i}: " + "words " * 30}) + "\n"
                                                 for i in range(16)))
+    pairs = [{"conversations": [{"from": "human", "value": f"what is {i} + {i}?"}],
+              "chosen": {"from": "gpt", "value": f"{2 * i}"}, "rejected": {"from": "gpt", "value": f"{2 * i + 1}"}}
+             for i in range(16)]
+    feedback = [{"messages": [{"role": "user", "content": f"what is {i} + {i}?"},
+                              {"role": "assistant", "content": f"{2 * i + i % 2}"}], "label": i % 2 == 0}
+                for i in range(16)]
+    (data / "dpo_en_demo.json").write_text(json.dumps(pairs))
+    (data / "kto_en_demo.json").write_text(json.dumps(feedback))
     (data / "dataset_info.json").write_text(json.dumps({
         "identity": {"file_name": "identity.json"},
         "alpaca_en_demo": {"file_name": "alpaca_en_demo.json"},
         "c4_demo": {"file_name": "c4_demo.jsonl", "columns": {"prompt": "text"}},
+        "dpo_en_demo": {"file_name": "dpo_en_demo.json", "ranking": True, "formatting": "sharegpt",
+                        "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected"}},
+        "kto_en_demo": {"file_name": "kto_en_demo.json", "formatting": "sharegpt",
+                        "columns": {"messages": "messages", "kto_tag": "label"},
+                        "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                                 "assistant_tag": "assistant"}},
     }))
     return data
 
@@ -58,9 +73,17 @@ def test_an_sft_example_runs_as_given(name, noted, qwen3, demo_data, tmp_path):
     assert ("has no effect here" in run.stderr or "note:" in run.stderr) == noted, run.stderr[-2000:]
 
 
+@pytest.mark.parametrize("name", ["qwen3_lora_dpo", "qwen3_lora_kto", "qwen3_lora_reward"])
+def test_a_preference_example_runs_as_given(name, qwen3, demo_data, tmp_path):
+    run = hp_train(f"model_name_or_path={qwen3}", f"dataset_dir={demo_data}", f"output_dir={tmp_path}", "max_steps=2",
+                   config=str(EXAMPLES / f"{name}.yaml"))
+    result = summary(run)
+    assert result["steps"] == 2 and result["last_loss"] > 0
+    assert {"rewards/chosen", "rewards/rejected", "rewards/margins"} <= set(result["rewards"])
+    assert (tmp_path / "checkpoint-2" / "adapter_config.json").is_file()
+
+
 @pytest.mark.parametrize("name, keys", [
-    # keys at LlamaFactory's default values (lora_rank 8, lora_target all, pref_beta 0.1, ...) change nothing: not listed
-    ("qwen3_lora_dpo", ["stage = 'dpo'"]),
     ("qwen3vl_full_sft", ["image_max_pixels = 262144", "video_max_pixels = 16384", "template = 'qwen3_vl_nothink'"]),
     ("llama3_full_sft_galore", ["use_galore = True", "galore_layerwise = True", "galore_rank = 128", "pure_bf16 = True"]),
 ])

@@ -88,6 +88,8 @@ def test_defaults_are_llamafactorys():
         "weight_decay": 0.0, "max_grad_norm": 1.0, "dataset_dir": "data", "template": None, "cutoff_len": 2048, "max_samples": None,
         "default_system": None, "train_on_prompt": False, "mask_history": False, "enable_thinking": True,
         "preserve_thinking": False,
+        "pref_beta": 0.1, "pref_ftx": 0.0, "pref_loss": "sigmoid", "dpo_label_smoothing": 0.0, "simpo_gamma": 0.5,
+        "kto_chosen_weight": 1.0, "kto_rejected_weight": 1.0, "ref_model": None,
         "preprocessing_num_workers": None, "dataloader_num_workers": 0, "report_to": [], "logging_dir": None,
         "fsdp_transformer_layer_cls_to_wrap": None,
         "val_size": 0.0, "eval_dataset": None, "do_eval": False, "eval_strategy": "no", "eval_steps": None,
@@ -374,7 +376,16 @@ BAD = [
     ({"resume_from_checkpoint": " "}, "resume_from_checkpoint = ' ': expected a checkpoint directory, 'last', or null"),
     ({"output_dir": ""}, "output_dir = '': expected a directory"),
     # values outside a set
-    ({"stage": "dpo"}, "stage = 'dpo': expected one of 'pt', 'sft'"),
+    ({"stage": "ppo"}, "stage = 'ppo': expected one of 'pt', 'sft', 'rm', 'dpo', 'kto' (LlamaFactory's ppo is not "
+                       "available yet)"),
+    ({"pref_loss": "orpo"}, "pref_loss = 'orpo' with stage = 'sft': the preference keys act in stages rm, dpo, kto "
+                            "only; expected their defaults, or a preference stage"),
+    ({"stage": "dpo", "pref_loss": "bco_pair"}, "pref_loss = 'bco_pair': expected one of 'sigmoid', 'hinge', 'ipo', "
+                                                "'simpo', 'orpo'"),
+    ({"stage": "dpo", "pref_beta": 0}, "pref_beta = 0: expected a number > 0"),
+    ({"stage": "dpo", "val_size": 0.1, "eval_strategy": "steps"}, "stage = 'dpo' with evaluation"),
+    ({"stage": "dpo", "pref_loss": "simpo", "ref_model": "m"}, "that loss needs no reference model"),
+    ({"stage": "rm", "ref_model": "m"}, "a reward model has no reference"),
     ({"lr_scheduler_type": "polynomial"},
      "lr_scheduler_type = 'polynomial': expected one of 'linear', 'cosine', 'constant', 'constant_with_warmup'"),
     ({"template": "llama30"}, "template = 'llama30': expected one of 'default', 'empty', 'alpaca', 'chatml', 'qwen'"),
@@ -535,7 +546,7 @@ def test_llamafactory_keys_without_effect_are_kept_and_round_trip():
 
 
 def test_every_problem_of_a_config_is_listed_at_once():
-    raw = {**MINIMAL, "learnig_rate": 1e-4, "bf16": "yes", "use_dora": True, "pref_loss": "orpo",
+    raw = {**MINIMAL, "learnig_rate": 1e-4, "bf16": "yes", "use_dora": True, "pref_bco_weight": 0.5,
            "parallel": {"tpp": 2}}
     with pytest.raises(ConfigError) as err:
         validate(raw)
@@ -546,14 +557,15 @@ def test_every_problem_of_a_config_is_listed_at_once():
         ("  - use_dora = True is not taken by hp train (LoRA's variants (DoRA, PiSSA, LoRA+), OFT and loading or "
          "stacking trained adapters are not available yet: finetuning_type lora trains new plain LoRA adapters); "
          "expected no use_dora key, or a value that changes nothing here: false"),
-        ("  - pref_loss = 'orpo' is not taken by hp train (reward and preference training (stages rm, ppo, dpo, kto) "
-         "is not available yet); expected no pref_loss key, or a value that changes nothing here: sigmoid"),
+        ("  - pref_bco_weight = 0.5 is not taken by hp train (PPO, BCO, LD-DPO, a reward model read while training, "
+         "and reference adapters are not available yet: the preference stages are rm, dpo (pref_loss sigmoid, hinge, "
+         "ipo, simpo, orpo) and kto); expected no pref_bco_weight key, or a value that changes nothing here: 0.0"),
         "  - bf16 = 'yes': expected true or false",
         "  - unknown key 'parallel.tpp' = 2; did you mean 'parallel.tp'?",
     ]
 
 
-@pytest.mark.parametrize("key", ["pref_loss", "galore_rank"])
+@pytest.mark.parametrize("key", ["pref_bco_weight", "galore_rank"])
 def test_a_suggestion_only_for_a_likely_typo(key):
     with pytest.raises(ConfigError) as err:
         validate({**MINIMAL, key: 1})

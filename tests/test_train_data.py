@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hp.train import quickstart_data, quickstart_vl_data
+from hp.train import quickstart_data, quickstart_preference_data, quickstart_vl_data
 from hp.train.data import (
     IGNORE_INDEX, TEMPLATES, Conversation, TokenBatches, build_examples, collate, encode_conversation,
     encode_prompt, load_examples,
@@ -289,8 +289,8 @@ def test_bad_input_is_a_clear_error(tmp_path, info, files, dataset, message):
 def test_bad_stage_template_and_pt_on_sharegpt(tmp_path):
     d = write_data(tmp_path, {"s": {"file_name": "s.json", "formatting": "sharegpt"}},
                    {"s.json": [{"conversations": [{"from": "human", "value": "u"}, {"from": "gpt", "value": "a"}]}]})
-    with pytest.raises(ValueError, match="stage 'dpo' is not one of pt, sft"):
-        build_examples("s", d, TOK, stage="dpo")
+    with pytest.raises(ValueError, match="stage 'ppo' is not one of pt, sft, rm, dpo, kto"):
+        build_examples("s", d, TOK, stage="ppo")
     with pytest.raises(ValueError, match="template 'llama30' is unknown; known: default, empty, alpaca, chatml"):
         build_examples("s", d, TOK, template="llama30")
     with pytest.raises(ValueError, match=r"dataset 's' \(.*s.json\): stage pt reads plain text; the sharegpt"):
@@ -311,13 +311,16 @@ def test_quickstart_files_load_and_are_reproducible(tmp_path):
     word = prompt.split("\n")[1]
     assert prompt == f"Human: uppercase\n{word}\nAssistant:" and supervised_text(data[0]) == word.upper() + "\n"
     quickstart_data.write(tmp_path, 2000, 0)  # what examples/make_quickstart_data.py writes
-    quickstart_vl_data.write(tmp_path, 200, 0)  # and `make_quickstart_data.py vl`, in either order
-    for name in ("quickstart.json", "quickstart_vl.json", "dataset_info.json"):
+    quickstart_vl_data.write(tmp_path, 200, 0)  # and `make_quickstart_data.py vl`, in any order
+    quickstart_preference_data.write(tmp_path, 2000, 0)  # and `make_quickstart_data.py dpo`
+    for name in ("quickstart.json", "quickstart_vl.json", "quickstart_dpo.json", "quickstart_kto.json",
+                 "dataset_info.json"):
         assert (tmp_path / name).read_bytes() == (data_dir / name).read_bytes()
     for png in sorted((data_dir / "quickstart_vl").iterdir()):  # the same pictures, whatever zlib compressed them
         assert load_image(str(png)).tobytes() == load_image(str(tmp_path / "quickstart_vl" / png.name)).tobytes()
     assert len(list((tmp_path / "quickstart_vl").iterdir())) == 200
     assert (data_dir / "quickstart.json").stat().st_size < 300_000
+    assert (data_dir / "quickstart_dpo.json").stat().st_size < 300_000
     vl_bytes = sum(f.stat().st_size for f in (data_dir / "quickstart_vl").iterdir())
     assert vl_bytes + (data_dir / "quickstart_vl.json").stat().st_size < 100_000
 

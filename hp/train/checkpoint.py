@@ -178,6 +178,13 @@ def _check_metadata(path: str) -> None:
         raise CheckpointError(f"{file} cannot be read as DCP metadata: {e}") from None
 
 
+def holds(path: str, weight: str) -> bool:
+    """Whether checkpoint `path` holds the model weight named `weight` (its metadata is read, not the data)."""
+    _check_metadata(path)
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return f"model.{weight}" in keys
+
+
 def load_model_weights(path: str, model: nn.Module) -> None:
     """Only the model's weights of checkpoint `path` (for export and evaluation)."""
     _check_metadata(path)

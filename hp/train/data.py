@@ -44,6 +44,20 @@ may be shorter); sharegpt is refused for pt, as in LlamaFactory. Labels are
 aligned with `input_ids` (HF causal LMs shift them); -100 marks tokens
 without loss.
 
+Stages rm and dpo read preference pairs from a `"ranking": true` entry
+whose `columns` name `chosen` and `rejected` (none by default, as in
+LlamaFactory): in alpaca, the two answers' strings, after the prompt, query,
+system and history columns (no response column); in sharegpt, one message
+object each, read with the dataset's tags (an assistant or function_call
+role), answering messages that end with the user's turn. Stage kto reads
+one answer a record (alpaca's response, sharegpt's last message) judged by
+the bool column `kto_tag` (true: desirable). `hp.train.preference_data`
+encodes both as LlamaFactory's pairwise and feedback processors do. A
+ranking dataset is refused for pt, sft and kto, a plain one for rm and dpo,
+a `kto_tag` column outside kto, and images in preference data;
+`train_on_prompt` and `mask_history`, which LlamaFactory ignores in these
+stages, are refused there so that nobody believes they act.
+
 Images (sft, for a vision-language model: `vision`, which `load_examples`
 reads from the model config when a dataset has an images column) are read
 as LlamaFactory's multimodal data: the template must place them
@@ -58,13 +72,14 @@ or stage pt given a dataset with images are refused by the dataset's name.
 An example keeps its images' paths (`images`); a batch reads and cuts them
 (`hp.train.batch`).
 
-An sft example left with no supervised token (a tiny `cutoff_len`) is
-dropped and counted in `Examples.dropped`, since it would only cost
-compute (LlamaFactory keeps it); if every example is dropped the load
-fails. Malformed data (unknown names, missing files or
-columns, bad JSON, a conversation whose roles do not alternate) is a
-ValueError naming the dataset, file and record: training on silently
-skipped data hides configuration mistakes.
+An sft, rm, dpo or kto example left with no supervised token (a tiny
+`cutoff_len`; either answer of a pair, or a kto answer) is dropped and
+counted in `Examples.dropped`, since it would only cost compute
+(LlamaFactory keeps it); if every example is dropped the load fails.
+Malformed data (unknown names, missing files or columns, bad JSON, a
+conversation whose roles do not alternate) is a ValueError naming the
+dataset, file and record: training on silently skipped data hides
+configuration mistakes.
 """
 
 from __future__ import annotations
@@ -78,10 +93,13 @@ from pathlib import Path
 from typing import Any
 
 from hp.train.batch import Batch, collate
-from hp.train.config import STAGES
+from hp.train.config import PAIRWISE_STAGES, PREFERENCE_STAGES, STAGES
 from hp.train.encoding import (  # noqa: F401 - encode_prompt and get_template are re-exported for callers
     IGNORE_INDEX, Conversation, check_supervision, document_end_id, encode_conversation, encode_prompt, get_template,
     template_for,
+)
+from hp.train.preference_data import (
+    feedback_answer, feedback_example, keeps_supervision, kl_answers, pairwise_example, sides,
 )
 from hp.train.templates import IMAGE_PLACEHOLDER, TEMPLATES, VISION_TEMPLATES, Template  # noqa: F401 - re-exported
 from hp.train.tokenizer import Tokenizer
@@ -91,10 +109,14 @@ FORMATTINGS = ("alpaca", "sharegpt")
 INFO_FILE = "dataset_info.json"
 
 # LlamaFactory's defaults; None means "no such column unless mapped".
+PREFERENCE_COLUMNS: dict[str, str | None] = {"chosen": None, "rejected": None, "kto_tag": None}
 ALPACA_COLUMNS: dict[str, str | None] = {
     "prompt": "instruction", "query": "input", "response": "output", "system": None, "history": None, "images": None,
+    **PREFERENCE_COLUMNS,
 }
-SHAREGPT_COLUMNS: dict[str, str | None] = {"messages": "conversations", "system": None, "tools": None, "images": None}
+SHAREGPT_COLUMNS: dict[str, str | None] = {
+    "messages": "conversations", "system": None, "tools": None, "images": None, **PREFERENCE_COLUMNS,
+}
 # LlamaFactory's data arguments that change the sft encoding, with its defaults (config keys of the same names).
 SFT_OPTIONS: dict[str, Any] = {
     "default_system": None, "train_on_prompt": False, "mask_history": False, "enable_thinking": True,
@@ -117,6 +139,7 @@ class DatasetSpec:
     tags: Mapping[str, str] = field(default_factory=lambda: dict(SHAREGPT_TAGS))
     mapped: frozenset[str] = frozenset()  # column roles that dataset_info.json named explicitly
     media_dir: Path | None = None  # where image paths start: dataset_dir (LlamaFactory's default); None: the file's
+    ranking: bool = False  # its records hold chosen/rejected pairs (stages rm, dpo)
 
     def image_path(self, name: str) -> str:
         """The path of an image the records name (relative to `media_dir`, or absolute).
@@ -134,25 +157,33 @@ class DatasetSpec:
 
 @dataclass
 class Examples:
-    """Tokenized examples (dicts of `input_ids` and `labels`, and `images`' paths if any) and what loading left out.
+    """Tokenized examples and what loading left out.
+
+    An example is a dict of `input_ids` and `labels` (and `images`' paths if
+    any) for pt and sft, and of `hp.train.preference_data`'s shapes for rm, dpo
+    and kto; `summary` counts the tokens and supervised labels of every side.
 
     >>> Examples([{"input_ids": [1, 2], "labels": [1, 2]}]).summary()
     '1 examples, 2 tokens, 2 supervised, 0 dropped'
+    >>> pair = {"chosen_ids": [1, 2], "chosen_labels": [-100, 2], "rejected_ids": [1, 3], "rejected_labels": [-100, 3]}
+    >>> Examples([pair]).summary()
+    '1 examples, 4 tokens, 2 supervised, 0 dropped'
     """
 
-    examples: list[dict[str, list]]
-    dropped: int = 0  # sft examples left with no supervised token
+    examples: list[dict[str, Any]]
+    dropped: int = 0  # examples left with no supervised token
     vision: Vision | None = None  # how the model reads the examples' images; None: batches of text
 
     def __len__(self) -> int:
         return len(self.examples)
 
-    def __getitem__(self, i: int) -> dict[str, list]:
+    def __getitem__(self, i: int) -> dict[str, Any]:
         return self.examples[i]
 
     def summary(self) -> str:
-        tokens = sum(len(e["input_ids"]) for e in self.examples)
-        supervised = sum(sum(label != IGNORE_INDEX for label in e["labels"]) for e in self.examples)
+        runs = [side for e in self.examples for side in sides(e)]
+        tokens = sum(len(ids) for ids, _ in runs)
+        supervised = sum(sum(label != IGNORE_INDEX for label in labels) for _, labels in runs)
         images = sum(len(e.get("images", ())) for e in self.examples)
         shown = f", {images} images" if images else ""
         return (f"{len(self.examples)} examples, {tokens} tokens, {supervised} supervised, {self.dropped} dropped"
@@ -203,8 +234,9 @@ def _spec_from_info(name: str, info: Mapping[str, Any], directory: Path, info_pa
     where = f"dataset {name!r} in {info_path}"
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: expected an object, got {type(entry).__name__}")
-    if entry.get("ranking"):
-        raise ValueError(f"{where}: preference (ranking) datasets are not supported; stages are {', '.join(STAGES)}")
+    ranking = entry.get("ranking", False)
+    if not isinstance(ranking, bool):
+        raise ValueError(f"{where}: ranking must be true or false, got {ranking!r}")
     if "file_name" not in entry:
         hub = [k for k in ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name") if k in entry]
         why = f"it names only {', '.join(hub)}, and hp downloads nothing" if hub else "it has no file_name"
@@ -221,7 +253,7 @@ def _spec_from_info(name: str, info: Mapping[str, Any], directory: Path, info_pa
     if not path.is_file():
         raise ValueError(f"dataset {name!r}: file {path} does not exist (file_name in {info_path})")
     mapped = frozenset(entry.get("columns", {}))
-    return DatasetSpec(name, path, formatting, columns, tags, mapped, media_dir=directory)
+    return DatasetSpec(name, path, formatting, columns, tags, mapped, media_dir=directory, ranking=ranking)
 
 
 def _overrides(given: Any, defaults: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -317,16 +349,22 @@ def alpaca_conversation(record: Mapping[str, Any], spec: DatasetSpec, index: int
     >>> alpaca_conversation({"instruction": "add", "input": "1 2", "output": "3"}, DatasetSpec("d", Path("d.json")))
     Conversation(turns=[('user', 'add\\n1 2'), ('assistant', '3')], system='')
     """
+    asked = _alpaca_prompt(record, spec, index)
+    response = _text(_column(record, spec, "response", index, required=True), spec, "the response", index)
+    return Conversation([*asked.turns, ("assistant", response)], asked.system)
+
+
+def _alpaca_prompt(record: Mapping[str, Any], spec: DatasetSpec, index: int) -> Conversation:
+    """An alpaca record's conversation up to its answer: history pairs, then prompt (+ newline + query)."""
     prompt = _text(_column(record, spec, "prompt", index, required=True), spec, "the prompt", index)
     query = _text(_column(record, spec, "query", index, required=False), spec, "the query", index)
-    response = _text(_column(record, spec, "response", index, required=True), spec, "the response", index)
     system = _text(_column(record, spec, "system", index, required=False), spec, "the system prompt", index)
     turns: list[tuple[str, str]] = []
     for pair in _column(record, spec, "history", index, required=False) or []:
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
             raise ValueError(f"{spec.where(index)}: history must be a list of [prompt, response] string pairs")
         turns += [("user", pair[0]), ("assistant", pair[1])]
-    turns += [("user", f"{prompt}\n{query}" if query else prompt), ("assistant", response)]
+    turns.append(("user", f"{prompt}\n{query}" if query else prompt))
     return Conversation(turns, system)
 
 
@@ -350,7 +388,7 @@ def sharegpt_conversation(record: Mapping[str, Any], spec: DatasetSpec, index: i
         messages = messages[1:]  # a leading system message overrides the system column
     turns = []
     for k, message in enumerate(messages):
-        role, content = _message(message, spec, index, k)
+        role, content = _message(message, spec, index, f"message {k}")
         want = "user" if k % 2 == 0 else "assistant"
         if side.get(role) != want:
             allowed = [t for t, s in side.items() if s == want]
@@ -362,14 +400,67 @@ def sharegpt_conversation(record: Mapping[str, Any], spec: DatasetSpec, index: i
     return Conversation(turns, system)
 
 
-def _message(message: Any, spec: DatasetSpec, index: int, k: int) -> tuple[Any, str]:
+def _message(message: Any, spec: DatasetSpec, index: int, what: str) -> tuple[Any, str]:
+    """(role, content) of a sharegpt message; `what` names it in errors ("message 3")."""
     role_tag, content_tag = spec.tags["role_tag"], spec.tags["content_tag"]
     if not isinstance(message, dict) or role_tag not in message or content_tag not in message:
         raise ValueError(
-            f"{spec.where(index)}: message {k} must be an object with keys {role_tag!r} and {content_tag!r} "
+            f"{spec.where(index)}: {what} must be an object with keys {role_tag!r} and {content_tag!r} "
             f"(set tags.role_tag / tags.content_tag in {INFO_FILE} if yours differ)"
         )
-    return message[role_tag], _text(message[content_tag], spec, f"message {k}'s content", index)
+    return message[role_tag], _text(message[content_tag], spec, f"{what}'s content", index)
+
+
+def pairwise_record(record: Mapping[str, Any], spec: DatasetSpec, index: int = 0) -> tuple[Conversation, str, str]:
+    """A ranking record (stages rm, dpo): its conversation up to the answer, and the chosen and rejected answers.
+
+    >>> columns = {**ALPACA_COLUMNS, "chosen": "good", "rejected": "bad"}
+    >>> spec = DatasetSpec("d", Path("d.json"), columns=columns, ranking=True)
+    >>> pairwise_record({"instruction": "1+1", "good": "2", "bad": "3"}, spec)
+    (Conversation(turns=[('user', '1+1')], system=''), '2', '3')
+    """
+    if spec.formatting == "alpaca":
+        conv = _alpaca_prompt(record, spec, index)
+        chosen, rejected = (_answer_text(record, spec, side, index) for side in ("chosen", "rejected"))
+    else:
+        conv = sharegpt_conversation(record, spec, index)
+        chosen, rejected = (_answer_message(record, spec, side, index) for side in ("chosen", "rejected"))
+    return conv, chosen, rejected
+
+
+def _answer_text(record: Mapping[str, Any], spec: DatasetSpec, side: str, index: int) -> str:
+    value = _column(record, spec, side, index, required=True)
+    if not isinstance(value, str):
+        raise ValueError(f"{spec.where(index)}: column {spec.columns[side]!r} (the {side} answer) must be a string, "
+                         f"got {type(value).__name__}")
+    return value
+
+
+def _answer_message(record: Mapping[str, Any], spec: DatasetSpec, side: str, index: int) -> str:
+    """The content of a sharegpt ranking record's chosen or rejected message, which must be an answer's."""
+    what = f"the {side} message (column {spec.columns[side]!r})"
+    role, content = _message(_column(record, spec, side, index, required=True), spec, index, what)
+    answers = (spec.tags["assistant_tag"], spec.tags["function_tag"])
+    if role not in answers:
+        raise ValueError(f"{spec.where(index)}: {what} has {spec.tags['role_tag']}={role!r}, expected one of "
+                         f"{', '.join(map(repr, answers))} (an answer to the conversation's last user turn)")
+    return content
+
+
+def feedback_record(record: Mapping[str, Any], spec: DatasetSpec, index: int = 0) -> tuple[Conversation, bool]:
+    """A kto record: its conversation (the judged answer last) and its kto_tag (True: desirable).
+
+    >>> spec = DatasetSpec("d", Path("d.json"), columns={**ALPACA_COLUMNS, "kto_tag": "label"})
+    >>> feedback_record({"instruction": "1+1", "output": "3", "label": False}, spec)
+    (Conversation(turns=[('user', '1+1'), ('assistant', '3')], system=''), False)
+    """
+    read = alpaca_conversation if spec.formatting == "alpaca" else sharegpt_conversation
+    conv = read(record, spec, index)
+    tag = _column(record, spec, "kto_tag", index, required=True)
+    if not isinstance(tag, bool):
+        raise ValueError(f"{spec.where(index)}: column {spec.columns['kto_tag']!r} (the kto_tag) must be true or "
+                         f"false, got {tag!r}")
+    return conv, tag
 
 
 def pt_text(record: Mapping[str, Any], spec: DatasetSpec, index: int = 0) -> str:
@@ -409,6 +500,10 @@ def record_images(record: Mapping[str, Any], spec: DatasetSpec, index: int = 0) 
 def _check_takes_images(spec: DatasetSpec, stage: str, template: Template, vision: Vision | None) -> None:
     """A dataset with an images column needs sft, a template that places images and a model that reads them."""
     column = f"column {spec.columns['images']!r}"
+    if stage in PREFERENCE_STAGES:
+        raise ValueError(f"{spec.where()}: its records have images ({column}); hp train reads images in sft data "
+                         f"only, not in preference data (stage {stage}): expected no images column in {INFO_FILE}, "
+                         "or stage: sft")
     if vision is None:
         raise ValueError(
             f"{spec.where()}: its records have images ({column}), but the model is a text model, which reads none; "
@@ -423,6 +518,52 @@ def _check_takes_images(spec: DatasetSpec, stage: str, template: Template, visio
             f"{spec.where()}: its records have images ({column}), but template {template.name!r} places none "
             f"(LlamaFactory refuses images with it too); expected template: {', '.join(VISION_TEMPLATES)}"
         )
+
+
+def _check_stage_reads(spec: DatasetSpec, stage: str) -> None:
+    """The dataset holds what the stage trains on: chosen/rejected pairs for rm and dpo, tagged answers for kto."""
+    ranked = f"\"ranking\": true in {INFO_FILE}"
+    if spec.ranking and stage not in PAIRWISE_STAGES:
+        wanted = ("a dataset without \"ranking\": true and with a kto_tag column, since kto reads one answer a record"
+                  if stage == "kto" else f"stage: {' or '.join(PAIRWISE_STAGES)}, or a dataset without it")
+        raise ValueError(f"{spec.where()}: a ranking dataset ({ranked}: chosen and rejected answers) is read by stages "
+                         f"{' and '.join(PAIRWISE_STAGES)}, not {stage}; expected {wanted}")
+    if stage in PAIRWISE_STAGES:
+        if not spec.ranking:
+            raise ValueError(f"{spec.where()}: stage {stage} trains on chosen and rejected answers, and this is not a "
+                             f"ranking dataset; expected {ranked} and columns chosen and rejected in its entry")
+        unmapped = [side for side in ("chosen", "rejected") if not spec.columns.get(side)]
+        if unmapped:
+            raise ValueError(f"{spec.where()}: a ranking dataset needs its {' and '.join(unmapped)} column named in "
+                             f"{INFO_FILE}, as LlamaFactory gives neither a default (\"columns\": {{\"chosen\": "
+                             "..., \"rejected\": ...}})")
+    tagged = bool(spec.columns.get("kto_tag"))
+    if stage == "kto" and not tagged:
+        raise ValueError(f"{spec.where()}: stage kto trains on answers judged desirable or not; expected a kto_tag "
+                         f"column (true or false) named in its {INFO_FILE} entry, e.g. \"columns\": "
+                         "{\"kto_tag\": \"label\"}")
+    if tagged and stage != "kto":
+        raise ValueError(f"{spec.where()}: its kto_tag column ({spec.columns['kto_tag']!r}) is read by stage kto "
+                         f"only, not {stage}; expected stage: kto, or no kto_tag in its columns")
+
+
+def _check_sft_options(stage: str, train_on_prompt: bool, mask_history: bool) -> None:
+    """train_on_prompt and mask_history shape sft's labels: refused elsewhere, where they would not act."""
+    for key, value in (("train_on_prompt", train_on_prompt), ("mask_history", mask_history)):
+        if stage == "pt" and value is True:
+            raise ValueError(f"{key} = true with stage 'pt': pt supervises every token of its documents, and "
+                             f"LlamaFactory takes train_on_prompt and mask_history in sft only; expected {key}: false, "
+                             "or stage: sft")
+        if stage in PREFERENCE_STAGES and value is True:
+            raise ValueError(f"{key} = true with stage {stage!r}: {stage} supervises the final answer only, its "
+                             f"prompt masked, and LlamaFactory ignores {key} there; hp train refuses it rather than "
+                             f"ignore it: expected {key}: false, or stage: sft")
+
+
+def _kl_partners(spec: DatasetSpec, records: list[dict[str, Any]]) -> list[str]:
+    """Each kto record's KL answer (`kl_answers`), read here where all of a dataset's records are."""
+    answers = [feedback_answer(feedback_record(r, spec, i)[0], where=spec.where(i)) for i, r in enumerate(records)]
+    return kl_answers(answers)
 
 
 # ---------------------------------------------------------------- tokens
@@ -568,6 +709,9 @@ def build_examples(
 ) -> Examples:
     """Read, render and tokenize the named datasets (see the module docstring for the rules).
 
+    `stage` pt packs documents, sft encodes conversations, rm and dpo
+    chosen/rejected pairs and kto judged answers (`hp.train.preference_data`).
+
     `vision` is how the model reads images (`Vision.of` its config): a dataset
     with images needs one, and the examples carry it to their batches.
 
@@ -590,11 +734,7 @@ def build_examples(
         raise ValueError(f"stage {stage!r} is not one of {', '.join(STAGES)}")
     if cutoff_len < 1:
         raise ValueError(f"cutoff_len must be positive, got {cutoff_len}")
-    for key, value in (("train_on_prompt", train_on_prompt), ("mask_history", mask_history)):
-        if stage == "pt" and value is True:
-            raise ValueError(f"{key} = true with stage 'pt': pt supervises every token of its documents, and "
-                             f"LlamaFactory takes train_on_prompt and mask_history in sft only; expected {key}: false, "
-                             "or stage: sft")
+    _check_sft_options(stage, train_on_prompt, mask_history)
     tmpl = template_for(template, tokenizer, stage, default_system=default_system, enable_thinking=enable_thinking,
                         preserve_thinking=preserve_thinking)
     if stage == "sft":
@@ -602,11 +742,13 @@ def build_examples(
     end = document_end_id(tmpl, tokenizer) if stage == "pt" else None
     jobs = []
     for spec in dataset_specs(dataset, dataset_dir):
+        _check_stage_reads(spec, stage)
         records = read_records(spec)[:max_samples]
         _check_mapped_columns(spec, records)
         if spec.columns.get("images"):
             _check_takes_images(spec, stage, tmpl, vision)
-        jobs += [(spec, i, record) for i, record in enumerate(records)]
+        partners = _kl_partners(spec, records) if stage == "kto" else [""] * len(records)
+        jobs += [(spec, i, record, kl) for i, (record, kl) in enumerate(zip(records, partners))]
     encoder = _Encoder(tokenizer, tmpl, stage, cutoff_len, end, train_on_prompt, mask_history,
                        vision if tmpl.mm_plugin else None)
     encoded = _encode_all(encoder, jobs, workers or 1)
@@ -614,7 +756,7 @@ def build_examples(
         examples, dropped = pack(encoded, cutoff_len), 0
     else:
         # an example with nothing to learn (an empty answer, or no room left for one) would only cost
-        examples = [e for e in encoded if any(label != IGNORE_INDEX for label in e["labels"])]
+        examples = [e for e in encoded if keeps_supervision(e)]
         dropped = len(encoded) - len(examples)
     if not examples:
         raise ValueError(
@@ -624,9 +766,13 @@ def build_examples(
     return Examples(examples, dropped, vision)
 
 
+# A record to encode: its dataset, index and record, and the answer of its KL example (kto; else "").
+_Job = tuple[DatasetSpec, int, dict[str, Any], str]
+
+
 @dataclass(frozen=True)
 class _Encoder:
-    """One record (dataset spec, index, record) to its document (pt) or example (sft: ids, labels, images)."""
+    """One record (a `_Job`) to its document (pt) or example (sft: ids, labels, images; rm, dpo, kto)."""
 
     tokenizer: Tokenizer
     template: Template
@@ -637,10 +783,12 @@ class _Encoder:
     mask_history: bool
     vision: Vision | None = None  # set when the template places images
 
-    def __call__(self, job: tuple[DatasetSpec, int, dict[str, Any]]) -> Any:
-        spec, i, record = job
+    def __call__(self, job: _Job) -> Any:
+        spec, i, record, kl_answer = job
         if self.stage == "pt":
             return _document(pt_text(record, spec, i), self.tokenizer, self.end)
+        if self.stage in PREFERENCE_STAGES:
+            return self._preference(spec, i, record, kl_answer)
         read = alpaca_conversation if spec.formatting == "alpaca" else sharegpt_conversation
         conv = read(record, spec, i)
         if conv.turns[-1][0] != "assistant":
@@ -649,6 +797,17 @@ class _Encoder:
             return self._with_images(conv, spec, i, record, self.vision)
         ids, labels = self._encode(conv)
         return {"input_ids": ids, "labels": labels}
+
+    def _preference(self, spec: DatasetSpec, i: int, record: dict[str, Any], kl_answer: str) -> dict[str, Any]:
+        """The rm/dpo pair or the kto example (with its KL side) of a record."""
+        where = spec.where(i)
+        if self.stage in PAIRWISE_STAGES:
+            conv, chosen, rejected = pairwise_record(record, spec, i)
+            return pairwise_example(conv, chosen, rejected, self.tokenizer, self.template, self.cutoff_len,
+                                    where=where)
+        conv, desirable = feedback_record(record, spec, i)
+        return feedback_example(conv, kl_answer, desirable, self.tokenizer, self.template, self.cutoff_len,
+                                where=where)
 
     def _encode(self, conv: Conversation, images: Sequence[list[int]] = (), *,
                 whole: bool = False) -> tuple[list[int], list[int]]:
@@ -694,7 +853,7 @@ def _start_worker(encoder: _Encoder) -> None:
     _WORKER_ENCODER = encoder
 
 
-def _encode_in_worker(job: tuple[DatasetSpec, int, dict[str, Any]]) -> Any:
+def _encode_in_worker(job: _Job) -> Any:
     return _WORKER_ENCODER(job)
 
 

@@ -36,9 +36,11 @@ against a reference model, built like the policy from `ref_model` (default
 `model_name_or_path`) and frozen, or, under LoRA without `ref_model`, the
 policy with its adapters off; for rm a value head's pairwise loss. The
 preference stages' rewards, margins and accuracies (LlamaFactory's
-`rewards/...` names, averaged over the step's micro-batches) go into the
-progress bar, each metrics line, and the summary (`rewards`: the last
-step's, `first_rewards`: the first's).
+`rewards/...` names) are averaged as LlamaFactory averages them: over the
+micro-batches of a step, and over the steps since the last metrics line.
+The progress bar shows each step's; each metrics line, the mean since the
+one before; the summary, the mean over the run's last logging window
+(`rewards`) and the first step's (`first_rewards`).
 """
 
 from __future__ import annotations
@@ -86,8 +88,15 @@ class Progress:
     eval_loss: float | None = None  # the latest evaluation's
     expert_load: ExpertLoad | None = None  # the latest step's, for a mixture-of-experts model
     offload_bytes: int | None = None  # bytes hp.offload wrote out and read back in the latest planned step
-    rewards: dict[str, float] = field(default_factory=dict)  # a preference stage's, the latest step's
-    first_rewards: dict[str, float] = field(default_factory=dict)  # and the first step's of this run
+    rewards: list[dict[str, float]] = field(default_factory=list)  # a preference stage's, each step's since the
+    logged_rewards: dict[str, float] = field(default_factory=dict)  # last metrics line, and that line's mean
+    first_rewards: dict[str, float] = field(default_factory=dict)  # the first step's of this run
+
+    def rewards_window(self) -> dict[str, float]:
+        """The mean of the steps' rewards since the last metrics line (that line's, when none came since)."""
+        if not self.rewards:
+            return self.logged_rewards
+        return {key: sum(r[key] for r in self.rewards) / len(self.rewards) for key in self.rewards[-1]}
 
 
 def train(config: TrainConfig) -> dict:
@@ -148,8 +157,9 @@ def train(config: TrainConfig) -> dict:
             progress.seconds += time.perf_counter() - start
             progress.tokens += tokens
             progress.losses.append(loss)
-            progress.rewards = rewards
-            progress.first_rewards = progress.first_rewards or rewards
+            if rewards:
+                progress.rewards.append(rewards)
+                progress.first_rewards = progress.first_rewards or rewards
             if trace is not None:
                 progress.comm = {axis: sum(kinds.values()) for axis, kinds in trace.per_axis().items()}
             step += 1
@@ -377,12 +387,14 @@ def _log(config: TrainConfig, step: int, loss: float, lr: float, progress: Progr
     load = progress.expert_load
     moe = {} if load is None else {"moe": f"{load.imbalance:.2f}"}
     shown = {"acc": "rewards/accuracies", "margin": "rewards/margins", "kl": "kl"}
-    prefs = {name: f"{progress.rewards[key]:.3f}" for name, key in shown.items() if key in progress.rewards}
+    latest = progress.rewards[-1] if progress.rewards else {}
+    prefs = {name: f"{latest[key]:.3f}" for name, key in shown.items() if key in latest}
     bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:.0f}", mem=f"{memory / 2**20:.0f}MiB", **moe, **prefs)
     bar.update(1)
     if step % config.logging_steps == 0 or step == 1:
+        progress.logged_rewards, progress.rewards = progress.rewards_window(), []
         record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "peak_memory_bytes": memory,
-                  **progress.rewards}
+                  **progress.logged_rewards}
         if load is not None:
             record.update(expert_imbalance=load.imbalance, expert_load=[list(layer) for layer in load.per_layer])
         report.write(record)
@@ -391,7 +403,8 @@ def _log(config: TrainConfig, step: int, loss: float, lr: float, progress: Progr
 def _summary(config: TrainConfig, progress: Progress, step: int, device: str) -> dict:
     moe = {} if progress.expert_load is None else {"expert_imbalance": progress.expert_load.imbalance}
     offload = {} if progress.offload_bytes is None else {"offload_bytes_per_step": progress.offload_bytes}
-    rewards = {"rewards": progress.rewards, "first_rewards": progress.first_rewards} if progress.rewards else {}
+    window = progress.rewards_window()
+    rewards = {"rewards": window, "first_rewards": progress.first_rewards} if window else {}
     return {
         "first_loss": progress.losses[0] if progress.losses else None,
         "last_loss": progress.losses[-1] if progress.losses else None,
@@ -404,7 +417,7 @@ def _summary(config: TrainConfig, progress: Progress, step: int, device: str) ->
         "peak_memory_bytes": peak_memory_bytes(device),
         **moe,  # a mixture-of-experts model's, at the last step
         **offload,  # under hp.offload: what its latest planned step moved
-        **rewards,  # a preference stage's (LlamaFactory's rewards/... names), the last and the first step's
+        **rewards,  # a preference stage's (LlamaFactory's rewards/... names): the last window's and the first step's
         "output_dir": config.output_dir,
     }
 

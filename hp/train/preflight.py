@@ -5,7 +5,7 @@ found here it costs a second and one message. So whatever does not need the
 workers is checked here, in the order a user would fix it: the device, the
 rendezvous port, the output directory, the checkpoint to resume from, the
 model directory (its tokenizer, its config, its weights' names and shapes
-against that config, the strategy against the model: heads tp divides,
+against that config, and a preference stage's `ref_model` alike, the strategy against the model: heads tp divides,
 experts that expert parallel and the routing bias need and ep divides), the chat template
 against the tokenizer (its special tokens, or the tokenizer's own
 chat_template when `template` is unset), and the data (every
@@ -146,6 +146,24 @@ def _check_model(config: TrainConfig, vocab_size: int) -> None:
                labels=strategy_labels(config),
                expert_module_cls=(config.hyper_parallel_args or {}).get("expert_module_cls"),
                finetuning=config.finetuning)
+    if config.ref_model is not None:
+        _check_reference(config, hf_config, vocab_size)
+
+
+def _check_reference(config: TrainConfig, policy, vocab_size: int) -> None:
+    """A preference stage's `ref_model`: a model of the policy's vocabulary that the strategy lays out."""
+    from hp.train.model import EMBEDDED, check_fits, model_config
+
+    try:
+        reference = model_config(config.ref_model, vocab_size)
+        check_fits(reference, config.parallel, weights=None if config.ref_model in EMBEDDED else config.ref_model,
+                   name=config.ref_model, labels=strategy_labels(config))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"ref_model = {config.ref_model!r}: {e}") from None
+    if reference.get_text_config().vocab_size != policy.get_text_config().vocab_size:
+        raise ConfigError(f"ref_model = {config.ref_model!r} has a vocabulary of {reference.get_text_config().vocab_size}"
+                          f" tokens and model_name_or_path {policy.get_text_config().vocab_size}: the reference must "
+                          "score the policy's tokens; expected a model of the same tokenizer")
 
 
 def _model_words(config: TrainConfig, error: Exception) -> str:

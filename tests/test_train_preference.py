@@ -1,0 +1,77 @@
+"""`hp train` with the preference stages: the DPO quickstart learns, and every layout trains as one process does."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gloo_launch import clean_env
+from train_runs import ROOT, hp_train, losses, summary
+
+QUICKSTART_DPO = str(ROOT / "examples" / "quickstart_dpo.yaml")
+# Five steps of 8 pairs (or answers) in one process; a layout over two ranks splits the same global batches.
+SHORT = ["max_steps=5", "logging_steps=1", "save_steps=5", "parallel.tp=1"]
+STAGES = {"dpo": [], "kto": ["stage=kto", "dataset=quickstart_kto"], "rm": ["stage=rm"],
+          "dpo-lora": ["finetuning_type=lora", "lora_rank=4"]}
+LAYOUTS = {"fsdp-dp2": ["parallel.dp=2", "parallel.fsdp=true", "per_device_train_batch_size=4"],
+           "tp2": ["parallel.tp=2", "per_device_train_batch_size=8"],
+           "cp2": ["parallel.cp=2", "per_device_train_batch_size=8"]}
+# Every loss and layout meets the unsharded computation step by step in tests/test_preference.py (simulated
+# ranks); these run whole trainings over real processes, FSDP's among them, which only real processes run.
+CASES = [("dpo", "fsdp-dp2"), ("dpo", "tp2"), ("dpo", "cp2"), ("kto", "fsdp-dp2"), ("rm", "fsdp-dp2"),
+         ("dpo-lora", "fsdp-dp2")]
+
+
+def test_the_dpo_quickstart_prefers_the_right_answers(tmp_path):
+    result = summary(hp_train(f"output_dir={tmp_path}", config=QUICKSTART_DPO))
+    assert result["steps"] == 200
+    assert result["rewards"]["rewards/accuracies"] >= 0.9, result["rewards"]
+    with open(tmp_path / "metrics.jsonl") as f:
+        margins = [r["rewards/margins"] for r in map(json.loads, f)]
+    assert margins[0] == 0.0 < margins[len(margins) // 2] < margins[-1], margins  # the policy starts as its reference
+    assert result["last_loss"] < result["first_loss"] / 10
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """Each stage's five steps in one process, on one device (what every layout must reproduce): its output_dir."""
+    runs = {}
+
+    def run(stage: str) -> Path:
+        if stage not in runs:
+            out = tmp_path_factory.mktemp(stage)
+            summary(hp_train(*SHORT, *STAGES[stage], "per_device_train_batch_size=8", f"output_dir={out}",
+                             config=QUICKSTART_DPO))
+            runs[stage] = out
+        return runs[stage]
+
+    return run
+
+
+@pytest.mark.parametrize("stage, layout", CASES, ids=[f"{s}-{layout}" for s, layout in CASES])
+def test_a_preference_stage_trains_as_one_process_does(stage, layout, one_process, tmp_path):
+    result = summary(hp_train(*SHORT, *STAGES[stage], *LAYOUTS[layout], f"output_dir={tmp_path}",
+                              config=QUICKSTART_DPO))
+    assert result["steps"] == 5 and "rewards/margins" in result["rewards"]
+    want, got = losses(one_process(stage)), losses(tmp_path)
+    assert list(got) == list(want) == [1, 2, 3, 4, 5]
+    for step in want:
+        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got, want)
+
+
+def test_a_reward_model_exports_its_value_head_as_llamafactory_does(one_process, tmp_path):
+    from safetensors.torch import load_file
+
+    run = subprocess.run([sys.executable, "-m", "hp.cli", "export", str(one_process("rm") / "checkpoint-5"),
+                          str(tmp_path / "out")], env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    head = load_file(Path(tmp_path / "out" / "value_head.safetensors"))
+    assert sorted(head) == ["v_head.summary.bias", "v_head.summary.weight"]
+    assert head["v_head.summary.weight"].shape == (1, 128)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # the language model loads as a plain HF one
+    assert not any("v_head" in name for name, _ in model.named_parameters())
