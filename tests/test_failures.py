@@ -156,7 +156,11 @@ BAD = {
     "misspelt key": lambda t, m: (["lr=1e-4"], "unknown key 'lr' = '1e-4'; did you mean 'learning_rate'?"),
     "tp not dividing heads": lambda t, m: (["parallel.tp=3"], "parallel.tp = 3 does not divide num_attention_heads = 4"),
     "cp not dividing heads": lambda t, m: (["parallel.cp=4"], "parallel.cp = 4 (Ulysses) does not divide the 2 heads"),
-    "stage not available": lambda t, m: (["stage=dpo"], "stage = 'dpo'"),
+    "stage not available": lambda t, m: (["stage=ppo"], "stage = 'ppo'"),
+    "sft data under dpo": lambda t, m: (["stage=dpo"], "stage dpo trains on chosen and rejected answers, and this is "
+                                                       "not a ranking dataset"),
+    "ranking data under sft": lambda t, m: (["dataset=quickstart_dpo"], "a ranking dataset"),
+    "preference key under sft": lambda t, m: (["pref_beta=0.5"], "pref_beta = 0.5 with stage = 'sft'"),
     "port out of range": lambda t, m: (["master_port=70000"], "master_port = 70000: expected a port in [1, 65535]"),
     "workers not matching degrees": lambda t, m: (["nproc_per_node=3"],
                                                   "nproc_per_node = 3 (x nnodes = 1): 3 ranks do not split into groups "
