@@ -34,13 +34,14 @@ from hp.apply import apply_strategy, check_strategy, strategy_mesh
 from hp.compiled import compile_blocks
 from hp.data_parallel import reduce_gradients
 from hp.offload import OffloadError, offload
+from hp.mpmd import MpmdError, mpmd
 from hp.finetune import Lora, LoraError
 from hp.lora import add_lora
 
 __all__ = [
-    "Layout", "LayoutError", "Lora", "LoraError", "MeshError", "ModelPlan", "OffloadError", "PlanError", "RuleError", "Rules", "Strategy", "StrategyError",
+    "Layout", "LayoutError", "Lora", "LoraError", "MeshError", "ModelPlan", "MpmdError", "OffloadError", "PlanError", "RuleError", "Rules", "Strategy", "StrategyError",
     "StrictError", "add_lora", "apply_strategy", "check_strategy", "comm", "compile_blocks", "constrain", "context_parallel", "describe", "explain", "from_local",
-    "layout", "layout_of", "mesh", "offload", "parallelize", "reduce_gradients", "region", "rule", "rules", "run_replicated", "shard", "simulated",
+    "layout", "layout_of", "mesh", "mpmd", "offload", "parallelize", "reduce_gradients", "region", "rule", "rules", "run_replicated", "shard", "simulated",
     "strategy_mesh", "strict",
 ]
 

@@ -4,7 +4,8 @@ A strategy names the degrees of each kind of parallelism (data, context,
 tensor, expert), the algorithms and switches that go with them (sequence
 parallel, ring or Ulysses attention, FSDP over the data and context axes with
 its mixed precision and resharding, expert load balancing, offload,
-recompute) and nothing about any particular model.
+recompute, the chunks `hp.mpmd` pipelines collectives over) and nothing
+about any particular model.
 
 Expert parallel splits the data-parallel ranks, as in torchtitan: ep divides
 dp, and the mesh's data axis becomes two, `dp` (dp / ep groups, each holding
@@ -88,6 +89,7 @@ class Strategy:
     vision_tp: bool = False  # a vision-language model's vision tower splits over tp too (else replicated)
     recompute: bool = False  # each decoder block recomputes its activations in backward instead of keeping them
     compile: bool = False  # each decoder block runs under torch.compile(fullgraph=True) (hp.compile_blocks)
+    mpmd: int | str | None = None  # hp.mpmd's chunks: a count, "auto" (planned), or None (the step as it is)
 
     def __post_init__(self) -> None:
         for key in ("dp", "cp", "tp", "ep"):
@@ -109,6 +111,9 @@ class Strategy:
                                 "(the world is dp x cp x tp) or lower ep")
         if self.cp_algorithm not in CP_ALGORITHMS:
             raise StrategyError("cp_algorithm", self.cp_algorithm, f": expected {_one_of(CP_ALGORITHMS)}")
+        if self.mpmd is not None and self.mpmd != "auto" and (
+                not isinstance(self.mpmd, int) or isinstance(self.mpmd, bool) or self.mpmd < 1):
+            raise StrategyError("mpmd", self.mpmd, ": expected a number of chunks >= 1, 'auto', or null")
         if self.offload is not None and self.offload not in OFFLOAD_TIERS:
             raise StrategyError("offload", self.offload, f": expected {_one_of(OFFLOAD_TIERS)} or null")
         if not isinstance(self.offload_budget, (int, float)) or isinstance(self.offload_budget, bool) \
@@ -166,7 +171,7 @@ class Strategy:
         >>> Strategy.of({"pp": 2})
         Traceback (most recent call last):
         ...
-        hp.strategy.StrategyError: pp = 2: unknown strategy key; expected one of dp, cp, tp, sp, cp_algorithm, fsdp, reshard_after_forward, param_dtype, reduce_dtype, ep, expert_bias_rate, tp2d, offload, offload_budget, vision_tp, recompute, compile
+        hp.strategy.StrategyError: pp = 2: unknown strategy key; expected one of dp, cp, tp, sp, cp_algorithm, fsdp, reshard_after_forward, param_dtype, reduce_dtype, ep, expert_bias_rate, tp2d, offload, offload_budget, vision_tp, recompute, compile, mpmd
         """
         if spec is None:
             return cls()

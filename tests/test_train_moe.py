@@ -228,3 +228,17 @@ def test_the_embedded_moe_config_round_trips_as_hf_config_json(tmp_path):
     back = AutoConfig.from_pretrained(tmp_path)
     assert {**back.to_dict(), "_name_or_path": ""} == config.to_dict()
     assert all(size % 8 == 0 for size in (back.hidden_size, back.moe_intermediate_size, back.head_dim))
+
+
+def test_parallel_mpmd_pipelines_the_all_to_alls_with_the_same_losses(tmp_path):
+    """`parallel.mpmd` runs the step under hp.mpmd: the losses of the plain run, and its masking in the summary."""
+    common = ["max_steps=4", "save_steps=4", "logging_steps=1", "per_device_train_batch_size=8", "parallel.tp=1",
+              "nproc_per_node=2", f"dataset_dir={DATA}"]
+    plain = summary(hp_train(*common, f"output_dir={tmp_path / 'plain'}", config=QUICKSTART_MOE))
+    piped = summary(hp_train(*common, "parallel.mpmd=2", f"output_dir={tmp_path / 'piped'}", config=QUICKSTART_MOE))
+    assert "mpmd" not in plain
+    assert piped["mpmd"]["chunks"] == 2 and 0.0 <= piped["mpmd"]["masking"] <= 1.0
+    assert piped["mpmd"]["comm_seconds"] > 0
+    want, got = losses(tmp_path / "plain"), losses(tmp_path / "piped")
+    assert list(got) == [1, 2, 3, 4]
+    assert all(abs(got[s] - want[s]) <= 1e-5 * want[s] for s in want), (got, want)

@@ -22,6 +22,15 @@ expert weights' gradients are pending sums over the other axes that split
 tokens (data, context, or tensor under sequence parallel): FSDP or
 `hp.reduce_gradients` resolves them like any other.
 
+Under `hp.mpmd` (`hp.ops.overlap.chunks()` > 1) the routing is pipelined:
+the tokens are cut into that many chunks, one exchange carries every
+chunk's counts, every chunk's rows are sent at once, and each chunk's
+experts compute while the later chunks' rows are still arriving and the
+earlier chunks' results travel back; the backward runs the same pipeline
+in reverse (each chunk's gradient comes back while the next chunk's experts
+differentiate). The rows sent are the same; only the counts exchange grows,
+to one count per expert and chunk.
+
 Every call also counts the (token, k) rows each expert got, for
 `expert_loads`: the load balance a trainer reports and balances by.
 """
@@ -38,6 +47,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from hp.ops import overlap
 from hp.ops.local import local_block, to_dtensor
 from hp.simulate import each_rank
 
@@ -137,11 +147,14 @@ def route(x: torch.Tensor, expert_ids: torch.Tensor, counts: torch.Tensor, group
     the rows each rank received, sorted by local expert id, and returns one row each. The
     result is [T * K, H'], in (token, k) order.
     """
+    chunks = min(overlap.chunks(), expert_ids.shape[0])
+    if chunks > 1:
+        return _Pipelined.apply(x, _Routing(expert_ids, counts.shape[0], group, compute, chunks))
     ranks = group.size()
     local_experts = counts.shape[0] // ranks
     order = torch.argsort(expert_ids.reshape(-1), stable=True)  # rows by expert, so by destination rank
-    received = funcol.wait_tensor(funcol.all_to_all_single(counts, [local_experts] * ranks,
-                                                           [local_experts] * ranks, group))
+    received = overlap.wait(funcol.all_to_all_single(counts, [local_experts] * ranks,
+                                                     [local_experts] * ranks, group), ALL_TO_ALL)
     send = counts.view(ranks, local_experts).sum(1).tolist()
     recv = received.view(ranks, local_experts).sum(1).tolist()
     rows = _AllToAll.apply(x[order // expert_ids.shape[-1]], recv, send, group)
@@ -153,19 +166,97 @@ def route(x: torch.Tensor, expert_ids: torch.Tensor, counts: torch.Tensor, group
     return back[torch.argsort(order)]
 
 
+ALL_TO_ALL = "all_to_all"  # the kind hp.ops.overlap records these waits under
+
+
 class _AllToAll(torch.autograd.Function):
     """Rows to every rank of `group` by split sizes; backward sends the gradients back the same way."""
 
     @staticmethod
     def forward(ctx, rows, out_splits, in_splits, group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        return funcol.wait_tensor(funcol.all_to_all_single(rows.contiguous(), out_splits, in_splits, group))
+        return overlap.wait(funcol.all_to_all_single(rows.contiguous(), out_splits, in_splits, group), ALL_TO_ALL)
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
         back = funcol.all_to_all_single(grad.contiguous(), in_splits, out_splits, ctx.group)
-        return funcol.wait_tensor(back), None, None, None
+        return overlap.wait(back, ALL_TO_ALL), None, None, None
+
+
+class _Routing:
+    """Where each chunk of a pipelined routing sends its rows: token ranges, sort orders and split sizes."""
+
+    def __init__(self, expert_ids: torch.Tensor, experts: int, group, compute: Compute, chunks: int) -> None:
+        self.group, self.compute, self.k = group, compute, expert_ids.shape[-1]
+        ranks = group.size()
+        self.local_experts = experts // ranks
+        self.ranges = [r for r in torch.arange(expert_ids.shape[0]).tensor_split(chunks)]
+        ids = [expert_ids[r] for r in self.ranges]
+        counts = torch.stack([torch.bincount(i.detach().reshape(-1), minlength=experts) for i in ids])
+        # one exchange of every chunk's counts: to each rank, its experts' counts, chunk after chunk
+        send = counts.view(chunks, ranks, self.local_experts).transpose(0, 1).reshape(-1)
+        block = [chunks * self.local_experts] * ranks
+        received = overlap.wait(funcol.all_to_all_single(send, block, block, group), ALL_TO_ALL)
+        received = received.view(ranks, chunks, self.local_experts)
+        self.orders = [torch.argsort(i.reshape(-1), stable=True) for i in ids]  # rows by expert, so by rank
+        self.sends = [c.view(ranks, self.local_experts).sum(1).tolist() for c in counts]
+        self.recvs = [received[:, c].sum(-1).tolist() for c in range(chunks)]
+        arange = torch.arange(self.local_experts, device=expert_ids.device).repeat(ranks)
+        self.local_ids = [torch.repeat_interleave(arange, received[:, c].reshape(-1)) for c in range(chunks)]
+        self.by_expert = [torch.argsort(i, stable=True) for i in self.local_ids]
+
+    def dispatch(self, rows: torch.Tensor, c: int) -> torch.Tensor:
+        return funcol.all_to_all_single(rows.contiguous(), self.recvs[c], self.sends[c], self.group)
+
+    def combine(self, rows: torch.Tensor, c: int) -> torch.Tensor:
+        return funcol.all_to_all_single(rows.contiguous(), self.sends[c], self.recvs[c], self.group)
+
+
+class _Pipelined(torch.autograd.Function):
+    """`route`, chunk by chunk, each chunk's all-to-alls in flight while another chunk's experts run.
+
+    Forward: every chunk's rows are sent at once; each chunk's experts run (their graph kept) as
+    soon as its rows land, and its results are sent back at once. Backward: every chunk's result
+    gradient is sent at once; each chunk's experts are differentiated as soon as it lands, and its
+    row gradients sent home at once. The experts' weights get their gradients from the chunks' graphs.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, routing: _Routing) -> torch.Tensor:
+        k = routing.k
+        chunks = range(len(routing.ranges))
+        sent = [routing.dispatch(x[routing.ranges[c]][routing.orders[c] // k], c) for c in chunks]
+        leaves, outs, back = [], [], []
+        for c in chunks:
+            rows = overlap.wait(sent[c], ALL_TO_ALL).detach().requires_grad_()
+            by_expert = routing.by_expert[c]
+            with torch.enable_grad():
+                out = routing.compute(rows[by_expert], routing.local_ids[c][by_expert])[torch.argsort(by_expert)]
+            leaves.append(rows)
+            outs.append(out)
+            back.append(routing.combine(out.detach(), c))
+        ctx.routing, ctx.leaves, ctx.outs, ctx.x = routing, leaves, outs, (x.shape, x.dtype, x.device)
+        landed = [overlap.wait(back[c], ALL_TO_ALL)[torch.argsort(routing.orders[c])] for c in chunks]
+        return torch.cat(landed)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        routing, k = ctx.routing, ctx.routing.k
+        chunks = range(len(routing.ranges))
+        sizes = [len(r) * k for r in routing.ranges]
+        grads = [g[routing.orders[c]] for c, g in zip(chunks, grad.split(sizes))]
+        returned = [routing.dispatch(grads[c], c) for c in chunks]  # the combine's way back
+        home = []
+        for c in chunks:
+            torch.autograd.backward(ctx.outs[c], overlap.wait(returned[c], ALL_TO_ALL))
+            home.append(routing.combine(ctx.leaves[c].grad, c))  # the dispatch's way back
+        shape, dtype, device = ctx.x
+        x_grad = torch.zeros(shape, dtype=dtype, device=device)
+        for c in chunks:
+            rows = routing.ranges[c][0] + routing.orders[c] // k
+            x_grad.index_add_(0, rows.to(device), overlap.wait(home[c], ALL_TO_ALL).to(dtype))
+        return x_grad, None
 
 
 def _run_routed(run: Callable, dtype: torch.dtype, rows, local_ids, *params):

@@ -372,6 +372,8 @@ _PARALLEL_RULES: dict[str, _Rule] = {
     "reshard_after_forward": _Rule("bool"),
     "param_dtype": _Rule("str", choices=DTYPES, optional=True),
     "reduce_dtype": _Rule("str", choices=DTYPES, optional=True),
+    "mpmd": _Rule("chunks", lambda v: v == "auto" or v >= 1, "a number of chunks >= 1, 'auto', {chunks: N}, or null "
+                  "(hp.mpmd pipelines the step's collectives over that many chunks)", optional=True),
 }
 
 # LlamaFactory's HyperParallel keys, and the parallel key each one sets.
@@ -410,7 +412,7 @@ _HYPER_NOT_YET = {
 }
 
 
-_KINDS = {"str": "a string", "text": "a string", "int": "an integer",
+_KINDS = {"str": "a string", "text": "a string", "int": "an integer", "chunks": "a number of chunks, or 'auto'",
           "float": "a finite number (1e-4 and 0.0001 both work)", "bool": "true or false"}
 
 
@@ -440,6 +442,8 @@ def _check(key: str, value: Any, rule: _Rule) -> Any:
 
 
 def _convert(value: Any, kind: str) -> Any:
+    if kind == "chunks":  # a count, or "auto"
+        return value if value == "auto" or (isinstance(value, int) and not isinstance(value, bool)) else _WRONG
     if kind == "bool":
         return value if isinstance(value, bool) else _WRONG
     if kind == "int":
@@ -586,6 +590,10 @@ def _parallel_section(section: Any) -> dict[str, Any]:
             raise _unknown(key, value, tuple(_PARALLEL_RULES), "parallel.")
     if isinstance(section.get("offload"), Mapping):
         section = {**section, **_offload_mapping(section["offload"], "offload_budget" in section)}
+    if isinstance(section.get("mpmd"), Mapping):  # {chunks: N}
+        if set(section["mpmd"]) - {"chunks"}:
+            raise _refuse("parallel.mpmd", dict(section["mpmd"]), _PARALLEL_RULES["mpmd"].allowed)
+        section = {**section, "mpmd": section["mpmd"].get("chunks", "auto")}
     return {key: _check(f"parallel.{key}", section[key], rule) for key, rule in _PARALLEL_RULES.items() if key in section}
 
 

@@ -63,6 +63,7 @@ from torch import nn
 import hp
 from hp.device import bind_local_device, detect
 from hp.expert_balance import ExpertLoad, measure, nudge_routing_bias
+from hp.mpmd import Mpmd
 from hp.models import plan_for
 from hp.train import checkpoint
 from hp.train.config import PREFERENCE_STAGES, TrainConfig, to_dict
@@ -91,6 +92,7 @@ class Progress:
     rewards: list[dict[str, float]] = field(default_factory=list)  # a preference stage's, each step's since the
     logged_rewards: dict[str, float] = field(default_factory=dict)  # last metrics line, and that line's mean
     first_rewards: dict[str, float] = field(default_factory=dict)  # the first step's of this run
+    mpmd: Mpmd | None = None  # the pipelined step, under parallel.mpmd: its plan and last report
 
     def rewards_window(self) -> dict[str, float]:
         """The mean of the steps' rewards since the last metrics line (that line's, when none came since)."""
@@ -138,6 +140,9 @@ def train(config: TrainConfig) -> dict:
         blocks = tuple(model.get_submodule(plan_for(model.config).blocks))  # the planner may recompute these
         forward_backward = hp.offload(forward_backward, budget=strategy.offload_budget, modules=[model],
                                       optimizer=optimizer, recompute=blocks)
+    offloaded = forward_backward
+    if strategy.mpmd is not None:  # collectives in flight while other chunks compute
+        forward_backward = hp.mpmd(forward_backward, chunks=strategy.mpmd)
     try:
         while step < total:
             epoch = batches.epoch
@@ -151,9 +156,11 @@ def train(config: TrainConfig) -> dict:
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             progress.expert_load = balance_experts(model, strategy.expert_bias_rate)
-            last_run = getattr(forward_backward, "last_run", None)
+            last_run = getattr(offloaded, "last_run", None)
             if last_run is not None:
                 progress.offload_bytes = last_run.bytes_moved
+            if strategy.mpmd is not None:
+                progress.mpmd = forward_backward
             progress.seconds += time.perf_counter() - start
             progress.tokens += tokens
             progress.losses.append(loss)
@@ -171,7 +178,7 @@ def train(config: TrainConfig) -> dict:
                     _log_eval(step, progress.eval_loss, bar, report)
             if config.save_steps > 0 and (step % config.save_steps == 0 or step == total):
                 if strategy.offload is not None:
-                    forward_backward.restore_optimizer_states()  # the checkpoint holds their bytes
+                    offloaded.restore_optimizer_states()  # the checkpoint holds their bytes
                 extra = {"scheduler": scheduler.state_dict(), "data": batches.state_dict()}
                 checkpoint.save(config.output_dir, step, model, optimizer, extra, tokenizer=tokenizer,
                                 keep=config.save_total_limit, model_only=config.save_only_model,
@@ -403,6 +410,7 @@ def _log(config: TrainConfig, step: int, loss: float, lr: float, progress: Progr
 def _summary(config: TrainConfig, progress: Progress, step: int, device: str) -> dict:
     moe = {} if progress.expert_load is None else {"expert_imbalance": progress.expert_load.imbalance}
     offload = {} if progress.offload_bytes is None else {"offload_bytes_per_step": progress.offload_bytes}
+    mpmd = {} if progress.mpmd is None else {"mpmd": _mpmd_summary(progress.mpmd)}
     window = progress.rewards_window()
     rewards = {"rewards": window, "first_rewards": progress.first_rewards} if window else {}
     return {
@@ -417,9 +425,18 @@ def _summary(config: TrainConfig, progress: Progress, step: int, device: str) ->
         "peak_memory_bytes": peak_memory_bytes(device),
         **moe,  # a mixture-of-experts model's, at the last step
         **offload,  # under hp.offload: what its latest planned step moved
+        **mpmd,  # under parallel.mpmd: the chunks, the last step's masking ratio, and why when not pipelined
         **rewards,  # a preference stage's (LlamaFactory's rewards/... names): the last window's and the first step's
         "output_dir": config.output_dir,
     }
+
+
+def _mpmd_summary(step) -> dict:
+    """The chunks `hp.mpmd` planned and its last step's communication figures (this rank's)."""
+    report, plan = step.report, step.plan
+    return {"chunks": plan.chunks if plan else report.chunks, "masking": report.masking,
+            "comm_seconds": report.comm_seconds, "exposed_seconds": report.exposed_seconds,
+            **({"reason": plan.reason} if plan and plan.reason else {})}
 
 
 def peak_memory_bytes(device: str) -> int:

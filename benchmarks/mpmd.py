@@ -1,0 +1,173 @@
+"""`hp.mpmd` on a Qwen3-MoE under expert parallel: step time, communication time, what stays exposed, masking.
+
+Why: `hp.mpmd` pipelines the expert-parallel all-to-alls over token chunks
+(`hp.ops.expert_parallel`), so that each chunk's rows fly while another
+chunk's experts compute. This measures what that hides, on the machine at
+hand: 2 real gloo ranks launched from this script, one HF
+`Qwen3MoeForCausalLM` (hidden 256, 2 layers, 8 experts of width 512, top-2,
+8 query / 4 KV heads of dim 32, vocabulary 2048; fp32) laid out by
+`hp.Strategy(dp=2, ep=2)`, batch 2 x 512 tokens per rank: each MoE layer's
+expert compute is several times its all-to-alls' time here.
+
+Each configuration is `hp.mpmd(step, chunks=c)` around one training step
+(forward with labels, backward, `hp.reduce_gradients`, AdamW), for c = 1
+(as it is), 2 and 4, timed interleaved (the order rotates each round) after
+its first two calls (the measuring one and the first pipelined one). A
+step's communication time is its first call's: every all-to-all waited as it
+is issued, so the time blocked is the whole time the collectives took,
+waiting for the other rank included, as a profiler counts a collective. The
+exposed time is what a pipelined step spends blocked on them; masking is
+1 - exposed / communication, per rank, and the figures are rank 0's medians
+(the step times are the slowest rank's). Only ratios within one run mean
+anything on a shared machine. Of a chunked layer, the first chunk's rows
+(nothing computes before them) and the last chunk's results (nothing
+computes after them) stay exposed, in forward and in backward, as does the
+counts exchange: with c chunks about 1/c of the rows' time remains.
+
+Tensor and sequence parallel's collectives are not pipelined yet, so the
+Llama layer of the plan (tp=2 with sp) has no figures here: its keys are
+null in the summary with the reason.
+
+    python benchmarks/mpmd.py [--reps 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from ranks import DONE, adamw, emitter, free_port, relay
+
+RANKS = 2
+CHUNKS = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class Settings:
+    vocab: int = 2048
+    hidden: int = 256
+    layers: int = 2
+    experts: int = 8
+    top_k: int = 2
+    moe_ffn: int = 512
+    heads: int = 8
+    kv_heads: int = 4
+    head_dim: int = 32
+    batch: int = 2  # per rank
+    seq: int = 512
+    reps: int = 7
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=Settings.reps, help="timed steps per configuration")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    settings = Settings(reps=args.reps)
+    if args.worker:
+        worker(settings)
+    else:
+        launch(settings)
+
+
+def launch(settings: Settings) -> None:
+    started = time.perf_counter()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS), "--master-addr",
+           "127.0.0.1", "--master-port", str(free_port()), os.path.abspath(__file__), "--reps", str(settings.reps),
+           "--worker"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"  # one core per rank
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    records, done = relay(proc.stdout)
+    code = proc.wait()
+    if code != 0 and not done:
+        raise SystemExit(f"mpmd: workers failed (exit {code}) before finishing")
+    runs = {r["chunks"]: r for r in records if r.get("bench") == "mpmd_step"}
+    best = max((c for c in runs if c > 1), key=lambda c: runs[c]["masking"])
+    summary = {
+        "summary": True,
+        "chunks_moe": best,
+        "masking_moe": runs[best]["masking"],
+        "step_ratio_moe": round(runs[best]["step_s"] / runs[1]["step_s"], 4),
+        "exposed_s_moe": runs[best]["exposed_s"],
+        "comm_s_moe": runs[1]["comm_s"],
+        "masking_by_chunks": {c: r["masking"] for c, r in runs.items()},
+        "step_s_by_chunks": {c: r["step_s"] for c, r in runs.items()},
+        "masking_tp": None,
+        "step_ratio_tp": None,
+        "tp": "tensor and sequence parallel collectives are not pipelined by hp.mpmd yet",
+        "same_losses": all(r["loss_rel_err"] <= 1e-5 for r in runs.values()),
+        "inputs": {**asdict(settings), "ranks": RANKS, "dtype": "float32"},
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    print(json.dumps(summary), flush=True)
+
+
+def worker(s: Settings) -> None:
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    emit = emitter(rank)
+    import hp
+    from hp.models import plan_for
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers,
+                            num_experts=s.experts, num_experts_per_tok=s.top_k, moe_intermediate_size=s.moe_ffn,
+                            intermediate_size=s.moe_ffn, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
+                            head_dim=s.head_dim, max_position_embeddings=s.seq)
+    config._experts_implementation = "grouped_mm"
+    strategy = hp.Strategy(dp=RANKS, ep=RANKS)
+    mesh = hp.strategy_mesh(strategy)
+    ids = torch.randint(0, s.vocab, (RANKS * s.batch, s.seq), generator=torch.Generator().manual_seed(0))
+    steps = {}
+    for chunks in CHUNKS:
+        torch.manual_seed(0)
+        model = hp.apply_strategy(AutoModelForCausalLM.from_config(config), mesh, strategy, plan_for(config))
+        optimizer = adamw(model.parameters())
+
+        def step(model=model, optimizer=optimizer):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            hp.reduce_gradients(model)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return float(loss.full_tensor())
+
+        run = hp.mpmd(step, chunks=chunks)
+        first = [run(), run()]  # measures the communication, then pipelines
+        steps[chunks] = (run, first)
+    rounds = {c: [] for c in CHUNKS}
+    for r in range(s.reps):
+        order = CHUNKS[r % len(CHUNKS):] + CHUNKS[:r % len(CHUNKS)]
+        for chunks in order:
+            run = steps[chunks][0]
+            dist.barrier()
+            run()
+            report = run.report
+            slowest = torch.tensor([report.step_seconds], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            rounds[chunks].append((float(slowest), report.exposed_seconds, report.comm_seconds, report.masking))
+    want = steps[1][1][1]
+    for chunks in CHUNKS:
+        run, first = steps[chunks]
+        measured = rounds[chunks]
+        emit({"bench": "mpmd_step", "chunks": chunks, "planned_chunks": run.plan.chunks,
+              "step_s": round(statistics.median(m[0] for m in measured), 4),
+              "exposed_s": round(statistics.median(m[1] for m in measured), 5),
+              "comm_s": round(measured[0][2], 5),
+              "masking": round(statistics.median(m[3] for m in measured), 4),
+              "loss_rel_err": abs(first[1] - want) / abs(want)})  # the first pipelined step
+    dist.barrier()
+    emit({DONE: True})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""`hp.mpmd(step)`: a training step whose collectives fly while other work computes (communication masking).
+
+Level 1 of MPMD runs independent pieces of one rank's step concurrently:
+hp's kernels that can cut their work into independent chunks pipeline it
+(`hp.ops.overlap`): the expert-parallel all-to-alls send every token chunk
+at once and each chunk's experts compute while later chunks' rows arrive and
+earlier chunks' results travel back, in forward and in backward. The step
+itself is unchanged: same arguments, same results, the same rows moved.
+
+The chunk count is planned from measurements of the step itself. The first
+call runs it with every collective waited as it is issued: the time blocked
+is the step's whole communication time. The second call runs it pipelined;
+if that step was slower than the first (chunks too small to pay for
+themselves), later calls run unpipelined and `plan.reason` says why. Every
+rank takes the slowest rank's times, so all choose alike (their collectives
+must match). Each call's `report` holds its step time, its communication
+time, the part left exposed (time blocked on pipelined collectives) and the
+masking ratio, 1 - exposed / communication: the share of the communication
+hidden behind computation, as Ascend's profiler reports it.
+
+Not yet pipelined: tensor and sequence parallel's gathers and reductions,
+and FSDP's gathers (they run as before inside a pipelined step).
+
+>>> import torch
+>>> step = mpmd(lambda x: (x * 2).sum(), chunks=2)
+>>> [float(step(torch.ones(3))) for _ in range(2)], step.plan.chunks
+([6.0, 6.0], 2)
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hp.ops import overlap
+
+
+class MpmdError(ValueError):
+    """An `hp.mpmd` setting that cannot work."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the step runs: over `chunks` chunks (1: as it is), and why when the planner kept it as it is."""
+
+    chunks: int
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One call's times, in seconds on this rank, and the share of its communication hidden behind computation."""
+
+    chunks: int
+    step_seconds: float
+    comm_seconds: float  # the step's collectives waited as issued: the whole communication time (the first call's)
+    exposed_seconds: float  # time blocked on them in this call
+
+    @property
+    def masking(self) -> float:
+        """1 - exposed / communication (1.0 when the step communicated nothing)."""
+        if self.comm_seconds <= 0:
+            return 1.0
+        return max(0.0, 1.0 - self.exposed_seconds / self.comm_seconds)
+
+
+class Mpmd:
+    """`step` with its collectives pipelined over the planned chunks; `plan` and `report` say how it went."""
+
+    def __init__(self, step: Callable, chunks: int | str) -> None:
+        if chunks != "auto" and not (isinstance(chunks, int) and chunks >= 1):
+            raise MpmdError(f"chunks = {chunks!r}: expected an integer >= 1, or 'auto'")
+        self._step = step
+        self._asked = chunks
+        self.plan: Plan | None = None
+        self.report: StepReport | None = None
+        self._comm_seconds: float | None = None
+        self._first_seconds: float | None = None
+        functools.update_wrapper(self, step)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._comm_seconds is None:  # the first call: every wait is the whole communication
+            result, seconds, waited = self._timed(1, args, kwargs)
+            self._first_seconds = _slowest(seconds)[0]  # the plan compares the slowest rank's times
+            self._comm_seconds = waited
+            self.report = StepReport(1, seconds, waited, waited)
+            return result
+        trying = self.plan is None
+        chunks = self._candidate() if trying else self.plan.chunks
+        result, seconds, waited = self._timed(chunks, args, kwargs)
+        self.report = StepReport(chunks, seconds, self._comm_seconds, waited)
+        if trying:
+            self.plan = self._decide(chunks, seconds)
+        return result
+
+    def _candidate(self) -> int:
+        return 2 if self._asked == "auto" else self._asked
+
+    def _decide(self, chunks: int, seconds: float) -> Plan:
+        """Keep `chunks` unless the step ran slower with them (on the slowest rank) and chunks were 'auto'."""
+        (slowest,) = _slowest(seconds)
+        if self._asked == "auto" and chunks > 1 and slowest > self._first_seconds:
+            return Plan(1, f"pipelined over {chunks} chunks the step took {slowest:.4g} s against "
+                           f"{self._first_seconds:.4g} s as it is: its collectives are too small to pay for chunking")
+        return Plan(chunks)
+
+    def _timed(self, chunks: int, args: tuple, kwargs: dict) -> tuple[Any, float, float]:
+        start = time.perf_counter()
+        with overlap.pipelined(chunks) as waits:
+            result = self._step(*args, **kwargs)
+        return result, time.perf_counter() - start, waits.total
+
+
+def _slowest(*seconds: float) -> tuple[float, ...]:
+    """`seconds` maxed over every rank (as they are alone)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return seconds
+    device = {"nccl": "cuda", "hccl": "npu"}.get(dist.get_backend(), "cpu")
+    values = torch.tensor(seconds, dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return tuple(values.tolist())
+
+
+def mpmd(step: Callable, *, chunks: int | str = "auto") -> Mpmd:
+    """`step` (any function running forward and backward) with hp's collectives pipelined over `chunks`.
+
+    `chunks` is a count, or "auto": the planner tries 2 and keeps them only if the step got
+    faster. The step's results are the same; see the module docstring for what runs concurrently.
+
+    >>> import torch
+    >>> step = mpmd(lambda: torch.ones(2).sum(), chunks="auto")
+    >>> float(step()), step.report.masking  # a step without collectives hides all it has
+    (2.0, 1.0)
+    """
+    return Mpmd(step, chunks)
