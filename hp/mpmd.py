@@ -8,10 +8,12 @@ earlier chunks' results travel back, in forward and in backward. The step
 itself is unchanged: same arguments, same results, the same rows moved.
 
 The chunk count is planned from measurements of the step itself. The first
-call runs it with every collective waited as it is issued: the time blocked
-is the step's whole communication time. The second call runs it pipelined;
-if that step was slower than the first (chunks too small to pay for
-themselves), later calls run unpipelined and `plan.reason` says why. Every
+call runs it as it is, to warm up (allocations, the ranks' start-up skew);
+the second runs it as it is too, every collective waited as it is issued:
+the time blocked is the step's whole communication time. The third call
+runs it pipelined; if that step was slower than the second (chunks too
+small to pay for themselves), later calls run unpipelined and `plan.reason`
+says why. Every
 rank takes the slowest rank's times, so all choose alike (their collectives
 must match). Each call's `report` holds its step time, its communication
 time, the part left exposed (time blocked on pipelined collectives) and the
@@ -23,8 +25,8 @@ and FSDP's gathers (they run as before inside a pipelined step).
 
 >>> import torch
 >>> step = mpmd(lambda x: (x * 2).sum(), chunks=2)
->>> [float(step(torch.ones(3))) for _ in range(2)], step.plan.chunks
-([6.0, 6.0], 2)
+>>> [float(step(torch.ones(3))) for _ in range(3)], step.plan.chunks
+([6.0, 6.0, 6.0], 2)
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ class StepReport:
 
     chunks: int
     step_seconds: float
-    comm_seconds: float  # the step's collectives waited as issued: the whole communication time (the first call's)
+    comm_seconds: float  # the step's collectives waited as issued: the whole communication time (the second call's)
     exposed_seconds: float  # time blocked on them in this call
 
     @property
@@ -80,15 +82,18 @@ class Mpmd:
         self._asked = chunks
         self.plan: Plan | None = None
         self.report: StepReport | None = None
-        self._comm_seconds: float | None = None
-        self._first_seconds: float | None = None
+        self._calls = 0
+        self._comm_seconds = 0.0
+        self._plain_seconds = 0.0
         functools.update_wrapper(self, step)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._comm_seconds is None:  # the first call: every wait is the whole communication
+        self._calls += 1
+        if self._calls <= 2:  # warm-up, then as it is: every wait is the whole communication
             result, seconds, waited = self._timed(1, args, kwargs)
-            self._first_seconds = _slowest(seconds)[0]  # the plan compares the slowest rank's times
-            self._comm_seconds = waited
+            if self._calls == 2:
+                self._plain_seconds = _slowest(seconds)[0]  # the plan compares the slowest rank's times
+                self._comm_seconds = waited
             self.report = StepReport(1, seconds, waited, waited)
             return result
         trying = self.plan is None
@@ -105,9 +110,9 @@ class Mpmd:
     def _decide(self, chunks: int, seconds: float) -> Plan:
         """Keep `chunks` unless the step ran slower with them (on the slowest rank) and chunks were 'auto'."""
         (slowest,) = _slowest(seconds)
-        if self._asked == "auto" and chunks > 1 and slowest > self._first_seconds:
+        if self._asked == "auto" and chunks > 1 and slowest > self._plain_seconds:
             return Plan(1, f"pipelined over {chunks} chunks the step took {slowest:.4g} s against "
-                           f"{self._first_seconds:.4g} s as it is: its collectives are too small to pay for chunking")
+                           f"{self._plain_seconds:.4g} s as it is: its collectives are too small to pay for chunking")
         return Plan(chunks)
 
     def _timed(self, chunks: int, args: tuple, kwargs: dict) -> tuple[Any, float, float]:

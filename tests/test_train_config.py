@@ -386,6 +386,8 @@ BAD = [
     ({"stage": "dpo", "val_size": 0.1, "eval_strategy": "steps"}, "stage = 'dpo' with evaluation"),
     ({"stage": "dpo", "pref_loss": "simpo", "ref_model": "m"}, "that loss needs no reference model"),
     ({"stage": "rm", "ref_model": "m"}, "a reward model has no reference"),
+    ({"parallel": {"mpmd": 0}}, "parallel.mpmd = 0: expected a number of chunks >= 1, 'auto', {chunks: N}, or null"),
+    ({"parallel": {"mpmd": {"chunk": 2}}}, "parallel.mpmd = {'chunk': 2}: expected a number of chunks"),
     ({"lr_scheduler_type": "polynomial"},
      "lr_scheduler_type = 'polynomial': expected one of 'linear', 'cosine', 'constant', 'constant_with_warmup'"),
     ({"template": "llama30"}, "template = 'llama30': expected one of 'default', 'empty', 'alpaca', 'chatml', 'qwen'"),

@@ -232,6 +232,7 @@ def test_the_embedded_moe_config_round_trips_as_hf_config_json(tmp_path):
 
 def test_parallel_mpmd_pipelines_the_all_to_alls_with_the_same_losses(tmp_path):
     """`parallel.mpmd` runs the step under hp.mpmd: the losses of the plain run, and its masking in the summary."""
+    # steps 1-2 run as they are (warm-up, then measured), 3-4 pipelined
     common = ["max_steps=4", "save_steps=4", "logging_steps=1", "per_device_train_batch_size=8", "parallel.tp=1",
               "nproc_per_node=2", f"dataset_dir={DATA}"]
     plain = summary(hp_train(*common, f"output_dir={tmp_path / 'plain'}", config=QUICKSTART_MOE))

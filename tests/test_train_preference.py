@@ -1,28 +1,26 @@
-"""`hp train` with the preference stages: the DPO quickstart learns, and every layout trains as one process does."""
+"""The preference stages over real processes: the DPO quickstart learns, FSDP and cp train as one process does."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from gloo_launch import clean_env
-from train_runs import ROOT, hp_train, losses, summary
+from gloo_launch import assert_finished, clean_env, torchrun
+from train_runs import ROOT, WORKERS, hp_train, losses, summary
 
 QUICKSTART_DPO = str(ROOT / "examples" / "quickstart_dpo.yaml")
 # Five steps of 8 pairs (or answers) in one process; a layout over two ranks splits the same global batches.
 SHORT = ["max_steps=5", "logging_steps=1", "save_steps=5", "parallel.tp=1"]
-STAGES = {"dpo": [], "kto": ["stage=kto", "dataset=quickstart_kto"], "rm": ["stage=rm"],
-          "dpo-lora": ["finetuning_type=lora", "lora_rank=4"]}
+STAGES = {"dpo": [], "rm": ["stage=rm"]}
 LAYOUTS = {"fsdp-dp2": ["parallel.dp=2", "parallel.fsdp=true", "per_device_train_batch_size=4"],
-           "tp2": ["parallel.tp=2", "per_device_train_batch_size=8"],
            "cp2": ["parallel.cp=2", "per_device_train_batch_size=8"]}
-# Every loss and layout meets the unsharded computation step by step in tests/test_preference.py (simulated
-# ranks); these run whole trainings over real processes, FSDP's among them, which only real processes run.
-CASES = [("dpo", "fsdp-dp2"), ("dpo", "tp2"), ("dpo", "cp2"), ("kto", "fsdp-dp2"), ("rm", "fsdp-dp2"),
-         ("dpo-lora", "fsdp-dp2")]
+# Every loss and layout meets the unsharded computation in tests/test_preference.py (simulated ranks), and every
+# stage and LoRA under FSDP for 5 steps in tests/workers/preference_gloo.py; these run `hp train` itself.
+CASES = [("rm", "fsdp-dp2"), ("dpo", "cp2")]
 
 
 def test_the_dpo_quickstart_prefers_the_right_answers(tmp_path):
@@ -60,6 +58,12 @@ def test_a_preference_stage_trains_as_one_process_does(stage, layout, one_proces
     assert list(got) == list(want) == [1, 2, 3, 4, 5]
     for step in want:
         assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got, want)
+
+
+def test_every_stage_and_lora_under_fsdp_take_the_unsharded_steps():
+    run = torchrun(str(WORKERS / "preference_gloo.py"), 2, timeout=600)
+    assert_finished(run)
+    assert sorted(re.findall(r"rank (\d) ok", run.stdout)) == ["0", "1"]
 
 
 def test_a_reward_model_exports_its_value_head_as_llamafactory_does(one_process, tmp_path):
