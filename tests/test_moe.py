@@ -13,6 +13,7 @@ from reference import assert_same_loss_and_grads, batch, five_adamw_steps, laid_
 import hp
 from hp.expert_balance import ExpertLoad, measure, nudge_routing_bias
 from hp.models import plan_for
+from hp.ops import overlap
 from hp.ops.expert_parallel import ExpertsError, route
 from hp.simulate import each_rank
 
@@ -134,9 +135,11 @@ def test_a_users_grouped_mm_moe_runs_expert_parallel_inside_parallelize():
 @given(data=st.data())
 @example(data=None)  # every token of every rank to the last rank's experts: the others get none
 def test_route_gives_each_row_its_experts_output_and_exact_gradients(data):
-    ranks, per_rank, tokens, k = (2, 2, 3, 2) if data is None else (
+    """Plain, and pipelined over chunks as `hp.mpmd` runs it (counts once, then each chunk's rows there and
+    back in forward and in backward)."""
+    ranks, per_rank, tokens, k, chunks = (2, 2, 3, 2, 1) if data is None else (
         data.draw(st.sampled_from([2, 4])), data.draw(st.integers(1, 3)), data.draw(st.integers(0, 5)),
-        data.draw(st.integers(1, 2)))
+        data.draw(st.integers(1, 2)), data.draw(st.integers(1, 4)))
     experts = ranks * per_rank
     draw_ids = (lambda: [[experts - 1] * k] * tokens) if data is None else (
         lambda: data.draw(st.lists(st.lists(st.integers(0, experts - 1), min_size=k, max_size=k),
@@ -148,7 +151,7 @@ def test_route_gives_each_row_its_experts_output_and_exact_gradients(data):
     want = [torch.einsum("th,tkho->tko", x, w[i]).reshape(tokens * k, 3) for x, i in zip(xs, ids)]
     sum(o.pow(2).sum() for o in want).backward()
     mesh = hp.mesh(ep=ranks, simulate=True)
-    with hp.simulated(mesh):
+    with hp.simulated(mesh), overlap.pipelined(chunks) as waits:
         x = LocalTensor({r: xs[r].detach() for r in range(ranks)}).requires_grad_(True)
         local_w = LocalTensor({r: w.detach()[r * per_rank:(r + 1) * per_rank] for r in range(ranks)})
         local_w.requires_grad_(True)
@@ -161,6 +164,8 @@ def test_route_gives_each_row_its_experts_output_and_exact_gradients(data):
             assert torch.allclose(out._local_tensors[r], want[r], atol=1e-6)
             assert torch.allclose(x.grad._local_tensors[r], xs[r].grad, atol=1e-5)
             assert torch.allclose(local_w.grad._local_tensors[r], w.grad[r * per_rank:(r + 1) * per_rank], atol=1e-5)
+    used = min(chunks, tokens)
+    assert waits.count == {"all_to_all": 1 + 4 * used if used > 1 else 5}
 
 
 def test_the_load_is_counted_over_ranks_once_and_the_bias_moves_routing_toward_balance():
