@@ -160,7 +160,6 @@ BAD = {
     "sft data under dpo": lambda t, m: (["stage=dpo"], "stage dpo trains on chosen and rejected answers, and this is "
                                                        "not a ranking dataset"),
     "ranking data under sft": lambda t, m: (["dataset=quickstart_dpo"], "a ranking dataset"),
-    "preference key under sft": lambda t, m: (["pref_beta=0.5"], "pref_beta = 0.5 with stage = 'sft'"),
     "port out of range": lambda t, m: (["master_port=70000"], "master_port = 70000: expected a port in [1, 65535]"),
     "workers not matching degrees": lambda t, m: (["nproc_per_node=3"],
                                                   "nproc_per_node = 3 (x nnodes = 1): 3 ranks do not split into groups "

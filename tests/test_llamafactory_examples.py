@@ -73,7 +73,7 @@ def test_an_sft_example_runs_as_given(name, noted, qwen3, demo_data, tmp_path):
     assert ("has no effect here" in run.stderr or "note:" in run.stderr) == noted, run.stderr[-2000:]
 
 
-@pytest.mark.parametrize("name", ["qwen3_lora_dpo", "qwen3_lora_kto", "qwen3_lora_reward"])
+@pytest.mark.parametrize("name", ["qwen3_lora_dpo", "qwen3_lora_kto"])
 def test_a_preference_example_runs_as_given(name, qwen3, demo_data, tmp_path):
     run = hp_train(f"model_name_or_path={qwen3}", f"dataset_dir={demo_data}", f"output_dir={tmp_path}", "max_steps=2",
                    config=str(EXAMPLES / f"{name}.yaml"))
@@ -81,6 +81,17 @@ def test_a_preference_example_runs_as_given(name, qwen3, demo_data, tmp_path):
     assert result["steps"] == 2 and result["last_loss"] > 0
     assert {"rewards/chosen", "rewards/rejected", "rewards/margins"} <= set(result["rewards"])
     assert (tmp_path / "checkpoint-2" / "adapter_config.json").is_file()
+
+
+def test_the_reward_model_example_passes_every_check_before_the_workers(qwen3, demo_data, tmp_path):
+    """Its keys are the DPO one's but for the stage; its run is tests/test_train_preference.py's reward model."""
+    from hp.train import preflight
+    from hp.train.config import load_config
+
+    config = load_config(EXAMPLES / "qwen3_lora_reward.yaml", [f"model_name_or_path={qwen3}",
+                                                                 f"dataset_dir={demo_data}", f"output_dir={tmp_path}"])
+    preflight.check(config)
+    assert config.stage == "rm" and config.finetuning.lora is not None
 
 
 @pytest.mark.parametrize("name, keys", [

@@ -26,7 +26,7 @@ def _moe_step(model, ids, labels):
 @pytest.mark.parametrize("strategy", [{"dp": 2, "ep": 2}, {"dp": 2, "ep": 2, "tp": 2}], ids=["ep2", "ep2-tp2"])
 def test_a_pipelined_moe_step_gives_the_plain_step_s_loss_gradients_and_rows(strategy):
     aux = {"output_router_logits": True, "router_aux_loss_coef": 0.1}
-    plain, piped = tiny_pair("qwen3_moe", **aux)
+    plain, piped = tiny_pair("qwen3_moe", layers=1, **aux)
     ids, labels = batch()
     strategy = hp.Strategy.of(strategy)
     mesh = hp.strategy_mesh(strategy, simulate=True)

@@ -1,4 +1,4 @@
-"""The preference stages over real processes: the DPO quickstart learns, FSDP and cp train as one process does."""
+"""The preference stages over real processes: the DPO quickstart learns, every stage takes the unsharded steps."""
 
 from __future__ import annotations
 
@@ -15,12 +15,11 @@ from train_runs import ROOT, WORKERS, hp_train, losses, summary
 QUICKSTART_DPO = str(ROOT / "examples" / "quickstart_dpo.yaml")
 # Five steps of 8 pairs (or answers) in one process; a layout over two ranks splits the same global batches.
 SHORT = ["max_steps=5", "logging_steps=1", "save_steps=5", "parallel.tp=1"]
-STAGES = {"dpo": [], "rm": ["stage=rm"]}
-LAYOUTS = {"fsdp-dp2": ["parallel.dp=2", "parallel.fsdp=true", "per_device_train_batch_size=4"],
-           "cp2": ["parallel.cp=2", "per_device_train_batch_size=8"]}
+STAGES = {"rm": ["stage=rm"]}
+LAYOUTS = {"fsdp-dp2": ["parallel.dp=2", "parallel.fsdp=true", "per_device_train_batch_size=4"]}
 # Every loss and layout meets the unsharded computation in tests/test_preference.py (simulated ranks), and every
-# stage and LoRA under FSDP for 5 steps in tests/workers/preference_gloo.py; these run `hp train` itself.
-CASES = [("rm", "fsdp-dp2"), ("dpo", "cp2")]
+# stage, LoRA, cp and tp for 5 steps in tests/workers/preference_gloo.py; this runs `hp train` itself.
+CASES = [("rm", "fsdp-dp2")]
 
 
 def test_the_dpo_quickstart_prefers_the_right_answers(tmp_path):
@@ -60,7 +59,7 @@ def test_a_preference_stage_trains_as_one_process_does(stage, layout, one_proces
         assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got, want)
 
 
-def test_every_stage_and_lora_under_fsdp_take_the_unsharded_steps():
+def test_every_stage_and_lora_take_the_unsharded_steps_on_gloo_processes():
     run = torchrun(str(WORKERS / "preference_gloo.py"), 2, timeout=600)
     assert_finished(run)
     assert sorted(re.findall(r"rank (\d) ok", run.stdout)) == ["0", "1"]

@@ -1,10 +1,11 @@
-"""Preference stages under FSDP over 2 gloo processes: 5 AdamW steps equal the unsharded computation's.
+"""Preference stages over 2 gloo processes: 5 AdamW steps equal the unsharded computation's.
 
-Run by tests/test_train_preference.py with torchrun (2 ranks, dp=2 fsdp). For
-DPO, KTO, the reward model and DPO with LoRA, each rank builds the policy
-(and the frozen reference) twice from one seed: one copy laid out under FSDP,
-one whole, computing the same global batches. Each step's loss must equal the
-unsharded one (fp32, relative 1e-5), and the first step's gradients too.
+Run by tests/test_train_preference.py with torchrun (2 ranks). For DPO, KTO,
+the reward model and DPO with LoRA under FSDP dp=2, and DPO at cp=2 (ring) and
+KTO at tp=2, each rank builds the policy (and the frozen reference) twice from
+one seed: one copy laid out, one whole, computing the same global batches.
+Each step's loss must equal the unsharded one (fp32, relative 1e-5), and the
+first step's gradients too.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from hp.train.config import Preference
 from hp.train.model import add_value_head
 from hp.train.objectives import Dpo, Kto, Reference, Reward
 
-STRATEGY = hp.Strategy(dp=2, fsdp=True)
+FSDP = hp.Strategy(dp=2, fsdp=True)
+CHECKS = [("dpo", False, FSDP), ("kto", False, FSDP), ("rm", False, FSDP), ("dpo", True, FSDP),
+          ("dpo", False, hp.Strategy(cp=2, cp_algorithm="ring")), ("kto", False, hp.Strategy(tp=2))]
 
 
 def pairs(step: int, count: int = 4) -> list[dict]:
@@ -68,14 +71,14 @@ def objective(stage: str, policy, frozen, strategy, lora: bool):
     return Reward(policy, strategy)
 
 
-def check(stage: str, lora: bool, rank: int) -> None:
-    mesh = hp.strategy_mesh(STRATEGY)
+def check(stage: str, lora: bool, strategy: hp.Strategy, rank: int) -> None:
+    mesh = hp.strategy_mesh(strategy)
     whole, whole_ref = build(stage, lora)
     laid, laid_ref = build(stage, lora)
     for model in (laid, laid_ref):
-        hp.apply_strategy(model, mesh, STRATEGY, plan_for(model.config))
+        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
     want_step = objective(stage, whole, whole_ref, hp.Strategy(), lora)
-    got_step = objective(stage, laid, laid_ref, STRATEGY, lora)
+    got_step = objective(stage, laid, laid_ref, strategy, lora)
     trained = lambda m: [p for p in m.parameters() if p.requires_grad]  # noqa: E731
     optimizers = [torch.optim.AdamW(trained(m), lr=1e-2) for m in (whole, laid)]
     for step in range(5):
@@ -84,7 +87,7 @@ def check(stage: str, lora: bool, rank: int) -> None:
         want.loss.backward()
         got.loss.backward()
         hp.reduce_gradients(laid)
-        where = f"rank {rank} {stage}{' lora' if lora else ''} step {step}"
+        where = f"rank {rank} {stage}{' lora' if lora else ''} {strategy.mesh_axes} step {step}"
         torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=0, msg=where)
         if step == 0:
             for (name, p), r in zip(laid.named_parameters(), whole.parameters()):
@@ -99,8 +102,8 @@ def check(stage: str, lora: bool, rank: int) -> None:
 
 def main() -> None:
     rank = int(os.environ["RANK"])
-    for stage, lora in (("dpo", False), ("kto", False), ("rm", False), ("dpo", True)):
-        check(stage, lora, rank)
+    for stage, lora, strategy in CHECKS:
+        check(stage, lora, strategy, rank)
     print(f"rank {rank} ok", flush=True)
 
 
