@@ -73,7 +73,7 @@ def test_an_sft_example_runs_as_given(name, noted, qwen3, demo_data, tmp_path):
     assert ("has no effect here" in run.stderr or "note:" in run.stderr) == noted, run.stderr[-2000:]
 
 
-@pytest.mark.parametrize("name", ["qwen3_lora_dpo", "qwen3_lora_kto"])
+@pytest.mark.parametrize("name", ["qwen3_lora_dpo"])
 def test_a_preference_example_runs_as_given(name, qwen3, demo_data, tmp_path):
     run = hp_train(f"model_name_or_path={qwen3}", f"dataset_dir={demo_data}", f"output_dir={tmp_path}", "max_steps=2",
                    config=str(EXAMPLES / f"{name}.yaml"))
@@ -83,15 +83,17 @@ def test_a_preference_example_runs_as_given(name, qwen3, demo_data, tmp_path):
     assert (tmp_path / "checkpoint-2" / "adapter_config.json").is_file()
 
 
-def test_the_reward_model_example_passes_every_check_before_the_workers(qwen3, demo_data, tmp_path):
-    """Its keys are the DPO one's but for the stage; its run is tests/test_train_preference.py's reward model."""
+@pytest.mark.parametrize("name, stage", [("qwen3_lora_kto", "kto"), ("qwen3_lora_reward", "rm")])
+def test_the_kto_and_reward_examples_pass_every_check_before_the_workers(name, stage, qwen3, demo_data, tmp_path):
+    """Their keys are the DPO one's but for the stage and data (kto_en_demo's layout read here); their stages train
+    in tests/test_train_preference.py and tests/workers/preference_gloo.py."""
     from hp.train import preflight
     from hp.train.config import load_config
 
-    config = load_config(EXAMPLES / "qwen3_lora_reward.yaml", [f"model_name_or_path={qwen3}",
-                                                                 f"dataset_dir={demo_data}", f"output_dir={tmp_path}"])
+    config = load_config(EXAMPLES / f"{name}.yaml", [f"model_name_or_path={qwen3}", f"dataset_dir={demo_data}",
+                                                     f"output_dir={tmp_path}"])
     preflight.check(config)
-    assert config.stage == "rm" and config.finetuning.lora is not None
+    assert config.stage == stage and config.finetuning.lora is not None
 
 
 @pytest.mark.parametrize("name, keys", [

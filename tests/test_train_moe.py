@@ -232,8 +232,8 @@ def test_the_embedded_moe_config_round_trips_as_hf_config_json(tmp_path):
 
 def test_parallel_mpmd_pipelines_the_all_to_alls_with_the_same_losses(tmp_path):
     """`parallel.mpmd` runs the step under hp.mpmd: the losses of the plain run, and its masking in the summary."""
-    # steps 1-2 run as they are (warm-up, then measured), 3-4 pipelined
-    common = ["max_steps=4", "save_steps=4", "logging_steps=1", "per_device_train_batch_size=8", "parallel.tp=1",
+    # steps 1-2 run as they are (warm-up, then measured), 3 pipelined
+    common = ["max_steps=3", "save_steps=3", "logging_steps=1", "per_device_train_batch_size=4", "parallel.tp=1",
               "nproc_per_node=2", f"dataset_dir={DATA}"]
     plain = summary(hp_train(*common, f"output_dir={tmp_path / 'plain'}", config=QUICKSTART_MOE))
     piped = summary(hp_train(*common, "parallel.mpmd=2", f"output_dir={tmp_path / 'piped'}", config=QUICKSTART_MOE))
@@ -241,5 +241,5 @@ def test_parallel_mpmd_pipelines_the_all_to_alls_with_the_same_losses(tmp_path):
     assert piped["mpmd"]["chunks"] == 2 and 0.0 <= piped["mpmd"]["masking"] <= 1.0
     assert piped["mpmd"]["comm_seconds"] > 0
     want, got = losses(tmp_path / "plain"), losses(tmp_path / "piped")
-    assert list(got) == [1, 2, 3, 4]
+    assert list(got) == [1, 2, 3]
     assert all(abs(got[s] - want[s]) <= 1e-5 * want[s] for s in want), (got, want)
