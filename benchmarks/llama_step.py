@@ -98,7 +98,6 @@ import json
 import os
 import pstats
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -114,10 +113,9 @@ from ranks import (
     adamw,
     bucket,
     emitter,
-    free_port,
     gathered,
     no_phase,
-    relay,
+    run_ranks,
     short,
 )
 from torch import nn
@@ -185,23 +183,8 @@ def main() -> None:
 
 def launch(settings: Settings, argv: list[str]) -> None:
     """Run this script on RANKS gloo workers; relay their JSON lines; print the summary last."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        os.path.abspath(__file__), *argv, "--worker",
-    ]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"  # one core per rank: the ranks must not fight over threads
     started = time.perf_counter()
-    # stderr is inherited, so warnings and failures show as they happen
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
-    records, done = relay(proc.stdout)
-    code = proc.wait()
-    # torch 2.13's gloo sometimes aborts at interpreter exit ("terminate called without an
-    # active exception", see tests/gloo_launch.py) after all work is done: tolerated only
-    # when rank 0 saw every rank reach the final barrier.
-    if code != 0 and not done:
-        raise SystemExit(f"llama_step: workers failed (exit {code}) before finishing")
+    records, code = run_ranks(__file__, RANKS, argv, "llama_step")
     summary = summarize(records, settings)
     summary["launch_exit_code"] = code
     summary["wall_s"] = round(time.perf_counter() - started, 1)

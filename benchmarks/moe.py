@@ -96,7 +96,6 @@ import json
 import os
 import pstats
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -112,10 +111,9 @@ from ranks import (
     adamw,
     bucket,
     emitter,
-    free_port,
     gathered,
     no_phase,
-    relay,
+    run_ranks,
     short,
 )
 from torch import nn
@@ -172,23 +170,9 @@ def launch(settings: Settings, argv: list[str]) -> None:
     """Run this script on RANKS gloo workers; relay their JSON lines; print the summary last."""
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="hp_moe_") as model_dir:  # where HF's EP loads the model from
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-            os.path.abspath(__file__), *argv, "--model-dir", model_dir, "--worker",
-        ]
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        env["OMP_NUM_THREADS"] = "1"  # one core per rank: the ranks must not fight over threads
-        env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-        env.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        # stderr is inherited, so warnings and failures show as they happen
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
-        records, done = relay(proc.stdout)
-        code = proc.wait()
-    # torch's gloo sometimes aborts at interpreter exit after all work is done (see
-    # tests/gloo_launch.py): tolerated only when rank 0 saw every rank reach the final barrier.
-    if code != 0 and not done:
-        raise SystemExit(f"moe: workers failed (exit {code}) before finishing")
+        quiet = {"HF_HUB_DISABLE_PROGRESS_BARS": os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
+                 "TRANSFORMERS_VERBOSITY": os.environ.get("TRANSFORMERS_VERBOSITY", "error")}
+        records, code = run_ranks(__file__, RANKS, [*argv, "--model-dir", model_dir], "moe", env=quiet)
     summary = summarize(records, settings)
     summary["launch_exit_code"] = code
     summary["wall_s"] = round(time.perf_counter() - started, 1)

@@ -39,14 +39,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
-from ranks import DONE, adamw, emitter, free_port, relay
+from ranks import DONE, adamw, emitter, run_ranks
 
 RANKS = 2
 CHUNKS = (1, 2, 4)
@@ -82,16 +80,7 @@ def main() -> None:
 
 def launch(settings: Settings) -> None:
     started = time.perf_counter()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS), "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), os.path.abspath(__file__), "--reps", str(settings.reps),
-           "--worker"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"  # one core per rank
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
-    records, done = relay(proc.stdout)
-    code = proc.wait()
-    if code != 0 and not done:
-        raise SystemExit(f"mpmd: workers failed (exit {code}) before finishing")
+    records, _ = run_ranks(__file__, RANKS, ["--reps", str(settings.reps)], "mpmd")
     runs = {r["chunks"]: r for r in records if r.get("bench") == "mpmd_step"}
     comm = runs[1]["exposed_s"]  # the plain step waits on every all-to-all whole
     masking = {c: round(1 - r["exposed_s"] / comm, 4) for c, r in runs.items() if c > 1}

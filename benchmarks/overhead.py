@@ -47,14 +47,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 from llama_step import torch_tp_plan
-from ranks import DONE, emitter, free_port, relay
+from ranks import DONE, emitter, run_ranks
 
 MODELS = {
     "tiny": dict(vocab=256, hidden=64, ffn=176, layers=4, heads=4, kv_heads=2, batch=2, seq=64),
@@ -80,18 +79,7 @@ def main() -> None:
 
 
 def launch(ranks: int, argv: list[str]) -> list[dict]:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), os.path.abspath(__file__), *argv, "--worker",
-    ]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
-    records, done = relay(proc.stdout)
-    code = proc.wait()
-    if code != 0 and not done:  # gloo may abort at exit after all work is done (see llama_step.py)
-        raise SystemExit(f"overhead: the {ranks}-rank workers failed (exit {code})")
-    return records
+    return run_ranks(__file__, ranks, argv, "overhead")[0]
 
 
 def worker(reps: int | None) -> None:

@@ -1,8 +1,9 @@
 """What the multi-rank benchmarks share: printing from rank 0, gathering values, launching, profile buckets.
 
-`llama_step.py` and `moe.py` each launch their own script on real gloo
-ranks and read JSON records back from the shared pipe; the helpers here are
-the parts of that which do not depend on the model being measured. Run as
+`llama_step.py`, `moe.py`, `overhead.py` and `mpmd.py` each launch their own
+script on real gloo ranks (`run_ranks`) and read JSON records back from the
+shared pipe; the helpers here are the parts of that which do not depend on
+the model being measured. Run as
 scripts, the benchmarks import this module from their own folder.
 """
 
@@ -12,8 +13,9 @@ import contextlib
 import json
 import os
 import socket
+import subprocess
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -79,6 +81,28 @@ def relay(lines: Iterable[str]) -> tuple[list[dict], bool]:
             records.append(record)
             print(json.dumps(record), flush=True)
     return records, done
+
+
+def run_ranks(script: str, ranks: int, argv: list[str], name: str,
+              env: Mapping[str, str] | None = None) -> tuple[list[dict], int]:
+    """Run `script --worker` on `ranks` gloo workers (torchrun, one core each); (their records, the exit code).
+
+    The records are relayed as they come (stderr is inherited, so warnings and failures show as they happen).
+    torch's gloo sometimes aborts at interpreter exit after all work is done (see tests/gloo_launch.py): a
+    failed exit is tolerated only when rank 0 saw every rank reach the final barrier; else SystemExit names
+    the benchmark.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
+           "127.0.0.1", "--master-port", str(free_port()), os.path.abspath(script), *argv, "--worker"]
+    environ = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    environ["OMP_NUM_THREADS"] = "1"  # one core per rank: the ranks must not fight over threads
+    environ.update(env or {})
+    proc = subprocess.Popen(cmd, env=environ, stdout=subprocess.PIPE, text=True)
+    records, done = relay(proc.stdout)
+    code = proc.wait()
+    if code != 0 and not done:
+        raise SystemExit(f"{name}: the {ranks}-rank workers failed (exit {code}) before finishing")
+    return records, code
 
 
 def adamw(params: Iterable) -> torch.optim.Optimizer:

@@ -42,10 +42,10 @@ from torch import nn
 
 from hp.finetune import Lora, LoraError
 from hp.layouts import layout
+from hp.ops.local import copy_whole
 
 __all__ = ["Lora", "LoraError", "adapter_layouts", "adapters_off", "add_lora", "from_peft_config", "has_lora",
-           "is_adapter",
-           "merge_lora", "peft_config", "peft_state", "start_adapters"]
+           "is_adapter", "merge_lora", "peft_config", "peft_state", "start_adapters"]
 
 
 def add_lora(model: nn.Module, lora: Lora, *, blocks: str = "model.layers") -> list[str]:
@@ -191,8 +191,6 @@ def start_adapters(model: nn.Module, seed: int) -> None:
     """Draw the adapters again as `add_lora` starts them (A as `nn.Linear` draws a weight, B zeros),
     from `seed`: the same on every rank and under every layout, each rank keeping its block of the
     whole draw. For adapters whose storage was made empty (a model built on the meta device)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     generator = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
         if not is_adapter(name):
@@ -201,10 +199,7 @@ def start_adapters(model: nn.Module, seed: int) -> None:
         if ".lora_A." in name:
             bound = 1 / math.sqrt(param.shape[1])  # nn.Linear's Kaiming-uniform bound
             whole.uniform_(-bound, bound, generator=generator)
-        if isinstance(param, DTensor):
-            whole = distribute_tensor(whole.to(param.device_mesh.device_type), param.device_mesh, param.placements)
-        with torch.no_grad():
-            param.copy_(whole)
+        copy_whole(param, whole)
 
 
 def _targeted(name: str, module: nn.Module, lora: Lora, blocks: str) -> bool:

@@ -82,7 +82,7 @@ def prepare(kwargs: dict, strategy: Strategy, pad_id: int, *, order_tokens: bool
         _refuse_what_cp_cannot_honour(kwargs)
     seq = next(kwargs[k].shape[1] for k in ("input_ids", "inputs_embeds") if kwargs.get(k) is not None)
     if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
-        kwargs["shift_labels"] = F.pad(kwargs["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
+        kwargs["shift_labels"] = shift(kwargs["labels"])
     extra = -seq % strategy.sequence_chunks
     fills = {"input_ids": pad_id, "inputs_embeds": 0.0, "mm_token_type_ids": 0, "shift_labels": IGNORE_INDEX,
              "attention_mask": 0}
@@ -96,6 +96,15 @@ def prepare(kwargs: dict, strategy: Strategy, pad_id: int, *, order_tokens: bool
     if kwargs.get("shift_labels") is not None:
         kwargs["labels"] = kwargs["shift_labels"]  # HF computes the loss only when labels are given
     return kwargs
+
+
+def shift(labels: torch.Tensor) -> torch.Tensor:
+    """The label each position predicts: the next token's (-100 at the end), as HF's causal-LM loss shifts them.
+
+    >>> shift(torch.tensor([[5, 6, 7]])).tolist()
+    [[6, 7, -100]]
+    """
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
 def arrange(values: torch.Tensor, strategy: Strategy, fill: float | int, *, order: bool = True) -> torch.Tensor:

@@ -6,12 +6,10 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from reference import rel_err, tiny_pair
 
 import hp
 from hp.models import plan_for
-from hp.train import preference
 from hp.train.batch import collate
 from hp.train.config import Preference
 from hp.train.objectives import VALUE_HEAD, Dpo, Kto, Reference, Reward

@@ -191,7 +191,7 @@ class _Routing:
         self.group, self.compute, self.k = group, compute, expert_ids.shape[-1]
         ranks = group.size()
         self.local_experts = experts // ranks
-        self.ranges = [r for r in torch.arange(expert_ids.shape[0]).tensor_split(chunks)]
+        self.ranges = list(torch.arange(expert_ids.shape[0]).tensor_split(chunks))
         ids = [expert_ids[r] for r in self.ranges]
         counts = torch.stack([torch.bincount(i.detach().reshape(-1), minlength=experts) for i in ids])
         # one exchange of every chunk's counts: to each rank, its experts' counts, chunk after chunk

@@ -167,3 +167,20 @@ class _Unwrap(torch.autograd.Function):
         else:
             stride = tuple(compute_global_tensor_info(grad, spec.mesh, ctx.grads)[1])
         return DTensor(grad, _spec(spec.mesh, ctx.grads, shape, stride, grad.dtype), requires_grad=False), None
+
+
+def copy_whole(param: torch.Tensor, whole: torch.Tensor) -> None:
+    """Fill `param` (laid out or plain) from the whole tensor `whole`: each rank keeps its block of it.
+
+    For values drawn or read whole on every rank (adapters, a value head) into a laid-out model.
+
+    >>> p = torch.nn.Parameter(torch.zeros(2)); copy_whole(p, torch.ones(2)); p.tolist()
+    [1.0, 1.0]
+    """
+    from torch.distributed.tensor import distribute_tensor
+
+    if isinstance(param, DTensor):
+        whole = distribute_tensor(whole.to(param.device_mesh.device_type), param.device_mesh, param.placements)
+    with torch.no_grad():
+        param.copy_(whole)
+

@@ -137,13 +137,13 @@ class TrainConfig:
     freeze_multi_modal_projector: bool = True
     freeze_language_model: bool = False
     # preference stages (rm, dpo, kto): LlamaFactory's keys, hp.train.config.Preference
-    pref_beta: float = 0.1
-    pref_ftx: float = 0.0
-    pref_loss: str = "sigmoid"  # one of PREF_LOSSES
-    dpo_label_smoothing: float = 0.0
-    simpo_gamma: float = 0.5
-    kto_chosen_weight: float = 1.0
-    kto_rejected_weight: float = 1.0
+    pref_beta: float = Preference.beta
+    pref_ftx: float = Preference.ftx
+    pref_loss: str = Preference.loss  # one of PREF_LOSSES
+    dpo_label_smoothing: float = Preference.label_smoothing
+    simpo_gamma: float = Preference.simpo_gamma
+    kto_chosen_weight: float = Preference.kto_chosen_weight
+    kto_rejected_weight: float = Preference.kto_rejected_weight
     ref_model: str | None = None  # the reference model's directory; None: model_name_or_path (under LoRA: adapters off)
     # dataset
     dataset: str  # comma-separated dataset names

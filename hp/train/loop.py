@@ -142,7 +142,7 @@ def train(config: TrainConfig) -> dict:
                                       optimizer=optimizer, recompute=blocks)
     offloaded = forward_backward
     if strategy.mpmd is not None:  # collectives in flight while other chunks compute
-        forward_backward = hp.mpmd(forward_backward, chunks=strategy.mpmd)
+        forward_backward = progress.mpmd = hp.mpmd(forward_backward, chunks=strategy.mpmd)
     try:
         while step < total:
             epoch = batches.epoch
@@ -159,8 +159,6 @@ def train(config: TrainConfig) -> dict:
             last_run = getattr(offloaded, "last_run", None)
             if last_run is not None:
                 progress.offload_bytes = last_run.bytes_moved
-            if strategy.mpmd is not None:
-                progress.mpmd = forward_backward
             progress.seconds += time.perf_counter() - start
             progress.tokens += tokens
             progress.losses.append(loss)

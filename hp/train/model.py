@@ -39,6 +39,7 @@ from torch import nn
 from hp.apply import apply_strategy, check_strategy
 from hp.expert_balance import BIAS as ROUTING_BIAS
 from hp.lora import LoraError, is_adapter, start_adapters
+from hp.ops.local import copy_whole
 from hp.parallelize import PlanError
 from hp.storable import from_storable, to_storable
 from hp.strategy import Strategy, StrategyError, num_experts
@@ -372,20 +373,9 @@ def build_model(name_or_path: str, vocab_size: int, mesh, strategy: Strategy, *,
         model.get_buffer(name).copy_(value)
     load_safetensors(model, name_or_path)
     start_adapters(model, seed)
-    _copy_whole(model, drawn)
+    for name, whole in drawn.items():
+        copy_whole(model.get_parameter(name), whole)
     return model
-
-
-def _copy_whole(model: nn.Module, values: Mapping[str, torch.Tensor]) -> None:
-    """Copy whole tensors into `model`'s parameters of those names, laid out or not (each rank keeps its block)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    for name, whole in values.items():
-        param = model.get_parameter(name)
-        if isinstance(param, DTensor):
-            whole = distribute_tensor(whole.to(param.device_mesh.device_type), param.device_mesh, param.placements)
-        with torch.no_grad():
-            param.copy_(whole)
 
 
 def add_value_head(model: nn.Module, seed: int) -> nn.Module:

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 import hp
 from hp.lora import adapters_off
-from hp.sequence import arrange
+from hp.sequence import arrange, shift
 from hp.strategy import Strategy
 from hp.train import preference
 from hp.train.batch import Batch
@@ -59,8 +59,7 @@ def whole(values: torch.Tensor) -> torch.Tensor:
 
 def output_labels(labels: torch.Tensor, strategy: Strategy) -> torch.Tensor:
     """The label each output position predicts (the next token's), laid along the sequence as the outputs are."""
-    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-    return arrange(shifted, strategy, IGNORE_INDEX)
+    return arrange(shift(labels), strategy, IGNORE_INDEX)
 
 
 def label_logps(model: nn.Module, batch: Batch, strategy: Strategy, device: str) -> tuple[torch.Tensor, torch.Tensor]:
