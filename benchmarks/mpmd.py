@@ -53,7 +53,7 @@ CHUNKS = (1, 2, 4)
 @dataclass(frozen=True)
 class Settings:
     vocab: int = 2048
-    hidden: int = 256
+    hidden: int = 256  # the MoE model's
     layers: int = 2
     experts: int = 8
     top_k: int = 2
@@ -61,9 +61,14 @@ class Settings:
     heads: int = 8
     kv_heads: int = 4
     head_dim: int = 32
+    dense_hidden: int = 512  # the Llama's: its matmuls outweigh its gathers and reductions
+    dense_ffn: int = 2048
     batch: int = 2  # per rank
     seq: int = 512
     reps: int = 7
+
+
+CASES = ("moe", "tp")  # Qwen3-MoE at dp=2 ep=2; Llama at tp=2 with sp
 
 
 def main() -> None:
@@ -81,29 +86,46 @@ def main() -> None:
 def launch(settings: Settings) -> None:
     started = time.perf_counter()
     records, _ = run_ranks(__file__, RANKS, ["--reps", str(settings.reps)], "mpmd")
-    runs = {r["chunks"]: r for r in records if r.get("bench") == "mpmd_step"}
-    comm = runs[1]["exposed_s"]  # the plain step waits on every all-to-all whole
-    masking = {c: round(1 - r["exposed_s"] / comm, 4) for c, r in runs.items() if c > 1}
-    best = max(masking, key=masking.get)
-    summary = {
-        "summary": True,
-        "chunks_moe": best,
-        "masking_moe": masking[best],
-        "step_ratio_moe": round(runs[best]["step_s"] / runs[1]["step_s"], 4),
-        "exposed_s_moe": runs[best]["exposed_s"],
-        "comm_s_moe": comm,
-        "masking_by_chunks": masking,
-        "step_ratio_by_chunks": {c: round(r["step_s"] / runs[1]["step_s"], 4) for c, r in runs.items() if c > 1},
-        "step_s_by_chunks": {c: r["step_s"] for c, r in runs.items()},
-        "planner_masking_by_chunks": {c: r["masking"] for c, r in runs.items() if c > 1},
-        "masking_tp": None,
-        "step_ratio_tp": None,
-        "tp": "tensor and sequence parallel collectives are not pipelined by hp.mpmd yet",
-        "same_losses": all(r["loss_rel_err"] <= 1e-5 for r in runs.values()),
-        "inputs": {**asdict(settings), "ranks": RANKS, "dtype": "float32"},
-        "wall_s": round(time.perf_counter() - started, 1),
-    }
+    summary: dict = {"summary": True}
+    for case in CASES:
+        runs = {r["chunks"]: r for r in records if r.get("bench") == "mpmd_step" and r["case"] == case}
+        comm = runs[1]["exposed_s"]  # the plain step waits on every collective whole
+        masking = {c: round(1 - r["exposed_s"] / comm, 4) for c, r in runs.items() if c > 1}
+        best = max(masking, key=masking.get)
+        summary[case] = {
+            "chunks": best,
+            "exposed_s": runs[best]["exposed_s"],
+            "comm_s": comm,
+            "masking_by_chunks": masking,
+            "step_ratio_by_chunks": {c: round(r["step_s"] / runs[1]["step_s"], 4) for c, r in runs.items() if c > 1},
+            "step_s_by_chunks": {c: r["step_s"] for c, r in runs.items()},
+            "planner_masking_by_chunks": {c: r["masking"] for c, r in runs.items() if c > 1},
+            "same_losses": all(r["loss_rel_err"] <= 1e-5 for r in runs.values()),
+        }
+        summary[f"masking_{case}"] = masking[best]
+        summary[f"step_ratio_{case}"] = round(runs[best]["step_s"] / runs[1]["step_s"], 4)
+    summary["inputs"] = {**asdict(settings), "ranks": RANKS, "dtype": "float32"}
+    summary["wall_s"] = round(time.perf_counter() - started, 1)
     print(json.dumps(summary), flush=True)
+
+
+def _model(case: str, s: Settings):
+    """(HF model, strategy) of a case, seeded alike for every chunk count."""
+    import hp
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
+
+    torch.manual_seed(0)
+    if case == "moe":
+        config = Qwen3MoeConfig(vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers,
+                                num_experts=s.experts, num_experts_per_tok=s.top_k, moe_intermediate_size=s.moe_ffn,
+                                intermediate_size=s.moe_ffn, num_attention_heads=s.heads,
+                                num_key_value_heads=s.kv_heads, head_dim=s.head_dim, max_position_embeddings=s.seq)
+        config._experts_implementation = "grouped_mm"
+        return AutoModelForCausalLM.from_config(config), hp.Strategy(dp=RANKS, ep=RANKS)
+    config = LlamaConfig(vocab_size=s.vocab, hidden_size=s.dense_hidden, num_hidden_layers=s.layers,
+                         intermediate_size=s.dense_ffn, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
+                         head_dim=s.dense_hidden // s.heads, max_position_embeddings=s.seq, use_cache=False)
+    return AutoModelForCausalLM.from_config(config), hp.Strategy(tp=RANKS, sp=True)
 
 
 def worker(s: Settings) -> None:
@@ -112,33 +134,34 @@ def worker(s: Settings) -> None:
     emit = emitter(rank)
     import hp
     from hp.models import plan_for
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    config = Qwen3MoeConfig(vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers,
-                            num_experts=s.experts, num_experts_per_tok=s.top_k, moe_intermediate_size=s.moe_ffn,
-                            intermediate_size=s.moe_ffn, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
-                            head_dim=s.head_dim, max_position_embeddings=s.seq)
-    config._experts_implementation = "grouped_mm"
-    strategy = hp.Strategy(dp=RANKS, ep=RANKS)
-    mesh = hp.strategy_mesh(strategy)
-    ids = torch.randint(0, s.vocab, (RANKS * s.batch, s.seq), generator=torch.Generator().manual_seed(0))
-    steps = {}
-    for chunks in CHUNKS:
-        torch.manual_seed(0)
-        model = hp.apply_strategy(AutoModelForCausalLM.from_config(config), mesh, strategy, plan_for(config))
-        optimizer = adamw(model.parameters())
+    for case in CASES:
+        steps = {}
+        for chunks in CHUNKS:
+            model, strategy = _model(case, s)
+            mesh = hp.strategy_mesh(strategy)
+            ids = torch.randint(0, s.vocab, (strategy.dp * s.batch, s.seq), generator=torch.Generator().manual_seed(0))
+            model = hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
+            optimizer = adamw(model.parameters())
 
-        def step(model=model, optimizer=optimizer):
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            hp.reduce_gradients(model)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return float(loss.full_tensor())
+            def step(model=model, optimizer=optimizer, ids=ids):
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                hp.reduce_gradients(model)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                return float(loss.full_tensor())
 
-        run = hp.mpmd(step, chunks=chunks)
-        first = [run(), run(), run()]  # warm-up, the step as it is measured, then pipelined
-        steps[chunks] = (run, first)
+            run = hp.mpmd(step, chunks=chunks)
+            first = [run(), run(), run()]  # warm-up, the step as it is measured, then pipelined
+            steps[chunks] = (run, first)
+        _time(case, steps, s, emit)
+    dist.barrier()
+    emit({DONE: True})
+
+
+def _time(case: str, steps: dict, s: Settings, emit) -> None:
+    """Each chunk count's steps, interleaved; one record per count."""
     rounds = {c: [] for c in CHUNKS}
     for r in range(s.reps):
         order = CHUNKS[r % len(CHUNKS):] + CHUNKS[:r % len(CHUNKS)]
@@ -154,14 +177,12 @@ def worker(s: Settings) -> None:
     for chunks in CHUNKS:
         run, first = steps[chunks]
         measured = rounds[chunks]
-        emit({"bench": "mpmd_step", "chunks": chunks, "planned_chunks": run.plan.chunks,
+        emit({"bench": "mpmd_step", "case": case, "chunks": chunks, "planned_chunks": run.plan.chunks,
               "step_s": round(statistics.median(m[0] for m in measured), 4),
               "exposed_s": round(statistics.median(m[1] for m in measured), 5),
               "comm_s": round(measured[0][2], 5),
               "masking": round(statistics.median(m[3] for m in measured), 4),
               "loss_rel_err": abs(first[2] - want) / abs(want)})  # the first pipelined step
-    dist.barrier()
-    emit({DONE: True})
 
 
 if __name__ == "__main__":

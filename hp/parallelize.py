@@ -30,9 +30,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hp.layouts import Layout, LayoutError, constrain, layout, shard
-from hp.layouts.annotate import keep_names
+from hp.layouts.annotate import keep_names, placements_for
 from hp.layouts.placements import bind, to_placements
 from hp.layouts.rules import Rules, resolve
+from hp.ops import overlap
 from hp.ops.expert_parallel import expert_parallel
 from hp.region import region
 
@@ -151,6 +152,8 @@ def _layout_io(module: nn.Module, mesh, inputs, outputs, rules) -> None:
     for pattern, specs in outputs.items():
         for target in _modules(module, pattern, "outputs"):
             target.register_forward_hook(_output_hook(specs, mesh, rules))
+            if isinstance(specs, (str, Layout)) and isinstance(target, nn.Linear) and not any(target.children()):
+                _tell_reduction(target, specs, mesh, rules)
 
 
 def _modules(module: nn.Module, pattern: str, what: str) -> list[nn.Module]:
@@ -188,6 +191,30 @@ def _output_hook(specs, mesh, rules):
         return _lay(out, specs, mesh, rules)
 
     return hook
+
+
+def _tell_reduction(module: nn.Module, spec, mesh, rules) -> None:
+    """Inside `hp.mpmd`, a linear's row-parallel kernel learns the layout its output takes, to
+    resolve its pending sum chunk by chunk as it multiplies (`hp.ops.overlap.reducing`).
+
+    Not for a module with children: adapters (LoRA's) add their own pending sums to its output
+    before the one reduction.
+    """
+    active: list[AbstractContextManager] = []
+
+    def enter(mod, args):
+        weight, x = mod.weight, args[0] if args else None
+        if not (overlap.active() and isinstance(weight, DTensor) and isinstance(x, DTensor)):
+            return
+        active.append(overlap.reducing(weight, placements_for(spec, mesh, (*x.shape[:-1], weight.shape[0]), rules)))
+        active[-1].__enter__()
+
+    def leave(mod, args, out):
+        if active:
+            active.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True, prepend=True)
 
 
 def _run_in_region(module: nn.Module) -> None:

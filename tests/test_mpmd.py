@@ -1,7 +1,7 @@
-"""`hp.mpmd`: a pipelined MoE step gives the plain step's loss, gradients and rows moved; the planner.
+"""`hp.mpmd`: pipelined MoE and Llama steps give the plain step's loss, gradients and bytes moved; the planner.
 
 Pipelined routing itself, row by row on drawn routings and chunk counts, is tested with the plain one in
-tests/test_moe.py.
+tests/test_moe.py; the pipelined tensor-parallel linears are drawn here on a residual block.
 """
 
 from __future__ import annotations
@@ -9,7 +9,12 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from reference import batch, rel_err, tiny_pair
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 
 import hp
 from hp.cost import ring_bytes
@@ -55,18 +60,93 @@ def test_a_pipelined_moe_step_gives_the_plain_step_s_loss_gradients_and_rows(str
     assert piped_trace.bytes("all_reduce") == plain_trace.bytes("all_reduce") + plan
 
 
-def test_a_dense_step_runs_as_it_is_and_hides_what_it_has():
-    reference, model = tiny_pair("llama")
+@pytest.mark.parametrize("strategy, chunks", [({"tp": 2}, 2), ({"tp": 2, "sp": True}, 3),
+                                              ({"dp": 2, "tp": 2, "sp": True}, 2), ({"cp": 2, "tp": 2, "sp": True}, 2)],
+                         ids=["tp2", "tp2-sp", "dp2-tp2-sp", "cp2-tp2-sp"])
+def test_a_pipelined_llama_step_gives_hf_s_loss_the_plain_gradients_and_bytes(strategy, chunks):
+    reference, plain = tiny_pair("llama", layers=1)
+    piped = tiny_pair("llama", layers=1)[1]
     ids, labels = batch()
-    want = reference(input_ids=ids, labels=labels).loss
-    strategy = hp.Strategy(tp=2, sp=True)
+    want = reference(input_ids=ids, labels=labels).loss.item()
+    strategy = hp.Strategy.of(strategy)
     mesh = hp.strategy_mesh(strategy, simulate=True)
     with hp.simulated(mesh):
-        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
-        step = hp.mpmd(lambda: model(input_ids=ids, labels=labels).loss, chunks="auto")
-        losses = [step().full_tensor().item() for _ in range(4)]
-    assert all(abs(loss - want.item()) <= 1e-5 * want.item() for loss in losses)
-    assert step.report.exposed_seconds == 0 and step.report.masking == 1.0
+        traces = []
+        for model, run in ((plain, _moe_step), (piped, hp.mpmd(_moe_step, chunks=chunks))):
+            hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
+            for _ in range(3):
+                model.zero_grad(set_to_none=True)
+                with hp.comm.trace() as trace:
+                    loss = run(model, ids, labels)
+            hp.reduce_gradients(model)
+            traces.append(trace)
+            assert abs(loss.full_tensor().item() - want) <= 1e-5 * want
+        assert run.report.chunks == chunks
+        for (name, p), q in zip(piped.named_parameters(), plain.parameters()):
+            assert rel_err(p.grad.full_tensor(), q.grad.full_tensor()) < 1e-5, name
+    plain_trace, piped_trace = traces
+    for kind in ("all_gather", "reduce_scatter"):
+        assert piped_trace.bytes(kind) == plain_trace.bytes(kind), kind
+    pipelined = ("reduce_scatter", "tp") if strategy.sp else ("all_reduce", "tp")
+    assert piped_trace.count(*pipelined) > plain_trace.count(*pipelined)  # sent in pieces
+    plan = ring_bytes("all_reduce", 8, strategy.world_size)  # the planner's one float64
+    assert piped_trace.bytes("all_reduce") == plain_trace.bytes("all_reduce") + plan
+
+
+class _Mlp(nn.Module):
+    """A residual gated MLP: two column-parallel linears share an input, a row-parallel one adds to the stream."""
+
+    def __init__(self, hidden: int, width: int, bias: bool) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden, width, bias=bias)
+        self.up = nn.Linear(hidden, width, bias=bias)
+        self.down = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+@settings(max_examples=20, deadline=None)
+@given(tp=st.sampled_from([2, 4]), batch_size=st.integers(1, 2), per_rank=st.integers(1, 5),
+       chunks=st.integers(1, 4), sp=st.booleans(), bias=st.booleans())
+def test_pipelined_tensor_parallel_linears_give_the_plain_values_gradients_and_bytes(
+        tp, batch_size, per_rank, chunks, sp, bias):
+    torch.manual_seed(0)
+    reference = _Mlp(8, 16, bias)
+    x = torch.randn(batch_size, tp * per_rank, 8, requires_grad=True)
+    (reference(x) ** 2).sum().backward()
+    stream = "b s/tp h" if sp else "b s h"
+    plan = {"gate.weight": "out/tp in", "up.weight": "out/tp in", "down.weight": "out in/tp",
+            **({"gate.bias": "out/tp", "up.bias": "out/tp"} if bias else {})}
+    mesh = hp.mesh(tp=tp, simulate=True)
+    with hp.simulated(mesh):
+        results = []
+        for pipelined in (False, True):
+            model = _Mlp(8, 16, bias)
+            model.load_state_dict(reference.state_dict())
+            hp.parallelize(model, mesh, plan, inputs={"": stream}, outputs={"down": stream})
+            inputs = hp.shard(x.detach(), stream, mesh).requires_grad_()
+            with hp.comm.trace() as trace, overlap.pipelined(chunks) if pipelined else _nothing():
+                out = model(inputs)
+                (out ** 2).sum().backward()
+            assert out.placements == ((Shard(1),) if sp else (Replicate(),))
+            results.append((out, model, inputs, trace))
+    (plain_out, plain, plain_x, plain_trace), (out, model, inputs, trace) = results
+    assert rel_err(out.full_tensor(), plain_out.full_tensor()) < 1e-6
+    assert rel_err(inputs.grad.full_tensor(), x.grad) < 1e-5
+    for name, p in model.named_parameters():
+        assert rel_err(p.grad.full_tensor(), reference.get_parameter(name).grad) < 1e-5, name
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        assert trace.bytes(kind) == plain_trace.bytes(kind), kind
+    pieces = min(chunks, per_rank if sp else tp * per_rank)  # each collective goes out in that many calls
+    for kind in ("all_gather", "reduce_scatter") if sp else ("all_reduce",):
+        assert trace.count(kind) == pieces * plain_trace.count(kind) > 0, kind
+
+
+def _nothing():
+    from contextlib import nullcontext  # noqa: PLC0415
+
+    return nullcontext()
 
 
 def test_the_planner_keeps_a_step_that_chunking_slows_down_and_says_why():

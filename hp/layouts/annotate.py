@@ -51,6 +51,16 @@ def _prepare(
         return _bind_on_device(layout, mesh, shape, uneven)
 
 
+def placements_for(spec: LayoutLike, mesh: DeviceMesh, shape: Sequence[int], rules: RulesLike = None) -> tuple[Placement, ...]:
+    """The placements `constrain` gives a tensor of `shape` under `spec` (checked as it checks them).
+
+    >>> import hp
+    >>> placements_for("b s/tp h", hp.mesh(tp=2, simulate=True), (2, 8, 4))
+    (Shard(dim=1),)
+    """
+    return _prepare(spec, mesh, shape, rules, False)[1]
+
+
 @functools.lru_cache(maxsize=4096)
 def _bound(layout: Layout, mesh: DeviceMesh, shape: tuple[int, ...], uneven: bool):
     # Hooks constrain the same layouts every step: checking them once per shape is enough.

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from hp.ops import overlap, pipelined_linear
 from hp.ops.collectives import all_gather, all_reduce, reduce_scatter
 from hp.ops.local import local_block, to_dtensor
 
@@ -110,12 +111,23 @@ def _shared(input: DTensor, step: str, axis: int, make) -> torch.Tensor:
     Kept on the input tensor itself, which `torch.compile` traces as an intermediate's
     attribute (a global cache would make every prepared tensor an output of the graph).
     """
-    name = f"_hp_{step}{axis}"
+    name = _shared_name(step, axis)
     prepared = getattr(input, name, None)
     if prepared is None:
         prepared = make()
         setattr(input, name, prepared)
     return prepared
+
+
+def _shared_name(step: str, axis: int) -> str:
+    return f"_hp_{step}{axis}"
+
+
+def _pipelines(group) -> bool:
+    """Whether a kernel takes the pipelined path: inside `hp.mpmd`, over ranks, eager and without autocast
+    (the pipelined backward multiplies in the saved tensors' own dtypes)."""
+    return (overlap.active() and group.size() > 1 and not torch.compiler.is_compiling()
+            and not torch.is_autocast_enabled())
 
 
 def linear(input, weight, bias=None):
@@ -200,9 +212,35 @@ def blockwise_linear(input, weight, bias=None):
     if len(rows) > 1 or (bias is not None and (rows or not isinstance(bias, DTensor)
                                                or not all(p.is_replicate() for p in bias.placements))):
         return NotImplemented
+    resolved = _resolved_here(input, weight, rows) if bias is None else None
+    if resolved is not None:
+        placements, dim, scatter = resolved
+        out = pipelined_linear.row(local_block(input), local_block(weight, tokens), dim, mesh.get_group(rows[0]), scatter)
+        return to_dtensor(out, mesh, placements, (*input.shape[:-1], weight.shape[0]))
     out = F.linear(local_block(input), local_block(weight, tokens), local_block(bias, tokens) if bias is not None else None)
     placements = [Partial() if m in rows else p for m, p in enumerate(input.placements)]
     return to_dtensor(out, mesh, placements, (*input.shape[:-1], weight.shape[0]))
+
+
+def _resolved_here(input, weight, rows):
+    """(placements, token dim, scatter) when a row-parallel product resolves its own pending sum, pipelined:
+    inside `hp.mpmd`, its module told the layout (`hp.ops.overlap.reducing`), and that layout is the
+    input's with the row axis replicated (Megatron's all-reduce) or splitting the input's whole tokens
+    (sequence parallel's reduce-scatter). None otherwise: the pending sum is left to the module's output."""
+    target = overlap.reduction(weight)
+    if target is None or len(rows) != 1 or not _pipelines(weight.device_mesh.get_group(rows[0])):
+        return None
+    (a,) = rows
+    size, last = weight.device_mesh.size(a), input.ndim - 1
+    if any(t != p for m, (t, p) in enumerate(zip(target, input.placements)) if m != a):
+        return None
+    if isinstance(target[a], Replicate):
+        return tuple(target), max(input.ndim - 2, 0), False
+    dim = getattr(target[a], "dim", last)
+    split_after = any(getattr(p, "dim", None) == dim for p in input.placements[a:])  # a's block would not be local
+    if type(target[a]) is not Shard or dim == last or split_after or input._local_tensor.shape[dim] % size:
+        return None
+    return tuple(target), dim, True
 
 
 def column_axis(input, weight, bias=None) -> int | None:
@@ -237,14 +275,22 @@ def column_product(input, weight, bias, a: int, out: Placement):
     mesh = weight.device_mesh
     tokens, group = input.placements[a], mesh.get_group(a)
     if isinstance(tokens, Replicate):
-        local_in = _shared(input, "f", a, lambda: _ReduceGradient.apply(local_block(input), group))
+        step, make = "f", lambda: _ReduceGradient.apply(local_block(input), group)
     elif type(tokens) is Shard and input.shape[tokens.dim] % mesh.size(a) == 0:
-        local_in = _shared(input, "gather", a, lambda: _Gather.apply(local_block(input), tokens.dim, group))
+        step, make = "gather", lambda: _Gather.apply(local_block(input), tokens.dim, group)
     else:
         return NotImplemented
     # rows split over other axes (data parallel): parameter gradients are pending sums there
     rows = [m for m, p in enumerate(input.placements) if isinstance(p, (Shard, _StridedShard)) and m != a]
-    out_local = F.linear(local_in, local_block(weight, rows), local_block(bias, rows) if bias is not None else None)
+    local_w, local_b = local_block(weight, rows), local_block(bias, rows) if bias is not None else None
+    if _pipelines(group) and getattr(input, _shared_name(step, a), None) is None:
+        # the first linear to read the input gathers it chunk by chunk (hp.ops.pipelined_linear)
+        dim = tokens.dim if step == "gather" else max(input.ndim - 2, 0)
+        prepared, out_local = pipelined_linear.column(local_block(input), local_w, local_b, dim, group,
+                                                      gather=step == "gather")
+        setattr(input, _shared_name(step, a), prepared)
+    else:
+        out_local = F.linear(_shared(input, step, a, make), local_w, local_b)
     placements = list(input.placements)
     placements[a] = out
     return to_dtensor(out_local, mesh, placements, (*input.shape[:-1], weight.shape[0]))

@@ -52,6 +52,36 @@ def chunks() -> int:
     return 1 if state is None else state[0]
 
 
+def active() -> bool:
+    """Whether a step runs inside `hp.mpmd` (its waits timed, even over one chunk)."""
+    return _STATE.get() is not None
+
+
+_REDUCTION: contextvars.ContextVar[tuple[torch.Tensor, tuple] | None] = contextvars.ContextVar(
+    "hp_reduction", default=None)
+
+
+@contextmanager
+def reducing(weight: torch.Tensor, placements: tuple) -> Iterator[None]:
+    """Inside, a row-parallel product by `weight` may resolve its pending sum into `placements` itself.
+
+    The module whose output joins the residual stream knows the layout its pending sum resolves
+    into; its linear kernel does not. Told, the kernel can reduce chunk by chunk while it
+    multiplies (`hp.ops.pipelined_linear`).
+    """
+    token = _REDUCTION.set((weight, placements))
+    try:
+        yield
+    finally:
+        _REDUCTION.reset(token)
+
+
+def reduction(weight: torch.Tensor) -> tuple | None:
+    """The placements the product by `weight` resolves into, when its module said so (`reducing`)."""
+    told = _REDUCTION.get()
+    return told[1] if told is not None and told[0] is weight else None
+
+
 @contextmanager
 def pipelined(count: int) -> Iterator[Waits]:
     """Kernels inside pipeline their collectives over `count` chunks; yields the waits they record."""
@@ -65,6 +95,8 @@ def pipelined(count: int) -> Iterator[Waits]:
 
 def wait(tensor: torch.Tensor, kind: str) -> torch.Tensor:
     """`tensor` (a collective's pending result) once it has landed, the time blocked on it recorded."""
+    if torch.compiler.is_compiling() or not isinstance(tensor, funcol.AsyncCollectiveTensor):
+        return funcol.wait_tensor(tensor)  # a traced graph orders its own waits; a plain tensor has landed
     state = _STATE.get()
     if state is None:
         return funcol.wait_tensor(tensor)
