@@ -34,6 +34,8 @@ def fully_shard_model(model: nn.Module, mesh, blocks: list[nn.Module], strategy:
     (gathered after forward: backward starts with it). `experts` modules are units of their
     own over `strategy.expert_fsdp_axes` (their gradients pend over those axes only); with no
     such axis they stay out of FSDP, laid out over ep, and `reduce_gradients` resolves them.
+    With `mpmd` set, each block prefetches the next block's gather in forward and the previous
+    block's in backward (FSDP2's explicit prefetching), so they fly while a block computes.
     """
     from torch.distributed.fsdp import DataParallelMeshDims, MixedPrecisionPolicy, fully_shard
 
@@ -51,6 +53,11 @@ def fully_shard_model(model: nn.Module, mesh, blocks: list[nn.Module], strategy:
             ignored.update(module.parameters())
     units += [fully_shard(block, reshard_after_forward=strategy.reshard_after_forward, ignored_params=ignored,
                           **dims, **common) for block in blocks]
+    if strategy.mpmd is not None:  # under hp.mpmd each block's gather flies while its neighbour computes
+        in_order = units[len(units) - len(blocks):]
+        for before, after in zip(in_order, in_order[1:]):
+            before.set_modules_to_forward_prefetch([after])
+            after.set_modules_to_backward_prefetch([before])
     for unit in [*units, fully_shard(model, ignored_params=ignored, **dims, **common)]:
         unit.set_gradient_divide_factor(1.0)  # a sum: the gradients are pending sums, not per-rank means
         unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-scaled one)

@@ -2,10 +2,19 @@
 
 Level 1 of MPMD runs independent pieces of one rank's step concurrently:
 hp's kernels that can cut their work into independent chunks pipeline it
-(`hp.ops.overlap`): the expert-parallel all-to-alls send every token chunk
-at once and each chunk's experts compute while later chunks' rows arrive and
-earlier chunks' results travel back, in forward and in backward. The step
-itself is unchanged: same arguments, same results, the same rows moved.
+(`hp.ops.overlap`):
+
+* the expert-parallel all-to-alls send every token chunk at once, and each
+  chunk's experts compute while later chunks' rows arrive and earlier
+  chunks' results travel back (`hp.ops.expert_parallel`);
+* Megatron's tensor-parallel linears gather a sequence-parallel input chunk
+  by chunk, each chunk multiplied as it lands, and reduce-scatter (or
+  all-reduce) a row-parallel output chunk by chunk as it is computed; in
+  backward the input gradient's reduction flies while the next chunk's and
+  the weight's gradients compute (`hp.ops.pipelined_linear`).
+
+The step itself is unchanged: same arguments, same results, the same bytes
+moved (in more, smaller collectives).
 
 The chunk count is planned from measurements of the step itself. The first
 call runs it as it is, to warm up (allocations, the ranks' start-up skew);
@@ -13,15 +22,21 @@ the second runs it as it is too, every collective waited as it is issued:
 the time blocked is the step's whole communication time. The third call
 runs it pipelined; if that step was slower than the second (chunks too
 small to pay for themselves), later calls run unpipelined and `plan.reason`
-says why. Every
-rank takes the slowest rank's times, so all choose alike (their collectives
-must match). Each call's `report` holds its step time, its communication
-time, the part left exposed (time blocked on pipelined collectives) and the
-masking ratio, 1 - exposed / communication: the share of the communication
-hidden behind computation, as Ascend's profiler reports it.
+says why. Every rank takes the slowest rank's times, so all choose alike
+(their collectives must match). Each call's `report` holds its step time,
+its communication time, the part left exposed (time blocked on hp's
+collectives) and the masking ratio, 1 - exposed / communication: the share
+of the communication hidden behind computation, as Ascend's profiler
+reports it; its `timeline` has every collective's issue, wait and landing
+on this rank's clock, and `draw(path)` puts every rank's on one PNG
+(`hp.mpmd_timeline`).
 
-Not yet pipelined: tensor and sequence parallel's gathers and reductions,
-and FSDP's gathers (they run as before inside a pipelined step).
+What hp's kernels do not issue is neither pipelined nor timed: FSDP's
+gathers and reduce-scatters (FSDP2 prefetches its next unit's gathers
+itself), DTensor's own redistributions, and `hp.reduce_gradients`. The
+step's waits are timed on the thread that runs it: where autograd runs
+backward on threads of its own (CUDA, NPU), backward's waits are not
+counted.
 
 >>> import torch
 >>> step = mpmd(lambda x: (x * 2).sum(), chunks=2)
@@ -40,7 +55,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hp.mpmd_timeline import Timeline, draw, gathered
 from hp.ops import overlap
+from hp.ops.overlap import Span
 
 
 class MpmdError(ValueError):
@@ -63,6 +80,7 @@ class StepReport:
     step_seconds: float
     comm_seconds: float  # the step's collectives waited as issued: the whole communication time (the second call's)
     exposed_seconds: float  # time blocked on them in this call
+    timeline: Timeline | None = None  # this call's collectives on this rank's clock
 
     @property
     def masking(self) -> float:
@@ -90,16 +108,16 @@ class Mpmd:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._calls += 1
         if self._calls <= 2:  # warm-up, then as it is: every wait is the whole communication
-            result, seconds, waited = self._timed(1, args, kwargs)
+            result, seconds, waited, timeline = self._timed(1, args, kwargs)
             if self._calls == 2:
                 self._plain_seconds = _slowest(seconds)[0]  # the plan compares the slowest rank's times
                 self._comm_seconds = waited
-            self.report = StepReport(1, seconds, waited, waited)
+            self.report = StepReport(1, seconds, waited, waited, timeline)
             return result
         trying = self.plan is None
         chunks = self._candidate() if trying else self.plan.chunks
-        result, seconds, waited = self._timed(chunks, args, kwargs)
-        self.report = StepReport(chunks, seconds, self._comm_seconds, waited)
+        result, seconds, waited, timeline = self._timed(chunks, args, kwargs)
+        self.report = StepReport(chunks, seconds, self._comm_seconds, waited, timeline)
         if trying:
             self.plan = self._decide(chunks, seconds)
         return result
@@ -115,11 +133,25 @@ class Mpmd:
                            f"{self._plain_seconds:.4g} s as it is: its collectives are too small to pay for chunking")
         return Plan(chunks)
 
-    def _timed(self, chunks: int, args: tuple, kwargs: dict) -> tuple[Any, float, float]:
+    def draw(self, path: str) -> None:
+        """The last call's timeline of every rank as a PNG (`hp.mpmd_timeline.draw`; the `plot` extra).
+
+        A collective: every rank calls it; rank 0 writes the file.
+        """
+        if self.report is None:
+            raise MpmdError("no step has run yet: call the step before drawing its timeline")
+        timelines = gathered(self.report.timeline)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            draw(timelines, path)
+
+    def _timed(self, chunks: int, args: tuple, kwargs: dict) -> tuple[Any, float, float, Timeline]:
         start = time.perf_counter()
         with overlap.pipelined(chunks) as waits:
             result = self._step(*args, **kwargs)
-        return result, time.perf_counter() - start, waits.total
+        seconds = time.perf_counter() - start
+        spans = tuple(Span(s.kind, s.issued - start, s.waited - start, s.landed - start) for s in waits.spans)
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return result, seconds, waits.total, Timeline(rank, seconds, spans)
 
 
 def _slowest(*seconds: float) -> tuple[float, ...]:

@@ -30,7 +30,7 @@ ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = "all_reduce", "all_gather", "reduce_sca
 
 def issue_all_reduce(t: torch.Tensor, op: str, group) -> torch.Tensor:
     """`t` reduced by `op` ("sum", "max", ...) over `group`, in flight."""
-    return t if group.size() == 1 else funcol.all_reduce(t.contiguous(), op, group)
+    return t if group.size() == 1 else overlap.issued(funcol.all_reduce(t.contiguous(), op, group))
 
 
 def issue_all_gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -38,7 +38,7 @@ def issue_all_gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     the blocks travel along dim 0 and are moved back after the wait)."""
     if group.size() == 1:
         return t
-    return _ALL_GATHER(t.movedim(dim, 0).contiguous(), 0, group)
+    return overlap.issued(_ALL_GATHER(t.movedim(dim, 0).contiguous(), 0, group))
 
 
 def landed_gather(pending: torch.Tensor, dim: int) -> torch.Tensor:
@@ -48,7 +48,7 @@ def landed_gather(pending: torch.Tensor, dim: int) -> torch.Tensor:
 
 def issue_reduce_scatter(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     """`t` summed over `group`, each rank keeping its block along `dim`, in flight."""
-    return t if group.size() == 1 else _REDUCE_SCATTER(t.contiguous(), "sum", dim, group)
+    return t if group.size() == 1 else overlap.issued(_REDUCE_SCATTER(t.contiguous(), "sum", dim, group))
 
 
 def all_reduce(t: torch.Tensor, op: str, group) -> torch.Tensor:

@@ -207,10 +207,10 @@ class _Routing:
         self.by_expert = [torch.argsort(i, stable=True) for i in self.local_ids]
 
     def dispatch(self, rows: torch.Tensor, c: int) -> torch.Tensor:
-        return funcol.all_to_all_single(rows.contiguous(), self.recvs[c], self.sends[c], self.group)
+        return overlap.issued(funcol.all_to_all_single(rows.contiguous(), self.recvs[c], self.sends[c], self.group))
 
     def combine(self, rows: torch.Tensor, c: int) -> torch.Tensor:
-        return funcol.all_to_all_single(rows.contiguous(), self.sends[c], self.recvs[c], self.group)
+        return overlap.issued(funcol.all_to_all_single(rows.contiguous(), self.sends[c], self.recvs[c], self.group))
 
 
 class _Pipelined(torch.autograd.Function):

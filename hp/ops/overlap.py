@@ -27,16 +27,34 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 
+@dataclass(frozen=True)
+class Span:
+    """One collective on this rank's clock (`time.perf_counter`): issued, waited for, landed.
+
+    From `issued` to `landed` it was in flight; from `waited` to `landed` the rank was blocked on it
+    (exposed), and before `waited` it flew behind whatever the rank computed (overlapped). A
+    collective issued and waited at once has `issued == waited`: all of it exposed.
+    """
+
+    kind: str
+    issued: float
+    waited: float
+    landed: float
+
+
 @dataclass
 class Waits:
-    """Seconds a step spent blocked on pipelined collectives, and how many it waited on, by kind."""
+    """Seconds a step spent blocked on hp's collectives and how many it waited on, by kind; each one's span."""
 
     seconds: dict[str, float] = field(default_factory=dict)
     count: dict[str, int] = field(default_factory=dict)
+    spans: list[Span] = field(default_factory=list)
 
-    def add(self, kind: str, seconds: float) -> None:
+    def add(self, kind: str, seconds: float, span: Span | None = None) -> None:
         self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
         self.count[kind] = self.count.get(kind, 0) + 1
+        if span is not None:
+            self.spans.append(span)
 
     @property
     def total(self) -> float:
@@ -93,6 +111,13 @@ def pipelined(count: int) -> Iterator[Waits]:
         _STATE.reset(token)
 
 
+def issued(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, a collective's pending result, stamped with the time it was issued (inside `hp.mpmd`)."""
+    if _STATE.get() is not None and isinstance(tensor, funcol.AsyncCollectiveTensor):
+        tensor._hp_issued = time.perf_counter()
+    return tensor
+
+
 def wait(tensor: torch.Tensor, kind: str) -> torch.Tensor:
     """`tensor` (a collective's pending result) once it has landed, the time blocked on it recorded."""
     if torch.compiler.is_compiling() or not isinstance(tensor, funcol.AsyncCollectiveTensor):
@@ -102,5 +127,6 @@ def wait(tensor: torch.Tensor, kind: str) -> torch.Tensor:
         return funcol.wait_tensor(tensor)
     start = time.perf_counter()
     landed = funcol.wait_tensor(tensor)
-    state[1].add(kind, time.perf_counter() - start)
+    end = time.perf_counter()
+    state[1].add(kind, end - start, Span(kind, getattr(tensor, "_hp_issued", start), start, end))
     return landed

@@ -7,8 +7,9 @@ Gemma-3 (tied embedding, extra norms); Mistral, Qwen3 and Gemma-2 lay out as
 one of those and are checked simulated, without FSDP, in test_zoo.py. Llama under (dp=2, tp=2), (cp=4) Ulysses, (cp=4)
 ring, and FSDP over the context axis: (dp=2, cp=2 fsdp) Ulysses, sharded over
 all 4 ranks, and (cp=2 fsdp, tp=2) ring with parameters kept gathered between
-forward and backward: loss and every gradient equal the unsharded HF model,
-and 5 AdamW steps give its losses. Then FSDP's mixed precision: parameters
+forward and backward, the last two under `hp.mpmd` (FSDP's gathers
+prefetched, the tp linears pipelined from the third step on): loss and every
+gradient equal the unsharded HF model, and 5 AdamW steps give its losses. Then FSDP's mixed precision: parameters
 gathered in bf16, gradients reduced in fp32. Then Qwen3-MoE with expert
 parallel under FSDP (dp=4 of which ep=2): the experts sharded again over the
 two ranks that hold the same experts, everything else over all four, its
@@ -72,16 +73,21 @@ def check(family: str, strategy: dict, rank: int, **overrides) -> None:
     model.model.layers[0].mlp.register_forward_pre_hook(lambda *args: mlp_calls.append(1))
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for step, ids in enumerate(batches):
-        labels = labelled(ids)
-        want = reference(input_ids=ids, labels=labels).loss
-        want.backward()
+    def forward_backward(ids, labels, where):
         got = model(input_ids=ids, labels=labels).loss
-        where = f"rank {rank} {family} {strategy} step {step}"
         if fsdp_axes and family not in MOE_FAMILIES:  # the block is still gathered after forward only when not resharded
             gathered = down_proj(model).to_local().shape[0] == 64
             assert gathered != strategy.get("reshard_after_forward", True), f"{where}: gathered {gathered}"
         got.backward()
+        return got
+
+    run = hp.mpmd(forward_backward, chunks=strategy["mpmd"]) if "mpmd" in strategy else forward_backward
+    for step, ids in enumerate(batches):
+        labels = labelled(ids)
+        want = reference(input_ids=ids, labels=labels).loss
+        want.backward()
+        where = f"rank {rank} {family} {strategy} step {step}"
+        got = run(ids, labels, where)
         torch.testing.assert_close(got.full_tensor(), want, rtol=1e-5, atol=0, msg=where)
         if step == 0:
             for (name, p), r in zip(model.named_parameters(), reference.parameters()):
@@ -180,9 +186,9 @@ def main() -> None:
     for family in FSDP_FAMILIES:
         check(family, {"dp": 2, "tp": 2, "fsdp": True, "recompute": family == "llama"}, rank)
     for strategy in (
-        {"dp": 2, "tp": 2}, {"cp": 4}, {"cp": 4, "cp_algorithm": "ring"}, {"dp": 2, "cp": 2, "fsdp": True},
-        {"cp": 2, "tp": 2, "cp_algorithm": "ring", "fsdp": True, "reshard_after_forward": False},
-    ):
+        {"dp": 2, "tp": 2}, {"cp": 4}, {"cp": 4, "cp_algorithm": "ring"}, {"dp": 2, "cp": 2, "fsdp": True, "mpmd": 2},
+        {"cp": 2, "tp": 2, "cp_algorithm": "ring", "fsdp": True, "reshard_after_forward": False, "mpmd": 2},
+    ):  # under hp.mpmd from step 3 on: FSDP's prefetched gathers, pipelined tp linears
         check("llama", strategy, rank)
     check_lora(rank)
     check_mixed_precision(rank)

@@ -1,0 +1,104 @@
+"""One `hp.mpmd` step on each rank's clock: when its collectives flew, and when the rank waited on them.
+
+A profiler's timeline answers "was the communication hidden?" by showing it
+beside the computation. hp's kernels stamp each collective they issue and
+each wait (`hp.ops.overlap`): a collective is in flight from its issue to
+its landing; the rank computed while it flew until it waited, and was
+blocked (the exposed part) from then until it landed. Whatever the step did
+outside those waits is computation (or hp's host work), as the profiler
+counts it. `draw` puts every rank's step on one PNG (the `plot` extra).
+
+>>> from hp.ops.overlap import Span
+>>> line = Timeline(rank=0, seconds=1.0, spans=(Span("all_gather", 0.25, 0.5, 0.75),))
+>>> line.flight_seconds, line.exposed_seconds, line.overlapped_seconds
+(0.5, 0.25, 0.25)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch.distributed as dist
+
+from hp.ops.overlap import Span
+
+_COLORS = {"compute": "#b0b0b0", "flight": "#4c72b0", "exposed": "#c44e52"}
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """One rank's step: its length and its collectives' spans, in seconds from the step's start."""
+
+    rank: int
+    seconds: float
+    spans: tuple[Span, ...]
+
+    @property
+    def flight_seconds(self) -> float:
+        """How long some collective was in flight (overlapping flights counted once)."""
+        return _union((s.issued, s.landed) for s in self.spans)
+
+    @property
+    def exposed_seconds(self) -> float:
+        """How long the rank was blocked on a collective."""
+        return _union((s.waited, s.landed) for s in self.spans)
+
+    @property
+    def overlapped_seconds(self) -> float:
+        """How long collectives flew while the rank computed."""
+        return self.flight_seconds - self.exposed_seconds
+
+    def to_json(self) -> str:
+        return json.dumps({"rank": self.rank, "seconds": self.seconds, "spans": [asdict(s) for s in self.spans]})
+
+
+def _union(intervals) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def gathered(timeline: Timeline) -> list[Timeline]:
+    """Every rank's timeline, in rank order (a collective: every rank calls it); this one alone without ranks."""
+    if not dist.is_available() or not dist.is_initialized():
+        return [timeline]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, timeline)
+    return out
+
+
+def draw(timelines: Sequence[Timeline], path: str) -> None:
+    """A PNG of the steps, one row per rank: computation grey, collectives in flight blue, exposed red.
+
+    Needs matplotlib (`pip install 'hp[plot]'`).
+    """
+    try:
+        import matplotlib  # noqa: PLC0415  (an optional extra)
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        raise ImportError("drawing an hp.mpmd timeline needs matplotlib: pip install 'hp[plot]'") from None
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.8 * len(timelines)))
+    for row, line in enumerate(timelines):
+        y = len(timelines) - 1 - row
+        ax.broken_barh([(0, line.seconds * 1e3)], (y - 0.35, 0.7), color=_COLORS["compute"])
+        flights = [(s.issued * 1e3, (s.landed - s.issued) * 1e3) for s in line.spans]
+        ax.broken_barh(flights, (y - 0.1, 0.45), color=_COLORS["flight"])
+        ax.broken_barh([(s.waited * 1e3, (s.landed - s.waited) * 1e3) for s in line.spans], (y - 0.35, 0.25),
+                       color=_COLORS["exposed"])
+        ax.text(line.seconds * 1e3, y, f"  masked {line.overlapped_seconds / max(line.flight_seconds, 1e-12):.0%}",
+                va="center", fontsize=8)
+    ax.set_yticks(range(len(timelines)), [f"rank {line.rank}" for line in reversed(timelines)])
+    ax.set_xlabel("ms from the step's start")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLORS.values()]
+    ax.legend(handles, ["computing", "collective in flight", "blocked on it (exposed)"], loc="upper center",
+              bbox_to_anchor=(0.5, -0.35 if len(timelines) < 3 else -0.15), ncol=3, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
