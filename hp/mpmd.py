@@ -103,7 +103,7 @@ class Mpmd:
         self._calls = 0
         self._comm_seconds = 0.0
         self._plain_seconds = 0.0
-        functools.update_wrapper(self, step)
+        functools.update_wrapper(self, step, updated=())  # its name and doc; not its attributes (a wrapped step object keeps its own)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._calls += 1

@@ -166,3 +166,4 @@ def test_the_planner_keeps_a_step_that_chunking_slows_down_and_says_why():
 def test_bad_chunks_are_refused(chunks, message):
     with pytest.raises(hp.MpmdError, match=message):
         hp.mpmd(lambda: None, chunks=chunks)
+
