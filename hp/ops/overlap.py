@@ -1,12 +1,16 @@
-"""How many chunks hp's kernels pipeline their collectives over, and how long a step waited on them.
+"""How many chunks hp's kernels pipeline their collectives over, and when a step waited on them.
 
 `hp.mpmd` sets the chunk count for the duration of a step; a kernel that can
 split its work into independent chunks (the expert-parallel all-to-alls of
-`hp.ops.expert_parallel`) reads it with `chunks()`, issues each chunk's
+`hp.ops.expert_parallel`, the tensor-parallel linears of
+`hp.ops.pipelined_linear`) reads it with `chunks()`, issues each chunk's
 collective asynchronously and computes another chunk while it flies. Every
-wait such a kernel does is timed here (`waited`): the communication the
-step could not hide, per kind of collective. Outside `hp.mpmd` the count is
-1 and kernels run as they always did.
+collective hp's kernels issue is stamped (`issued`) and every wait on one is
+timed (`wait`): the communication the step could not hide, per kind of
+collective, and each collective's `Span` for the step's timeline. A module
+whose output resolves a pending sum tells its row-parallel kernel the layout
+(`reducing`), so that the kernel can reduce chunk by chunk. Outside
+`hp.mpmd` the count is 1 and kernels run as they always did.
 
 >>> with pipelined(2) as waits:
 ...     chunks()
