@@ -203,6 +203,8 @@ def _tell_reduction(module: nn.Module, spec, mesh, rules) -> None:
     active: list[AbstractContextManager] = []
 
     def enter(mod, args):
+        if torch.compiler.is_compiling():  # a compiled block's kernels do not pipeline
+            return
         weight, x = mod.weight, args[0] if args else None
         if not (overlap.active() and isinstance(weight, DTensor) and isinstance(x, DTensor)):
             return

@@ -126,7 +126,7 @@ def _shared_name(step: str, axis: int) -> str:
 def _pipelines(group) -> bool:
     """Whether a kernel takes the pipelined path: inside `hp.mpmd`, over ranks, eager and without autocast
     (the pipelined backward multiplies in the saved tensors' own dtypes)."""
-    return (overlap.active() and group.size() > 1 and not torch.compiler.is_compiling()
+    return (not torch.compiler.is_compiling() and overlap.active() and group.size() > 1
             and not torch.is_autocast_enabled())
 
 
@@ -227,8 +227,10 @@ def _resolved_here(input, weight, rows):
     inside `hp.mpmd`, its module told the layout (`hp.ops.overlap.reducing`), and that layout is the
     input's with the row axis replicated (Megatron's all-reduce) or splitting the input's whole tokens
     (sequence parallel's reduce-scatter). None otherwise: the pending sum is left to the module's output."""
+    if len(rows) != 1 or not _pipelines(weight.device_mesh.get_group(rows[0])):
+        return None
     target = overlap.reduction(weight)
-    if target is None or len(rows) != 1 or not _pipelines(weight.device_mesh.get_group(rows[0])):
+    if target is None:
         return None
     (a,) = rows
     size, last = weight.device_mesh.size(a), input.ndim - 1

@@ -117,7 +117,7 @@ def pipelined(count: int) -> Iterator[Waits]:
 
 def issued(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor`, a collective's pending result, stamped with the time it was issued (inside `hp.mpmd`)."""
-    if _STATE.get() is not None and isinstance(tensor, funcol.AsyncCollectiveTensor):
+    if not torch.compiler.is_compiling() and isinstance(tensor, funcol.AsyncCollectiveTensor) and active():
         tensor._hp_issued = time.perf_counter()
     return tensor
 
