@@ -195,28 +195,22 @@ def _output_hook(specs, mesh, rules):
 
 def _tell_reduction(module: nn.Module, spec, mesh, rules) -> None:
     """Inside `hp.mpmd`, a linear's row-parallel kernel learns the layout its output takes, to
-    resolve its pending sum chunk by chunk as it multiplies (`hp.ops.overlap.reducing`).
+    resolve its pending sum chunk by chunk as it multiplies (`hp.ops.overlap.reduce_into`).
 
     Not for a module with children: adapters (LoRA's) add their own pending sums to its output
-    before the one reduction.
+    before the one reduction. A pre-hook alone: a compiled block guards on each module's
+    always-called hooks, so one of those per layer would compile every layer anew.
     """
-    active: list[AbstractContextManager] = []
 
-    def enter(mod, args):
+    def tell(mod, args):
         if torch.compiler.is_compiling():  # a compiled block's kernels do not pipeline
             return
         weight, x = mod.weight, args[0] if args else None
-        if not (overlap.active() and isinstance(weight, DTensor) and isinstance(x, DTensor)):
-            return
-        active.append(overlap.reducing(weight, placements_for(spec, mesh, (*x.shape[:-1], weight.shape[0]), rules)))
-        active[-1].__enter__()
+        if overlap.active() and isinstance(weight, DTensor) and isinstance(x, DTensor):
+            shape = (*x.shape[:-1], weight.shape[0])
+            overlap.reduce_into(weight, placements_for(spec, mesh, shape, rules))
 
-    def leave(mod, args, out):
-        if active:
-            active.pop().__exit__(None, None, None)
-
-    module.register_forward_pre_hook(enter)
-    module.register_forward_hook(leave, always_call=True, prepend=True)
+    module.register_forward_pre_hook(tell)
 
 
 def _run_in_region(module: nn.Module) -> None:

@@ -224,10 +224,10 @@ def blockwise_linear(input, weight, bias=None):
 
 def _resolved_here(input, weight, rows):
     """(placements, token dim, scatter) when a row-parallel product resolves its own pending sum, pipelined:
-    inside `hp.mpmd`, its module told the layout (`hp.ops.overlap.reducing`), and that layout is the
+    inside `hp.mpmd`, its module told the layout (`hp.ops.overlap.reduce_into`), and that layout is the
     input's with the row axis replicated (Megatron's all-reduce) or splitting the input's whole tokens
     (sequence parallel's reduce-scatter). None otherwise: the pending sum is left to the module's output."""
-    if len(rows) != 1 or not _pipelines(weight.device_mesh.get_group(rows[0])):
+    if torch.compiler.is_compiling() or len(rows) != 1 or not _pipelines(weight.device_mesh.get_group(rows[0])):
         return None
     target = overlap.reduction(weight)
     if target is None:

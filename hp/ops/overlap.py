@@ -9,7 +9,7 @@ collective hp's kernels issue is stamped (`issued`) and every wait on one is
 timed (`wait`): the communication the step could not hide, per kind of
 collective, and each collective's `Span` for the step's timeline. A module
 whose output resolves a pending sum tells its row-parallel kernel the layout
-(`reducing`), so that the kernel can reduce chunk by chunk. Outside
+(`reduce_into`), so that the kernel can reduce chunk by chunk. Outside
 `hp.mpmd` the count is 1 and kernels run as they always did.
 
 >>> with pipelined(2) as waits:
@@ -83,25 +83,24 @@ _REDUCTION: contextvars.ContextVar[tuple[torch.Tensor, tuple] | None] = contextv
     "hp_reduction", default=None)
 
 
-@contextmanager
-def reducing(weight: torch.Tensor, placements: tuple) -> Iterator[None]:
-    """Inside, a row-parallel product by `weight` may resolve its pending sum into `placements` itself.
+def reduce_into(weight: torch.Tensor, placements: tuple) -> None:
+    """The next row-parallel product by `weight` may resolve its pending sum into `placements` itself.
 
     The module whose output joins the residual stream knows the layout its pending sum resolves
     into; its linear kernel does not. Told, the kernel can reduce chunk by chunk while it
-    multiplies (`hp.ops.pipelined_linear`).
+    multiplies (`hp.ops.pipelined_linear`). The kernel takes the message (`reduction`); one left
+    untaken (a forward that failed) names a weight that only its own module's next call tells anew.
     """
-    token = _REDUCTION.set((weight, placements))
-    try:
-        yield
-    finally:
-        _REDUCTION.reset(token)
+    _REDUCTION.set((weight, placements))
 
 
 def reduction(weight: torch.Tensor) -> tuple | None:
-    """The placements the product by `weight` resolves into, when its module said so (`reducing`)."""
+    """The placements the product by `weight` resolves into, when its module said so (`reduce_into`); taken once."""
     told = _REDUCTION.get()
-    return told[1] if told is not None and told[0] is weight else None
+    if told is None or told[0] is not weight:
+        return None
+    _REDUCTION.set(None)
+    return told[1]
 
 
 @contextmanager

@@ -13,7 +13,7 @@ Inside `hp.mpmd` the tensor-parallel linears cut their tokens into
   (k and v; up) use it whole, and their gradients join before the pipelined
   reduction, as they join before the plain one.
 * **row parallel** (`out in/tp`) in a module whose output joins the
-  residual stream (`hp.ops.overlap.reducing` names the layout it resolves
+  residual stream (`hp.ops.overlap.reduce_into` names the layout it resolves
   into): each chunk's partial sums are reduce-scattered (all-reduced) as
   soon as they are computed, while the next chunk multiplies. Backward,
   every chunk of the output gradient is all-gathered at once, and each is
