@@ -193,9 +193,8 @@ def _time(case: str, steps: dict, s: Settings, emit) -> None:
             report = run.report
             slowest = torch.tensor([report.step_seconds], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            line = report.timeline
             rounds[chunks].append((float(slowest), report.exposed_seconds, report.comm_seconds, report.masking,
-                                   line.overlapped_seconds / line.flight_seconds if line.flight_seconds else 1.0))
+                                   report.timeline.masking))
     want = steps[1][1][2]
     for chunks in CHUNKS:
         run, first = steps[chunks]

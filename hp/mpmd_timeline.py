@@ -10,8 +10,8 @@ counts it. `draw` puts every rank's step on one PNG (the `plot` extra).
 
 >>> from hp.ops.overlap import Span
 >>> line = Timeline(rank=0, seconds=1.0, spans=(Span("all_gather", 0.25, 0.5, 0.75),))
->>> line.flight_seconds, line.exposed_seconds, line.overlapped_seconds
-(0.5, 0.25, 0.25)
+>>> line.flight_seconds, line.exposed_seconds, line.overlapped_seconds, line.masking
+(0.5, 0.25, 0.25, 0.5)
 """
 
 from __future__ import annotations
@@ -49,6 +49,11 @@ class Timeline:
     def overlapped_seconds(self) -> float:
         """How long collectives flew while the rank computed."""
         return self.flight_seconds - self.exposed_seconds
+
+    @property
+    def masking(self) -> float:
+        """The share of the in-flight time the rank computed through (1.0 with nothing in flight)."""
+        return self.overlapped_seconds / self.flight_seconds if self.flight_seconds > 0 else 1.0
 
     def to_json(self) -> str:
         return json.dumps({"rank": self.rank, "seconds": self.seconds, "spans": [asdict(s) for s in self.spans]})
@@ -92,7 +97,7 @@ def draw(timelines: Sequence[Timeline], path: str) -> None:
         ax.broken_barh(flights, (y - 0.1, 0.45), color=_COLORS["flight"])
         ax.broken_barh([(s.waited * 1e3, (s.landed - s.waited) * 1e3) for s in line.spans], (y - 0.35, 0.25),
                        color=_COLORS["exposed"])
-        ax.text(line.seconds * 1e3, y, f"  masked {line.overlapped_seconds / max(line.flight_seconds, 1e-12):.0%}",
+        ax.text(line.seconds * 1e3, y, f"  masked {line.masking:.0%}",
                 va="center", fontsize=8)
     ax.set_yticks(range(len(timelines)), [f"rank {line.rank}" for line in reversed(timelines)])
     ax.set_xlabel("ms from the step's start")

@@ -167,3 +167,25 @@ def test_bad_chunks_are_refused(chunks, message):
     with pytest.raises(hp.MpmdError, match=message):
         hp.mpmd(lambda: None, chunks=chunks)
 
+
+
+def test_a_timeline_is_drawn_or_the_plot_extra_is_named(tmp_path):
+    from hp.mpmd_timeline import Timeline, draw  # noqa: PLC0415
+    from hp.ops.overlap import Span  # noqa: PLC0415
+
+    lines = [Timeline(r, 1.0, (Span("all_gather", 0.1, 0.3, 0.4), Span("reduce_scatter", 0.35, 0.6, 0.7))) for r in (0, 1)]
+    assert lines[0].flight_seconds == pytest.approx(0.6) and lines[0].exposed_seconds == pytest.approx(0.2)
+    path = tmp_path / "timeline.png"
+    try:
+        import matplotlib  # noqa: F401, PLC0415
+    except ImportError:
+        with pytest.raises(ImportError, match=r"pip install 'hp\[plot\]'"):
+            draw(lines, str(path))
+        return
+    draw(lines, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_drawing_before_a_step_is_refused():
+    with pytest.raises(hp.MpmdError, match="no step has run yet"):
+        hp.mpmd(lambda: None).draw("never.png")

@@ -239,6 +239,7 @@ def test_parallel_mpmd_pipelines_the_all_to_alls_with_the_same_losses(tmp_path):
     piped = summary(hp_train(*common, "parallel.mpmd=2", f"output_dir={tmp_path / 'piped'}", config=QUICKSTART_MOE))
     assert "mpmd" not in plain
     assert piped["mpmd"]["chunks"] == 2 and 0.0 <= piped["mpmd"]["masking"] <= 1.0
+    assert 0.0 < piped["mpmd"]["timeline_masking"] <= 1.0  # the pipelined all-to-alls fly while experts compute
     assert piped["mpmd"]["comm_seconds"] > 0
     want, got = losses(tmp_path / "plain"), losses(tmp_path / "piped")
     assert list(got) == [1, 2, 3]

@@ -433,6 +433,7 @@ def _mpmd_summary(step) -> dict:
     """The chunks `hp.mpmd` planned and its last step's communication figures (this rank's)."""
     report, plan = step.report, step.plan
     return {"chunks": plan.chunks if plan else report.chunks, "masking": report.masking,
+            "timeline_masking": report.timeline.masking,  # hp.mpmd_timeline: computed through / in flight
             "comm_seconds": report.comm_seconds, "exposed_seconds": report.exposed_seconds,
             **({"reason": plan.reason} if plan and plan.reason else {})}
 
