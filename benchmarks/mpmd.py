@@ -145,6 +145,7 @@ def worker(s: Settings) -> None:
     emit = emitter(rank)
     import hp
     from hp.models import plan_for
+    from hp.plot import pyplot
 
     for case in CASES:
         steps = {}
@@ -167,18 +168,10 @@ def worker(s: Settings) -> None:
             first = [run(), run(), run()]  # warm-up, the step as it is measured, then pipelined
             steps[chunks] = (run, first)
         _time(case, steps, s, emit)
-        if _can_draw():  # the last 2-chunk step of each rank: benchmarks/mpmd_<case>.png
+        if pyplot() is not None:  # the last 2-chunk step of each rank: benchmarks/mpmd_<case>.png
             steps[2][0].draw(str(Path(__file__).with_name(f"mpmd_{case}.png")))
     dist.barrier()
     emit({DONE: True})
-
-
-def _can_draw() -> bool:
-    try:
-        import matplotlib  # noqa: F401, PLC0415
-    except ImportError:
-        return False
-    return True
 
 
 def _time(case: str, steps: dict, s: Settings, emit) -> None:

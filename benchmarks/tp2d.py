@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 import hp
 from hp import tp_plan
 from hp.models.llama import choice_layouts
+from hp.plot import pyplot
 
 H, HEADS, KV_HEADS, FFN = 4096, 32, 8, 14336
 BLOCKS = {
@@ -254,12 +255,8 @@ def main() -> None:
 
 
 def _plot(rows: list[dict], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for block in BLOCKS:

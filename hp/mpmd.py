@@ -77,10 +77,17 @@ class StepReport:
     """One call's times, in seconds on this rank, and the share of its communication hidden behind computation."""
 
     chunks: int
-    step_seconds: float
     comm_seconds: float  # the step's collectives waited as issued: the whole communication time (the second call's)
-    exposed_seconds: float  # time blocked on them in this call
-    timeline: Timeline | None = None  # this call's collectives on this rank's clock
+    timeline: Timeline  # this call on this rank's clock: its length and its collectives
+
+    @property
+    def step_seconds(self) -> float:
+        return self.timeline.seconds
+
+    @property
+    def exposed_seconds(self) -> float:
+        """Time blocked on the step's collectives in this call."""
+        return self.timeline.exposed_seconds
 
     @property
     def masking(self) -> float:
@@ -108,18 +115,18 @@ class Mpmd:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._calls += 1
         if self._calls <= 2:  # warm-up, then as it is: every wait is the whole communication
-            result, seconds, waited, timeline = self._timed(1, args, kwargs)
+            result, timeline = self._timed(1, args, kwargs)
             if self._calls == 2:
-                self._plain_seconds = _slowest(seconds)[0]  # the plan compares the slowest rank's times
-                self._comm_seconds = waited
-            self.report = StepReport(1, seconds, waited, waited, timeline)
+                self._plain_seconds = _slowest(timeline.seconds)[0]  # the plan compares the slowest rank's times
+                self._comm_seconds = timeline.exposed_seconds
+            self.report = StepReport(1, timeline.exposed_seconds, timeline)
             return result
         trying = self.plan is None
         chunks = self._candidate() if trying else self.plan.chunks
-        result, seconds, waited, timeline = self._timed(chunks, args, kwargs)
-        self.report = StepReport(chunks, seconds, self._comm_seconds, waited, timeline)
+        result, timeline = self._timed(chunks, args, kwargs)
+        self.report = StepReport(chunks, self._comm_seconds, timeline)
         if trying:
-            self.plan = self._decide(chunks, seconds)
+            self.plan = self._decide(chunks, timeline.seconds)
         return result
 
     def _candidate(self) -> int:
@@ -144,14 +151,14 @@ class Mpmd:
         if not dist.is_initialized() or dist.get_rank() == 0:
             draw(timelines, path)
 
-    def _timed(self, chunks: int, args: tuple, kwargs: dict) -> tuple[Any, float, float, Timeline]:
+    def _timed(self, chunks: int, args: tuple, kwargs: dict) -> tuple[Any, Timeline]:
         start = time.perf_counter()
         with overlap.pipelined(chunks) as waits:
             result = self._step(*args, **kwargs)
         seconds = time.perf_counter() - start
         spans = tuple(Span(s.kind, s.issued - start, s.waited - start, s.landed - start) for s in waits.spans)
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        return result, seconds, waits.total, Timeline(rank, seconds, spans)
+        return result, Timeline(rank, seconds, spans)
 
 
 def _slowest(*seconds: float) -> tuple[float, ...]:

@@ -16,13 +16,13 @@ counts it. `draw` puts every rank's step on one PNG (the `plot` extra).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from hp.ops.overlap import Span
+from hp.plot import require_pyplot
 
 _COLORS = {"compute": "#b0b0b0", "flight": "#4c72b0", "exposed": "#c44e52"}
 
@@ -55,9 +55,6 @@ class Timeline:
         """The share of the in-flight time the rank computed through (1.0 with nothing in flight)."""
         return self.overlapped_seconds / self.flight_seconds if self.flight_seconds > 0 else 1.0
 
-    def to_json(self) -> str:
-        return json.dumps({"rank": self.rank, "seconds": self.seconds, "spans": [asdict(s) for s in self.spans]})
-
 
 def _union(intervals) -> float:
     total, end = 0.0, float("-inf")
@@ -82,13 +79,7 @@ def draw(timelines: Sequence[Timeline], path: str) -> None:
 
     Needs matplotlib (`pip install 'hp[plot]'`).
     """
-    try:
-        import matplotlib  # noqa: PLC0415  (an optional extra)
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
-        raise ImportError("drawing an hp.mpmd timeline needs matplotlib: pip install 'hp[plot]'") from None
+    plt = require_pyplot("drawing an hp.mpmd timeline")
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.8 * len(timelines)))
     for row, line in enumerate(timelines):
         y = len(timelines) - 1 - row

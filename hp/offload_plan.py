@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from hp.plot import require_pyplot
 from hp.use_def import Recording, SavedTensor
 
 
@@ -74,13 +75,7 @@ class OffloadPlan:
 
     def plot(self, path: str) -> None:
         """The memory timeline before and after, with the budget, as a PNG (needs the `plot` extra)."""
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            raise ImportError("OffloadPlan.plot needs matplotlib: pip install 'hp[plot]'") from None
+        plt = require_pyplot("OffloadPlan.plot")
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.plot([b / 2**20 for b in self.before], label="without offload")
         ax.plot([b / 2**20 for b in self.after], label="hp.offload")

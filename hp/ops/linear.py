@@ -123,11 +123,16 @@ def _shared_name(step: str, axis: int) -> str:
     return f"_hp_{step}{axis}"
 
 
-def _pipelines(group) -> bool:
-    """Whether a kernel takes the pipelined path: inside `hp.mpmd`, over ranks, eager and without autocast
-    (the pipelined backward multiplies in the saved tensors' own dtypes)."""
-    return (not torch.compiler.is_compiling() and overlap.active() and group.size() > 1
+def _pipelines(mesh, axis: int) -> bool:
+    """Whether a kernel over mesh `axis` takes the pipelined path: inside `hp.mpmd`, over ranks, eager
+    and without autocast (the pipelined backward multiplies in the saved tensors' own dtypes)."""
+    return (not torch.compiler.is_compiling() and overlap.active() and mesh.size(axis) > 1
             and not torch.is_autocast_enabled())
+
+
+def _cut_dim(input) -> int:
+    """The dim a pipelined kernel cuts whole tokens along: the sequence of `b s h`, the tokens of `t h`."""
+    return max(input.ndim - 2, 0)
 
 
 def linear(input, weight, bias=None):
@@ -227,7 +232,7 @@ def _resolved_here(input, weight, rows):
     inside `hp.mpmd`, its module told the layout (`hp.ops.overlap.reduce_into`), and that layout is the
     input's with the row axis replicated (Megatron's all-reduce) or splitting the input's whole tokens
     (sequence parallel's reduce-scatter). None otherwise: the pending sum is left to the module's output."""
-    if torch.compiler.is_compiling() or len(rows) != 1 or not _pipelines(weight.device_mesh.get_group(rows[0])):
+    if len(rows) != 1 or not _pipelines(weight.device_mesh, rows[0]):
         return None
     target = overlap.reduction(weight)
     if target is None:
@@ -237,7 +242,7 @@ def _resolved_here(input, weight, rows):
     if any(t != p for m, (t, p) in enumerate(zip(target, input.placements)) if m != a):
         return None
     if isinstance(target[a], Replicate):
-        return tuple(target), max(input.ndim - 2, 0), False
+        return tuple(target), _cut_dim(input), False
     dim = getattr(target[a], "dim", last)
     split_after = any(getattr(p, "dim", None) == dim for p in input.placements[a:])  # a's block would not be local
     if type(target[a]) is not Shard or dim == last or split_after or input._local_tensor.shape[dim] % size:
@@ -285,9 +290,9 @@ def column_product(input, weight, bias, a: int, out: Placement):
     # rows split over other axes (data parallel): parameter gradients are pending sums there
     rows = [m for m, p in enumerate(input.placements) if isinstance(p, (Shard, _StridedShard)) and m != a]
     local_w, local_b = local_block(weight, rows), local_block(bias, rows) if bias is not None else None
-    if _pipelines(group) and getattr(input, _shared_name(step, a), None) is None:
+    if _pipelines(mesh, a) and getattr(input, _shared_name(step, a), None) is None:
         # the first linear to read the input gathers it chunk by chunk (hp.ops.pipelined_linear)
-        dim = tokens.dim if step == "gather" else max(input.ndim - 2, 0)
+        dim = tokens.dim if step == "gather" else _cut_dim(input)
         prepared, out_local = pipelined_linear.column(local_block(input), local_w, local_b, dim, group,
                                                       gather=step == "gather")
         setattr(input, _shared_name(step, a), prepared)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextvars
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -48,21 +49,13 @@ class Span:
 
 @dataclass
 class Waits:
-    """Seconds a step spent blocked on hp's collectives and how many it waited on, by kind; each one's span."""
+    """The collectives a step waited on: each one's span, and how many of each kind."""
 
-    seconds: dict[str, float] = field(default_factory=dict)
-    count: dict[str, int] = field(default_factory=dict)
     spans: list[Span] = field(default_factory=list)
 
-    def add(self, kind: str, seconds: float, span: Span | None = None) -> None:
-        self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
-        self.count[kind] = self.count.get(kind, 0) + 1
-        if span is not None:
-            self.spans.append(span)
-
     @property
-    def total(self) -> float:
-        return sum(self.seconds.values())
+    def count(self) -> dict[str, int]:
+        return dict(Counter(s.kind for s in self.spans))
 
 
 _STATE: contextvars.ContextVar[tuple[int, Waits] | None] = contextvars.ContextVar("hp_overlap", default=None)
@@ -131,5 +124,5 @@ def wait(tensor: torch.Tensor, kind: str) -> torch.Tensor:
     start = time.perf_counter()
     landed = funcol.wait_tensor(tensor)
     end = time.perf_counter()
-    state[1].add(kind, end - start, Span(kind, getattr(tensor, "_hp_issued", start), start, end))
+    state[1].spans.append(Span(kind, getattr(tensor, "_hp_issued", start), start, end))
     return landed

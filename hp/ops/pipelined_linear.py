@@ -73,6 +73,29 @@ def _weight_grads(grad: torch.Tensor, input: torch.Tensor, needs: tuple[bool, bo
     return grad_w, grad_b
 
 
+def _gathered(pieces: list[torch.Tensor], dim: int, group, product) -> tuple[list, list]:
+    """(each piece gathered along `dim`, `product` of it): every gather is issued at once and
+    each product computed as soon as its piece lands, while the later ones fly."""
+    flying = [issue_all_gather(piece, dim, group) for piece in pieces]
+    landed, products = [], []
+    for pending in flying:
+        landed.append(landed_gather(pending, dim))
+        products.append(product(landed[-1]))
+    return landed, products
+
+
+def _issue_reductions(products, dim: int, group, scatter: bool) -> list[torch.Tensor]:
+    """Each of `products` (computed one after the other) reduce-scattered along `dim`, or all-reduced,
+    issued as soon as it is computed: the next one computes while it flies."""
+    return [issue_reduce_scatter(p, dim, group) if scatter else issue_all_reduce(p, "sum", group) for p in products]
+
+
+def _landed(flying: list[torch.Tensor], dim: int, scatter: bool) -> torch.Tensor:
+    """The `_issue_reductions` once landed, put back together along `dim`."""
+    kind = REDUCE_SCATTER if scatter else ALL_REDUCE
+    return torch.cat([overlap.wait(pending, kind) for pending in flying], dim)
+
+
 class _Column(torch.autograd.Function):
     """Column-parallel product of the rank's tokens: (the shared input, the output block).
 
@@ -85,38 +108,30 @@ class _Column(torch.autograd.Function):
         ranks = group.size()
         sizes = chunk_sizes(x.shape[dim], count)
         if gather:
-            flying = [issue_all_gather(piece, dim, group) for piece in x.split(sizes, dim)]
-            ins, outs = [], []
-            for pending in flying:
-                ins.append(landed_gather(pending, dim))
-                outs.append(F.linear(ins[-1], weight, bias))
+            ins, outs = _gathered(x.split(sizes, dim), dim, group, lambda piece: F.linear(piece, weight, bias))
             shared, out = joined(ins, ranks, dim), joined(outs, ranks, dim)
         else:
             shared, out = x.view_as(x), F.linear(x, weight, bias)
         ctx.save_for_backward(shared, weight)
         ctx.dim, ctx.group, ctx.sizes, ctx.gather = dim, group, sizes, gather
-        ctx.set_materialize_grads(False)
+        ctx.set_materialize_grads(False)  # an input no other linear reads has no gradient to add
         return shared, out
 
     @staticmethod
     def backward(ctx, grad_shared, grad_out):
         shared, weight = ctx.saved_tensors
-        dim, group, sizes, ranks = ctx.dim, ctx.group, ctx.sizes, ctx.group.size()
+        dim, group, sizes, gather = ctx.dim, ctx.group, ctx.sizes, ctx.gather
         if grad_out is None:
             grad_out = torch.zeros((*shared.shape[:-1], weight.shape[0]), dtype=shared.dtype, device=shared.device)
+
         def cut(t):  # the chunks as forward cut them
-            return interleaved(t, ranks, sizes, dim) if ctx.gather else list(t.split(sizes, dim))
+            return interleaved(t, group.size(), sizes, dim) if gather else list(t.split(sizes, dim))
 
         extra = cut(grad_shared) if grad_shared is not None else [None] * len(sizes)
-        flying = []
-        for g, more in zip(cut(grad_out), extra):
-            grad_in = g @ weight if more is None else more + g @ weight
-            flying.append(issue_reduce_scatter(grad_in, dim, group) if ctx.gather
-                          else issue_all_reduce(grad_in, "sum", group))
+        grads_in = (g @ weight if more is None else more + g @ weight for g, more in zip(cut(grad_out), extra))
+        flying = _issue_reductions(grads_in, dim, group, gather)
         grad_w, grad_b = _weight_grads(grad_out, shared, ctx.needs_input_grad[1:3])  # while the last one flies
-        kind = REDUCE_SCATTER if ctx.gather else ALL_REDUCE
-        grad_x = torch.cat([overlap.wait(pending, kind) for pending in flying], dim)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return _landed(flying, dim, gather), grad_w, grad_b, None, None, None, None
 
 
 class _Row(torch.autograd.Function):
@@ -127,26 +142,19 @@ class _Row(torch.autograd.Function):
     def forward(ctx, x, weight, dim: int, group, count: int, scatter: bool):
         ranks = group.size()
         sizes = chunk_sizes(x.shape[dim] // ranks if scatter else x.shape[dim], count)
-        ins = interleaved(x, ranks, sizes, dim) if scatter else list(x.split(sizes, dim))
-        flying = [issue_reduce_scatter(F.linear(piece, weight), dim, group) if scatter
-                  else issue_all_reduce(F.linear(piece, weight), "sum", group) for piece in ins]
-        kind = REDUCE_SCATTER if scatter else ALL_REDUCE
-        out = torch.cat([overlap.wait(pending, kind) for pending in flying], dim)
+        ins = interleaved(x, ranks, sizes, dim) if scatter else x.split(sizes, dim)
+        flying = _issue_reductions((F.linear(piece, weight) for piece in ins), dim, group, scatter)
         ctx.save_for_backward(x, weight)
         ctx.dim, ctx.group, ctx.sizes, ctx.scatter = dim, group, sizes, scatter
-        return out
+        return _landed(flying, dim, scatter)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        dim, group, sizes = ctx.dim, ctx.group, ctx.sizes
+        dim, group = ctx.dim, ctx.group
         if ctx.scatter:
-            flying = [issue_all_gather(piece, dim, group) for piece in grad.split(sizes, dim)]
-            grads, grad_ins = [], []
-            for pending in flying:
-                grads.append(landed_gather(pending, dim))
-                grad_ins.append(grads[-1] @ weight)
-            grad, grad_x = joined(grads, group.size(), dim), joined(grad_ins, group.size(), dim)
+            grads, grads_in = _gathered(grad.split(ctx.sizes, dim), dim, group, lambda g: g @ weight)
+            grad, grad_x = joined(grads, group.size(), dim), joined(grads_in, group.size(), dim)
         else:  # an all-reduce's gradient is whole on every rank already
             grad_x = grad @ weight
         grad_w, _ = _weight_grads(grad, x, (ctx.needs_input_grad[1], False))

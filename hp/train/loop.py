@@ -65,6 +65,7 @@ from hp.device import bind_local_device, detect
 from hp.expert_balance import ExpertLoad, measure, nudge_routing_bias
 from hp.mpmd import Mpmd
 from hp.models import plan_for
+from hp.plot import pyplot
 from hp.train import checkpoint
 from hp.train.config import PREFERENCE_STAGES, TrainConfig, to_dict
 from hp.train.data import IGNORE_INDEX, TokenBatches, eval_batches, load_splits
@@ -447,15 +448,9 @@ def peak_memory_bytes(device: str) -> int:
 
 def _plot(output_dir: str) -> None:
     """training_loss.png from metrics.jsonl, when matplotlib (the `plot` extra) is installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+    plt = pyplot()
     path = os.path.join(output_dir, METRICS)
-    if not os.path.isfile(path):
+    if plt is None or not os.path.isfile(path):
         return
     with open(path) as f:
         records = [r for r in map(json.loads, f) if "loss" in r]  # training steps, not evaluations
