@@ -22,22 +22,24 @@ from hp.models import plan_for
 from hp.ops import overlap
 
 
-def _moe_step(model, ids, labels):
+def _step(model, ids, labels):
     loss = model(input_ids=ids, labels=labels).loss
     loss.backward()
     return loss
 
 
 @pytest.mark.parametrize("strategy", [{"dp": 2, "ep": 2}, {"dp": 2, "ep": 2, "tp": 2}], ids=["ep2", "ep2-tp2"])
-def test_a_pipelined_moe_step_gives_the_plain_step_s_loss_gradients_and_rows(strategy):
+def test_a_pipelined_moe_step_gives_hf_s_loss_and_gradients_and_the_plain_step_s_rows(strategy):
     aux = {"output_router_logits": True, "router_aux_loss_coef": 0.1}
-    plain, piped = tiny_pair("qwen3_moe", layers=1, **aux)
+    reference, plain = tiny_pair("qwen3_moe", layers=1, **aux)
+    piped = tiny_pair("qwen3_moe", layers=1, **aux)[1]
     ids, labels = batch()
+    hf_loss = _step(reference, ids, labels).item()  # the unsharded model's
     strategy = hp.Strategy.of(strategy)
     mesh = hp.strategy_mesh(strategy, simulate=True)
     with hp.simulated(mesh):
         traces = []
-        for model, run in ((plain, _moe_step), (piped, hp.mpmd(_moe_step, chunks=2))):
+        for model, run in ((plain, _step), (piped, hp.mpmd(_step, chunks=2))):
             hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
             for _ in range(3):  # warm-up, the step as it is measured, then pipelined
                 model.zero_grad(set_to_none=True)
@@ -48,8 +50,10 @@ def test_a_pipelined_moe_step_gives_the_plain_step_s_loss_gradients_and_rows(str
         (want, plain_trace), (got, piped_trace) = traces
         assert run.plan.chunks == 2 and run.report.chunks == 2
         assert abs(got.full_tensor().item() - want.full_tensor().item()) <= 1e-5 * abs(want.full_tensor().item())
-        for (name, p), q in zip(piped.named_parameters(), plain.parameters()):
+        assert abs(got.full_tensor().item() - hf_loss) <= 1e-5 * abs(hf_loss)
+        for (name, p), q, r in zip(piped.named_parameters(), plain.parameters(), reference.parameters()):
             assert rel_err(p.grad.full_tensor(), q.grad.full_tensor()) < 1e-5, name
+            assert rel_err(p.grad.full_tensor(), r.grad) < 1e-5, name
     layers, experts = plain.config.num_hidden_layers, plain.config.num_experts
     counts = layers * experts // 2 * 8  # per layer, half the int64 counts go to the other rank
     rows = plain_trace.bytes("all_to_all", axis="ep") - counts
@@ -63,16 +67,16 @@ def test_a_pipelined_moe_step_gives_the_plain_step_s_loss_gradients_and_rows(str
 @pytest.mark.parametrize("strategy, chunks", [({"tp": 2}, 2), ({"tp": 2, "sp": True}, 3),
                                               ({"dp": 2, "tp": 2, "sp": True}, 2), ({"cp": 2, "tp": 2, "sp": True}, 2)],
                          ids=["tp2", "tp2-sp", "dp2-tp2-sp", "cp2-tp2-sp"])
-def test_a_pipelined_llama_step_gives_hf_s_loss_the_plain_gradients_and_bytes(strategy, chunks):
+def test_a_pipelined_llama_step_gives_hf_s_loss_and_gradients_and_the_plain_step_s_bytes(strategy, chunks):
     reference, plain = tiny_pair("llama", layers=1)
     piped = tiny_pair("llama", layers=1)[1]
     ids, labels = batch()
-    want = reference(input_ids=ids, labels=labels).loss.item()
+    want = _step(reference, ids, labels).item()  # the unsharded model's
     strategy = hp.Strategy.of(strategy)
     mesh = hp.strategy_mesh(strategy, simulate=True)
     with hp.simulated(mesh):
         traces = []
-        for model, run in ((plain, _moe_step), (piped, hp.mpmd(_moe_step, chunks=chunks))):
+        for model, run in ((plain, _step), (piped, hp.mpmd(_step, chunks=chunks))):
             hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
             for _ in range(3):
                 model.zero_grad(set_to_none=True)
@@ -82,8 +86,9 @@ def test_a_pipelined_llama_step_gives_hf_s_loss_the_plain_gradients_and_bytes(st
             traces.append(trace)
             assert abs(loss.full_tensor().item() - want) <= 1e-5 * want
         assert run.report.chunks == chunks
-        for (name, p), q in zip(piped.named_parameters(), plain.parameters()):
+        for (name, p), q, r in zip(piped.named_parameters(), plain.parameters(), reference.parameters()):
             assert rel_err(p.grad.full_tensor(), q.grad.full_tensor()) < 1e-5, name
+            assert rel_err(p.grad.full_tensor(), r.grad) < 1e-5, name
     plain_trace, piped_trace = traces
     for kind in ("all_gather", "reduce_scatter"):
         assert piped_trace.bytes(kind) == plain_trace.bytes(kind), kind
