@@ -58,6 +58,7 @@ import torch.distributed as dist
 from hp.mpmd_timeline import Timeline, draw, gathered
 from hp.ops import overlap
 from hp.ops.overlap import Span
+from hp.strategy import is_chunks
 
 
 class MpmdError(ValueError):
@@ -101,7 +102,7 @@ class Mpmd:
     """`step` with its collectives pipelined over the planned chunks; `plan` and `report` say how it went."""
 
     def __init__(self, step: Callable, chunks: int | str) -> None:
-        if chunks != "auto" and not (isinstance(chunks, int) and chunks >= 1):
+        if not is_chunks(chunks):
             raise MpmdError(f"chunks = {chunks!r}: expected an integer >= 1, or 'auto'")
         self._step = step
         self._asked = chunks

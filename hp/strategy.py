@@ -111,8 +111,7 @@ class Strategy:
                                 "(the world is dp x cp x tp) or lower ep")
         if self.cp_algorithm not in CP_ALGORITHMS:
             raise StrategyError("cp_algorithm", self.cp_algorithm, f": expected {_one_of(CP_ALGORITHMS)}")
-        if self.mpmd is not None and self.mpmd != "auto" and (
-                not isinstance(self.mpmd, int) or isinstance(self.mpmd, bool) or self.mpmd < 1):
+        if self.mpmd is not None and not is_chunks(self.mpmd):
             raise StrategyError("mpmd", self.mpmd, ": expected a number of chunks >= 1, 'auto', or null")
         if self.offload is not None and self.offload not in OFFLOAD_TIERS:
             raise StrategyError("offload", self.offload, f": expected {_one_of(OFFLOAD_TIERS)} or null")
@@ -327,3 +326,12 @@ def _split_sizes(config: Any) -> dict[str, int]:
 
 def _one_of(choices: tuple[str, ...]) -> str:
     return "one of " + ", ".join(repr(c) for c in choices)
+
+
+def is_chunks(value: object) -> bool:
+    """Whether `value` is what `hp.mpmd` pipelines over: a number of chunks >= 1, or "auto".
+
+    >>> is_chunks(2), is_chunks("auto"), is_chunks(0), is_chunks(True)
+    (True, True, False, False)
+    """
+    return value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)

@@ -167,7 +167,7 @@ def test_the_planner_keeps_a_step_that_chunking_slows_down_and_says_why():
 
 
 @pytest.mark.parametrize("chunks, message", [(0, "chunks = 0: expected an integer >= 1, or 'auto'"),
-                                             ("many", "chunks = 'many'")])
+                                             ("many", "chunks = 'many'"), (True, "chunks = True")])
 def test_bad_chunks_are_refused(chunks, message):
     with pytest.raises(hp.MpmdError, match=message):
         hp.mpmd(lambda: None, chunks=chunks)
