@@ -8,6 +8,9 @@
 """
 
 from hp import models_finder  # noqa: F401  first: lets a source tree, whose zoo sits beside hp/, import hp.models
+from hp import backports
+
+backports.install()  # before any layout: what this torch release lacks
 from hp.layouts import (
     Layout,
     LayoutError,

@@ -27,7 +27,7 @@ from typing import Any
 from torch import nn
 
 from hp.compiled import compile_blocks
-from hp.data_parallel import fully_shard_model
+from hp.data_parallel import check_fsdp_runs_here, fully_shard_model
 from hp.expert_balance import biased_routing
 from hp.layouts import constrain
 from hp.lora import adapter_layouts
@@ -164,6 +164,7 @@ def check_strategy(model: nn.Module, strategy: Strategy | Mapping[str, Any], pla
     """
     strategy = Strategy.of(strategy)
     strategy.check_fits(model.config)
+    check_fsdp_runs_here(strategy)
     params, _, _ = layouts(strategy, plan)
     params = {**params, **adapter_layouts(params)}
     check_plan(model, strategy.mesh_axes, _present(params, model.named_parameters(remove_duplicate=False)))

@@ -17,7 +17,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hp.strategy import Strategy
+from hp import backports
+from hp.strategy import Strategy, StrategyError
+
+
+def check_fsdp_runs_here(strategy: Strategy) -> None:
+    """Refuse FSDP on a torch whose `fully_shard` cannot shard over part of a laid-out mesh.
+
+    >>> import hp
+    >>> check_fsdp_runs_here(hp.Strategy(dp=2, tp=2))  # no FSDP: nothing to check
+    """
+    if strategy.fsdp_axes and not backports.FSDP_ON_THE_WHOLE_MESH:
+        raise StrategyError("fsdp", True, f": this torch ({torch.__version__}) has no fully_shard(dp_mesh_dims=...), "
+                            "which hp's FSDP needs to shard laid-out parameters over dp x cp on the whole mesh; "
+                            "use torch 2.13 or 2.14, or set fsdp false")
 
 
 def fully_shard_model(model: nn.Module, mesh, blocks: list[nn.Module], strategy: Strategy, *,
@@ -37,6 +50,7 @@ def fully_shard_model(model: nn.Module, mesh, blocks: list[nn.Module], strategy:
     With `mpmd` set, each block prefetches the next block's gather in forward and the previous
     block's in backward (FSDP2's explicit prefetching), so they fly while a block computes.
     """
+    check_fsdp_runs_here(strategy)
     from torch.distributed.fsdp import DataParallelMeshDims, MixedPrecisionPolicy, fully_shard
 
     _onto(model, mesh)

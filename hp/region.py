@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from hp.layouts import describe
-from hp.ops import batch_dims, flatten, fused, masked, npu_attention, residual
+from hp.ops import batch_dims, flatten, fused, masked, npu_attention, residual, selection
 from hp.ops.context_parallel import sequence_parallel_attention
 from hp.ops.cross_entropy import vocab_parallel_cross_entropy
 from hp.ops.embedding import vocab_parallel_embedding
@@ -69,8 +69,11 @@ KERNELS = {
     torch.Tensor.masked_scatter: masked.masked_scatter,
     **residual.KERNELS,
     **flatten.KERNELS,
+    **dict.fromkeys([torch.Tensor.view, torch.Tensor.reshape],
+                    in_turn(flatten.flatten_split_leading, flatten.unflatten_strided_leading, name="view")),
     **batch_dims.KERNELS,
     **npu_attention.kernels(),
+    **selection.kernels(),
 }
 _NO_STRATEGY = re.compile(r"Operator (\S+) does not have a sharding strategy registered")
 _PROPAGATION_FAILED = re.compile(r"Sharding propagation failed for ([\w.]+)\(")

@@ -3,11 +3,12 @@
 HF's causal-LM loss flattens the logits `b s/cp v` to `(b s) v` and the
 labels `b s/cp` to `(b s)`. Each rank holds its sequence block of every
 sample, so the flattened dim is split strided: `_StridedShard(0,
-split_factor=b)` (the rows of each sample split over cp). Some torch releases
-refuse that view ("Attempted to flatten multiple dimensions, with dimension 1
-being sharded"); the layout is exact, so hp flattens each block and says so.
-Flattening when the first dim of the group is split, or when more than one
-is, is left to DTensor.
+split_factor=b)` (the rows of each sample split over cp); with the batch
+also split over dp, `(Shard(0), _StridedShard(0, split_factor=b/dp))`. torch
+2.11 refuses such views ("Attempted to flatten multiple dimensions, with
+dimension 1 being sharded"); the layout is exact, so hp flattens each block
+and says so, on every release alike. Flattening where nothing splits
+strided (only the first dim of the group split) is left to DTensor.
 """
 
 from __future__ import annotations
@@ -38,17 +39,41 @@ def flatten_split_leading(input, *shape):
     if target is None:
         return NotImplemented
     group = input.ndim - len(target) + 1  # dims 0..group-1 become dim 0
-    split = [(m, p.dim) for m, p in enumerate(input.placements) if not p.is_replicate()]
-    if len(split) != 1 or type(input.placements[split[0][0]]) is not Shard:
-        return NotImplemented
-    mesh_dim, dim = split[0]
-    if not 0 < dim < group or input.shape[dim] % input.device_mesh.size(mesh_dim):
+    placements = _flattened_placements(input, group)
+    if placements is None:
         return NotImplemented
     local = local_block(input)
-    out = local.reshape(-1, *local.shape[group:])
-    placements = list(input.placements)
-    placements[mesh_dim] = _StridedShard(0, split_factor=math.prod(input.shape[:dim]))
-    return to_dtensor(out, input.device_mesh, placements, target)
+    return to_dtensor(local.reshape(-1, *local.shape[group:]), input.device_mesh, placements, target)
+
+
+def _flattened_placements(input: DTensor, group: int) -> list | None:
+    """`input`'s placements once dims 0..group-1 are one dim; None unless a later one of them is split.
+
+    Other orders (a strided split before another split of the dim) are left to DTensor:
+    torch releases differ in how they redistribute those.
+
+    Mesh dims apply in order, each to the blocks the earlier ones left: a split
+    of group dim d then cuts the flattened dim strided by the product of the
+    sizes before d in those blocks (a plain Shard when that product is 1).
+    """
+    sizes, strided, later, out = list(input.shape[:group]), False, False, []
+    for m, p in enumerate(input.placements):
+        if not isinstance(p, (Shard, _StridedShard)):
+            out.append(p)
+        elif p.dim >= group:
+            out.append(_moved(p, p.dim - group + 1))
+        elif type(p) is not Shard or sizes[p.dim] % input.device_mesh.size(m) or strided:
+            return None
+        else:
+            factor = math.prod(sizes[:p.dim])
+            strided, later = factor > 1, later or p.dim > 0
+            out.append(_StridedShard(0, split_factor=factor) if factor > 1 else Shard(0))
+            sizes[p.dim] //= input.device_mesh.size(m)
+    return out if later else None
+
+
+def _moved(p: Shard, dim: int) -> Shard:
+    return _StridedShard(dim, split_factor=p.split_factor) if isinstance(p, _StridedShard) else Shard(dim)
 
 
 def _target(shape: torch.Size, args: tuple) -> tuple[int, ...] | None:
@@ -62,6 +87,61 @@ def _target(shape: torch.Size, args: tuple) -> tuple[int, ...] | None:
         return None
     flat = math.prod(shape[:group])
     return (flat, *shape[group:]) if wanted[0] in (-1, flat) else None
+
+
+def unflatten_strided_leading(input, *shape):
+    """`input.view(*shape)` / `reshape` undoing `flatten_split_leading`: `(a c)` split strided over `a` back
+    to `a c/...`; else NotImplemented.
+
+    >>> import hp, torch
+    >>> mesh = hp.mesh(cp=2, simulate=True)
+    >>> with hp.simulated(mesh), hp.region():
+    ...     x = hp.shard(torch.arange(24.0).reshape(2, 4, 3), "b s/cp v", mesh)
+    ...     y = x.view(-1, 3).sum(-1).view(2, 4)
+    ...     print(hp.describe(y), bool((y.full_tensor() == torch.arange(24.0).reshape(2, 4, 3).sum(-1)).all()))
+    f32[2, 4/cp] True
+    """
+    if not isinstance(input, DTensor) or input.ndim == 0:
+        return NotImplemented
+    wanted = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) else shape
+    if len(wanted) != input.ndim + 1 or tuple(wanted[2:]) != tuple(input.shape[1:]) or not all(isinstance(d, int) for d in wanted):
+        return NotImplemented
+    rows, cols = wanted[0], wanted[1]
+    if rows <= 0 or input.shape[0] % rows or cols not in (-1, input.shape[0] // rows):
+        return NotImplemented
+    unflattened = _unflattened_placements(input, rows)
+    if unflattened is None:
+        return NotImplemented
+    placements, local_rows = unflattened
+    local = local_block(input)
+    target = (rows, input.shape[0] // rows, *input.shape[1:])
+    return to_dtensor(local.reshape(local_rows, -1, *local.shape[1:]), input.device_mesh, placements, target)
+
+
+def _unflattened_placements(input: DTensor, rows: int) -> tuple[list, int] | None:
+    """(the placements of `input` with dim 0 viewed as (rows, rest), the rows each rank holds): the inverse
+    of `_flattened_placements` for two dims; None unless a split of dim 0 becomes a split of the rest.
+
+    A split of dim 0 strided by the rows each rank holds so far (or plain, once that is one
+    row) cuts the rest; a plain split before it cuts the rows.
+    """
+    local_rows, cut_rest, out = rows, False, []
+    for m, p in enumerate(input.placements):
+        n = input.device_mesh.size(m)
+        factor = p.split_factor if isinstance(p, _StridedShard) else 1
+        if not isinstance(p, (Shard, _StridedShard)):
+            out.append(p)
+        elif p.dim > 0:
+            out.append(_moved(p, p.dim + 1))
+        elif factor == local_rows and (input.shape[0] // rows) % n == 0:
+            out.append(Shard(1))
+            cut_rest = True
+        elif type(p) is Shard and local_rows % n == 0 and not cut_rest:
+            out.append(Shard(0))
+            local_rows //= n
+        else:
+            return None
+    return (out, local_rows) if cut_rest else None
 
 
 def flatten_leading(input, start_dim: int = 0, end_dim: int = -1):
@@ -79,9 +159,7 @@ def flatten_leading(input, start_dim: int = 0, end_dim: int = -1):
     return flatten_split_leading(input, -1, *input.shape[end + 1:])
 
 
-KERNELS = {
-    torch.Tensor.view: flatten_split_leading,
-    torch.Tensor.reshape: flatten_split_leading,
+KERNELS = {  # view and reshape: flatten_split_leading, else unflatten_strided_leading (hp.region)
     torch.Tensor.flatten: flatten_leading,
     torch.flatten: flatten_leading,
 }

@@ -38,10 +38,8 @@ def _meta(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
 # Fake tensors (and so DTensor's propagation) read the Python meta table, then the Meta kernel.
 _META[aten._grouped_mm.default] = _meta
 _LIB = torch.library.Library("aten", "IMPL")
-try:
-    _LIB.impl("_grouped_mm", _meta, "Meta")
-except RuntimeError:  # torch 2.11 registers a Python Meta kernel of its own: the table entry above rules
-    pass
+# torch 2.11 registers a Python Meta kernel of its own (bf16 only), which fake tensors call first
+_LIB.impl("_grouped_mm", _meta, "Meta", allow_override=True)
 
 
 def _spec(mat_a, mat_b, offs=None, *rest, **kw) -> str:

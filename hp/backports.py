@@ -1,0 +1,89 @@
+"""What older torch releases lack that hp's layouts need, backported when hp is imported.
+
+hp declares torch 2.11 through 2.14. Each backport below checks for the
+later release's own fix and does nothing where it is present, so on the
+releases CI tests this module changes nothing.
+
+- **A strided shard alone on its dim** (`_StridedShard(d, sf)` with no plain
+  shard of d before it: a fused q/k/v weight split over tp, or the rows of
+  `(b s/cp)` after flattening). torch 2.11 reads every strided shard as an
+  encoded shard order and raises when it is not one, so such a tensor could
+  not be gathered or resharded. Later releases fall back to the greedy plan,
+  which moves a strided shard through Replicate; so does the backport, which
+  also sends a strided shard bound for another split (or a partial sum bound
+  for a strided shard) through Replicate: 2.11 has no direct step between them.
+- **The backward of top-k, sort, max and min along a dim** on a DTensor:
+  `SELECTION_BACKWARD_MIXES_TENSORS` below; the kernels are `hp.ops.selection`.
+
+What cannot be backported is said where a strategy is checked:
+`FSDP_ON_THE_WHOLE_MESH` below.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed import fsdp
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import _dtensor_spec, _redistribute
+from torch.distributed.tensor.placement_types import _StridedShard
+
+
+def torch_version() -> tuple[int, int]:
+    """(major, minor) of the running torch.
+
+    >>> torch_version() >= (2, 11)
+    True
+    """
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def install() -> None:
+    """Apply every backport this torch needs (idempotent).
+
+    >>> install(); install()
+    """
+    if not hasattr(_dtensor_spec, "_StridedShardNotDecodableError") and not _redistribute_patched():
+        planned = _redistribute._gen_transform_infos_non_cached
+        _redistribute._gen_transform_infos_non_cached = _greedy_when_undecodable(planned)
+
+
+def _redistribute_patched() -> bool:
+    return hasattr(_redistribute._gen_transform_infos_non_cached, "__hp_backport__")
+
+
+def _greedy_when_undecodable(planned):
+    def transform_infos(src_spec, dst_spec, use_graph_based_transform=None):
+        try:
+            return planned(src_spec, dst_spec, use_graph_based_transform)
+        except ValueError as e:
+            if "shard_order" not in str(e):
+                raise
+        planner = _redistribute.get_redistribute_planner(src_spec.device_mesh, src_spec.tensor_meta)
+        return _through_replicate(planner.generate_greedy_transform_infos(src_spec, dst_spec))
+
+    transform_infos.__hp_backport__ = True
+    return transform_infos
+
+
+def _through_replicate(infos: list) -> list:
+    """Each step between a strided shard and another split (or a partial sum) taken through Replicate."""
+    out = []
+    for info in infos:
+        src, dst = info.src_dst_placements
+        if any(isinstance(p, _StridedShard) for p in (src, dst)) and not (src.is_replicate() or dst.is_replicate()):
+            out.append(type(info)(info.mesh_dim, (src, Replicate()), info.logical_shape))
+            out.append(type(info)(info.mesh_dim, (Replicate(), dst), info.logical_shape))
+        else:
+            out.append(info)
+    return out
+
+
+SELECTION_BACKWARD_MIXES_TENSORS = torch_version() < (2, 13)
+"""Whether top-k, sort, max and min along a dim scatter their gradient into a plain tensor
+(torch 2.11; 2.13 builds it like the gradient). hp then gathers their values instead
+(`hp.ops.selection`). 2.12 is not checked and takes the same path, which is exact anywhere."""
+
+FSDP_ON_THE_WHOLE_MESH = hasattr(fsdp, "DataParallelMeshDims")
+"""Whether FSDP2 can shard over some axes of a mesh whose other axes lay parameters out
+(`fully_shard(dp_mesh_dims=...)`, torch 2.13); hp's FSDP needs it (`hp.Strategy` refuses fsdp without)."""

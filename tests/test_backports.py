@@ -1,0 +1,95 @@
+"""What hp backports to older torch releases, checked on this one by forcing the older path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import _redistribute
+from torch.distributed.tensor.placement_types import _StridedShard
+
+import hp
+from hp import backports
+from hp.ops import selection
+
+
+@pytest.fixture
+def undecodable_strided_shards(monkeypatch):
+    """The older planner, which raises on a strided shard that encodes no shard order, behind the backport."""
+
+    def planner_of_2_11(src_spec, dst_spec, use_graph_based_transform=None):
+        if any(isinstance(p, _StridedShard) for p in (*src_spec.placements, *dst_spec.placements)):
+            raise ValueError(f"placements {src_spec.placements} cannot be interpreted into a shard_order")
+        return planned(src_spec, dst_spec, use_graph_based_transform)
+
+    planned = _redistribute._gen_transform_infos_non_cached
+    monkeypatch.setattr(_redistribute, "_gen_transform_infos_non_cached", backports._greedy_when_undecodable(planner_of_2_11))
+    _redistribute._gen_transform_infos.cache_clear()
+    yield
+    _redistribute._gen_transform_infos.cache_clear()
+
+
+PLACEMENTS = [Replicate(), Shard(0), Shard(1), _StridedShard(0, split_factor=3), _StridedShard(1, split_factor=2)]
+
+
+@pytest.mark.parametrize("src", PLACEMENTS, ids=str)
+@pytest.mark.parametrize("dst", PLACEMENTS, ids=str)
+def test_strided_shards_redistribute_by_the_backported_plan(undecodable_strided_shards, src, dst):
+    mesh = hp.mesh(tp=2, simulate=True)
+    whole = torch.arange(48.0).reshape(12, 4)
+    with hp.simulated(mesh):
+        start = DTensor.from_local(whole, mesh, [Replicate()]).redistribute(mesh, [src])
+        moved = start.redistribute(mesh, [dst])
+        assert moved.placements == (dst,)
+        torch.testing.assert_close(moved.full_tensor(), whole, rtol=0, atol=0)
+
+
+@given(
+    st.sampled_from(["topk", "sort", "max", "min"]), st.sampled_from(["b/tp e", "b e/tp"]), st.booleans(),
+    st.integers(1, 3), st.integers(2, 5),
+)
+def test_selections_gather_the_ops_values_and_gradients(name, layout, keepdim, per_rank, experts):
+    """hp's form of top-k, sort, max and min (values gathered at the indices) equals the op itself."""
+    mesh = hp.mesh(tp=2, simulate=True)
+    x = torch.randn(2 * per_rank, 2 * experts)
+    calls = {"topk": lambda f, t: f(t, 2, -1), "sort": lambda f, t: f(t, -1), "max": lambda f, t: f(t, 1, keepdim),
+             "min": lambda f, t: f(t, 1, keepdim)}
+    op = getattr(torch, name)
+    kernel = selection.kernels(needed=True)[op]
+    want_x = x.clone().requires_grad_()
+    want = calls[name](op, want_x)
+    weights = torch.randn(want.values.shape)
+    (want.values * weights).sum().backward()
+    with hp.simulated(mesh), hp.region():
+        got_x = hp.shard(x, layout, mesh).requires_grad_()
+        got = calls[name](kernel, got_x)
+        if got is NotImplemented:  # the op's own, where the selected dim is split
+            assert layout == "b e/tp"
+            return
+        assert type(got) is type(want)
+        (got.values * weights).sum().backward()
+        torch.testing.assert_close(got.values.full_tensor(), want.values, rtol=0, atol=0)
+        torch.testing.assert_close(got.indices.full_tensor(), want.indices, rtol=0, atol=0)
+        torch.testing.assert_close(got_x.grad.full_tensor(), want_x.grad, rtol=0, atol=0)
+
+
+def test_fsdp_is_refused_by_a_torch_that_cannot_shard_part_of_a_laid_out_mesh(monkeypatch):
+    """Refused where a strategy is checked, before a worker starts (and again where FSDP would start)."""
+    from transformers import AutoModelForCausalLM
+
+    from hp.models import plan_for, tiny_config
+
+    monkeypatch.setattr(backports, "FSDP_ON_THE_WHOLE_MESH", False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("llama", layers=1))
+    with pytest.raises(hp.StrategyError, match=r"fsdp = True: this torch .* use torch 2.13 or 2.14, or set fsdp false"):
+        hp.check_strategy(model, {"dp": 2, "tp": 2, "fsdp": True}, plan_for(model.config))
+    hp.check_strategy(model, {"dp": 2, "tp": 2}, plan_for(model.config))  # without FSDP the same mesh is fine
+
+
+def test_backports_leave_a_torch_with_the_fixes_alone():
+    if backports.torch_version() >= (2, 13):
+        assert not hasattr(_redistribute._gen_transform_infos_non_cached, "__hp_backport__")
+        assert selection.kernels() == {} and backports.FSDP_ON_THE_WHOLE_MESH
