@@ -47,13 +47,13 @@ def test_strided_shards_redistribute_by_the_backported_plan(undecodable_strided_
 
 
 @given(
-    st.sampled_from(["topk", "sort", "max", "min"]), st.sampled_from(["b/tp e", "b e/tp"]), st.booleans(),
+    st.sampled_from(["topk", "sort", "max", "min"]), st.sampled_from(["b/tp e", "b e/tp", "a b/tp e"]), st.booleans(),
     st.integers(1, 3), st.integers(2, 5),
 )
 def test_selections_gather_the_ops_values_and_gradients(name, layout, keepdim, per_rank, experts):
     """hp's form of top-k, sort, max and min (values gathered at the indices) equals the op itself."""
     mesh = hp.mesh(tp=2, simulate=True)
-    x = torch.randn(2 * per_rank, 2 * experts)
+    x = torch.randn(4 * per_rank, 2 * experts)
     calls = {"topk": lambda f, t: f(t, 2, -1), "sort": lambda f, t: f(t, -1), "max": lambda f, t: f(t, 1, keepdim),
              "min": lambda f, t: f(t, 1, keepdim)}
     op = getattr(torch, name)
@@ -63,7 +63,8 @@ def test_selections_gather_the_ops_values_and_gradients(name, layout, keepdim, p
     weights = torch.randn(want.values.shape)
     (want.values * weights).sum().backward()
     with hp.simulated(mesh), hp.region():
-        got_x = hp.shard(x, layout, mesh).requires_grad_()
+        leaf = hp.shard(x.view(2, -1, x.shape[-1]) if layout.startswith("a") else x, layout, mesh).requires_grad_()
+        got_x = leaf.view(x.shape)  # "a b/tp e" flattened: rows split strided, as the tokens of `b s/cp`
         got = calls[name](kernel, got_x)
         if got is NotImplemented:  # the op's own, where the selected dim is split
             assert layout == "b e/tp"
@@ -72,7 +73,7 @@ def test_selections_gather_the_ops_values_and_gradients(name, layout, keepdim, p
         (got.values * weights).sum().backward()
         torch.testing.assert_close(got.values.full_tensor(), want.values, rtol=0, atol=0)
         torch.testing.assert_close(got.indices.full_tensor(), want.indices, rtol=0, atol=0)
-        torch.testing.assert_close(got_x.grad.full_tensor(), want_x.grad, rtol=0, atol=0)
+        torch.testing.assert_close(leaf.grad.full_tensor().view(x.shape), want_x.grad, rtol=0, atol=0)
 
 
 def test_fsdp_is_refused_by_a_torch_that_cannot_shard_part_of_a_laid_out_mesh(monkeypatch):

@@ -61,7 +61,7 @@ def _flattened_placements(input: DTensor, group: int) -> list | None:
         if not isinstance(p, (Shard, _StridedShard)):
             out.append(p)
         elif p.dim >= group:
-            out.append(_moved(p, p.dim - group + 1))
+            out.append(moved(p, p.dim - group + 1))
         elif type(p) is not Shard or sizes[p.dim] % input.device_mesh.size(m) or strided:
             return None
         else:
@@ -72,7 +72,12 @@ def _flattened_placements(input: DTensor, group: int) -> list | None:
     return out if later else None
 
 
-def _moved(p: Shard, dim: int) -> Shard:
+def moved(p: Shard, dim: int) -> Shard:
+    """The split `p` (plain or strided) of another dim, `dim`.
+
+    >>> moved(Shard(2), 1)
+    Shard(dim=1)
+    """
     return _StridedShard(dim, split_factor=p.split_factor) if isinstance(p, _StridedShard) else Shard(dim)
 
 
@@ -132,7 +137,7 @@ def _unflattened_placements(input: DTensor, rows: int) -> tuple[list, int] | Non
         if not isinstance(p, (Shard, _StridedShard)):
             out.append(p)
         elif p.dim > 0:
-            out.append(_moved(p, p.dim + 1))
+            out.append(moved(p, p.dim + 1))
         elif factor == local_rows and (input.shape[0] // rows) % n == 0:
             out.append(Shard(1))
             cut_rest = True

@@ -17,7 +17,7 @@ communicates).
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hp.ops.linear import column_axis, column_product
@@ -149,9 +149,9 @@ def _last_dim_slice(x, index) -> tuple[int, int] | None:
 
 
 def _pieces(x: DTensor, bounds: Bounds):
-    """Each [start, stop) of x's fused last dim cut from the local blocks; NotImplemented unless
-    x's last dim is fused over one mesh axis (and split over no other) and every cut falls
-    between parts."""
+    """Each [start, stop) of x's fused last dim: cut from the local blocks when every cut falls between
+    parts, else from the dim gathered; NotImplemented unless x's last dim is fused over one mesh axis
+    (and split over no other)."""
     last = x.ndim - 1
     on_last = [m for m, p in enumerate(x.placements) if isinstance(p, (Shard, _StridedShard)) and p.dim == last]
     if len(on_last) != 1 or type(x.placements[on_last[0]]) is not _StridedShard:
@@ -159,10 +159,10 @@ def _pieces(x: DTensor, bounds: Bounds):
     a = on_last[0]
     parts, ranks = int(x.placements[a].split_factor), x.device_mesh.size(a)
     part = x.shape[-1] // parts
-    if x.shape[-1] % (parts * ranks):
-        return NotImplemented
-    if any(start % part or stop % part or stop <= start for start, stop in bounds):
-        return NotImplemented
+    if x.shape[-1] % (parts * ranks) or any(start % part or stop % part or stop <= start for start, stop in bounds):
+        # a cut inside a part needs the whole dim (torch 2.11's DTensor would slice the blocks as if contiguous)
+        gathered = x.redistribute(x.device_mesh, [Replicate() if m == a else p for m, p in enumerate(x.placements)])
+        return [gathered[..., start:stop] for start, stop in bounds]
     local, local_part = x.to_local(), part // ranks  # rank r's block: piece r of each part, in order
     pieces = []
     for start, stop in bounds:

@@ -3,24 +3,26 @@
 Their backward scatters the gradient into a fresh zero tensor at the
 selected indices. In torch 2.11 that zero tensor is a plain tensor even when
 the gradient is a DTensor, and the scatter refuses to mix them, so a MoE
-router's `topk` over a laid-out tensor could not be differentiated. Here the
-indices are selected without autograd and the values gathered at them:
-gather's backward scatters into zeros like its input, a DTensor of the same
-layout. The values and their gradient are the same as the op's own. Used
-only on torch releases with that backward (`hp.backports`), and only where
-each rank holds whole rows along the dim (a router's scores over experts).
+router's `topk` over a laid-out tensor could not be differentiated. Where
+each rank holds whole rows along the dim (a router's scores over experts),
+each rank's block selects alone, values and gradient as the op's own, on
+plain tensors. Used only on torch releases with that backward
+(`hp.backports`).
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from hp import backports
+from hp.ops.flatten import moved
+from hp.ops.local import local_block, to_dtensor
 
 
 def _selecting(op, dim_at: int, default_dim: int | None, keepdim_at: int | None = None):
-    """A kernel for `op(input, ..., dim, ...)` -> (values, indices) that gathers the values.
+    """A kernel for `op(input, ..., dim, ...)` -> (values, indices) that selects on each rank's block.
 
     `dim_at` and `keepdim_at` are the positions of `dim` and `keepdim` among the arguments
     after the input (None: no keepdim, the dim is kept); `default_dim` is the dim when the
@@ -33,14 +35,17 @@ def _selecting(op, dim_at: int, default_dim: int | None, keepdim_at: int | None 
         dim = kwargs.get("dim", args[dim_at] if len(args) > dim_at else default_dim)
         if not isinstance(dim, int) or "out" in kwargs or not _whole_along(input, dim):
             return NotImplemented
-        with torch.no_grad():
-            selected = op(input, *args, **kwargs)
-        indices = selected.indices
+        dim %= input.ndim
+        selected = op(local_block(input), *args, **kwargs)  # rows are whole along dim: each block selects alone
         kept = keepdim_at is None or kwargs.get("keepdim", args[keepdim_at] if len(args) > keepdim_at else False)
-        if not kept:
-            indices = indices.unsqueeze(dim)
-        values = input.gather(dim, indices)
-        return type(selected)((values if kept else values.squeeze(dim), selected.indices))
+        shape = list(input.shape)
+        shape[dim] = selected.values.shape[dim] if kept else None
+        shape = [n for n in shape if n is not None]
+        placements = [p if kept or not isinstance(p, (Shard, _StridedShard)) or p.dim < dim else moved(p, p.dim - 1)
+                      for p in input.placements]
+        mesh = input.device_mesh
+        return type(selected)((to_dtensor(selected.values, mesh, placements, shape),
+                               to_dtensor(selected.indices, mesh, placements, shape)))
 
     return kernel
 
@@ -48,7 +53,8 @@ def _selecting(op, dim_at: int, default_dim: int | None, keepdim_at: int | None 
 def _whole_along(input: DTensor, dim: int) -> bool:
     """Whether every rank holds whole rows along `dim` (nothing splits it, no pending sum): then the
     gather is local. Otherwise the op runs as it is (DTensor gathers along a split dim through a mask)."""
-    return all(p.is_replicate() or (p.is_shard() and p.dim != dim % input.ndim) for p in input.placements)
+    return all(p.is_replicate() or (isinstance(p, (Shard, _StridedShard)) and p.dim != dim % input.ndim)
+               for p in input.placements)
 
 
 def kernels(needed: bool = backports.SELECTION_BACKWARD_MIXES_TENSORS) -> dict:
