@@ -81,9 +81,10 @@ def _through_replicate(infos: list) -> list:
 
 SELECTION_BACKWARD_MIXES_TENSORS = torch_version() < (2, 13)
 """Whether top-k, sort, max and min along a dim scatter their gradient into a plain tensor
-(torch 2.11; 2.13 builds it like the gradient). hp then gathers their values instead
+(torch 2.11; 2.13 builds it like the gradient). hp then selects on each rank's block
 (`hp.ops.selection`). 2.12 is not checked and takes the same path, which is exact anywhere."""
 
 FSDP_ON_THE_WHOLE_MESH = hasattr(fsdp, "DataParallelMeshDims")
 """Whether FSDP2 can shard over some axes of a mesh whose other axes lay parameters out
-(`fully_shard(dp_mesh_dims=...)`, torch 2.13); hp's FSDP needs it (`hp.Strategy` refuses fsdp without)."""
+(`fully_shard(dp_mesh_dims=...)`, torch 2.13); hp's FSDP needs it (`hp.check_strategy` refuses fsdp
+without, before any worker starts)."""

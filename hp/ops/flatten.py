@@ -7,8 +7,10 @@ split_factor=b)` (the rows of each sample split over cp); with the batch
 also split over dp, `(Shard(0), _StridedShard(0, split_factor=b/dp))`. torch
 2.11 refuses such views ("Attempted to flatten multiple dimensions, with
 dimension 1 being sharded"); the layout is exact, so hp flattens each block
-and says so, on every release alike. Flattening where nothing splits
-strided (only the first dim of the group split) is left to DTensor.
+and says so, on every release alike; viewing such rows back as `b s/cp` (a
+per-token loss summed per sample) does the same in reverse. Flattening where
+nothing splits strided (only the first dim of the group split) is left to
+DTensor.
 """
 
 from __future__ import annotations
@@ -49,12 +51,11 @@ def flatten_split_leading(input, *shape):
 def _flattened_placements(input: DTensor, group: int) -> list | None:
     """`input`'s placements once dims 0..group-1 are one dim; None unless a later one of them is split.
 
-    Other orders (a strided split before another split of the dim) are left to DTensor:
-    torch releases differ in how they redistribute those.
-
     Mesh dims apply in order, each to the blocks the earlier ones left: a split
     of group dim d then cuts the flattened dim strided by the product of the
     sizes before d in those blocks (a plain Shard when that product is 1).
+    Other orders (a strided split before another split of the dim) are left to
+    DTensor: torch releases differ in how they redistribute those.
     """
     sizes, strided, later, out = list(input.shape[:group]), False, False, []
     for m, p in enumerate(input.placements):

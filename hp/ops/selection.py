@@ -30,7 +30,7 @@ def _selecting(op, dim_at: int, default_dim: int | None, keepdim_at: int | None 
     """
 
     def kernel(input, *args, **kwargs):
-        if not isinstance(input, DTensor) or not (input.requires_grad and torch.is_grad_enabled()):
+        if not isinstance(input, DTensor):
             return NotImplemented
         dim = kwargs.get("dim", args[dim_at] if len(args) > dim_at else default_dim)
         if not isinstance(dim, int) or "out" in kwargs or not _whole_along(input, dim):
@@ -51,8 +51,8 @@ def _selecting(op, dim_at: int, default_dim: int | None, keepdim_at: int | None 
 
 
 def _whole_along(input: DTensor, dim: int) -> bool:
-    """Whether every rank holds whole rows along `dim` (nothing splits it, no pending sum): then the
-    gather is local. Otherwise the op runs as it is (DTensor gathers along a split dim through a mask)."""
+    """Whether every rank holds whole rows along `dim` (nothing splits it, no pending sum): then each
+    block selects alone. Otherwise the op runs as it is (DTensor's own rule)."""
     return all(p.is_replicate() or (isinstance(p, (Shard, _StridedShard)) and p.dim != dim % input.ndim)
                for p in input.placements)
 
