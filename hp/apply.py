@@ -119,6 +119,7 @@ def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any
     f32[out=64, in=64/tp]
     """
     strategy = Strategy.of(strategy)
+    check_fsdp_runs_here(strategy)  # before the model is touched
     params, inputs, outputs = layouts(strategy, plan)
     params = _present({**params, **adapter_layouts(params)}, model.named_parameters(remove_duplicate=False))
     outputs = _present(outputs, model.named_modules())

@@ -16,7 +16,11 @@ releases CI tests this module changes nothing.
   `SELECTION_BACKWARD_MIXES_TENSORS` below; the kernels are `hp.ops.selection`.
 
 What cannot be backported is said where a strategy is checked:
-`FSDP_ON_THE_WHOLE_MESH` below.
+`FSDP_ON_THE_WHOLE_MESH` below. Not backported either: 2.11's DTensor slices a
+strided-shard dim as if its blocks were contiguous; hp's fused-dim kernels
+(`hp.ops.fused`) gather the dim first for the cuts they see, and hp's own
+redistribution (`hp.layouts.reshard`) moves fused dims through Replicate on
+every release.
 """
 
 from __future__ import annotations

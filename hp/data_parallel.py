@@ -50,7 +50,6 @@ def fully_shard_model(model: nn.Module, mesh, blocks: list[nn.Module], strategy:
     With `mpmd` set, each block prefetches the next block's gather in forward and the previous
     block's in backward (FSDP2's explicit prefetching), so they fly while a block computes.
     """
-    check_fsdp_runs_here(strategy)
     from torch.distributed.fsdp import DataParallelMeshDims, MixedPrecisionPolicy, fully_shard
 
     _onto(model, mesh)

@@ -85,12 +85,19 @@ def test_fsdp_is_refused_by_a_torch_that_cannot_shard_part_of_a_laid_out_mesh(mo
     monkeypatch.setattr(backports, "FSDP_ON_THE_WHOLE_MESH", False)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(tiny_config("llama", layers=1))
-    with pytest.raises(hp.StrategyError, match=r"fsdp = True: this torch .* use torch 2.13 or 2.14, or set fsdp false"):
+    refused = r"fsdp = True: this torch .* use torch 2.13 or 2.14, or set fsdp false"
+    with pytest.raises(hp.StrategyError, match=refused):
         hp.check_strategy(model, {"dp": 2, "tp": 2, "fsdp": True}, plan_for(model.config))
     hp.check_strategy(model, {"dp": 2, "tp": 2}, plan_for(model.config))  # without FSDP the same mesh is fine
+    strategy = {"dp": 2, "fsdp": True}
+    mesh = hp.strategy_mesh(strategy, simulate=True)
+    with hp.simulated(mesh), pytest.raises(hp.StrategyError, match=refused):
+        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
+    assert not any(isinstance(p, DTensor) for p in model.parameters())  # refused before the model was touched
 
 
-def test_backports_leave_a_torch_with_the_fixes_alone():
-    if backports.torch_version() >= (2, 13):
-        assert not hasattr(_redistribute._gen_transform_infos_non_cached, "__hp_backport__")
-        assert selection.kernels() == {} and backports.FSDP_ON_THE_WHOLE_MESH
+def test_backports_apply_exactly_where_torch_lacks_the_fix():
+    from torch.distributed.tensor import _dtensor_spec
+
+    assert backports._redistribute_patched() != hasattr(_dtensor_spec, "_StridedShardNotDecodableError")
+    assert bool(selection.kernels()) == (backports.torch_version() < (2, 13))

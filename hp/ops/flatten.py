@@ -82,10 +82,17 @@ def moved(p: Shard, dim: int) -> Shard:
     return _StridedShard(dim, split_factor=p.split_factor) if isinstance(p, _StridedShard) else Shard(dim)
 
 
+def _wanted(args: tuple) -> tuple | None:
+    """The sizes a `view(*args)` / `reshape(*args)` call asks for (given as one sequence or as
+    arguments), when they are all plain ints; else None (symbolic sizes, no sizes)."""
+    wanted = tuple(args[0] if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else args)
+    return wanted if wanted and all(isinstance(d, int) for d in wanted) else None
+
+
 def _target(shape: torch.Size, args: tuple) -> tuple[int, ...] | None:
     """The view's shape when it flattens >= 2 leading dims of `shape` and keeps the rest, else None."""
-    wanted = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else args
-    if not wanted or not all(isinstance(d, int) for d in wanted):
+    wanted = _wanted(args)
+    if wanted is None:
         return None
     keep = len(wanted) - 1
     group = len(shape) - keep
@@ -109,8 +116,8 @@ def unflatten_strided_leading(input, *shape):
     """
     if not isinstance(input, DTensor) or input.ndim == 0:
         return NotImplemented
-    wanted = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) else shape
-    if len(wanted) != input.ndim + 1 or tuple(wanted[2:]) != tuple(input.shape[1:]) or not all(isinstance(d, int) for d in wanted):
+    wanted = _wanted(shape)
+    if wanted is None or len(wanted) != input.ndim + 1 or wanted[2:] != tuple(input.shape[1:]):
         return NotImplemented
     rows, cols = wanted[0], wanted[1]
     if rows <= 0 or input.shape[0] % rows or cols not in (-1, input.shape[0] // rows):
