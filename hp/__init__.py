@@ -34,7 +34,7 @@ from hp.simulate import simulated
 from hp.strategy import Strategy, StrategyError
 from hp.model_plan import ModelPlan
 from hp.apply import apply_strategy, check_strategy, strategy_mesh
-from hp.compiled import compile_blocks
+from hp.compiled import compile_blocks, compile_loss
 from hp.data_parallel import reduce_gradients
 from hp.offload import OffloadError, offload
 from hp.mpmd import MpmdError, mpmd
@@ -43,7 +43,7 @@ from hp.lora import add_lora
 
 __all__ = [
     "Layout", "LayoutError", "Lora", "LoraError", "MeshError", "ModelPlan", "MpmdError", "OffloadError", "PlanError", "RuleError", "Rules", "Strategy", "StrategyError",
-    "StrictError", "add_lora", "apply_strategy", "check_strategy", "comm", "compile_blocks", "constrain", "context_parallel", "describe", "explain", "from_local",
+    "StrictError", "add_lora", "apply_strategy", "check_strategy", "comm", "compile_blocks", "compile_loss", "constrain", "context_parallel", "describe", "explain", "from_local",
     "layout", "layout_of", "mesh", "mpmd", "offload", "parallelize", "reduce_gradients", "region", "rule", "rules", "run_replicated", "shard", "simulated",
     "strategy_mesh", "strict",
 ]

@@ -10,8 +10,9 @@ sequence preparation of `hp.sequence`, FSDP or the dp/cp gradient
 reduction of `hp.data_parallel`, expert parallel for the plan's experts
 modules (`hp.ops.expert_parallel`) with the routing bias of
 `hp.expert_balance`, activation recompute of the plan's
-blocks (`hp.recompute`), and `torch.compile` of each block (`hp.compile_blocks`). A vision-language plan's vision tower runs whole
-on every rank (`hp.run_replicated`) and is an FSDP unit of its own; its
+blocks (`hp.recompute`), and `torch.compile` of each block and of the
+loss (`hp.compile_blocks`, `hp.compile_loss`). A vision-language plan's
+vision tower runs whole on every rank (`hp.run_replicated`) and is an FSDP unit of its own; its
 decoder's input is cut to each rank's batch and sequence block with a
 pending gradient (`hp.constrain(pending_grad=True)`), so the tower's
 gradients pend over dp, ep and cp like every other's. Nothing here knows
@@ -26,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from hp.compiled import compile_blocks
+from hp.compiled import compile_blocks, compile_loss
 from hp.data_parallel import check_fsdp_runs_here, fully_shard_model
 from hp.expert_balance import biased_routing
 from hp.layouts import constrain
@@ -147,6 +148,7 @@ def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any
     if strategy.compile:
         _check_compile(model, plan)
         compile_blocks(model.get_submodule(plan.blocks))
+        compile_loss(model)
     return model
 
 

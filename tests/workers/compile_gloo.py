@@ -1,10 +1,11 @@
-"""Worker for test_gloo.py: hp-laid-out Llama blocks under `torch.compile(fullgraph=True)` on real gloo ranks.
+"""Worker for test_gloo.py: hp-laid-out Llama blocks and loss under `torch.compile(fullgraph=True)` on gloo ranks.
 
 On 2 ranks, each strategy's compiled model against the same layout run eagerly: the loss and
 every gradient of 3 AdamW steps (fp32, relative 1e-5), and the first loss against HF's
 unsharded model; no graph compiled after the first step and no graph break; under tp+sp, two
-more sequence lengths compile one graph more, with the length symbolic. Every strategy goes
-through `hp.compile_blocks(..., backend="aot_eager")`, which traces forward and backward as
+more sequence lengths compile one graph more for the blocks and one for the loss, with the
+length symbolic. Every strategy goes through `hp.compile_blocks(..., backend="aot_eager")` and
+`hp.compile_loss(..., backend="aot_eager")`, which traces forward and backward as
 inductor does (dynamo, AOTAutograd, DTensor's subclass desugaring) and runs the traced graphs
 eagerly, so compiling costs seconds; `hp.Strategy(compile=True)` with inductor's generated
 kernels is checked by `hp train`'s compiled tp+sp run (tests/test_train_launch.py), which
@@ -75,13 +76,14 @@ def follows(reference, eager, compiled, where: str, batch: int = 4) -> None:
 
 
 def lengths_vary(eager, compiled, where: str) -> None:
-    """Another sequence length compiles once more, with the length symbolic; a third reuses that graph."""
+    """Another sequence length compiles the block and the loss once more, with the length symbolic;
+    a third reuses those graphs."""
     graphs = counters["stats"]["unique_graphs"]
     for seq in (24, 32):
         ids = torch.randint(0, 256, (4, seq), generator=torch.Generator().manual_seed(seq))
         want, got = (whole(m(input_ids=ids, labels=ids).loss).item() for m in (eager, compiled))
         assert abs(got - want) / want < 1e-5, f"{where} at {seq} tokens: loss {got} vs eager {want}"
-    assert counters["stats"]["unique_graphs"] <= graphs + 1, f"{where}: each length compiled anew"
+    assert counters["stats"]["unique_graphs"] <= graphs + 2, f"{where}: each length compiled anew"
 
 
 def main() -> None:
@@ -92,9 +94,9 @@ def main() -> None:
             mesh, plan = hp.strategy_mesh(strategy), plan_for(reference.config)
             hp.apply_strategy(eager, mesh, {**strategy, "compile": False}, plan)
             hp.apply_strategy(compiled, mesh, strategy, plan)
-            if backend is not None:
-                hp.compile_blocks(compiled.model.layers, backend=backend)
-            follows(reference, eager, compiled, f"{strategy} ({backend or 'inductor'})")
+            hp.compile_blocks(compiled.model.layers, backend=backend)
+            assert hp.compile_loss(compiled, backend=backend)
+            follows(reference, eager, compiled, f"{strategy} ({backend})")
             if strategy.get("sp"):
                 lengths_vary(eager, compiled, f"{strategy} ({backend})")
     else:
@@ -106,6 +108,7 @@ def main() -> None:
             for model in (eager, compiled):
                 hp.parallelize(model, mesh, plan, outputs=outputs)
             hp.compile_blocks(compiled.model.layers, backend="aot_eager")
+            hp.compile_loss(compiled, backend="aot_eager")
             follows(reference, eager, compiled, f"{scheme} {axes}", batch=8)
     print(f"rank {os.environ['RANK']}: compiled blocks follow the reference", flush=True)
 
