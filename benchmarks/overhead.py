@@ -23,8 +23,9 @@ with torchrun, one thread per rank), as
 - `hp`: `hp.apply_strategy` with the Llama plan at `tp=2` on `hp.mesh(tp=N)`,
   N the ranks: the Megatron layouts, vocab-parallel LM head and loss (on one
   rank the tp axis has size 1: everything is laid out, nothing moves);
-- `hp_compiled`: `hp` with `compile=True`: each decoder layer under
-  `torch.compile(fullgraph=True)`, inductor's kernels (`hp.compile_blocks`);
+- `hp_compiled`: `hp` with `compile=True`: each decoder layer and the loss
+  under `torch.compile(fullgraph=True)`, inductor's kernels (`hp.compile_blocks`,
+  `hp.compile_loss`);
   when that cannot compile, a record says why and the figures are null.
 
 The first step of each configuration must give the plain model's loss

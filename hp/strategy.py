@@ -88,7 +88,7 @@ class Strategy:
     offload_budget: float = DEFAULT_OFFLOAD_BUDGET  # hp.offload's budget: this fraction of the step's recorded peak
     vision_tp: bool = False  # a vision-language model's vision tower splits over tp too (else replicated)
     recompute: bool = False  # each decoder block recomputes its activations in backward instead of keeping them
-    compile: bool = False  # each decoder block runs under torch.compile(fullgraph=True) (hp.compile_blocks)
+    compile: bool = False  # each decoder block and the loss under torch.compile(fullgraph=True) (hp.compiled)
     mpmd: int | str | None = None  # hp.mpmd's chunks: a count, "auto" (planned), or None (the step as it is)
 
     def __post_init__(self) -> None:

@@ -189,7 +189,7 @@ class TrainConfig:
     bf16: bool = False
     seed: int = 42
     disable_gradient_checkpointing: bool = False  # LlamaFactory recomputes each block's activations unless this
-    torch_compile: bool = False  # LlamaFactory's name for parallel.compile: each decoder block under torch.compile
+    torch_compile: bool = False  # LlamaFactory's name for parallel.compile: blocks and loss under torch.compile
     # parallel
     parallel: Strategy = field(default_factory=Strategy)
     use_hyper_parallel: bool = False

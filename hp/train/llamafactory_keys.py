@@ -313,7 +313,7 @@ _TABLE: dict[str, ForeignKey] = {
              "switch) or the parallel: section says otherwise; HF's own switch is not read",
              "gradient_checkpointing", "gradient_checkpointing_kwargs", "activation_checkpointing",
              "activation_checkpointing_kwargs"),
-    **_noted("torch_compile compiles each decoder block with inductor's defaults (parallel.compile)",
+    **_noted("torch_compile compiles each decoder block and the loss with inductor's defaults (parallel.compile)",
              "torch_compile_backend", "torch_compile_mode", "torchdynamo", "jit_mode_eval"),
     **_noted("the model's KV cache is always off in training", "use_cache"),
     **_refused("NEFTune's embedding noise is not available", {"neftune_noise_alpha": None}),
