@@ -42,6 +42,7 @@ from hp.offload_cache import CacheRun, CacheTiering
 from hp.offload_plan import OffloadPlan, choose_recompute, plan_offload
 from hp.offload_states import OptimizerStates
 from hp.offload_tiers import DiskTier
+from hp.ops.local import new_dtensor
 from hp.recompute import is_recomputed, keep_activations, recompute
 from hp.use_def import Recording, local_of, record, storage_key
 
@@ -333,7 +334,7 @@ class _Run:
             self._on_device(handle.index, storage.nbytes())
         local = torch.empty(0, dtype=handle.dtype, device=storage.device).set_(storage, handle.offset, handle.shape,
                                                                                 handle.stride)
-        return local if handle.spec is None else DTensor(local, handle.spec, requires_grad=False)
+        return local if handle.spec is None else new_dtensor(local, handle.spec, requires_grad=False)
 
     def _matches(self, index: int, t: torch.Tensor) -> bool:
         if index >= len(self.recorded):

@@ -75,6 +75,22 @@ def _spec(mesh, placements: tuple, shape: tuple, stride: tuple, dtype) -> DTenso
 _SPECS_PER_MESH = 4096
 
 
+def new_dtensor(local: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool) -> DTensor:
+    """`DTensor(local, spec, requires_grad=...)`, less its `__init__`.
+
+    DTensor's `__init__` does nothing outside `torch.export`, yet each call crosses a
+    dynamo-disabled frame (a few microseconds, paid per kernel call on hp's hot paths).
+    For eager code only: under tracing, build DTensors as DTensor itself does.
+
+    >>> import hp, torch
+    >>> mesh = hp.mesh(tp=1, simulate=True)
+    >>> spec = _spec(mesh, (Replicate(),), (2,), (1,), torch.float32)
+    >>> new_dtensor(torch.ones(2), spec, requires_grad=False).placements
+    (Replicate(),)
+    """
+    return DTensor.__new__(DTensor, local, spec, requires_grad=requires_grad)
+
+
 class _Wrap(torch.autograd.Function):
     """A local block as a DTensor of `spec`; backward, the gradient's block as `spec` lays it."""
 
@@ -82,7 +98,7 @@ class _Wrap(torch.autograd.Function):
     def forward(ctx, local: torch.Tensor, spec: DTensorSpec) -> DTensor:
         ctx.spec = spec
         ctx.set_materialize_grads(False)
-        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+        return new_dtensor(local.view_as(local), spec, requires_grad=local.requires_grad)
 
     @staticmethod
     def backward(ctx, grad: DTensor | None):
@@ -166,7 +182,7 @@ class _Unwrap(torch.autograd.Function):
             stride = _dense_stride(shape, tuple(range(len(shape))))
         else:
             stride = tuple(compute_global_tensor_info(grad, spec.mesh, ctx.grads)[1])
-        return DTensor(grad, _spec(spec.mesh, ctx.grads, shape, stride, grad.dtype), requires_grad=False), None
+        return new_dtensor(grad, _spec(spec.mesh, ctx.grads, shape, stride, grad.dtype), requires_grad=False), None
 
 
 def copy_whole(param: torch.Tensor, whole: torch.Tensor) -> None:
