@@ -75,7 +75,7 @@ def _same_batch_split(*tensors) -> bool:
     placements, mesh, ndim = tuple(first.placements), first.device_mesh, first.ndim
     if any(t.device_mesh != mesh or t.ndim != ndim or tuple(t.placements) != placements for t in tensors):
         return False
-    return all(isinstance(p, Replicate) or (type(p) is Shard and p.dim < ndim - 2) for p in placements)
+    return all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim < ndim - 2) for p in placements)
 
 
 def _broadcasts(mask, query) -> bool:
@@ -86,7 +86,7 @@ def _broadcasts(mask, query) -> bool:
         return False
     offset = query.ndim - mask.ndim
     for p in query.placements:
-        if type(p) is Shard and p.dim - offset >= 0 and mask.shape[p.dim - offset] != 1:
+        if isinstance(p, Shard) and p.dim - offset >= 0 and mask.shape[p.dim - offset] != 1:
             return False
     return True
 

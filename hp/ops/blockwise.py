@@ -108,9 +108,9 @@ def _plan(fn, like: Sequence[int], args: tuple, kwargs: dict):
             return False
         splits: dict[int, list[int]] = {}
         for m, p in enumerate(t.placements):
-            if not (isinstance(p, Replicate) or type(p) is Shard):  # a pending sum, a strided shard
+            if not isinstance(p, (Replicate, Shard)):  # a pending sum, a strided shard
                 return False
-            if type(p) is Shard:
+            if isinstance(p, Shard):
                 splits.setdefault(p.dim - t.ndim, []).append(m)
         if -1 in splits:
             return False

@@ -60,8 +60,8 @@ def all_gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     """The blocks of `group` concatenated along `dim`."""
     if group.size() == 1:
         return t
-    if torch.compiler.is_compiling():  # the graph orders its own waits: torch's gather along `dim` as it is
-        return funcol.wait_tensor(_ALL_GATHER(t.contiguous(), dim, group))
+    if torch.compiler.is_compiling():  # the graph orders its own waits (blocks along dim 0, as when issued)
+        return funcol.wait_tensor(_ALL_GATHER(t.movedim(dim, 0).contiguous(), 0, group)).movedim(0, dim)
     return landed_gather(issue_all_gather(t, dim, group), dim)
 
 

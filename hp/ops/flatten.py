@@ -63,7 +63,7 @@ def _flattened_placements(input: DTensor, group: int) -> list | None:
             out.append(p)
         elif p.dim >= group:
             out.append(moved(p, p.dim - group + 1))
-        elif type(p) is not Shard or sizes[p.dim] % input.device_mesh.size(m) or strided:
+        elif not isinstance(p, Shard) or sizes[p.dim] % input.device_mesh.size(m) or strided:
             return None
         else:
             factor = math.prod(sizes[:p.dim])
@@ -149,7 +149,7 @@ def _unflattened_placements(input: DTensor, rows: int) -> tuple[list, int] | Non
         elif factor == local_rows and (input.shape[0] // rows) % n == 0:
             out.append(Shard(1))
             cut_rest = True
-        elif type(p) is Shard and local_rows % n == 0 and not cut_rest:
+        elif isinstance(p, Shard) and local_rows % n == 0 and not cut_rest:
             out.append(Shard(0))
             local_rows //= n
         else:

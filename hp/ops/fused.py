@@ -39,7 +39,7 @@ def fused_linear(input, weight, bias=None):
     f32[2, [4 4 4]=12/tp] True
     """
     a = column_axis(input, weight, bias)
-    if a is None or type(weight.placements[a]) is not _StridedShard:
+    if a is None or not isinstance(weight.placements[a], _StridedShard):
         return NotImplemented
     parts = weight.placements[a].split_factor
     return column_product(input, weight, bias, a, _StridedShard(input.ndim - 1, split_factor=parts))
@@ -144,8 +144,25 @@ def _last_dim_slice(x, index) -> tuple[int, int] | None:
     last = per_dim[-1]
     if not all(v is None or isinstance(v, int) for v in (last.start, last.stop, last.step)):
         return None
-    start, stop, step = last.indices(x.shape[-1])
-    return (start, stop) if step == 1 else None
+    return _unit_step_bounds(last, x.shape[-1])
+
+
+def _unit_step_bounds(s: slice, n: int) -> tuple[int, int] | None:
+    """`s.indices(n)`'s (start, stop) when `s` steps by 1, else None (spelled out: dynamo in
+    torch 2.11 cannot trace `slice.indices`).
+
+    >>> _unit_step_bounds(slice(-3, None), 8), _unit_step_bounds(slice(2, 99), 8), _unit_step_bounds(slice(0, 8, 2), 8)
+    ((5, 8), (2, 8), None)
+    """
+    if s.step not in (None, 1):
+        return None
+
+    def bound(v, default):
+        if v is None:
+            return default
+        return min(max(v + n if v < 0 else v, 0), n)
+
+    return bound(s.start, 0), bound(s.stop, n)
 
 
 def _pieces(x: DTensor, bounds: Bounds):
@@ -154,7 +171,7 @@ def _pieces(x: DTensor, bounds: Bounds):
     (and split over no other)."""
     last = x.ndim - 1
     on_last = [m for m, p in enumerate(x.placements) if isinstance(p, (Shard, _StridedShard)) and p.dim == last]
-    if len(on_last) != 1 or type(x.placements[on_last[0]]) is not _StridedShard:
+    if len(on_last) != 1 or not isinstance(x.placements[on_last[0]], _StridedShard):
         return NotImplemented
     a = on_last[0]
     parts, ranks = int(x.placements[a].split_factor), x.device_mesh.size(a)

@@ -152,11 +152,11 @@ def linear_summa(input, weight, bias=None):
     split = {m: p for m, p in enumerate(w) if not isinstance(p, Replicate)}
     if input.device_mesh != mesh or len(split) != 2 or sorted([getattr(p, "dim", -1) for p in split.values()]) != [0, 1]:
         return NotImplemented
-    if any(type(p) is not Shard for p in split.values()):
+    if any(not isinstance(p, Shard) for p in split.values()):
         return NotImplemented
     a = next(m for m, p in split.items() if p.dim == 0)
     b = next(m for m, p in split.items() if p.dim == 1)
-    if x[a] != Shard(last) or type(x[b]) is not Shard or x[b].dim == last:
+    if x[a] != Shard(last) or not isinstance(x[b], Shard) or x[b].dim == last:
         return NotImplemented
     if any(not isinstance(p, Replicate) for m, p in enumerate(x) if m not in (a, b)):
         return NotImplemented
@@ -181,7 +181,7 @@ def column_parallel(input, weight, bias=None):
     (its backward reduce-scatters), the Megatron-SP pattern.
     """
     a = column_axis(input, weight, bias)
-    if a is None or type(weight.placements[a]) is not Shard:
+    if a is None or not isinstance(weight.placements[a], Shard):
         return NotImplemented
     return column_product(input, weight, bias, a, Shard(input.ndim - 1))
 
@@ -206,9 +206,9 @@ def blockwise_linear(input, weight, bias=None):
         return NotImplemented
     rows, tokens = [], []
     for m, (x, w) in enumerate(zip(input.placements, weight.placements)):
-        if isinstance(w, Replicate) and (isinstance(x, Replicate) or (type(x) is Shard and x.dim != last)):
-            tokens += [m] if type(x) is Shard else []
-        elif type(w) is Shard and w.dim == 1 and type(x) is Shard and x.dim == last:
+        if isinstance(w, Replicate) and (isinstance(x, Replicate) or (isinstance(x, Shard) and x.dim != last)):
+            tokens += [m] if isinstance(x, Shard) else []
+        elif isinstance(w, Shard) and w.dim == 1 and isinstance(x, Shard) and x.dim == last:
             rows.append(m)
         else:
             return NotImplemented
@@ -245,7 +245,7 @@ def _resolved_here(input, weight, rows):
         return tuple(target), _cut_dim(input), False
     dim = getattr(target[a], "dim", last)
     split_after = any(getattr(p, "dim", None) == dim for p in input.placements[a:])  # a's block would not be local
-    if type(target[a]) is not Shard or dim == last or split_after or input._local_tensor.shape[dim] % size:
+    if not isinstance(target[a], Shard) or dim == last or split_after or input._local_tensor.shape[dim] % size:
         return None
     return tuple(target), dim, True
 
@@ -283,7 +283,7 @@ def column_product(input, weight, bias, a: int, out: Placement):
     tokens, group = input.placements[a], mesh.get_group(a)
     if isinstance(tokens, Replicate):
         step, make = "f", lambda: _ReduceGradient.apply(local_block(input), group)
-    elif type(tokens) is Shard and input.shape[tokens.dim] % mesh.size(a) == 0:
+    elif isinstance(tokens, Shard) and input.shape[tokens.dim] % mesh.size(a) == 0:
         step, make = "gather", lambda: _Gather.apply(local_block(input), tokens.dim, group)
     else:
         return NotImplemented
@@ -331,13 +331,13 @@ def _plan(input, weight, bias):
     if input.device_mesh != mesh:
         return None
     w_axes = {m: p for m, p in enumerate(weight.placements) if not isinstance(p, Replicate)}
-    if sorted(p.dim for p in w_axes.values() if type(p) is Shard) != [0, 1] or len(w_axes) != 2:
+    if sorted(p.dim for p in w_axes.values() if isinstance(p, Shard)) != [0, 1] or len(w_axes) != 2:
         return None
     o = next(m for m, p in w_axes.items() if p.dim == 0)
     i = next(m for m, p in w_axes.items() if p.dim == 1)
     last = input.ndim - 1
     x = input.placements
-    if type(x[i]) is not Shard or x[i].dim != last or type(x[o]) is not Shard or x[o].dim == last:
+    if not isinstance(x[i], Shard) or x[i].dim != last or not isinstance(x[o], Shard) or x[o].dim == last:
         return None
     token_dim = x[o].dim
     z_axes = [m for m, p in enumerate(x) if m not in (o, i) and p == Shard(token_dim)]

@@ -198,8 +198,8 @@ class RingAttention(torch.autograd.Function):
                 kv = _arrived(pending)
         # (b, s, h, d) memory seen as (b, h, s, d): the usual transpose back to tokens copies
         # nothing, so the output projection saves this same storage instead of a copy
-        b, h, s, d = q.shape
-        out = torch.empty((b, s, h, d), dtype=q.dtype, device=q.device).transpose(1, 2).copy_(out)
+        # (a copy into an empty buffer instead loses the values under torch 2.11's AOTAutograd)
+        out = out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring = (group, coord, parts, order, causal, scale)
         return out

@@ -23,12 +23,13 @@ from transformers import AutoModelForCausalLM
 
 import hp
 from hp import tp_plan
+from hp.backports import FSDP_ON_THE_WHOLE_MESH, torch_version
 from hp.models import plan_for, tiny_config
 from hp.models.llama import choice_layouts
 
-STRATEGIES_2 = [({"tp": 2, "sp": True}, "aot_eager"), ({"tp": 2}, "aot_eager"),
-                ({"cp": 2, "cp_algorithm": "ring"}, "aot_eager"), ({"cp": 2}, "aot_eager"),
-                ({"dp": 2, "fsdp": True}, "aot_eager")]
+STRATEGIES_2 = [{"tp": 2, "sp": True}, {"tp": 2}, {"cp": 2, "cp_algorithm": "ring"}, {"cp": 2},
+                # where this torch has FSDP on a laid-out mesh (tests/test_backports.py checks the refusal)
+                *([{"dp": 2, "fsdp": True}] if FSDP_ON_THE_WHOLE_MESH else [])]
 SCHEMES_4 = ["2d", "summa"]
 
 
@@ -83,22 +84,25 @@ def lengths_vary(eager, compiled, where: str) -> None:
         ids = torch.randint(0, 256, (4, seq), generator=torch.Generator().manual_seed(seq))
         want, got = (whole(m(input_ids=ids, labels=ids).loss).item() for m in (eager, compiled))
         assert abs(got - want) / want < 1e-5, f"{where} at {seq} tokens: loss {got} vs eager {want}"
-    assert counters["stats"]["unique_graphs"] <= graphs + 2, f"{where}: each length compiled anew"
+    more = counters["stats"]["unique_graphs"] - graphs
+    # torch 2.11's dynamo also guards a DTensor's outer stride on the length: the block compiles once more
+    allowed = 2 if torch_version() >= (2, 13) else 3
+    assert more <= allowed, f"{where}: {more} graphs compiled for 2 more lengths (each length compiled anew)"
 
 
 def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
     if world == 2:
-        for strategy, backend in STRATEGIES_2:
+        for strategy in STRATEGIES_2:
             reference, eager, compiled = triple()
             mesh, plan = hp.strategy_mesh(strategy), plan_for(reference.config)
             hp.apply_strategy(eager, mesh, {**strategy, "compile": False}, plan)
             hp.apply_strategy(compiled, mesh, strategy, plan)
-            hp.compile_blocks(compiled.model.layers, backend=backend)
-            assert hp.compile_loss(compiled, backend=backend)
-            follows(reference, eager, compiled, f"{strategy} ({backend})")
+            hp.compile_blocks(compiled.model.layers, backend="aot_eager")
+            assert hp.compile_loss(compiled, backend="aot_eager")
+            follows(reference, eager, compiled, f"{strategy}")
             if strategy.get("sp"):
-                lengths_vary(eager, compiled, f"{strategy} ({backend})")
+                lengths_vary(eager, compiled, f"{strategy}")
     else:
         axes = {"x": 2, "y": 2}
         mesh = hp.mesh(list(axes.items()))
