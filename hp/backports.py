@@ -21,6 +21,14 @@ strided-shard dim as if its blocks were contiguous; hp's fused-dim kernels
 (`hp.ops.fused`) gather the dim first for the cuts they see, and hp's own
 redistribution (`hp.layouts.reshard`) moves fused dims through Replicate on
 every release.
+
+What hp's traced code avoids, so that compiled blocks and losses trace on
+2.11's dynamo as on later releases: `type(p) is Shard` on a placement (read
+as false there; hp tests placements with `isinstance`), `!=` between
+placements (compared with `==`), `slice.indices`, a functional all-gather
+along a dim other than 0 (hp gathers along dim 0 and moves the dim back), and
+a copy into an empty buffer inside an autograd function (2.11's AOTAutograd
+saved the empty buffer for backward).
 """
 
 from __future__ import annotations
