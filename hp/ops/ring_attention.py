@@ -198,7 +198,7 @@ class RingAttention(torch.autograd.Function):
                 kv = _arrived(pending)
         # (b, s, h, d) memory seen as (b, h, s, d): the usual transpose back to tokens copies
         # nothing, so the output projection saves this same storage instead of a copy
-        # (a copy into an empty buffer instead loses the values under torch 2.11's AOTAutograd)
+        # (not a copy_ into an empty buffer: torch 2.11's AOTAutograd saves the empty buffer for backward)
         out = out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring = (group, coord, parts, order, causal, scale)
