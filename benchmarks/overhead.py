@@ -31,7 +31,9 @@ with torchrun, one thread per rank), as
 The first step of each configuration must give the plain model's loss
 (relative 1e-5). Then steps run interleaved, the order rotating each round;
 a step's time is the slowest rank's between barriers; each configuration
-reports its median. `host_ms_per_layer` = (median - plain's median) / layers:
+reports its median, and a ratio of two configurations is the median over
+rounds of their same-round ratio (a slow spell of this shared machine slows
+both). `host_ms_per_layer` = (median - plain's median) / layers:
 what the configuration adds per decoder layer per step. Recompiles: dynamo's
 count of compiled frames after the timed steps minus after warm-up.
 
@@ -60,7 +62,7 @@ MODELS = {
     "tiny": dict(vocab=256, hidden=64, ffn=176, layers=4, heads=4, kv_heads=2, batch=2, seq=64),
     "512": dict(vocab=4096, hidden=512, ffn=1376, layers=4, heads=8, kv_heads=4, batch=4, seq=256),
 }
-REPS = {"tiny": 41, "512": 5}
+REPS = {"tiny": 41, "512": 9}
 
 
 def main() -> None:
@@ -152,6 +154,7 @@ def measure(name: str, shape: dict, mesh, reps: int, emit) -> None:
         median = statistics.median(seconds)
         emit({"bench": "overhead", "model": name, "ranks": ranks, "config": key, "median_s": round(median, 5),
               "min_s": round(min(seconds), 5), "host_ms_per_layer": round((median - plain_s) / shape["layers"] * 1e3, 3),
+              "round_s": [round(t, 5) for t in seconds],
               **({"recompiles_after_warmup": _compiled_frames() - frames} if key == "hp_compiled" else {})})
 
 
@@ -183,8 +186,11 @@ def summarize(records: list[dict]) -> dict:
     steps = {(r["model"], r["ranks"], r["config"]): r for r in records if r.get("bench") == "overhead"}
 
     def ratio(model, ranks, mine, theirs):
+        """The median over rounds of the two configurations' ratio in that round (both ran back to back)."""
         a, b = steps.get((model, ranks, mine)), steps.get((model, ranks, theirs))
-        return round(a["median_s"] / b["median_s"], 4) if a and b else None
+        if not (a and b):
+            return None
+        return round(statistics.median(x / y for x, y in zip(a["round_s"], b["round_s"])), 4)
 
     compiled = [r for r in steps.values() if r["config"] == "hp_compiled"]
     return {
