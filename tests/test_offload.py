@@ -92,7 +92,8 @@ def test_the_planner_recomputes_the_blocks_whose_moves_would_cost_more_and_steps
     assert [hp.recompute.is_recomputed(layer) for layer in model.model.layers] == [bool(recomputed)] * 2
     assert plan.peak_after <= plan.budget_bytes and offloaded.last_run.peak_resident_bytes <= plan.budget_bytes
     if recomputed:  # planned on the step as it runs now: the blocks keep their inputs, and nothing inside
-        inside = [t.defined_in for t in (d.tensor for d in plan.decisions) if t.defined_in.startswith("model.layers.")]
+        inside = [t.defined_in for t in (d.tensor for d in plan.decisions)  # (torch 2.11's checkpoint also
+                  if t.defined_in.startswith("model.layers.") and t.nbytes]  # saves an empty placeholder)
         assert sorted(inside) == ["model.layers.0", "model.layers.1"]
         assert "recomputed in backward: model.layers.0, model.layers.1" in plan.table()
 
