@@ -1,8 +1,8 @@
 """Preference stages over 2 gloo processes: 5 AdamW steps equal the unsharded computation's.
 
 Run by tests/test_train_preference.py with torchrun (2 ranks). For DPO, KTO,
-the reward model and DPO with LoRA under FSDP dp=2, and DPO at cp=2 (ring) and
-KTO at tp=2, each rank builds the policy (and the frozen reference) twice from
+the reward model and DPO with LoRA under FSDP dp=2 (plain dp=2 on torch 2.11),
+and DPO at cp=2 (ring) and KTO at tp=2, each rank builds the policy (and the frozen reference) twice from
 one seed: one copy laid out, one whole, computing the same global batches.
 Each step's loss must equal the unsharded one (fp32, relative 1e-5), and the
 first step's gradients too.
@@ -16,14 +16,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hp
+from hp.backports import FSDP_ON_THE_WHOLE_MESH
 from hp.models import plan_for, tiny_config
 from hp.train.batch import collate
 from hp.train.config import Preference
 from hp.train.model import add_value_head
 from hp.train.objectives import Dpo, Kto, Reference, Reward
 
-FSDP = hp.Strategy(dp=2, fsdp=True)
-CHECKS = [("dpo", False, FSDP), ("kto", False, FSDP), ("rm", False, FSDP), ("dpo", True, FSDP),
+# FSDP where this torch has it on a laid-out mesh (tests/test_backports.py checks the refusal), else plain dp
+DP = hp.Strategy(dp=2, fsdp=FSDP_ON_THE_WHOLE_MESH)
+CHECKS = [("dpo", False, DP), ("kto", False, DP), ("rm", False, DP), ("dpo", True, DP),
           ("dpo", False, hp.Strategy(cp=2, cp_algorithm="ring")), ("kto", False, hp.Strategy(tp=2))]
 
 
