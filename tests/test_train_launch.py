@@ -10,6 +10,7 @@ import json
 
 import pytest
 from gloo_launch import _free_port, torchrun
+from needs import needs_fsdp
 from train_runs import DATA, QUICKSTART, WORKERS, first_batch, hp_train, local_hf_model, losses, summary
 
 from hp.models import FAMILIES
@@ -76,10 +77,11 @@ def test_compiled_blocks_train_as_eager_ones(tmp_path):
 @pytest.mark.parametrize(
     "strategy, axis",
     [
-        (["parallel.tp=1", "parallel.dp=2", "parallel.fsdp=true"], "dp"),
+        pytest.param(["parallel.tp=1", "parallel.dp=2", "parallel.fsdp=true"], "dp", marks=needs_fsdp),
         (["parallel.tp=1", "parallel.cp=2", "parallel.cp_algorithm=ring", "disable_gradient_checkpointing=false"], "cp"),
         (["parallel.sp=true"], "tp"),
-        (["parallel.dp=2", "parallel.fsdp=true", "parallel.sp=true", "disable_gradient_checkpointing=false"], "tp"),
+        pytest.param(["parallel.dp=2", "parallel.fsdp=true", "parallel.sp=true", "disable_gradient_checkpointing=false"], "tp",
+                     marks=needs_fsdp),
     ],
 )
 def test_every_strategy_of_the_zoo_trains_through_hp_train(tmp_path, strategy, axis):
