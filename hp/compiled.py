@@ -54,9 +54,8 @@ def compile_blocks(blocks: Iterable[nn.Module], *, backend: str = "inductor") ->
     True
     """
     for block in blocks:
-        if not is_compiled(block):
-            # the instance's forward as it is now (hp.recompute may have replaced it)
-            block.forward = torch.compile(block.forward, fullgraph=True, backend=backend)
+        # the instance's forward as it is now (hp.recompute may have replaced it)
+        block.forward = _compiled(block.forward, backend)
 
 
 def compile_loss(model: nn.Module, *, backend: str = "inductor") -> bool:
@@ -81,9 +80,17 @@ def compile_loss(model: nn.Module, *, backend: str = "inductor") -> bool:
     loss = getattr(model, "loss_function", None)
     if loss is None:
         return False
-    if not hasattr(loss, "_torchdynamo_orig_callable"):
-        model.loss_function = torch.compile(loss, fullgraph=True, backend=backend)
+    model.loss_function = _compiled(loss, backend)
     return True
+
+
+def _compiled(fn, backend: str):
+    """`fn` under `torch.compile(fullgraph=True)`, or `fn` itself when it already is."""
+    return fn if _is_compiled_fn(fn) else torch.compile(fn, fullgraph=True, backend=backend)
+
+
+def _is_compiled_fn(fn) -> bool:
+    return hasattr(fn, "_torchdynamo_orig_callable")
 
 
 def is_compiled(block: nn.Module) -> bool:
@@ -92,4 +99,4 @@ def is_compiled(block: nn.Module) -> bool:
     >>> is_compiled(torch.nn.Linear(2, 2))
     False
     """
-    return hasattr(block.__dict__.get("forward"), "_torchdynamo_orig_callable")
+    return _is_compiled_fn(block.__dict__.get("forward"))

@@ -183,16 +183,11 @@ def constrain(
         bound, placements = None, _placements_when_traced(spec, x.device_mesh, x.ndim, rules, uneven)
     else:
         bound, placements = _prepare(spec, x.device_mesh, x.shape, rules, uneven)
-    if not _same(tuple(x.placements), placements):
-        x = cut(x, placements) if pending_grad else reshard(x, placements)
-    else:
+    if tuple(x.placements) == placements:  # (`==`: torch 2.11's dynamo cannot trace `!=` on placements)
         x = x.view_as(x)  # a fresh node, so tagging never renames the caller's tensor
+    else:
+        x = cut(x, placements) if pending_grad else reshard(x, placements)
     return x if bound is None else _tag(x, bound)
-
-
-def _same(a: tuple, b: tuple) -> bool:
-    """Placement tuples, item by item with `==` (dynamo in torch 2.11 cannot trace `!=` on placements)."""
-    return len(a) == len(b) and all(p == q for p, q in zip(a, b))
 
 
 def from_local(
