@@ -12,6 +12,11 @@ releases CI tests this module changes nothing.
   which moves a strided shard through Replicate; so does the backport, which
   also sends a strided shard bound for another split (or a partial sum bound
   for a strided shard) through Replicate: 2.11 has no direct step between them.
+- **`t()` of a strided shard**: torch 2.11's rule for `aten.t` moves a
+  plain shard to the other dim but leaves a strided shard where it was, so
+  the weight gradient of a linear whose tokens are `(b s/cp)` came out
+  misshapen (a MoE layer under ep x cp). The backport registers the rule of
+  later releases, which moves both.
 - **The backward of top-k, sort, max and min along a dim** on a DTensor:
   `SELECTION_BACKWARD_MIXES_TENSORS` below; the kernels are `hp.ops.selection`.
 
@@ -35,8 +40,11 @@ from __future__ import annotations
 
 import torch
 from torch.distributed import fsdp
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor import _dtensor_spec, _redistribute
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
+from torch.distributed.tensor._ops import _matrix_ops
 from torch.distributed.tensor.placement_types import _StridedShard
 
 
@@ -58,6 +66,9 @@ def install() -> None:
     if not hasattr(_dtensor_spec, "_StridedShardNotDecodableError") and not _redistribute_patched():
         planned = _redistribute._gen_transform_infos_non_cached
         _redistribute._gen_transform_infos_non_cached = _greedy_when_undecodable(planned)
+    if "_StridedShard" not in _matrix_ops.transpose_strategy.__code__.co_names:
+        propagator = DTensor._op_dispatcher.sharding_propagator
+        propagator.register_op_strategy(torch.ops.aten.t.default, _transpose_strategy)
 
 
 def _redistribute_patched() -> bool:
@@ -76,6 +87,22 @@ def _greedy_when_undecodable(planned):
 
     transform_infos.__hp_backport__ = True
     return transform_infos
+
+
+def _transpose_strategy(op_schema: OpSchema) -> OpStrategy:
+    """`aten.t`'s rule: a 2-D tensor's split (plain or strided) moves to the other dim."""
+    out = []
+    for strategy in op_schema.args_schema[0].strategies:
+        spec = strategy.output_spec
+        placements = tuple(_other_dim(p) if spec.ndim == 2 else p for p in spec.placements)
+        out.append(OpSpec(output_specs=DTensorSpec(spec.mesh, placements), input_specs=(spec,)))
+    return OpStrategy(out)
+
+
+def _other_dim(p):
+    if isinstance(p, _StridedShard):
+        return _StridedShard(1 - p.dim, split_factor=p.split_factor)
+    return Shard(1 - p.dim) if isinstance(p, Shard) else p
 
 
 def _through_replicate(infos: list) -> list:

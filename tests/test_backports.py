@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor import _redistribute
+from torch.distributed.tensor._ops import _matrix_ops
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import hp
@@ -49,6 +50,27 @@ def test_strided_shards_redistribute_by_the_backported_plan(undecodable_strided_
         moved = start.redistribute(mesh, [dst])
         assert moved.placements == (dst,)
         torch.testing.assert_close(moved.full_tensor(), whole, rtol=0, atol=0)
+
+
+@pytest.fixture
+def backported_transpose(monkeypatch):
+    """aten.t under the backported rule, whatever torch's own is."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    monkeypatch.setitem(propagator.op_strategy_funcs, torch.ops.aten.t.default, backports._transpose_strategy)
+    propagator.propagate_op_sharding.cache_clear()
+    yield
+    propagator.propagate_op_sharding.cache_clear()
+
+
+@pytest.mark.parametrize("placements", [(Shard(0), _StridedShard(0, split_factor=2)), (_StridedShard(1, split_factor=3), Replicate()),
+                                        (Shard(1), Shard(0)), (Replicate(), Replicate())], ids=str)
+def test_a_transposed_split_moves_to_the_other_dim(backported_transpose, placements):
+    mesh = hp.mesh(ep=2, cp=2, simulate=True)
+    whole = torch.arange(24.0 * 12).reshape(24, 12)
+    with hp.simulated(mesh):
+        moved = DTensor.from_local(whole, mesh, [Replicate()] * 2).redistribute(mesh, placements).t()
+        assert moved.placements == tuple(backports._other_dim(p) for p in placements)
+        torch.testing.assert_close(moved.full_tensor(), whole.t(), rtol=0, atol=0)
 
 
 @given(
@@ -106,6 +128,9 @@ def test_backports_apply_exactly_where_torch_lacks_the_fix():
 
     assert backports._redistribute_patched() != hasattr(_dtensor_spec, "_StridedShardNotDecodableError")
     assert bool(selection.kernels()) == (backports.torch_version() < (2, 13))
+    own_rule_moves_strided = "_StridedShard" in _matrix_ops.transpose_strategy.__code__.co_names
+    registered = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs[torch.ops.aten.t.default]
+    assert (registered is backports._transpose_strategy) != own_rule_moves_strided
 
 
 _UNTRACEABLE_ON_2_11 = re.compile(r"type\([^()]*(?:\([^()]*\))?[^()]*\) is (?:not )?(?:Shard|_StridedShard|Replicate|Partial)\b"
