@@ -17,6 +17,16 @@ releases CI tests this module changes nothing.
   the weight gradient of a linear whose tokens are `(b s/cp)` came out
   misshapen (a MoE layer under ep x cp). The backport registers the rule of
   later releases, which moves both.
+- **Views inside a decomposition that flatten leading dims, a later one
+  split** (`F.linear` on `b s/cp h` views it as `(b s) h`; SDPA's math path
+  views `b n/tp s d` as `(b n) s d`). torch 2.11 refuses them ("Attempted to
+  flatten multiple dimensions"); the backport gives the view the layout
+  later releases give it, a strided shard of the flattened dim
+  (`hp.ops.flatten.flattened_placements`, which hp's own view kernel uses
+  on every release), and each rank views its block. Viewing such a dim
+  back as two (`(b s)` to `b s/cp`) takes the inverse
+  (`hp.ops.flatten.unflattened_placements`), where 2.11 cut the blocks
+  as if the split were plain.
 - **The backward of top-k, sort, max and min along a dim** on a DTensor:
   `SELECTION_BACKWARD_MIXES_TENSORS` below; the kernels are `hp.ops.selection`.
 
@@ -44,7 +54,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor import _dtensor_spec, _redistribute
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
-from torch.distributed.tensor._ops import _matrix_ops
+from torch.distributed.tensor._ops import _matrix_ops, _view_ops
 from torch.distributed.tensor.placement_types import _StridedShard
 
 
@@ -69,6 +79,8 @@ def install() -> None:
     if "_StridedShard" not in _matrix_ops.transpose_strategy.__code__.co_names:
         propagator = DTensor._op_dispatcher.sharding_propagator
         propagator.register_op_strategy(torch.ops.aten.t.default, _transpose_strategy)
+    if not _views_flatten_split_dims():
+        _view_ops.propagate_shape_and_sharding = _flattening_split_leading_dims(_view_ops.propagate_shape_and_sharding)
 
 
 def _redistribute_patched() -> bool:
@@ -103,6 +115,60 @@ def _other_dim(p):
     if isinstance(p, _StridedShard):
         return _StridedShard(1 - p.dim, split_factor=p.split_factor)
     return Shard(1 - p.dim) if isinstance(p, Shard) else p
+
+
+def _views_flatten_split_dims() -> bool:
+    """Whether DTensor views `b s/cp` as `(b s)`, or hp's backport does."""
+    shape, rule = (2, 4), _view_ops.view_groups((2, 4), (8,))
+    try:
+        _view_ops.propagate_shape_and_sharding((Shard(1),), shape, rule, (2,), True)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _flattening_split_leading_dims(propagate):
+    def propagate_shape_and_sharding(placements, shape, rule, mesh_shape, strict_view=False):
+        from hp.ops import flatten  # hp.ops imports this module
+
+        rows = _leading_split(rule, len(shape))
+        unflattened = None if rows is None else flatten.unflattened_placements(shape, placements, mesh_shape, rows)
+        if unflattened is not None:
+            return tuple(placements), tuple(unflattened[0])
+        try:
+            return propagate(placements, shape, rule, mesh_shape, strict_view)
+        except RuntimeError as e:
+            group = _leading_flatten(rule, len(shape))
+            out = None if group is None else flatten.flattened_placements(shape, placements, mesh_shape, group)
+            if out is None or "Attempted to flatten" not in str(e):
+                raise
+            return tuple(placements), tuple(out)
+
+    return propagate_shape_and_sharding
+
+
+def _leading_flatten(rule, ndim: int) -> int | None:
+    """g when the view `rule` makes input dims 0..g-1 its dim 0 and keeps the rest in order, else None."""
+    first = rule[0] if rule else None
+    if not isinstance(first, _view_ops.Flatten):
+        return None
+    group = len(first.input_dims)
+    wanted = (*(_view_ops.InputDim(d) for d in range(group)), *(_view_ops.InputDim(d) for d in range(group, ndim)))
+    return group if (*first.input_dims, *rule[1:]) == wanted else None
+
+
+def _leading_split(rule, ndim: int) -> int | None:
+    """The rows when the view `rule` makes input dim 0 its dims 0 and 1 (rows, rest) and keeps the rest."""
+    if len(rule) != ndim + 1 or not all(isinstance(r, _view_ops.Split) for r in rule[:2]):
+        return None
+    first, second = rule[:2]
+    whole = (_view_ops.InputDim(0), first.group_shape)
+    if (first.input_dim, first.group_shape, first.split_id) != (*whole, 0) or \
+            (second.input_dim, second.group_shape, second.split_id) != (*whole, 1) or len(first.group_shape) != 2:
+        return None
+    if tuple(rule[2:]) != tuple(_view_ops.InputDim(d) for d in range(1, ndim)):
+        return None
+    return first.group_shape[0]
 
 
 def _through_replicate(infos: list) -> list:

@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor import _redistribute
-from torch.distributed.tensor._ops import _matrix_ops
+from torch.distributed.tensor._ops import _matrix_ops, _view_ops
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import hp
 from hp import backports
-from hp.ops import selection
+from hp.ops import flatten, selection
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,6 +72,45 @@ def test_a_transposed_split_moves_to_the_other_dim(backported_transpose, placeme
         moved = DTensor.from_local(whole, mesh, [Replicate()] * 2).redistribute(mesh, placements).t()
         assert moved.placements == tuple(backports._other_dim(p) for p in placements)
         torch.testing.assert_close(moved.full_tensor(), whole.t(), rtol=0, atol=0)
+
+
+@pytest.fixture
+def views_refusing_split_flattens(monkeypatch):
+    """DTensor's view rule as torch 2.11 has it (a flatten whose later dim is split refused), behind the backport."""
+    own = _view_ops.propagate_shape_and_sharding
+
+    def as_on_2_11(placements, shape, rule, mesh_shape, strict_view=False):
+        group = backports._leading_flatten(rule, len(shape))
+        if group is not None and any(isinstance(p, Shard) and 0 < p.dim < group for p in placements):
+            raise RuntimeError("Attempted to flatten multiple dimensions, with dimension 1 being sharded.")
+        return own(placements, shape, rule, mesh_shape, strict_view)
+
+    monkeypatch.setattr(_view_ops, "propagate_shape_and_sharding", backports._flattening_split_leading_dims(as_on_2_11))
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    yield
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+
+
+@settings(deadline=None, max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sampled_from([(2, 4, 3), (4, 2, 6), (2, 2, 2, 5)]),
+       st.lists(st.sampled_from(["r", 0, 1, 2]), min_size=2, max_size=2))
+def test_views_flatten_leading_dims_a_later_one_split_and_back(views_refusing_split_flattens, shape, splits):
+    """`aten.view` as a decomposition calls it: `b s/cp h` to `(b s) h` and back, each rank viewing its block."""
+    mesh = hp.mesh(dp=2, cp=2, simulate=True)
+    placements = [Replicate() if d == "r" else Shard(d % (len(shape) - 1)) for d in splits]
+    whole = torch.arange(float(math.prod(shape))).reshape(shape)
+    flat_shape = [shape[0] * shape[1], *shape[2:]]
+    assume(all(shape[p.dim] % 2 ** placements.count(p) == 0 for p in placements if isinstance(p, Shard)))
+    later_split = any(isinstance(p, Shard) and p.dim == 1 for p in placements)
+    assume(not later_split or flatten.flattened_placements(shape, placements, mesh.shape, 2) is not None)
+    with hp.simulated(mesh):
+        x = DTensor.from_local(whole, mesh, [Replicate()] * 2).redistribute(mesh, placements)
+        flat = torch.ops.aten.view.default(x, flat_shape)
+        torch.testing.assert_close(flat.full_tensor(), whole.reshape(flat_shape), rtol=0, atol=0)
+        back = torch.ops.aten.view.default(flat * 2, list(shape))
+        torch.testing.assert_close(back.full_tensor(), 2 * whole, rtol=0, atol=0)
+    if later_split:  # the backport's layout: each rank viewed its block
+        assert list(flat.placements) == flatten.flattened_placements(shape, placements, mesh.shape, 2)
 
 
 @given(

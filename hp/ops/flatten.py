@@ -41,15 +41,16 @@ def flatten_split_leading(input, *shape):
     if target is None:
         return NotImplemented
     group = input.ndim - len(target) + 1  # dims 0..group-1 become dim 0
-    placements = _flattened_placements(input, group)
+    placements = flattened_placements(input.shape, input.placements, input.device_mesh.shape, group)
     if placements is None:
         return NotImplemented
     local = local_block(input)
     return to_dtensor(local.reshape(-1, *local.shape[group:]), input.device_mesh, placements, target)
 
 
-def _flattened_placements(input: DTensor, group: int) -> list | None:
-    """`input`'s placements once dims 0..group-1 are one dim; None unless a later one of them is split.
+def flattened_placements(shape, placements, mesh_shape, group: int) -> list | None:
+    """The `placements` of a tensor of `shape` once dims 0..group-1 are one dim; None unless a later
+    one of them is split.
 
     Mesh dims apply in order, each to the blocks the earlier ones left: a split
     of group dim d then cuts the flattened dim strided by the product of the
@@ -57,19 +58,19 @@ def _flattened_placements(input: DTensor, group: int) -> list | None:
     Other orders (a strided split before another split of the dim) are left to
     DTensor: torch releases differ in how they redistribute those.
     """
-    sizes, strided, later, out = list(input.shape[:group]), False, False, []
-    for m, p in enumerate(input.placements):
+    sizes, strided, later, out = list(shape[:group]), False, False, []
+    for m, p in enumerate(placements):
         if not isinstance(p, (Shard, _StridedShard)):
             out.append(p)
         elif p.dim >= group:
             out.append(moved(p, p.dim - group + 1))
-        elif not isinstance(p, Shard) or sizes[p.dim] % input.device_mesh.size(m) or strided:
+        elif not isinstance(p, Shard) or sizes[p.dim] % mesh_shape[m] or strided:
             return None
         else:
             factor = math.prod(sizes[:p.dim])
             strided, later = factor > 1, later or p.dim > 0
             out.append(_StridedShard(0, split_factor=factor) if factor > 1 else Shard(0))
-            sizes[p.dim] //= input.device_mesh.size(m)
+            sizes[p.dim] //= mesh_shape[m]
     return out if later else None
 
 
@@ -122,7 +123,7 @@ def unflatten_strided_leading(input, *shape):
     rows, cols = wanted[0], wanted[1]
     if rows <= 0 or input.shape[0] % rows or cols not in (-1, input.shape[0] // rows):
         return NotImplemented
-    unflattened = _unflattened_placements(input, rows)
+    unflattened = unflattened_placements(input.shape, input.placements, input.device_mesh.shape, rows)
     if unflattened is None:
         return NotImplemented
     placements, local_rows = unflattened
@@ -131,22 +132,23 @@ def unflatten_strided_leading(input, *shape):
     return to_dtensor(local.reshape(local_rows, -1, *local.shape[1:]), input.device_mesh, placements, target)
 
 
-def _unflattened_placements(input: DTensor, rows: int) -> tuple[list, int] | None:
-    """(the placements of `input` with dim 0 viewed as (rows, rest), the rows each rank holds): the inverse
-    of `_flattened_placements` for two dims; None unless a split of dim 0 becomes a split of the rest.
+def unflattened_placements(shape, placements, mesh_shape, rows: int) -> tuple[list, int] | None:
+    """(the `placements` of a tensor of `shape` with dim 0 viewed as (rows, rest), the rows each rank
+    holds): the inverse of `flattened_placements` for two dims; None unless a split of dim 0 becomes a
+    split of the rest.
 
     A split of dim 0 strided by the rows each rank holds so far (or plain, once that is one
     row) cuts the rest; a plain split before it cuts the rows.
     """
     local_rows, cut_rest, out = rows, False, []
-    for m, p in enumerate(input.placements):
-        n = input.device_mesh.size(m)
+    for m, p in enumerate(placements):
+        n = mesh_shape[m]
         factor = p.split_factor if isinstance(p, _StridedShard) else 1
         if not isinstance(p, (Shard, _StridedShard)):
             out.append(p)
         elif p.dim > 0:
             out.append(moved(p, p.dim + 1))
-        elif factor == local_rows and (input.shape[0] // rows) % n == 0:
+        elif factor == local_rows and (shape[0] // rows) % n == 0:
             out.append(Shard(1))
             cut_rest = True
         elif isinstance(p, Shard) and local_rows % n == 0 and not cut_rest:
