@@ -17,16 +17,19 @@ releases CI tests this module changes nothing.
   the weight gradient of a linear whose tokens are `(b s/cp)` came out
   misshapen (a MoE layer under ep x cp). The backport registers the rule of
   later releases, which moves both.
-- **Views inside a decomposition that flatten leading dims, a later one
-  split** (`F.linear` on `b s/cp h` views it as `(b s) h`; SDPA's math path
-  views `b n/tp s d` as `(b n) s d`). torch 2.11 refuses them ("Attempted to
+- **Views inside a decomposition that flatten dims, a later one split** (`F.linear` on `b s/cp h` views it as `(b s) h`; SDPA's math path
+  views `b n/tp s d` as `(b n) s d`; the backward of a fused q/k/v's view
+  as (3, heads/tp, d) flattens them back). torch 2.11 refuses them ("Attempted to
   flatten multiple dimensions"); the backport gives the view the layout
   later releases give it, a strided shard of the flattened dim
   (`hp.ops.flatten.flattened_placements`, which hp's own view kernel uses
   on every release), and each rank views its block. Viewing such a dim
   back as two (`(b s)` to `b s/cp`) takes the inverse
   (`hp.ops.flatten.unflattened_placements`), where 2.11 cut the blocks
-  as if the split were plain.
+  as if the split were plain. And a fused dim (`[q k v]/tp`, a strided
+  shard of k parts) viewed as (k, heads, ...) leaves each rank its heads of
+  every part, split plainly: 2.11 refused that view (a vision tower's
+  fused q/k/v under tp).
 - **The backward of top-k, sort, max and min along a dim** on a DTensor:
   `SELECTION_BACKWARD_MIXES_TENSORS` below; the kernels are `hp.ops.selection`.
 
@@ -135,11 +138,14 @@ def _flattening_split_leading_dims(propagate):
         unflattened = None if rows is None else flatten.unflattened_placements(shape, placements, mesh_shape, rows)
         if unflattened is not None:
             return tuple(placements), tuple(unflattened[0])
+        parts = _parts_split(placements, rule, mesh_shape)
+        if parts is not None:
+            return tuple(placements), tuple(parts)
         try:
             return propagate(placements, shape, rule, mesh_shape, strict_view)
         except RuntimeError as e:
-            group = _leading_flatten(rule, len(shape))
-            out = None if group is None else flatten.flattened_placements(shape, placements, mesh_shape, group)
+            group = _flattened_group(rule, len(shape))
+            out = None if group is None else flatten.flattened_placements(shape, placements, mesh_shape, *group)
             if out is None or "Attempted to flatten" not in str(e):
                 raise
             return tuple(placements), tuple(out)
@@ -147,14 +153,15 @@ def _flattening_split_leading_dims(propagate):
     return propagate_shape_and_sharding
 
 
-def _leading_flatten(rule, ndim: int) -> int | None:
-    """g when the view `rule` makes input dims 0..g-1 its dim 0 and keeps the rest in order, else None."""
-    first = rule[0] if rule else None
-    if not isinstance(first, _view_ops.Flatten):
+def _flattened_group(rule, ndim: int) -> tuple[int, int] | None:
+    """(g, a) when the view `rule` makes input dims a..a+g-1 one dim and keeps the others in order, else None."""
+    flat = [j for j, r in enumerate(rule) if not isinstance(r, _view_ops.InputDim)]
+    if len(flat) != 1 or not isinstance(rule[flat[0]], _view_ops.Flatten):
         return None
-    group = len(first.input_dims)
-    wanted = (*(_view_ops.InputDim(d) for d in range(group)), *(_view_ops.InputDim(d) for d in range(group, ndim)))
-    return group if (*first.input_dims, *rule[1:]) == wanted else None
+    start, group = flat[0], len(rule[flat[0]].input_dims)
+    wanted = [_view_ops.InputDim(d) for d in range(ndim)]
+    wanted[start:start + group] = [_view_ops.Flatten(tuple(wanted[start:start + group]))]
+    return (group, start) if list(rule) == wanted else None
 
 
 def _leading_split(rule, ndim: int) -> int | None:
@@ -169,6 +176,33 @@ def _leading_split(rule, ndim: int) -> int | None:
     if tuple(rule[2:]) != tuple(_view_ops.InputDim(d) for d in range(1, ndim)):
         return None
     return first.group_shape[0]
+
+
+def _parts_split(placements, rule, mesh_shape) -> list | None:
+    """The placements after a view splitting a fused dim (`_StridedShard(d, k)`) into (k, rest...): its
+    split moves, plain, to the dim after the k parts; other splits follow their dims. None for other views."""
+    whole_at, parts_at = {}, {}  # input dim -> the output dim that keeps it whole / that follows its parts
+    for j, r in enumerate(rule):
+        if isinstance(r, _view_ops.InputDim):
+            whole_at[r.input_dim] = j
+        elif isinstance(r, _view_ops.Split) and isinstance(r.input_dim, _view_ops.InputDim) and r.split_id == 1:
+            parts_at[r.input_dim.input_dim] = (r.group_shape, j)
+    out, moved_parts = [], set()
+    for m, p in enumerate(placements):
+        if isinstance(p, _StridedShard) and p.dim in parts_at:
+            group, j = parts_at[p.dim]
+            if group[0] != p.split_factor or group[1] % mesh_shape[m] or p.dim in moved_parts:
+                return None
+            moved_parts.add(p.dim)
+            out.append(Shard(j))
+        elif isinstance(p, (Shard, _StridedShard)):
+            if p.dim not in whole_at:
+                return None
+            j = whole_at[p.dim]
+            out.append(_StridedShard(j, split_factor=p.split_factor) if isinstance(p, _StridedShard) else Shard(j))
+        else:
+            out.append(p)
+    return out if moved_parts else None
 
 
 def _through_replicate(infos: list) -> list:

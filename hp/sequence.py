@@ -34,6 +34,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from hp.model_plan import ModelPlan
 from hp.ops.ring_attention import head_tail_order
@@ -144,7 +145,7 @@ def _head_tail_decoder_input(cp: int):
     def hook(mod, args, kwargs):
         embeds = kwargs["inputs_embeds"]
         order = head_tail_order(embeds.shape[1], cp).to(embeds.device)
-        kwargs["inputs_embeds"] = embeds[:, order]
+        kwargs["inputs_embeds"] = _Reordered.apply(embeds, order)
         mask = kwargs.get("visual_pos_masks")
         if mask is not None:
             row = (mask.flatten().cumsum(0) - 1).view(mask.shape)  # each visual position's row
@@ -154,6 +155,30 @@ def _head_tail_decoder_input(cp: int):
         return args, kwargs
 
     return hook
+
+
+class _Reordered(torch.autograd.Function):
+    """`x[:, order]` for a permutation `order`, whose gradient is the gradient reordered back.
+
+    The plain index's backward scatters into zeros (`index_put`), which torch 2.11's DTensor
+    cannot lay out when the gradient is a pending sum; reordering keeps it one, on every release.
+    """
+
+    @staticmethod
+    def forward(ctx, x, order):
+        ctx.save_for_backward(order)
+        return _take(x, order)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        return _take(grad, torch.argsort(order)), None
+
+
+def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    if isinstance(x, DTensor):
+        index = DTensor.from_local(index, x.device_mesh, [Replicate()] * x.device_mesh.ndim, run_check=False)
+    return x[:, index]
 
 
 def _refuse_what_cp_cannot_honour(kwargs: dict) -> None:

@@ -80,8 +80,8 @@ def views_refusing_split_flattens(monkeypatch):
     own = _view_ops.propagate_shape_and_sharding
 
     def as_on_2_11(placements, shape, rule, mesh_shape, strict_view=False):
-        group = backports._leading_flatten(rule, len(shape))
-        if group is not None and any(isinstance(p, Shard) and 0 < p.dim < group for p in placements):
+        group = backports._flattened_group(rule, len(shape))
+        if group is not None and any(isinstance(p, Shard) and group[1] < p.dim < sum(group) for p in placements):
             raise RuntimeError("Attempted to flatten multiple dimensions, with dimension 1 being sharded.")
         return own(placements, shape, rule, mesh_shape, strict_view)
 
@@ -111,6 +111,21 @@ def test_views_flatten_leading_dims_a_later_one_split_and_back(views_refusing_sp
         torch.testing.assert_close(back.full_tensor(), 2 * whole, rtol=0, atol=0)
     if later_split:  # the backport's layout: each rank viewed its block
         assert list(flat.placements) == flatten.flattened_placements(shape, placements, mesh.shape, 2)
+
+
+@pytest.mark.parametrize("tokens", [Replicate(), Shard(0)], ids=str)
+def test_a_fused_dim_views_as_its_parts_and_back(views_refusing_split_flattens, tokens):
+    """A vision tower's `[q k v]/tp` output viewed as (3, heads/tp, d) and, as its backward does, flattened back."""
+    mesh = hp.mesh(dp=2, tp=2, simulate=True)
+    whole = torch.arange(4.0 * 3 * 4 * 2).reshape(4, 24)
+    with hp.simulated(mesh):
+        qkv = DTensor.from_local(whole, mesh, [Replicate()] * 2).redistribute(mesh, [tokens, _StridedShard(1, split_factor=3)])
+        heads = torch.ops.aten.view.default(qkv, [4, 3, 4, 2])
+        assert heads.placements == (tokens, Shard(2))
+        torch.testing.assert_close(heads.full_tensor(), whole.view(4, 3, 4, 2), rtol=0, atol=0)
+        back = torch.ops.aten._unsafe_view.default(heads * 2, [4, 24])
+        assert back.placements == (tokens, _StridedShard(1, split_factor=3))
+        torch.testing.assert_close(back.full_tensor(), 2 * whole, rtol=0, atol=0)
 
 
 @given(

@@ -48,29 +48,32 @@ def flatten_split_leading(input, *shape):
     return to_dtensor(local.reshape(-1, *local.shape[group:]), input.device_mesh, placements, target)
 
 
-def flattened_placements(shape, placements, mesh_shape, group: int) -> list | None:
-    """The `placements` of a tensor of `shape` once dims 0..group-1 are one dim; None unless a later
-    one of them is split.
+def flattened_placements(shape, placements, mesh_shape, group: int, start: int = 0) -> list | None:
+    """The `placements` of a tensor of `shape` once dims start..start+group-1 are one dim; None unless
+    a later one of them is split.
 
     Mesh dims apply in order, each to the blocks the earlier ones left: a split
     of group dim d then cuts the flattened dim strided by the product of the
     sizes before d in those blocks (a plain Shard when that product is 1).
     Other orders (a strided split before another split of the dim) are left to
     DTensor: torch releases differ in how they redistribute those.
+
+    >>> flattened_placements((2, 4, 3), (Shard(1),), (2,), 2)
+    [_StridedShard(dim=0, sf=2)]
     """
-    sizes, strided, later, out = list(shape[:group]), False, False, []
+    sizes, strided, later, out = list(shape[start:start + group]), False, False, []
     for m, p in enumerate(placements):
-        if not isinstance(p, (Shard, _StridedShard)):
+        if not isinstance(p, (Shard, _StridedShard)) or p.dim < start:
             out.append(p)
-        elif p.dim >= group:
+        elif p.dim >= start + group:
             out.append(moved(p, p.dim - group + 1))
-        elif not isinstance(p, Shard) or sizes[p.dim] % mesh_shape[m] or strided:
+        elif not isinstance(p, Shard) or sizes[p.dim - start] % mesh_shape[m] or strided:
             return None
         else:
-            factor = math.prod(sizes[:p.dim])
-            strided, later = factor > 1, later or p.dim > 0
-            out.append(_StridedShard(0, split_factor=factor) if factor > 1 else Shard(0))
-            sizes[p.dim] //= mesh_shape[m]
+            factor = math.prod(sizes[:p.dim - start])
+            strided, later = factor > 1, later or p.dim > start
+            out.append(_StridedShard(start, split_factor=factor) if factor > 1 else Shard(start))
+            sizes[p.dim - start] //= mesh_shape[m]
     return out if later else None
 
 
