@@ -219,8 +219,11 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def distributed() -> bool:
-    """Whether this process is one rank of a process group (else DCP reads and writes alone)."""
-    return dist.is_available() and dist.is_initialized()
+    """Whether this process is one rank of a process group with peers (else DCP reads and writes alone).
+
+    A `fake` group (`hp.mesh(simulate=True)`) has none: its object collectives carry no data.
+    """
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake"
 
 
 def rank() -> int:
