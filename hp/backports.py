@@ -17,19 +17,19 @@ releases CI tests this module changes nothing.
   the weight gradient of a linear whose tokens are `(b s/cp)` came out
   misshapen (a MoE layer under ep x cp). The backport registers the rule of
   later releases, which moves both.
-- **Views inside a decomposition that flatten dims, a later one split** (`F.linear` on `b s/cp h` views it as `(b s) h`; SDPA's math path
-  views `b n/tp s d` as `(b n) s d`; the backward of a fused q/k/v's view
-  as (3, heads/tp, d) flattens them back). torch 2.11 refuses them ("Attempted to
-  flatten multiple dimensions"); the backport gives the view the layout
+- **Views inside a decomposition that flatten dims, a later one split**
+  (`F.linear` on `b s/cp h` views it as `(b s) h`; SDPA's math path views
+  `b n/tp s d` as `(b n) s d`; the backward of a fused q/k/v's view as
+  (3, heads/tp, d) flattens it back). torch 2.11 refuses them ("Attempted
+  to flatten multiple dimensions"); the backport gives the view the layout
   later releases give it, a strided shard of the flattened dim
   (`hp.ops.flatten.flattened_placements`, which hp's own view kernel uses
   on every release), and each rank views its block. Viewing such a dim
   back as two (`(b s)` to `b s/cp`) takes the inverse
-  (`hp.ops.flatten.unflattened_placements`), where 2.11 cut the blocks
-  as if the split were plain. And a fused dim (`[q k v]/tp`, a strided
-  shard of k parts) viewed as (k, heads, ...) leaves each rank its heads of
-  every part, split plainly: 2.11 refused that view (a vision tower's
-  fused q/k/v under tp).
+  (`hp.ops.flatten.unflattened_placements`), where 2.11 cut the blocks as
+  if the split were plain; and a fused dim (`[q k v]/tp`, a strided shard
+  of k parts) viewed as (k, heads, ...) leaves each rank its heads of every
+  part, a plain split, where 2.11 refused the view.
 - **The backward of top-k, sort, max and min along a dim** on a DTensor:
   `SELECTION_BACKWARD_MIXES_TENSORS` below; the kernels are `hp.ops.selection`.
 
