@@ -79,7 +79,7 @@ def install() -> None:
     if not hasattr(_dtensor_spec, "_StridedShardNotDecodableError") and not _redistribute_patched():
         planned = _redistribute._gen_transform_infos_non_cached
         _redistribute._gen_transform_infos_non_cached = _greedy_when_undecodable(planned)
-    if "_StridedShard" not in _matrix_ops.transpose_strategy.__code__.co_names:
+    if transpose_leaves_strided_shards():
         propagator = DTensor._op_dispatcher.sharding_propagator
         propagator.register_op_strategy(torch.ops.aten.t.default, _transpose_strategy)
     if not _views_flatten_split_dims():
@@ -102,6 +102,13 @@ def _greedy_when_undecodable(planned):
 
     transform_infos.__hp_backport__ = True
     return transform_infos
+
+
+def transpose_leaves_strided_shards() -> bool:
+    """Whether DTensor's own rule for `aten.t` leaves a strided shard on its dim (2.11's does; 2.13's
+    moves it, and 2.14 states the op by a single-dim rule that does)."""
+    own = getattr(_matrix_ops, "transpose_strategy", None)
+    return own is not None and "_StridedShard" not in own.__code__.co_names
 
 
 def _transpose_strategy(op_schema: OpSchema) -> OpStrategy:
