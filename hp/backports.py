@@ -122,9 +122,9 @@ def _transpose_strategy(op_schema: OpSchema) -> OpStrategy:
 
 
 def _other_dim(p):
-    if isinstance(p, _StridedShard):
-        return _StridedShard(1 - p.dim, split_factor=p.split_factor)
-    return Shard(1 - p.dim) if isinstance(p, Shard) else p
+    from hp.ops.flatten import moved  # hp.ops imports this module
+
+    return moved(p, 1 - p.dim) if isinstance(p, (Shard, _StridedShard)) else p
 
 
 def _views_flatten_split_dims() -> bool:
@@ -205,8 +205,9 @@ def _parts_split(placements, rule, mesh_shape) -> list | None:
         elif isinstance(p, (Shard, _StridedShard)):
             if p.dim not in whole_at:
                 return None
-            j = whole_at[p.dim]
-            out.append(_StridedShard(j, split_factor=p.split_factor) if isinstance(p, _StridedShard) else Shard(j))
+            from hp.ops.flatten import moved  # hp.ops imports this module
+
+            out.append(moved(p, whole_at[p.dim]))
         else:
             out.append(p)
     return out if moved_parts else None
