@@ -42,7 +42,7 @@ from hp.offload_cache import CacheRun, CacheTiering
 from hp.offload_plan import OffloadPlan, choose_recompute, plan_offload
 from hp.offload_states import OptimizerStates
 from hp.offload_tiers import DiskTier
-from hp.ops.local import new_dtensor
+from hp.layouts.specs import new_dtensor
 from hp.recompute import is_recomputed, keep_activations, recompute
 from hp.use_def import Recording, local_of, record, storage_key
 

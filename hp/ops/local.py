@@ -13,10 +13,12 @@ from collections.abc import Sequence
 import torch
 from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor._utils import compute_global_tensor_info
 from torch.distributed.tensor.placement_types import _StridedShard
+
+from hp.layouts.specs import new_dtensor, spec_for
 
 
 def to_dtensor(
@@ -41,7 +43,7 @@ def to_dtensor(
         stride = _dense_stride(shape, tuple(dim_order) if dim_order is not None else tuple(range(len(shape))))
     if torch.compiler.is_compiling():  # dynamo traces DTensor's own wrap, not a spec cache
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
-    return _Wrap.apply(local, _spec(mesh, tuple(placements), shape, tuple(stride), local.dtype))
+    return _Wrap.apply(local, spec_for(mesh, tuple(placements), shape, tuple(stride), local.dtype))
 
 
 def _dense_stride(shape: tuple, order: tuple) -> tuple:
@@ -51,44 +53,6 @@ def _dense_stride(shape: tuple, order: tuple) -> tuple:
         stride[d] = step
         step *= max(int(shape[d]), 1) if isinstance(shape[d], int) else shape[d]
     return tuple(stride)
-
-
-def _spec(mesh, placements: tuple, shape: tuple, stride: tuple, dtype) -> DTensorSpec:
-    """A DTensor spec, built once per signature (building one costs more than a small op).
-
-    Kept on the mesh object itself: meshes compare by shape and names, and an equal mesh of
-    another (since destroyed) world must not lend its process groups.
-    """
-    cache = mesh.__dict__.setdefault("_hp_specs", {})
-    key = (placements, shape, stride, dtype)
-    try:
-        spec = cache.get(key)
-    except TypeError:  # symbolic sizes (simulated ranks with unequal blocks) do not hash
-        return DTensorSpec(mesh, placements, tensor_meta=TensorMeta(torch.Size(shape), stride, dtype))
-    if spec is None:
-        if len(cache) >= _SPECS_PER_MESH:
-            cache.clear()
-        spec = cache[key] = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(torch.Size(shape), stride, dtype))
-    return spec
-
-
-_SPECS_PER_MESH = 4096
-
-
-def new_dtensor(local: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool) -> DTensor:
-    """`DTensor(local, spec, requires_grad=...)`, less its `__init__`.
-
-    DTensor's `__init__` does nothing outside `torch.export`, yet each call crosses a
-    dynamo-disabled frame (a few microseconds, paid per kernel call on hp's hot paths).
-    For eager code only: under tracing, build DTensors as DTensor itself does.
-
-    >>> import hp, torch
-    >>> mesh = hp.mesh(tp=1, simulate=True)
-    >>> spec = _spec(mesh, (Replicate(),), (2,), (1,), torch.float32)
-    >>> new_dtensor(torch.ones(2), spec, requires_grad=False).placements
-    (Replicate(),)
-    """
-    return DTensor.__new__(DTensor, local, spec, requires_grad=requires_grad)
 
 
 class _Wrap(torch.autograd.Function):
@@ -182,7 +146,7 @@ class _Unwrap(torch.autograd.Function):
             stride = _dense_stride(shape, tuple(range(len(shape))))
         else:
             stride = tuple(compute_global_tensor_info(grad, spec.mesh, ctx.grads)[1])
-        return new_dtensor(grad, _spec(spec.mesh, ctx.grads, shape, stride, grad.dtype), requires_grad=False), None
+        return new_dtensor(grad, spec_for(spec.mesh, ctx.grads, shape, stride, grad.dtype), requires_grad=False), None
 
 
 def copy_whole(param: torch.Tensor, whole: torch.Tensor) -> None:
