@@ -120,3 +120,25 @@ def test_the_zoo_runs_its_norms_and_rope_on_blocks():
         ran = [r.op for r in report.records if r.op.startswith("hp kernel blockwise")]
         assert ran.count("hp kernel blockwise LlamaRMSNorm.forward") == 2 * 2 + 1, strategy
         assert ran.count("hp kernel blockwise apply_rotary_pos_emb") == 2, strategy
+
+
+def test_a_function_that_reads_a_laid_out_tensor_only_later_still_gives_its_values():
+    """Planned when it read nothing laid out besides its arguments, it runs with no torch function
+    seen; when a later call of that signature reads a DTensor, the result is still the DTensors' own."""
+    mesh = hp.mesh(tp=2, simulate=True)
+    scale: dict = {"by": None}
+
+    def scaled(x):
+        return x * (scale["by"] if scale["by"] is not None else 2.0)
+
+    run = blockwise(scaled)
+    with hp.simulated(mesh), hp.region():
+        x = hp.shard(torch.arange(8.0).reshape(2, 4), "b/tp h", mesh)
+        first = hp.explain(lambda: run(x))
+        scale["by"] = hp.shard(torch.tensor([1.0, 2.0, 3.0, 4.0]), "h", mesh)
+        later = hp.explain(lambda: run(x))
+        values = first.result.full_tensor(), later.result.full_tensor()
+
+    assert _ran_blockwise(first, scaled.__qualname__)
+    torch.testing.assert_close(values[0], torch.arange(8.0).reshape(2, 4) * 2)
+    torch.testing.assert_close(values[1], torch.arange(8.0).reshape(2, 4) * torch.tensor([1.0, 2.0, 3.0, 4.0]))

@@ -24,6 +24,11 @@ It runs blockwise only where that is exact, decided once per call signature:
   its `like` argument's block (a plain tensor whole on every rank would
   otherwise broadcast against a split dim unnoticed).
 
+The parameters it reads are turned into blocks by a torch-function mode; a
+function that read no DTensor besides its arguments when planned (RoPE) runs
+with no mode at all, each op a plain one (and anew on the DTensors should a
+later call read one).
+
 Otherwise, and under `torch.compile` (which traces DTensor ops into one
 graph anyway), `fn` runs on the DTensors as before.
 """
@@ -60,9 +65,10 @@ def blockwise(fn: Callable, like: Sequence[int] = (0,)) -> Callable:
     plans: dict = {}
 
     def on_blocks(args, kwargs, plan):
-        (mesh, pending, batch_only), wraps = plan
+        (mesh, pending, batch_only, reads), wraps = plan
         try:
-            out = _results(_run(fn, mesh, pending, batch_only, args, kwargs))
+            out = _results(_run(fn, _Blocks(mesh, pending, batch_only), args, kwargs) if reads
+                           else _run_plain(fn, args, kwargs))
         except _NotBlockwise:  # a parameter unlike those of the call that made the plan
             return fn(*args, **kwargs)
         wrapped = tuple(to_dtensor(o, mesh, placements, shape, stride=stride)
@@ -95,7 +101,8 @@ _PLANS_PER_FUNCTION = 1024
 def _plan(fn, like: Sequence[int], args: tuple, kwargs: dict):
     """How results of this signature are laid out, or False where running on blocks is not exact.
 
-    A plan is ((mesh, pending axes, batch-only), ((placements, shape, stride) per result)).
+    A plan is ((mesh, pending axes, batch-only, reads parameters), ((placements, shape, stride) per
+    result)). A function that reads no DTensor besides its arguments (RoPE) runs with no mode at all.
     """
     tensors = [a for a in args if isinstance(a, DTensor)]
     if max(like) >= len(args) or not all(isinstance(args[i], DTensor) for i in like):
@@ -121,9 +128,10 @@ def _plan(fn, like: Sequence[int], args: tuple, kwargs: dict):
                 return False
     pending = tuple(sorted(m for axes in by_dim.values() for m in axes))
     batch_only = all(dim == -args[like[0]].ndim for dim in by_dim)
+    blocks = _Blocks(mesh, pending, batch_only)
     try:  # the trial run: does each result's block have its argument's block's shape?
         with torch.no_grad():
-            out = _results(_run(fn, mesh, pending, batch_only, args, kwargs))
+            out = _results(_run(fn, blocks, args, kwargs))
     except (_NotBlockwise, RuntimeError):
         return False
     wraps = []
@@ -135,14 +143,25 @@ def _plan(fn, like: Sequence[int], args: tuple, kwargs: dict):
         wraps.append((placements, tuple(args[i].shape), tuple(stride)))
     if len(out) != len(like):
         return False
-    return (mesh, pending, batch_only), tuple(wraps)
+    return (mesh, pending, batch_only, blocks.read), tuple(wraps)
 
 
-def _run(fn, mesh, pending: tuple[int, ...], batch_only: bool, args: tuple, kwargs: dict):
+def _run(fn, blocks: _Blocks, args: tuple, kwargs: dict):
     """`fn` on the blocks of its DTensor arguments and of the parameters it reads; results plain."""
     local_args = [local_block(a) if isinstance(a, DTensor) else a for a in args]
-    with _Blocks(mesh, pending, batch_only):
+    with blocks:
         return fn(*local_args, **kwargs)
+
+
+def _run_plain(fn, args: tuple, kwargs: dict):
+    """`fn` on the blocks of its DTensor arguments, no torch function seen on the way (it read no
+    other DTensor when planned; one it reads now would come back laid out: run it anew then)."""
+    local_args = [local_block(a) if isinstance(a, DTensor) else a for a in args]
+    with torch._C.DisableTorchFunction():
+        out = fn(*local_args, **kwargs)
+    if any(isinstance(o, DTensor) for o in _results(out)):
+        raise _NotBlockwise
+    return out
 
 
 def _results(out) -> tuple:
@@ -181,6 +200,7 @@ class _Blocks(TorchFunctionMode):
     def __init__(self, mesh, pending: tuple[int, ...], batch_only: bool):
         super().__init__()
         self.mesh, self.pending, self.batch_only = mesh, pending, batch_only
+        self.read = False  # whether `fn` read a DTensor besides its arguments
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -197,4 +217,5 @@ class _Blocks(TorchFunctionMode):
             raise _NotBlockwise
         if self.batch_only and self.pending and value.requires_grad:
             raise _NotBlockwise
+        self.read = True
         return local_block(value, self.pending)
