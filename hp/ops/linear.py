@@ -136,12 +136,38 @@ def _cut_dim(input) -> int:
 
 
 def linear(input, weight, bias=None):
-    """`F.linear` for the layouts of the module docstring; NotImplemented otherwise."""
-    for kernel in (linear_2d, linear_summa, column_parallel, blockwise_linear):
+    """`F.linear` for the layouts of the module docstring; NotImplemented otherwise.
+
+    Which kernel applies depends on the layouts and shapes alone: it is looked for once per
+    signature (kept on the weight's mesh), and the kernels before it are not asked again.
+    """
+    chosen, key = _chosen(input, weight, bias)
+    first = chosen.get(key, 0) if chosen is not None else 0
+    for k, kernel in enumerate(_KERNELS[first:], first):
         out = kernel(input, weight, bias)
         if out is not NotImplemented:
-            return out
-    return NotImplemented
+            break
+    else:
+        k, out = len(_KERNELS), NotImplemented
+    if chosen is not None and first == 0:
+        if len(chosen) >= _SIGNATURES:
+            chosen.clear()
+        chosen[key] = k
+    return out
+
+
+def _chosen(input, weight, bias) -> tuple[dict | None, tuple | None]:
+    """(the weight mesh's record of chosen kernels, this call's key in it); (None, None) for plain,
+    traced or symbolic tensors."""
+    if torch.compiler.is_compiling() or not (isinstance(input, DTensor) and isinstance(weight, DTensor)):
+        return None, None
+    key = (input.placements, input.shape, input.device_mesh is weight.device_mesh, weight.placements,
+           weight.shape, bias.placements if isinstance(bias, DTensor) else bias is None)
+    try:
+        hash(key)
+    except TypeError:  # symbolic sizes
+        return None, None
+    return weight.device_mesh.__dict__.setdefault("_hp_linear_kernels", {}), key
 
 
 def linear_summa(input, weight, bias=None):
@@ -354,3 +380,7 @@ def _plan(input, weight, bias):
     ):
         return None
     return mesh, o, i, token_dim, z_axes
+
+
+_KERNELS = (linear_2d, linear_summa, column_parallel, blockwise_linear)  # in `linear`'s order of preference
+_SIGNATURES = 4096  # chosen kernels kept per mesh
