@@ -41,7 +41,7 @@ Summary (last line): `host_ratio_vs_torch` = hp / torch, tiny, one rank;
 `compiled_vs_eager` = hp_compiled / hp, 512, 2 ranks; `recompiles_after_warmup`.
 About six minutes on 2 CPU cores.
 
-    python benchmarks/overhead.py [--reps 15]
+    python benchmarks/overhead.py [--reps 25]
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ MODELS = {
     "tiny": dict(vocab=256, hidden=64, ffn=176, layers=4, heads=4, kv_heads=2, batch=2, seq=64),
     "512": dict(vocab=4096, hidden=512, ffn=1376, layers=4, heads=8, kv_heads=4, batch=4, seq=256),
 }
-REPS = {"tiny": 81, "512": 15}
+REPS = {"tiny": 81, "512": 25}
 
 
 def main() -> None:
