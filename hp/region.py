@@ -107,9 +107,11 @@ class region(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(func, "__name__", None) == "__get__":  # attribute reads mix nothing
+            return func(*args, **kwargs)
         # DTensor opts out of __torch_function__, so `types` never names it: look at the args.
         mesh, mixed = _mesh_of(args, kwargs)
-        if mesh is None or getattr(func, "__name__", None) == "__get__":  # attribute reads mix nothing
+        if mesh is None:
             return func(*args, **kwargs)
         kernel = KERNELS.get(func)
         if kernel is not None:

@@ -71,8 +71,9 @@ def blockwise(fn: Callable, like: Sequence[int] = (0,)) -> Callable:
                            else _run_plain(fn, args, kwargs))
         except _NotBlockwise:  # a parameter unlike those of the call that made the plan
             return fn(*args, **kwargs)
-        wrapped = tuple(to_dtensor(o, mesh, placements, shape, stride=stride)
-                        for o, (placements, shape, stride) in zip(out, wraps))
+        with torch._C.DisableTorchFunction():  # hp's own bookkeeping: no mode needs to see it
+            wrapped = tuple(to_dtensor(o, mesh, placements, shape, stride=stride)
+                            for o, (placements, shape, stride) in zip(out, wraps))
         return wrapped[0] if len(like) == 1 else wrapped
 
     on_blocks.__name__ = f"blockwise {getattr(fn, '__qualname__', getattr(fn, '__name__', 'function'))}"
@@ -81,7 +82,8 @@ def blockwise(fn: Callable, like: Sequence[int] = (0,)) -> Callable:
     def run(*args, **kwargs):
         if torch.compiler.is_compiling() or not any(isinstance(a, DTensor) for a in args):
             return fn(*args, **kwargs)
-        key = _signature(args, kwargs)
+        with torch._C.DisableTorchFunction():  # the signature's reads need no mode either
+            key = _signature(args, kwargs)
         plan = plans.get(key, None) if key is not None else False
         if plan is None:
             if len(plans) >= _PLANS_PER_FUNCTION:
@@ -148,7 +150,8 @@ def _plan(fn, like: Sequence[int], args: tuple, kwargs: dict):
 
 def _run(fn, blocks: _Blocks, args: tuple, kwargs: dict):
     """`fn` on the blocks of its DTensor arguments and of the parameters it reads; results plain."""
-    local_args = [local_block(a) if isinstance(a, DTensor) else a for a in args]
+    with torch._C.DisableTorchFunction():
+        local_args = _blocks_of(args)
     with blocks:
         return fn(*local_args, **kwargs)
 
@@ -156,12 +159,15 @@ def _run(fn, blocks: _Blocks, args: tuple, kwargs: dict):
 def _run_plain(fn, args: tuple, kwargs: dict):
     """`fn` on the blocks of its DTensor arguments, no torch function seen on the way (it read no
     other DTensor when planned; one it reads now would come back laid out: run it anew then)."""
-    local_args = [local_block(a) if isinstance(a, DTensor) else a for a in args]
     with torch._C.DisableTorchFunction():
-        out = fn(*local_args, **kwargs)
+        out = fn(*_blocks_of(args), **kwargs)
     if any(isinstance(o, DTensor) for o in _results(out)):
         raise _NotBlockwise
     return out
+
+
+def _blocks_of(args: tuple) -> list:
+    return [local_block(a) if isinstance(a, DTensor) else a for a in args]
 
 
 def _results(out) -> tuple:
