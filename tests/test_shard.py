@@ -74,6 +74,25 @@ def test_constrain_is_differentiable(data):
 
 
 @given(st.data())
+def test_resolving_pending_sums_is_differentiable(data):
+    """From a pending sum to any layout without one: the gradient of the summed value, on every rank."""
+    axes = data.draw(mesh_axes())
+    src, shape = data.draw(placed_layout(axes))
+    dst, _ = data.draw(placed_layout(axes, shape=shape, allow_partial=False))
+    shape = tuple(math.lcm(s, _shards(axes, d)) for s, d in zip(shape, dst.dims))
+    t, w = torch.randn(shape), torch.randn(shape)
+    ref = t.clone().requires_grad_()
+    (ref.sin() * w).sum().backward()
+    with simulate(axes) as mesh:
+        x = hp.shard(t, src, mesh).requires_grad_()
+        y = hp.constrain(x, dst)
+        assert tuple(y.placements) == to_placements(dst, mesh)
+        (y.sin() * hp.shard(w, Layout(dst.dims), mesh)).sum().backward()
+        torch.testing.assert_close(y.full_tensor(), t, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(x.grad.full_tensor(), ref.grad, rtol=1e-6, atol=1e-6)
+
+
+@given(st.data())
 def test_from_local_assembles_what_shard_split(data):
     axes = data.draw(mesh_axes())
     layout, shape = data.draw(placed_layout(axes))
