@@ -61,16 +61,7 @@ def test_constrain_is_differentiable(data):
     axes = data.draw(mesh_axes())
     src, shape = data.draw(placed_layout(axes, allow_partial=False))
     dst, _ = data.draw(placed_layout(axes, shape=shape))
-    shape = tuple(math.lcm(s, _shards(axes, d)) for s, d in zip(shape, dst.dims))
-    t, w = torch.randn(shape), torch.randn(shape)
-    ref = t.clone().requires_grad_()
-    (ref.sin() * w).sum().backward()
-    with simulate(axes) as mesh:
-        x = hp.shard(t, src, mesh).requires_grad_()
-        y = hp.constrain(x, dst)
-        loss = (y.sin() * hp.shard(w, Layout(dst.dims), mesh)).sum()
-        loss.backward()
-        torch.testing.assert_close(x.grad.full_tensor(), ref.grad, rtol=1e-6, atol=1e-6)
+    _check_gradient(axes, src, dst, shape)
 
 
 @given(st.data())
@@ -79,6 +70,11 @@ def test_resolving_pending_sums_is_differentiable(data):
     axes = data.draw(mesh_axes())
     src, shape = data.draw(placed_layout(axes))
     dst, _ = data.draw(placed_layout(axes, shape=shape, allow_partial=False))
+    _check_gradient(axes, src, dst, shape)
+
+
+def _check_gradient(axes, src: Layout, dst: Layout, shape) -> None:
+    """`constrain` from src to dst: dst's placements, the values, and the gradient of a loss on them."""
     shape = tuple(math.lcm(s, _shards(axes, d)) for s, d in zip(shape, dst.dims))
     t, w = torch.randn(shape), torch.randn(shape)
     ref = t.clone().requires_grad_()
