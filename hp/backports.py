@@ -188,6 +188,8 @@ def _leading_split(rule, ndim: int) -> int | None:
 def _parts_split(placements, rule, mesh_shape) -> list | None:
     """The placements after a view splitting a fused dim (`_StridedShard(d, k)`) into (k, rest...): its
     split moves, plain, to the dim after the k parts; other splits follow their dims. None for other views."""
+    from hp.ops.flatten import moved  # hp.ops imports this module
+
     whole_at, parts_at = {}, {}  # input dim -> the output dim that keeps it whole / that follows its parts
     for j, r in enumerate(rule):
         if isinstance(r, _view_ops.InputDim):
@@ -205,8 +207,6 @@ def _parts_split(placements, rule, mesh_shape) -> list | None:
         elif isinstance(p, (Shard, _StridedShard)):
             if p.dim not in whole_at:
                 return None
-            from hp.ops.flatten import moved  # hp.ops imports this module
-
             out.append(moved(p, whole_at[p.dim]))
         else:
             out.append(p)

@@ -37,7 +37,7 @@ def reshard(x: DTensor, placements: Sequence[Placement]) -> DTensor:
     ]
     staging = tuple(Replicate() if m in into_partial else p for m, p in enumerate(placements))
     if tuple(x.placements) != staging:
-        x = _SumPending.apply(x, staging) if _only_sums(x.placements, staging) else _redistribute(x, staging)
+        x = _redistribute(x, staging)
     if into_partial:
         x = _replicate_to_partial(x, into_partial, placements)
     return x
@@ -78,7 +78,11 @@ class _SumPending(torch.autograd.Function):
 
 
 def _sum_over(local: torch.Tensor, group) -> torch.Tensor:
-    """`local` summed over `group`; nothing to move on a one-rank axis (a strategy that does not split there)."""
+    """`local` summed over `group`; nothing to move on a one-rank axis (a strategy that does not split there).
+
+    `hp.ops.collectives.all_reduce` is the kernels' form, which also times its wait inside `hp.mpmd`;
+    layouts sit below hp.ops and, like the `redistribute` this replaces, leave the wait untimed.
+    """
     if group.size() == 1:
         return local
     return funcol.wait_tensor(funcol.all_reduce(local.contiguous(), "sum", group))
@@ -126,7 +130,10 @@ def _in_place(block: torch.Tensor, shape: tuple[int, ...], offset) -> torch.Tens
 
 
 def _redistribute(x: DTensor, placements: tuple[Placement, ...]) -> DTensor:
-    """DTensor's redistribute, through whole strided axes when a fused dim is involved."""
+    """DTensor's redistribute, through whole strided axes when a fused dim is involved; pending sums
+    resolved into replicated values by `_SumPending`."""
+    if _only_sums(x.placements, placements):
+        return _SumPending.apply(x, placements)
     if not (_has_fused(x.placements) or _has_fused(placements)):
         return x.redistribute(x.device_mesh, placements)
     for step in (_whole(x.placements), _whole(placements), placements):

@@ -142,7 +142,10 @@ def linear(input, weight, bias=None):
     signature (kept on the weight's mesh), and the kernels before it are not asked again.
     """
     chosen, key = _chosen(input, weight, bias)
-    first = chosen.get(key, 0) if chosen is not None else 0
+    try:
+        first = chosen.get(key, 0) if chosen is not None else 0
+    except TypeError:  # symbolic sizes do not hash
+        chosen, first = None, 0
     for k, kernel in enumerate(_KERNELS[first:], first):
         out = kernel(input, weight, bias)
         if out is not NotImplemented:
@@ -157,16 +160,12 @@ def linear(input, weight, bias=None):
 
 
 def _chosen(input, weight, bias) -> tuple[dict | None, tuple | None]:
-    """(the weight mesh's record of chosen kernels, this call's key in it); (None, None) for plain,
-    traced or symbolic tensors."""
+    """(the weight mesh's record of chosen kernels, this call's key in it); (None, None) for plain
+    or traced tensors."""
     if torch.compiler.is_compiling() or not (isinstance(input, DTensor) and isinstance(weight, DTensor)):
         return None, None
     key = (input.placements, input.shape, input.device_mesh is weight.device_mesh, weight.placements,
            weight.shape, bias.placements if isinstance(bias, DTensor) else bias is None)
-    try:
-        hash(key)
-    except TypeError:  # symbolic sizes
-        return None, None
     return weight.device_mesh.__dict__.setdefault("_hp_linear_kernels", {}), key
 
 
