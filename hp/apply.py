@@ -28,7 +28,7 @@ from typing import Any
 from torch import nn
 
 from hp.compiled import compile_blocks, compile_loss
-from hp.data_parallel import check_fsdp_runs_here, fully_shard_model
+from hp.data_parallel import fully_shard_model
 from hp.expert_balance import biased_routing
 from hp.layouts import constrain
 from hp.lora import adapter_layouts
@@ -120,7 +120,6 @@ def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any
     f32[out=64, in=64/tp]
     """
     strategy = Strategy.of(strategy)
-    check_fsdp_runs_here(strategy)  # before the model is touched
     params, inputs, outputs = layouts(strategy, plan)
     params = _present({**params, **adapter_layouts(params)}, model.named_parameters(remove_duplicate=False))
     outputs = _present(outputs, model.named_modules())
@@ -167,7 +166,6 @@ def check_strategy(model: nn.Module, strategy: Strategy | Mapping[str, Any], pla
     """
     strategy = Strategy.of(strategy)
     strategy.check_fits(model.config)
-    check_fsdp_runs_here(strategy)
     params, _, _ = layouts(strategy, plan)
     params = {**params, **adapter_layouts(params)}
     check_plan(model, strategy.mesh_axes, _present(params, model.named_parameters(remove_duplicate=False)))

@@ -33,8 +33,9 @@ releases CI tests this module changes nothing.
 - **The backward of top-k, sort, max and min along a dim** on a DTensor:
   `SELECTION_BACKWARD_MIXES_TENSORS` below; the kernels are `hp.ops.selection`.
 
-What cannot be backported is said where a strategy is checked:
-`FSDP_ON_THE_WHOLE_MESH` below. Not backported either: 2.11's DTensor slices a
+FSDP over some axes of a laid-out mesh (`fully_shard(dp_mesh_dims=...)`,
+torch 2.13) is built from 2.11's own FSDP2 in `hp.fsdp_backport`, used where
+`FSDP_ON_THE_WHOLE_MESH` below is false. Not backported: 2.11's DTensor slices a
 strided-shard dim as if its blocks were contiguous; hp's fused-dim kernels
 (`hp.ops.fused`) gather the dim first for the cuts they see, and hp's own
 redistribution (`hp.layouts.reshard`) moves fused dims through Replicate on
@@ -233,5 +234,4 @@ SELECTION_BACKWARD_MIXES_TENSORS = torch_version() < (2, 13)
 
 FSDP_ON_THE_WHOLE_MESH = hasattr(fsdp, "DataParallelMeshDims")
 """Whether FSDP2 can shard over some axes of a mesh whose other axes lay parameters out
-(`fully_shard(dp_mesh_dims=...)`, torch 2.13); hp's FSDP needs it (`hp.check_strategy` refuses fsdp
-without, before any worker starts)."""
+(`fully_shard(dp_mesh_dims=...)`, torch 2.13); without it hp shards through `hp.fsdp_backport`."""

@@ -18,27 +18,16 @@ import torch
 from torch import nn
 
 from hp import backports
-from hp.strategy import Strategy, StrategyError
-
-
-def check_fsdp_runs_here(strategy: Strategy) -> None:
-    """Refuse FSDP on a torch whose `fully_shard` cannot shard over part of a laid-out mesh.
-
-    >>> import hp
-    >>> check_fsdp_runs_here(hp.Strategy(dp=2, tp=2))  # no FSDP: nothing to check
-    """
-    if strategy.fsdp_axes and not backports.FSDP_ON_THE_WHOLE_MESH:
-        raise StrategyError("fsdp", True, f": this torch ({torch.__version__}) has no fully_shard(dp_mesh_dims=...), "
-                            "which hp's FSDP needs to shard laid-out parameters over dp x cp on the whole mesh; "
-                            "use torch 2.13 or 2.14, or set fsdp false")
+from hp.fsdp_backport import fully_shard_on_axes
+from hp.strategy import Strategy
 
 
 def fully_shard_model(model: nn.Module, mesh, blocks: list[nn.Module], strategy: Strategy, *,
                       experts: list[nn.Module] = ()) -> None:
     """FSDP2 over `strategy.fsdp_axes` of `mesh`, around the layout `hp.parallelize` gave `model` on it.
 
-    FSDP2 runs on the whole mesh (its `dp_mesh_dims`): parameters stay DTensors replicated
-    over dp and cp and laid out over tp, and each gradient reaches FSDP still pending its sum
+    FSDP2 runs on the whole mesh (its `dp_mesh_dims`; `hp.fsdp_backport` where torch lacks
+    it): parameters stay DTensors replicated over dp and cp and laid out over tp, and each gradient reaches FSDP still pending its sum
     over dp and cp, which FSDP keeps and resolves in its reduce-scatter over the flattened
     dp x cp ranks (redistributing only the tp part). So that reduce-scatter must sum, not
     average: each rank's part of the loss is already divided by the global count of labelled
@@ -50,30 +39,37 @@ def fully_shard_model(model: nn.Module, mesh, blocks: list[nn.Module], strategy:
     With `mpmd` set, each block prefetches the next block's gather in forward and the previous
     block's in backward (FSDP2's explicit prefetching), so they fly while a block computes.
     """
-    from torch.distributed.fsdp import DataParallelMeshDims, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     _onto(model, mesh)
     precision = MixedPrecisionPolicy(_dtype(strategy.param_dtype), _dtype(strategy.reduce_dtype))
-    common = {"mesh": mesh, "mp_policy": precision, "shard_placement_fn": _fsdp_dim}
-    dims = {"dp_mesh_dims": DataParallelMeshDims(shard=strategy.fsdp_axes)}
+    common = {"mp_policy": precision, "shard_placement_fn": _fsdp_dim}
+    blocks_too = {**common, "reshard_after_forward": strategy.reshard_after_forward}
     units, ignored = [], set()
     for module in experts:
         if strategy.expert_fsdp_axes:
-            expert_dims = DataParallelMeshDims(shard=strategy.expert_fsdp_axes)
-            units.append(fully_shard(module, reshard_after_forward=strategy.reshard_after_forward,
-                                     dp_mesh_dims=expert_dims, **common))
+            units.append(_shard(module, mesh, strategy.expert_fsdp_axes, **blocks_too))
         else:
             ignored.update(module.parameters())
-    units += [fully_shard(block, reshard_after_forward=strategy.reshard_after_forward, ignored_params=ignored,
-                          **dims, **common) for block in blocks]
+    units += [_shard(block, mesh, strategy.fsdp_axes, ignored_params=ignored, **blocks_too) for block in blocks]
     if strategy.mpmd is not None:  # under hp.mpmd each block's gather flies while its neighbour computes
         in_order = units[len(units) - len(blocks):]
         for before, after in zip(in_order, in_order[1:]):
             before.set_modules_to_forward_prefetch([after])
             after.set_modules_to_backward_prefetch([before])
-    for unit in [*units, fully_shard(model, ignored_params=ignored, **dims, **common)]:
+    for unit in [*units, _shard(model, mesh, strategy.fsdp_axes, ignored_params=ignored, **common)]:
         unit.set_gradient_divide_factor(1.0)  # a sum: the gradients are pending sums, not per-rank means
         unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-scaled one)
+
+
+def _shard(module: nn.Module, mesh, axes: tuple[str, ...], *, ignored_params: set = frozenset(), **options):
+    """FSDP2 over `axes` of the whole `mesh` (`dp_mesh_dims`, or its backport where torch lacks it)."""
+    if not backports.FSDP_ON_THE_WHOLE_MESH:
+        return fully_shard_on_axes(module, mesh, axes, ignored_params=ignored_params, **options)
+    from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
+
+    return fully_shard(module, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard=axes),
+                       ignored_params=ignored_params or None, **options)
 
 
 def _onto(model: nn.Module, mesh) -> None:

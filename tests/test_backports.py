@@ -166,26 +166,6 @@ def test_selections_gather_the_ops_values_and_gradients(name, layout, keepdim, p
         torch.testing.assert_close(leaf.grad.full_tensor().view(x.shape), want_x.grad, rtol=0, atol=0)
 
 
-def test_fsdp_is_refused_by_a_torch_that_cannot_shard_part_of_a_laid_out_mesh(monkeypatch):
-    """Refused where a strategy is checked, before a worker starts (and again where FSDP would start)."""
-    from transformers import AutoModelForCausalLM
-
-    from hp.models import plan_for, tiny_config
-
-    monkeypatch.setattr(backports, "FSDP_ON_THE_WHOLE_MESH", False)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(tiny_config("llama", layers=1))
-    refused = r"fsdp = True: this torch .* use torch 2.13 or 2.14, or set fsdp false"
-    with pytest.raises(hp.StrategyError, match=refused):
-        hp.check_strategy(model, {"dp": 2, "tp": 2, "fsdp": True}, plan_for(model.config))
-    hp.check_strategy(model, {"dp": 2, "tp": 2}, plan_for(model.config))  # without FSDP the same mesh is fine
-    strategy = {"dp": 2, "fsdp": True}
-    mesh = hp.strategy_mesh(strategy, simulate=True)
-    with hp.simulated(mesh), pytest.raises(hp.StrategyError, match=refused):
-        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
-    assert not any(isinstance(p, DTensor) for p in model.parameters())  # refused before the model was touched
-
-
 def test_backports_apply_exactly_where_torch_lacks_the_fix():
     from torch.distributed.tensor import _dtensor_spec
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 from gloo_launch import assert_finished, clean_env, torchrun
-from needs import needs_fsdp
 
 HERE = Path(__file__).parent
 
@@ -59,7 +58,6 @@ def test_a_launch_past_its_timeout_leaves_no_worker_behind(tmp_path):
     assert not left, f"workers still running: {left}"
 
 
-@needs_fsdp  # each family runs FSDP layouts
 def test_zoo_strategies_on_four_gloo_processes():
     # About two minutes on 2 shared cores, most of it DTensor planning each new layout once per process.
     run = torchrun(str(HERE / "workers" / "zoo_gloo.py"), 4, timeout=600)
@@ -67,7 +65,6 @@ def test_zoo_strategies_on_four_gloo_processes():
     assert sorted(re.findall(r"rank (\d) ok", run.stdout)) == ["0", "1", "2", "3"]
 
 
-@needs_fsdp
 def test_vl_families_with_images_under_fsdp_cp_and_ep_on_two_gloo_processes():
     run = torchrun(str(HERE / "workers" / "vl_gloo.py"), 2, timeout=600)
     assert_finished(run)

@@ -10,7 +10,6 @@ import json
 
 import pytest
 from gloo_launch import _free_port, torchrun
-from needs import needs_fsdp
 from train_runs import DATA, QUICKSTART, WORKERS, first_batch, hp_train, local_hf_model, losses, summary
 
 from hp.models import FAMILIES
@@ -77,11 +76,10 @@ def test_compiled_blocks_train_as_eager_ones(tmp_path):
 @pytest.mark.parametrize(
     "strategy, axis",
     [
-        pytest.param(["parallel.tp=1", "parallel.dp=2", "parallel.fsdp=true"], "dp", marks=needs_fsdp),
+        (["parallel.tp=1", "parallel.dp=2", "parallel.fsdp=true"], "dp"),
         (["parallel.tp=1", "parallel.cp=2", "parallel.cp_algorithm=ring", "disable_gradient_checkpointing=false"], "cp"),
         (["parallel.sp=true"], "tp"),
-        pytest.param(["parallel.dp=2", "parallel.fsdp=true", "parallel.sp=true", "disable_gradient_checkpointing=false"], "tp",
-                     marks=needs_fsdp),
+        (["parallel.dp=2", "parallel.fsdp=true", "parallel.sp=true", "disable_gradient_checkpointing=false"], "tp"),
     ],
 )
 def test_every_strategy_of_the_zoo_trains_through_hp_train(tmp_path, strategy, axis):

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 from gloo_launch import clean_env
-from needs import needs_fsdp
 from train_runs import ROOT, hp_train, losses, summary
 
 QUICKSTART_LORA = str(ROOT / "examples" / "quickstart_lora.yaml")
@@ -77,7 +76,6 @@ def test_merge_writes_a_plain_hf_model_with_the_same_logits(lora_run, tmp_path):
     assert (_logits(merged) - _logits(_hp_model(checkpoint))).abs().max().item() <= 1e-5
 
 
-@needs_fsdp
 def test_a_lora_checkpoint_resumes_under_fsdp_with_the_same_losses(lora_run, tmp_path):
     """Adapters, their optimizer state and the frozen weights reshard from tp=2 to FSDP over dp=2."""
     resumed = summary(hp_train(*LORA_RUN, "parallel.tp=1", "parallel.dp=2", "parallel.fsdp=true",

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from needs import needs_fsdp
 from train_runs import DATA, ROOT, hp_train, losses, summary
 
 import hp
@@ -119,7 +118,6 @@ def _hyper(args: dict, **more):
     return validate({**HYPER, "hyper_parallel_args": args, **more})
 
 
-@needs_fsdp  # the keys ask for FSDP, which the config refuses where torch lacks it
 def test_hyper_parallel_expert_keys_are_honoured_where_hp_does_the_same():
     config = _hyper({"ep_size": 2, "efsdp_size": 2, "token_dispatcher": "all_to_all", "ep_style": "ep",
                      "expert_module_cls": "Qwen3MoeSparseMoeBlock"}, nproc_per_node=4)

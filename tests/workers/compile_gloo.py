@@ -23,13 +23,11 @@ from transformers import AutoModelForCausalLM
 
 import hp
 from hp import tp_plan
-from hp.backports import FSDP_ON_THE_WHOLE_MESH, torch_version
+from hp.backports import torch_version
 from hp.models import plan_for, tiny_config
 from hp.models.llama import choice_layouts
 
-STRATEGIES_2 = [{"tp": 2, "sp": True}, {"tp": 2}, {"cp": 2, "cp_algorithm": "ring"}, {"cp": 2},
-                # where this torch has FSDP on a laid-out mesh (tests/test_backports.py checks the refusal)
-                *([{"dp": 2, "fsdp": True}] if FSDP_ON_THE_WHOLE_MESH else [])]
+STRATEGIES_2 = [{"tp": 2, "sp": True}, {"tp": 2}, {"cp": 2, "cp_algorithm": "ring"}, {"cp": 2}, {"dp": 2, "fsdp": True}]
 SCHEMES_4 = ["2d", "summa"]
 
 

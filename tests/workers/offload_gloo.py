@@ -16,7 +16,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import hp
-from hp.backports import FSDP_ON_THE_WHOLE_MESH
 from hp.models import plan_for, tiny_config
 
 
@@ -44,9 +43,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     sp = {"tp": 2, "sp": True}
-    # FSDP where this torch has it on a laid-out mesh (tests/test_backports.py checks the refusal)
-    fsdp = [({"dp": 2, "fsdp": True}, None)] if FSDP_ON_THE_WHOLE_MESH else []
-    for strategy, mpmd in (({"tp": 2}, None), (sp, None), *fsdp, (sp, "around"), (sp, "inside")):
+    for strategy, mpmd in (({"tp": 2}, None), (sp, None), ({"dp": 2, "fsdp": True}, None), (sp, "around"), (sp, "inside")):
         mesh = hp.strategy_mesh(strategy)
         config = tiny_config("llama", layers=2)
         models = []

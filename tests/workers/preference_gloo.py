@@ -16,15 +16,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hp
-from hp.backports import FSDP_ON_THE_WHOLE_MESH
 from hp.models import plan_for, tiny_config
 from hp.train.batch import collate
 from hp.train.config import Preference
 from hp.train.model import add_value_head
 from hp.train.objectives import Dpo, Kto, Reference, Reward
 
-# FSDP where this torch has it on a laid-out mesh (tests/test_backports.py checks the refusal), else plain dp
-DP = hp.Strategy(dp=2, fsdp=FSDP_ON_THE_WHOLE_MESH)
+DP = hp.Strategy(dp=2, fsdp=True)
 CHECKS = [("dpo", False, DP), ("kto", False, DP), ("rm", False, DP), ("dpo", True, DP),
           ("dpo", False, hp.Strategy(cp=2, cp_algorithm="ring")), ("kto", False, hp.Strategy(tp=2))]
 

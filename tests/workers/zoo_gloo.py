@@ -143,7 +143,9 @@ def check_mixed_precision(rank: int) -> None:
     hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
     gathered = []  # runs after FSDP's own pre-forward hook, which gathers the block
     model.model.layers[0].register_forward_pre_hook(lambda block, args: gathered.append(down_proj(model).dtype))
-    with mock.patch.object(dist, "reduce_scatter_single", wraps=dist.reduce_scatter_single) as reduce_scatter:
+    # FSDP2's reduce-scatter: `reduce_scatter_single` where torch has it, `reduce_scatter_tensor` before
+    scatter = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    with mock.patch.object(dist, scatter, wraps=getattr(dist, scatter)) as reduce_scatter:
         got = model(input_ids=ids, labels=labelled(ids)).loss
         got.backward()
     where = f"rank {rank} {strategy}"
