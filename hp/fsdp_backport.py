@@ -2,8 +2,8 @@
 
 hp lays every parameter out on the whole mesh (replicated over dp and cp,
 split over tp or ep) and lets FSDP2 shard it again over the data axes.
-torch 2.13's `fully_shard(dp_mesh_dims=...)` does that directly. torch 2.11
-and 2.12 know only torchtitan's arrangement: FSDP gets a mesh of the data
+torch 2.12 and later do that directly (`fully_shard(dp_mesh_dims=...)`).
+torch 2.11 knows only torchtitan's arrangement: FSDP gets a mesh of the data
 axes and the parameters are DTensors on the mesh of the other axes (or
 plain tensors when there are none), so its gathered parameters live on that
 smaller mesh, where they cannot meet activations laid out on the whole one.
@@ -17,16 +17,17 @@ This module builds the first from the second, one unit at a time:
 3. each of the unit's FSDP parameters then presents its gathered value on
    the whole mesh again (replicated over the data axes, laid out as before
    over the others), and hands FSDP's reduce-scatter its gradient as the
-   local part of a sum over the data axes. That is what `dp_mesh_dims`
-   does: the forward sees the layouts of the torch that has it, the
-   reduce-scatter (a sum, see `hp.data_parallel`) adds the parts, and the
-   sharded parameters, their optimizer states and checkpoints are
-   DTensors on the data axes (flattened, named by them joined with `_`) and
-   the other axes.
+   local part of a sum over the data axes, which the reduce-scatter (a
+   sum, see `hp.data_parallel`) adds up. So the forward and the gradients
+   are those of `dp_mesh_dims`; what differs is where the sharded
+   parameters (and so their optimizer states and checkpoints) live: a mesh
+   of the data axes (flattened, named by them joined with `_`) and the
+   other axes, not the whole mesh.
 
 Step 3 sets two attributes and one method of FSDP2's per-parameter record
-(`FSDPParam`), the ones torch 2.11 and 2.12 read for the gathered value and
-its gradient; it runs only where `dp_mesh_dims` is missing.
+(`FSDPParam`), the ones torch 2.11 reads for the gathered value and its
+gradient (2.12 renamed them with `dp_mesh_dims`); it runs only where
+`dp_mesh_dims` is missing.
 """
 
 from __future__ import annotations
