@@ -25,9 +25,11 @@ This module builds the first from the second, one unit at a time:
    other axes, not the whole mesh.
 
 Step 3 sets two attributes and one method of FSDP2's per-parameter record
-(`FSDPParam`), the ones torch 2.11 reads for the gathered value and its
-gradient (2.12 renamed them with `dp_mesh_dims`); it runs only where
-`dp_mesh_dims` is missing.
+(`FSDPParam`), those it reads for the gathered value and its gradient. The
+layout's attribute is `_tp_spec` on 2.11 and `_unsharded_dtensor_spec` from
+2.12 on, so the same steps run on every release: hp uses them where
+`dp_mesh_dims` is missing, and its tests run them on 2.13 as well, against
+`dp_mesh_dims` itself.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 def fully_shard_on_axes(module: nn.Module, mesh, axes: Sequence[str], *, ignored_params: set = frozenset(),
                         **options):
-    """`fully_shard(module, dp_mesh_dims=axes)` on the whole `mesh`, for a torch without `dp_mesh_dims`.
+    """`fully_shard(module, dp_mesh_dims=axes)` on the whole `mesh`, built from `fully_shard` without it.
 
     `options` are `fully_shard`'s others (`reshard_after_forward`, `mp_policy`,
     `shard_placement_fn`). Parameters of units inside `module`, and `ignored_params`, are left
@@ -55,13 +57,21 @@ def fully_shard_on_axes(module: nn.Module, mesh, axes: Sequence[str], *, ignored
     spec_of = _move_to_other_axes(module, mesh, axes, ignored_params)
     unit = fully_shard(module, mesh=_data_mesh(mesh, axes), ignored_params=set(ignored_params) or None, **options)
     dims = frozenset(mesh.mesh_dim_names.index(a) for a in axes)
-    group = unit._get_fsdp_state()._fsdp_param_group
+    group, record = unit._get_fsdp_state()._fsdp_param_group, _layout_record()
     for param in group.fsdp_params if group is not None else ():
         info = param._module_info
-        param._tp_spec = spec_of[id(info.module), info.param_name]
+        spec = spec_of[id(info.module), info.param_name]
+        setattr(param, record, spec)
         param.is_dtensor = True
-        param._get_grad_inner_tensor = partial(_local_part, param._tp_spec, dims)
+        param._get_grad_inner_tensor = partial(_local_part, spec, dims)
     return unit
+
+
+def _layout_record() -> str:
+    """The name of `FSDPParam`'s record of the layout it gives a gathered parameter."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    return "_tp_spec" if "_tp_spec" in FSDPParam.__annotations__ else "_unsharded_dtensor_spec"
 
 
 def _move_to_other_axes(module: nn.Module, mesh, axes: tuple[str, ...], ignored) -> dict:
