@@ -82,25 +82,26 @@ def _move_to_other_axes(module: nn.Module, mesh, axes: tuple[str, ...], ignored)
     other = mesh[kept] if kept else None
     inner = {id(p) for m in module.modules() if m is not module and isinstance(m, FSDPModule) for p in m.parameters()}
     moved, spec_of = {}, {}
-    for owner in module.modules():
+    for path, owner in module.named_modules():
         for name, param in list(owner._parameters.items()):
             if not isinstance(param, DTensor) or id(param) in inner or param in ignored:
                 continue  # not laid out, sharded by an inner unit already, or left out of FSDP
             if id(param) not in moved:
-                moved[id(param)] = _on_other_axes(param, mesh, axes, kept, other)
+                moved[id(param)] = _on_other_axes(param, mesh, axes, kept, other, f"{path}.{name}".lstrip("."))
             owner._parameters[name] = moved[id(param)]
             spec_of[id(owner), name] = DTensorSpec(mesh, param.placements, tensor_meta=param._spec.tensor_meta)
     return spec_of
 
 
-def _on_other_axes(param: DTensor, mesh, axes: tuple[str, ...], kept: tuple[str, ...], other) -> nn.Parameter:
-    """`param`'s local block as a parameter on the mesh of `kept` axes (plain with none)."""
+def _on_other_axes(param: DTensor, mesh, axes: tuple[str, ...], kept: tuple[str, ...], other,
+                   where: str) -> nn.Parameter:
+    """`param` (called `where`)'s local block as a parameter on the mesh of `kept` axes (plain with none)."""
     names = mesh.mesh_dim_names
     split = [a for a in axes if not param.placements[names.index(a)].is_replicate()]
     if split:
-        raise ValueError(f"FSDP shards parameters over {axes}, but one is laid out over {split}: "
-                         f"{param.placements} on {names}")
-    local = param.to_local()
+        raise ValueError(f"FSDP shards parameters over {axes}, but {where} is laid out over {split} "
+                         f"({param.placements} on {names}): lay it out replicated there")
+    local = param.to_local().detach()
     if other is not None:
         placements = [param.placements[names.index(a)] for a in kept]
         local = DTensor.from_local(local, other, placements, run_check=False, shape=param.shape,
