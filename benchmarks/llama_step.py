@@ -16,11 +16,10 @@ labels, backward, AdamW) on 2 real gloo ranks launched from this script, as
   its peak memory and step time over `hp`'s (`recompute_peak_memory_ratio`,
   `recompute_step_ratio`) and its peak over forward + backward above the
   model's own (`recompute_act_peak_ratio`, measured as for CP below);
-  `--compile` adds `hp_compile`, each MLP under `torch.compile` (off by default:
-  today it recompiles on every call, because hp's linear kernels cache their
-  prepared input by `id()` and dynamo guards on that identity; whole layers do
-  not compile at all, DTensor refuses the `as_strided` that AOTAutograd
-  replays for an aliased output);
+  `--compile` adds `hp_compile`, `hp` with `"compile": True` (each decoder
+  layer and the loss under `torch.compile(fullgraph=True)`; off by default,
+  compiling takes a minute; `benchmarks/overhead.py` measures it against
+  eager);
 - `torch`: `parallelize_module` with ColwiseParallel on q/k/v/gate/up and
   RowwiseParallel on o/down (`use_local_output=True`), embedding and LM head
   replicated, on a 1-D DeviceMesh. HF's attention reshapes with
@@ -160,7 +159,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, bool]:
     parser.add_argument("--quick", action="store_true", help="smaller model, fewer steps, shorter sequences")
     parser.add_argument("--cp-algorithm", default="ring", help="hp's cp_algorithm strategy key")
     parser.add_argument("--reps", type=int, help="timed steps per configuration")
-    parser.add_argument("--compile", action="store_true", help="also time hp with each MLP compiled")
+    parser.add_argument("--compile", action="store_true", help="also time hp with its layers and loss compiled")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # set by the launcher
     args = parser.parse_args(argv)
     settings = Settings(**QUICK) if args.quick else Settings()
@@ -328,9 +327,7 @@ class Variant:
     before_step: Callable[[nn.Module], None] = lambda model: None
 
 
-def hp_variant(
-    name: str, config: LlamaConfig, device: torch.device, strategy: dict, compile_mlp: bool = False, lora=None
-) -> Variant:
+def hp_variant(name: str, config: LlamaConfig, device: torch.device, strategy: dict, lora=None) -> Variant:
     from hp.models import plan_for
 
     import hp
@@ -339,9 +336,6 @@ def hp_variant(
     if lora is not None:  # adapters first: apply_strategy lays them out with their base weights
         hp.add_lora(model, lora)
     model = hp.apply_strategy(model, hp.strategy_mesh(strategy), strategy, plan_for(config))
-    if compile_mlp:
-        for layer in model.model.layers:
-            layer.mlp.compile()
     trained = [p for p in model.parameters() if p.requires_grad]  # frozen weights keep no optimizer state
     # reduce_gradients resolves pending sums over dp/cp: a no-op for tp, kept as the real step has it
     return Variant(name, model, adamw(trained), before_step=hp.reduce_gradients)
@@ -423,7 +417,7 @@ def run_tp(s: Settings, device: torch.device, emit: Emit) -> None:
         hp_variant(RECOMPUTE, config, device, {"tp": RANKS, "recompute": True}),  # last: hp runs right after it in rotated rounds
     ]
     if s.compile:
-        variants.insert(4, hp_variant("hp_compile", config, device, {"tp": RANKS}, compile_mlp=True))
+        variants.insert(4, hp_variant("hp_compile", config, device, {"tp": RANKS, "compile": True}))
 
     check_losses(variants, ids, emit)  # the first warm-up step, on identical weights
     for _ in range(s.warmup - 1):
@@ -439,7 +433,8 @@ def run_tp(s: Settings, device: torch.device, emit: Emit) -> None:
             "min_s": round(min(times[v.name]), 4), "seconds": [round(t, 4) for t in times[v.name]],
             "batch": s.batch, "seq": s.seq,
         })
-    memory = {v.name: peak_memory(v, ids, device) for v in variants}
+    # on CPU memory is counted by a dispatch mode, which compiled graphs do not run under
+    memory = {v.name: peak_memory(v, ids, device) for v in variants if device.type != "cpu" or v.name != "hp_compile"}
     for name, record in memory.items():
         emit({"bench": "tp_memory", "config": name, **record})
     pair = {v.name: v for v in variants if v.name in ("hp", RECOMPUTE)}
