@@ -68,12 +68,16 @@ def main() -> None:
                               "tokens_per_s": round(batch * shape["seq"] / medians[name, batch]),
                               "first_loss": round(first[name], 4)}), flush=True)
     low, high = shape["batches"]
+
+    def ratio(mine: str, theirs: str, batch: int) -> float:
+        return round(medians[mine, batch] / medians[theirs, batch], 3)
+
     print(json.dumps({
         "summary": True, "shape": args.shape, "device": _device_name(device), "torch": torch.__version__,
         "date": datetime.date.today().isoformat(),
-        f"hp_eager_vs_plain_b{low}": round(medians["hp", low] / medians["plain", low], 3),
-        f"hp_compiled_vs_plain_compiled_b{high}": round(medians["hp_compiled", high] / medians["plain_compiled", high], 3),
-        f"hp_compiled_vs_plain_b{high}": round(medians["hp_compiled", high] / medians["plain", high], 3),
+        f"hp_eager_vs_plain_b{low}": ratio("hp", "plain", low),
+        f"hp_compiled_vs_plain_compiled_b{high}": ratio("hp_compiled", "plain_compiled", high),
+        f"hp_compiled_vs_plain_b{high}": ratio("hp_compiled", "plain", high),
     }), flush=True)
 
 

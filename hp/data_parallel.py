@@ -29,9 +29,10 @@ def fully_shard_model(model: nn.Module, mesh, blocks: list[nn.Module], strategy:
     FSDP2 runs on the whole mesh (its `dp_mesh_dims`; `hp.fsdp_backport` where torch lacks
     it): parameters stay DTensors replicated over dp and cp and laid out over tp, and each
     gradient reaches FSDP still pending its sum over dp and cp, which FSDP keeps and resolves
-    in its reduce-scatter over the flattened dp x cp ranks (redistributing only the tp part). So that reduce-scatter must sum, not
-    average: each rank's part of the loss is already divided by the global count of labelled
-    tokens, so the parts' gradients add up to one device's. Mixed precision applies to every
+    in its reduce-scatter over the flattened dp x cp ranks (redistributing only the tp part).
+    So that reduce-scatter must sum, not average: each rank's part of the loss is already
+    divided by the global count of labelled tokens, so the parts' gradients add up to one
+    device's. Mixed precision applies to every
     unit; `reshard_after_forward` to the blocks, while the root keeps FSDP's own choice
     (gathered after forward: backward starts with it). `experts` modules are units of their
     own over `strategy.expert_fsdp_axes` (their gradients pend over those axes only); with no
