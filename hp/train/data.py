@@ -858,16 +858,24 @@ def _encode_in_worker(job: _Job) -> Any:
 
 
 def _encode_all(encoder: _Encoder, jobs: list, workers: int) -> list:
-    """`encoder` over `jobs` in order, in `workers` forked processes when more than one (and worth it)."""
+    """`encoder` over `jobs` in order, in `workers` processes when more than one (and worth it).
+
+    The processes come from a fork server, not from a fork of this process: by now this
+    process may run threads (a process group's, a tokenizer's) that hold locks a forked child
+    would wait on forever or die over. And they run in a process pool executor, which raises
+    when a worker dies (`BrokenProcessPool`), where `multiprocessing.Pool.map` waits forever.
+    """
     workers = min(workers, len(jobs) // 16)  # a process per handful of records costs more than it saves
     if workers <= 1:
         return [encoder(job) for job in jobs]
     import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
-    # forked children inherit the tokenizer; HF's tokenizers would warn that its threads do not survive a fork
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    with multiprocessing.get_context("fork").Pool(workers, _start_worker, (encoder,)) as pool:
-        return pool.map(_encode_in_worker, jobs, chunksize=max(1, len(jobs) // (4 * workers)))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one process per worker is the parallelism
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["hp.train.data"])  # imported once by the server, not by each worker
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(encoder,)) as pool:
+        return list(pool.map(_encode_in_worker, jobs, chunksize=max(1, len(jobs) // (4 * workers))))
 
 
 def _check_mapped_columns(spec: DatasetSpec, records: list[dict[str, Any]]) -> None:
