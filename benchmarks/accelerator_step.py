@@ -31,6 +31,7 @@ import statistics
 import time
 
 import torch
+from overhead import train_step
 
 SHAPES = {
     "0.9b": dict(vocab=32000, hidden=2048, ffn=5632, layers=16, heads=16, kv_heads=8, seq=2048, batches=(2, 8)),
@@ -86,14 +87,14 @@ def _measure(name: str, shape: dict, ids: torch.Tensor, mesh, device: torch.devi
     """(timed step seconds, the first step's loss) of configuration `name`, built alone on `device`."""
     model = _model(name, shape, mesh, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
-    first = _step(model, optimizer, ids)
+    first = train_step(model, optimizer, ids)
     for _ in range(warmup - 1):
-        _step(model, optimizer, ids)
+        train_step(model, optimizer, ids)
     seconds = []
     for _ in range(steps):
         _sync(device)
         start = time.perf_counter()
-        _step(model, optimizer, ids)
+        train_step(model, optimizer, ids)
         _sync(device)
         seconds.append(time.perf_counter() - start)
     del model, optimizer
@@ -122,15 +123,6 @@ def _model(name: str, shape: dict, mesh, device: torch.device):
     elif name.startswith("hp"):
         model = hp.apply_strategy(model, mesh, {"tp": 2, "compile": name == "hp_compiled"}, plan_for(config))
     return model
-
-
-def _step(model, optimizer, ids: torch.Tensor) -> float:
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    loss = loss.detach()
-    return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
 
 
 def _sync(device: torch.device) -> None:

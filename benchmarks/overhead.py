@@ -130,7 +130,7 @@ def measure(name: str, shape: dict, mesh, reps: int, emit) -> None:
     losses = {}
     for key in list(variants):
         try:
-            losses[key] = _step(variants[key], optimizers[key], ids)
+            losses[key] = train_step(variants[key], optimizers[key], ids)
         except Exception as e:  # noqa: BLE001  reported, not hidden: the record says why
             emit({"bench": "overhead_fails", "model": name, "ranks": ranks, "config": key,
                   "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
@@ -140,7 +140,7 @@ def measure(name: str, shape: dict, mesh, reps: int, emit) -> None:
         if rel > 1e-5:
             raise AssertionError(f"{name}/{key}: loss {loss} differs from plain {losses['plain']} ({rel:.1e})")
     for key in variants:  # a second warm-up step: compiled code and caches settle
-        _step(variants[key], optimizers[key], ids)
+        train_step(variants[key], optimizers[key], ids)
     frames = _compiled_frames()
     times = {key: [] for key in variants}
     for r in range(reps):
@@ -148,7 +148,7 @@ def measure(name: str, shape: dict, mesh, reps: int, emit) -> None:
         for key in order:
             dist.barrier()
             start = time.perf_counter()
-            _step(variants[key], optimizers[key], ids)
+            train_step(variants[key], optimizers[key], ids)
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times[key].append(elapsed.item())
@@ -161,7 +161,8 @@ def measure(name: str, shape: dict, mesh, reps: int, emit) -> None:
               **({"recompiles_after_warmup": _compiled_frames() - frames} if key == "hp_compiled" else {})})
 
 
-def _step(model, optimizer, ids) -> float:
+def train_step(model, optimizer, ids) -> float:
+    """One step: forward with labels, backward, the optimizer; the loss (whole, if laid out)."""
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     optimizer.step()
