@@ -42,6 +42,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
+from hp.layouts.reshard import reshard
+
 
 def fully_shard_on_axes(module: nn.Module, mesh, axes: Sequence[str], *, ignored_params: set = frozenset(),
                         **options):
@@ -123,8 +125,7 @@ def _local_part(spec: DTensorSpec, dims: frozenset[int], grad: torch.Tensor) -> 
 
     if isinstance(grad, AsyncCollectiveTensor):
         grad = grad.wait()
-    target = tuple(Partial() if m in dims else p for m, p in enumerate(spec.placements))
-    if tuple(grad.placements) != target:
-        grad = grad.redistribute(spec.mesh, target)
+    # hp's move, not DTensor's: it keeps fused dims whole on 2.11 and turns a replicated gradient pending
+    grad = reshard(grad, tuple(Partial() if m in dims else p for m, p in enumerate(spec.placements)))
     return grad._local_tensor
 
