@@ -339,7 +339,7 @@ _C10D = {
     "_allgather_base_": lambda a: ("all_gather", _nbytes(a[0]), a[2]),
     "reduce_scatter_": lambda a: ("reduce_scatter", sum(map(_nbytes, a[1][0])), a[2]),
     "_reduce_scatter_base_": lambda a: ("reduce_scatter", _nbytes(a[1]), a[2]),
-    "alltoall_base_": lambda a: ("all_to_all", _nbytes(a[1]), a[2]),
+    "alltoall_base_": lambda a: _all_to_all(a[1], a[4], a[2]),
     "broadcast_": lambda a: ("broadcast", sum(map(_nbytes, a[0])), a[1]),
     "scatter_": lambda a: ("scatter", sum(map(_nbytes, a[0])) * len(a[1][0]) if a[1] else 0, a[2]),
 }

@@ -17,6 +17,7 @@ move, and a gloo or nccl call would still cost a round trip per op.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from hp.ops import overlap
@@ -25,30 +26,70 @@ from hp.ops import overlap
 _ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 _REDUCE_SCATTER = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
-ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = "all_reduce", "all_gather", "reduce_scatter"
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL = "all_reduce", "all_gather", "reduce_scatter", "all_to_all"
 
 
-def issue_all_reduce(t: torch.Tensor, op: str, group) -> torch.Tensor:
+def _through_work(group) -> bool:
+    """Whether to issue on `group` through c10d's asynchronous work instead of a functional collective.
+
+    On gloo, functional collectives corrupt the heap (a crash some steps later) when several
+    are in flight while the rank computes on one that has landed, which is what pipelining
+    does (torch 2.11 to 2.13); the same collectives through c10d's work objects do not. Other
+    backends, simulated ranks and traced graphs keep the functional form.
+    """
+    return not torch.compiler.is_compiling() and dist.get_backend(group) == "gloo"
+
+
+def issue_all_reduce(t: torch.Tensor, op: str, group):
     """`t` reduced by `op` ("sum", "max", ...) over `group`, in flight."""
-    return t if group.size() == 1 else overlap.issued(funcol.all_reduce(t.contiguous(), op, group))
-
-
-def issue_all_gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """The blocks of `group` concatenated along `dim`, in flight (torch waits at once for dim != 0:
-    the blocks travel along dim 0 and are moved back after the wait)."""
     if group.size() == 1:
         return t
-    return overlap.issued(_ALL_GATHER(t.movedim(dim, 0).contiguous(), 0, group))
+    if _through_work(group):
+        out = t.clone(memory_format=torch.contiguous_format)
+        reduce_op = getattr(dist.ReduceOp, op.upper())
+        return overlap.issued(overlap.InFlight(out, dist.all_reduce(out, reduce_op, group=group, async_op=True)))
+    return overlap.issued(funcol.all_reduce(t.contiguous(), op, group))
 
 
-def landed_gather(pending: torch.Tensor, dim: int) -> torch.Tensor:
+def issue_all_gather(t: torch.Tensor, dim: int, group):
+    """The blocks of `group` concatenated along `dim`, in flight, the blocks along dim 0 (torch
+    waits at once for dim != 0; `landed_gather` moves them back after the wait)."""
+    if group.size() == 1:
+        return t
+    block = t.movedim(dim, 0).contiguous()
+    if _through_work(group):
+        out = block.new_empty((group.size() * block.shape[0], *block.shape[1:]))
+        return overlap.issued(overlap.InFlight(out, dist.all_gather_into_tensor(out, block, group=group,
+                                                                                async_op=True)))
+    return overlap.issued(_ALL_GATHER(block, 0, group))
+
+
+def landed_gather(pending, dim: int) -> torch.Tensor:
     """An `issue_all_gather` along `dim` once it has landed (the wait timed)."""
     return overlap.wait(pending, ALL_GATHER).movedim(0, dim)
 
 
-def issue_reduce_scatter(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+def issue_reduce_scatter(t: torch.Tensor, dim: int, group):
     """`t` summed over `group`, each rank keeping its block along `dim`, in flight."""
-    return t if group.size() == 1 else overlap.issued(_REDUCE_SCATTER(t.contiguous(), "sum", dim, group))
+    if group.size() == 1:
+        return t
+    if _through_work(group):  # the blocks stacked along dim 0 as the functional form stacks them: same sums
+        block = t.contiguous() if dim == 0 else torch.cat(torch.chunk(t, group.size(), dim))
+        out = block.new_empty((block.shape[0] // group.size(), *block.shape[1:]))
+        work = dist.reduce_scatter_tensor(out, block, group=group, async_op=True)
+        return overlap.issued(overlap.InFlight(out, work))
+    return overlap.issued(_REDUCE_SCATTER(t.contiguous(), "sum", dim, group))
+
+
+def issue_all_to_all(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
+    """`rows` sent to the ranks of `group` by `in_splits` (rows to each, in rank order), in flight;
+    lands as the rows received, `out_splits` from each."""
+    rows = rows.contiguous()
+    if _through_work(group):
+        out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
+        work = dist.all_to_all_single(out, rows, out_splits, in_splits, group=group, async_op=True)
+        return overlap.issued(overlap.InFlight(out, work))
+    return overlap.issued(funcol.all_to_all_single(rows, out_splits, in_splits, group))
 
 
 def all_reduce(t: torch.Tensor, op: str, group) -> torch.Tensor:
@@ -68,3 +109,8 @@ def all_gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
 def reduce_scatter(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     """`t` summed over `group`, each rank keeping its block along `dim`."""
     return t if group.size() == 1 else overlap.wait(issue_reduce_scatter(t, dim, group), REDUCE_SCATTER)
+
+
+def all_to_all(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """`rows` sent to the ranks of `group` by `in_splits`; the rows received, `out_splits` from each."""
+    return overlap.wait(issue_all_to_all(rows, out_splits, in_splits, group), ALL_TO_ALL)

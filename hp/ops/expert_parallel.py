@@ -42,12 +42,12 @@ import functools
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hp.ops import overlap
+from hp.ops.collectives import ALL_TO_ALL, all_to_all, issue_all_to_all
 from hp.ops.local import local_block, to_dtensor
 from hp.simulate import each_rank
 
@@ -153,8 +153,7 @@ def route(x: torch.Tensor, expert_ids: torch.Tensor, counts: torch.Tensor, group
     ranks = group.size()
     local_experts = counts.shape[0] // ranks
     order = torch.argsort(expert_ids.reshape(-1), stable=True)  # rows by expert, so by destination rank
-    received = overlap.wait(funcol.all_to_all_single(counts, [local_experts] * ranks,
-                                                     [local_experts] * ranks, group), ALL_TO_ALL)
+    received = all_to_all(counts, [local_experts] * ranks, [local_experts] * ranks, group)
     send = counts.view(ranks, local_experts).sum(1).tolist()
     recv = received.view(ranks, local_experts).sum(1).tolist()
     rows = _AllToAll.apply(x[order // expert_ids.shape[-1]], recv, send, group)
@@ -166,22 +165,18 @@ def route(x: torch.Tensor, expert_ids: torch.Tensor, counts: torch.Tensor, group
     return back[torch.argsort(order)]
 
 
-ALL_TO_ALL = "all_to_all"  # the kind hp.ops.overlap records these waits under
-
-
 class _AllToAll(torch.autograd.Function):
     """Rows to every rank of `group` by split sizes; backward sends the gradients back the same way."""
 
     @staticmethod
     def forward(ctx, rows, out_splits, in_splits, group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        return overlap.wait(funcol.all_to_all_single(rows.contiguous(), out_splits, in_splits, group), ALL_TO_ALL)
+        return all_to_all(rows, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
-        back = funcol.all_to_all_single(grad.contiguous(), in_splits, out_splits, ctx.group)
-        return overlap.wait(back, ALL_TO_ALL), None, None, None
+        return all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
 
 
 class _Routing:
@@ -197,7 +192,7 @@ class _Routing:
         # one exchange of every chunk's counts: to each rank, its experts' counts, chunk after chunk
         send = counts.view(chunks, ranks, self.local_experts).transpose(0, 1).reshape(-1)
         block = [chunks * self.local_experts] * ranks
-        received = overlap.wait(funcol.all_to_all_single(send, block, block, group), ALL_TO_ALL)
+        received = all_to_all(send, block, block, group)
         received = received.view(ranks, chunks, self.local_experts)
         self.orders = [torch.argsort(i.reshape(-1), stable=True) for i in ids]  # rows by expert, so by rank
         self.sends = [c.view(ranks, self.local_experts).sum(1).tolist() for c in counts]
@@ -207,10 +202,10 @@ class _Routing:
         self.by_expert = [torch.argsort(i, stable=True) for i in self.local_ids]
 
     def dispatch(self, rows: torch.Tensor, c: int) -> torch.Tensor:
-        return overlap.issued(funcol.all_to_all_single(rows.contiguous(), self.recvs[c], self.sends[c], self.group))
+        return issue_all_to_all(rows, self.recvs[c], self.sends[c], self.group)
 
     def combine(self, rows: torch.Tensor, c: int) -> torch.Tensor:
-        return overlap.issued(funcol.all_to_all_single(rows.contiguous(), self.sends[c], self.recvs[c], self.group))
+        return issue_all_to_all(rows, self.sends[c], self.recvs[c], self.group)
 
 
 class _Pipelined(torch.autograd.Function):

@@ -107,22 +107,47 @@ def pipelined(count: int) -> Iterator[Waits]:
         _STATE.reset(token)
 
 
-def issued(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor`, a collective's pending result, stamped with the time it was issued (inside `hp.mpmd`)."""
-    if not torch.compiler.is_compiling() and isinstance(tensor, funcol.AsyncCollectiveTensor) and active():
-        tensor._hp_issued = time.perf_counter()
-    return tensor
+class InFlight:
+    """A collective issued through c10d's asynchronous work: its output, once `work` has completed.
+
+    hp's kernels issue on gloo groups this way (`hp.ops.collectives`); `wait` lands it as it
+    lands a functional collective's pending result.
+    """
+
+    __slots__ = ("output", "work", "issued")
+
+    def __init__(self, output: torch.Tensor, work) -> None:
+        self.output, self.work = output, work
+        self.issued: float | None = None
+
+    def landed(self) -> torch.Tensor:
+        self.work.wait()
+        return self.output
 
 
-def wait(tensor: torch.Tensor, kind: str) -> torch.Tensor:
-    """`tensor` (a collective's pending result) once it has landed, the time blocked on it recorded."""
-    if torch.compiler.is_compiling() or not isinstance(tensor, funcol.AsyncCollectiveTensor):
-        return funcol.wait_tensor(tensor)  # a traced graph orders its own waits; a plain tensor has landed
+def issued(pending):
+    """`pending` (a collective's pending result), stamped with the time it was issued (inside `hp.mpmd`)."""
+    if isinstance(pending, InFlight):
+        if active():
+            pending.issued = time.perf_counter()
+    elif not torch.compiler.is_compiling() and isinstance(pending, funcol.AsyncCollectiveTensor) and active():
+        pending._hp_issued = time.perf_counter()
+    return pending
+
+
+def wait(pending, kind: str) -> torch.Tensor:
+    """`pending` (a collective's pending result) once it has landed, the time blocked on it recorded."""
+    if isinstance(pending, InFlight):
+        land, stamp = pending.landed, pending.issued
+    elif torch.compiler.is_compiling() or not isinstance(pending, funcol.AsyncCollectiveTensor):
+        return funcol.wait_tensor(pending)  # a traced graph orders its own waits; a plain tensor has landed
+    else:
+        land, stamp = (lambda: funcol.wait_tensor(pending)), getattr(pending, "_hp_issued", None)
     state = _STATE.get()
     if state is None:
-        return funcol.wait_tensor(tensor)
+        return land()
     start = time.perf_counter()
-    landed = funcol.wait_tensor(tensor)
+    landed = land()
     end = time.perf_counter()
-    state[1].spans.append(Span(kind, getattr(tensor, "_hp_issued", start), start, end))
+    state[1].spans.append(Span(kind, start if stamp is None else stamp, start, end))
     return landed
