@@ -20,6 +20,14 @@ def test_shard_constrain_from_local_on_four_gloo_processes():
     assert sorted(re.findall(r"rank (\d) ok", run.stdout)) == ["0", "1", "2", "3"]
 
 
+def test_collectives_in_flight_while_the_rank_computes_on_landed_ones():
+    """hp.mpmd's pattern on gloo: several gathers, reduce-scatters and all-to-alls in flight, landed ones
+    multiplied meanwhile; every result right and no process lost (functional collectives crashed here)."""
+    run = torchrun(str(HERE / "workers" / "pipelined_gloo.py"), 2, "300")
+    assert_finished(run)
+    assert sorted(re.findall(r"ok (\d)", run.stdout)) == ["0", "1"]
+
+
 PLAIN_LAUNCH = """
 import torch, torch.distributed as dist, hp
 mesh = hp.mesh(tp=1)                       # a plain launch is a 1-rank world
