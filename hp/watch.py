@@ -270,14 +270,20 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _group(ref) -> tuple[str, int]:
     """(mesh axis, size) of a process group given by name or object."""
-    pg = _resolve_process_group(ref) if isinstance(ref, str) else ref
-    if isinstance(pg, torch.ScriptObject):  # c10d ops called from C++ (FSDP2) carry the boxed group
-        pg = torch.distributed.ProcessGroup.unbox(pg)
+    pg = _process_group(ref)
     axis = axis_of_group(pg.group_name)
     if axis is None:
         desc = getattr(pg, "group_desc", "") or ""
         axis = desc.removeprefix("mesh_") if desc.startswith("mesh_") else "world"
     return axis, pg.size()
+
+
+def _process_group(ref):
+    """The process group a collective's arguments name: by name, as an object, or boxed (c10d ops carry it boxed)."""
+    pg = _resolve_process_group(ref) if isinstance(ref, str) else ref
+    if isinstance(pg, torch.ScriptObject):
+        pg = torch.distributed.ProcessGroup.unbox(pg)
+    return pg
 
 
 def _one_rank(sizes) -> list[int]:
@@ -308,8 +314,7 @@ def _all_to_all(t: torch.Tensor, input_splits, group):
 
 def _rank_in(ref) -> int:
     """This process's rank in a group given by name or object (the first simulated rank's, simulated)."""
-    pg = _resolve_process_group(ref) if isinstance(ref, str) else ref
-    return max(pg.rank(), 0)
+    return max(_process_group(ref).rank(), 0)
 
 
 def _functional(kind: str, payload: Callable, group_arg: int):
