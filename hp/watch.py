@@ -24,6 +24,7 @@ the formulas; each rank receives as many as it sends).
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -252,6 +253,9 @@ def recognise(func, args) -> Collective | None:
     if table is None or func._opname not in table:
         return None
     kind, payload, group, *sent = table[func._opname](args)
+    standing_for = _COUNTED_AS.get()
+    if standing_for is not None:  # the collective realises another one, whose ring bytes it moves
+        kind, sent = standing_for, []
     axis, p = _group(group)
     return Collective(
         kind=kind,
@@ -262,6 +266,23 @@ def recognise(func, args) -> Collective | None:
         phase=_phase(),
         source=user_line(),
     )
+
+
+_COUNTED_AS: contextvars.ContextVar[str | None] = contextvars.ContextVar("hp_counted_as", default=None)
+
+
+@contextmanager
+def counted_as(kind: str) -> Iterator[None]:
+    """Collectives issued inside are counted as `kind`, the collective they realise.
+
+    hp's gloo reduce-scatter is one all-to-all of the same input (`hp.ops.collectives`): it
+    sends the bytes a ring reduce-scatter sends, and a trace should name what was asked for.
+    """
+    token = _COUNTED_AS.set(kind)
+    try:
+        yield
+    finally:
+        _COUNTED_AS.reset(token)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from hp.ops import overlap
+from hp.watch import counted_as
 
 # Newer torch names these *_single and deprecates the *_tensor forms, the only ones torch 2.11 has.
 _ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
@@ -47,8 +48,9 @@ def issue_all_reduce(t: torch.Tensor, op: str, group):
     if _through_work(group):
         out = t.clone(memory_format=torch.contiguous_format)
         reduce_op = getattr(dist.ReduceOp, op.upper())
-        return overlap.issued(overlap.InFlight(out, dist.all_reduce(out, reduce_op, group=group, async_op=True)))
-    return overlap.issued(funcol.all_reduce(t.contiguous(), op, group))
+        return overlap.issued(lambda: overlap.InFlight(out, dist.all_reduce(out, reduce_op, group=group,
+                                                                            async_op=True)))
+    return overlap.issued(lambda: funcol.all_reduce(t.contiguous(), op, group))
 
 
 def issue_all_gather(t: torch.Tensor, dim: int, group):
@@ -59,9 +61,9 @@ def issue_all_gather(t: torch.Tensor, dim: int, group):
     block = t.movedim(dim, 0).contiguous()
     if _through_work(group):
         out = block.new_empty((group.size() * block.shape[0], *block.shape[1:]))
-        return overlap.issued(overlap.InFlight(out, dist.all_gather_into_tensor(out, block, group=group,
-                                                                                async_op=True)))
-    return overlap.issued(_ALL_GATHER(block, 0, group))
+        return overlap.issued(lambda: overlap.InFlight(out, dist.all_gather_into_tensor(out, block, group=group,
+                                                                                        async_op=True)))
+    return overlap.issued(lambda: _ALL_GATHER(block, 0, group))
 
 
 def landed_gather(pending, dim: int) -> torch.Tensor:
@@ -70,15 +72,26 @@ def landed_gather(pending, dim: int) -> torch.Tensor:
 
 
 def issue_reduce_scatter(t: torch.Tensor, dim: int, group):
-    """`t` summed over `group`, each rank keeping its block along `dim`, in flight."""
+    """`t` summed over `group`, each rank keeping its block along `dim`, in flight.
+
+    On gloo torch runs a reduce-scatter while it is issued, not in flight, so hp sends each rank
+    its block of `t` with one all-to-all (the bytes a ring reduce-scatter sends) and sums the
+    blocks that arrive, in rank order, once they have landed. `hp.comm.trace` counts it as the
+    reduce-scatter it is.
+    """
     if group.size() == 1:
         return t
-    if _through_work(group):  # the blocks stacked along dim 0 as the functional form stacks them: same sums
-        block = t.contiguous() if dim == 0 else torch.cat(torch.chunk(t, group.size(), dim))
-        out = block.new_empty((block.shape[0] // group.size(), *block.shape[1:]))
-        work = dist.reduce_scatter_tensor(out, block, group=group, async_op=True)
-        return overlap.issued(overlap.InFlight(out, work))
-    return overlap.issued(_REDUCE_SCATTER(t.contiguous(), "sum", dim, group))
+    if _through_work(group):  # the blocks stacked along dim 0, as the functional form stacks them
+        blocks = t.contiguous() if dim == 0 else torch.cat(torch.chunk(t, group.size(), dim))
+        arrived = torch.empty_like(blocks)
+
+        def issue():
+            with counted_as(REDUCE_SCATTER):
+                work = dist.all_to_all_single(arrived, blocks, group=group, async_op=True)
+            return overlap.InFlight(arrived, work, finish=lambda rows: rows.unflatten(0, (group.size(), -1)).sum(0))
+
+        return overlap.issued(issue)
+    return overlap.issued(lambda: _REDUCE_SCATTER(t.contiguous(), "sum", dim, group))
 
 
 def issue_all_to_all(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
@@ -87,9 +100,9 @@ def issue_all_to_all(rows: torch.Tensor, out_splits: list[int], in_splits: list[
     rows = rows.contiguous()
     if _through_work(group):
         out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
-        work = dist.all_to_all_single(out, rows, out_splits, in_splits, group=group, async_op=True)
-        return overlap.issued(overlap.InFlight(out, work))
-    return overlap.issued(funcol.all_to_all_single(rows, out_splits, in_splits, group))
+        return overlap.issued(lambda: overlap.InFlight(out, dist.all_to_all_single(
+            out, rows, out_splits, in_splits, group=group, async_op=True)))
+    return overlap.issued(lambda: funcol.all_to_all_single(rows, out_splits, in_splits, group))
 
 
 def all_reduce(t: torch.Tensor, op: str, group) -> torch.Tensor:

@@ -24,9 +24,10 @@ from __future__ import annotations
 import contextvars
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -108,46 +109,53 @@ def pipelined(count: int) -> Iterator[Waits]:
 
 
 class InFlight:
-    """A collective issued through c10d's asynchronous work: its output, once `work` has completed.
+    """A collective issued through c10d's asynchronous work: `finish(output)` once `work` has completed.
 
     hp's kernels issue on gloo groups this way (`hp.ops.collectives`); `wait` lands it as it
-    lands a functional collective's pending result.
+    lands a functional collective's pending result. `finish` is the local step that turns what
+    arrived into the result (summing the blocks an all-to-all brought in), done after the wait.
     """
 
-    __slots__ = ("output", "work", "issued")
+    __slots__ = ("output", "work", "finish", "issued")
 
-    def __init__(self, output: torch.Tensor, work) -> None:
-        self.output, self.work = output, work
+    def __init__(self, output: torch.Tensor, work, finish: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.output, self.work, self.finish = output, work, finish
         self.issued: float | None = None
 
-    def landed(self) -> torch.Tensor:
+    def arrive(self) -> None:
         self.work.wait()
-        return self.output
+
+    def result(self) -> torch.Tensor:
+        return self.output if self.finish is None else self.finish(self.output)
 
 
-def issued(pending):
-    """`pending` (a collective's pending result), stamped with the time it was issued (inside `hp.mpmd`)."""
+def issued(issue: Callable[[], Any]):
+    """The pending result `issue()` returns (a collective's), stamped inside `hp.mpmd` with the time
+    it was issued: before the call, so that whatever the backend does at issue counts as communication."""
+    if torch.compiler.is_compiling() or not active():  # a traced graph reads no context variables
+        return issue()
+    stamp = time.perf_counter()
+    pending = issue()
     if isinstance(pending, InFlight):
-        if active():
-            pending.issued = time.perf_counter()
-    elif not torch.compiler.is_compiling() and isinstance(pending, funcol.AsyncCollectiveTensor) and active():
-        pending._hp_issued = time.perf_counter()
+        pending.issued = stamp
+    elif isinstance(pending, funcol.AsyncCollectiveTensor):
+        pending._hp_issued = stamp
     return pending
 
 
 def wait(pending, kind: str) -> torch.Tensor:
     """`pending` (a collective's pending result) once it has landed, the time blocked on it recorded."""
     if isinstance(pending, InFlight):
-        land, stamp = pending.landed, pending.issued
+        arrive, stamp = pending.arrive, pending.issued
     elif torch.compiler.is_compiling() or not isinstance(pending, funcol.AsyncCollectiveTensor):
         return funcol.wait_tensor(pending)  # a traced graph orders its own waits; a plain tensor has landed
     else:
-        land, stamp = (lambda: funcol.wait_tensor(pending)), getattr(pending, "_hp_issued", None)
+        arrive, stamp = (lambda: funcol.wait_tensor(pending)), getattr(pending, "_hp_issued", None)
     state = _STATE.get()
     if state is None:
-        return land()
-    start = time.perf_counter()
-    landed = land()
-    end = time.perf_counter()
-    state[1].spans.append(Span(kind, start if stamp is None else stamp, start, end))
-    return landed
+        arrived = arrive()
+    else:
+        start = time.perf_counter()
+        arrived = arrive()
+        state[1].spans.append(Span(kind, start if stamp is None else stamp, start, time.perf_counter()))
+    return pending.result() if isinstance(pending, InFlight) else arrived
