@@ -4,7 +4,10 @@ A profiler's timeline answers "was the communication hidden?" by showing it
 beside the computation. hp's kernels stamp each collective they issue and
 each wait (`hp.ops.overlap`): a collective is in flight from its issue to
 its landing; the rank computed while it flew until it waited, and was
-blocked (the exposed part) from then until it landed. Whatever the step did
+blocked (the exposed part) from then until it landed. The landing is the
+backend's own report where it gives one (gloo's work futures, so a
+collective that landed long before its wait is not counted in flight past
+its landing), else the end of the wait. Whatever the step did
 outside those waits is computation (or hp's host work), as the profiler
 counts it. `draw` puts every rank's step on one PNG (the `plot` extra).
 
@@ -43,7 +46,7 @@ class Timeline:
     @property
     def exposed_seconds(self) -> float:
         """How long the rank was blocked on a collective."""
-        return _union((s.waited, s.landed) for s in self.spans)
+        return _union((s.waited, s.landed) for s in self.spans if s.landed > s.waited)
 
     @property
     def overlapped_seconds(self) -> float:
@@ -86,7 +89,8 @@ def draw(timelines: Sequence[Timeline], path: str) -> None:
         ax.broken_barh([(0, line.seconds * 1e3)], (y - 0.35, 0.7), color=_COLORS["compute"])
         flights = [(s.issued * 1e3, (s.landed - s.issued) * 1e3) for s in line.spans]
         ax.broken_barh(flights, (y - 0.1, 0.45), color=_COLORS["flight"])
-        ax.broken_barh([(s.waited * 1e3, (s.landed - s.waited) * 1e3) for s in line.spans], (y - 0.35, 0.25),
+        blocked = [(s.waited * 1e3, (s.landed - s.waited) * 1e3) for s in line.spans if s.landed > s.waited]
+        ax.broken_barh(blocked, (y - 0.35, 0.25),
                        color=_COLORS["exposed"])
         ax.text(line.seconds * 1e3, y, f"  masked {line.masking:.0%}",
                 va="center", fontsize=8)

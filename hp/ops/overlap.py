@@ -39,7 +39,10 @@ class Span:
 
     From `issued` to `landed` it was in flight; from `waited` to `landed` the rank was blocked on it
     (exposed), and before `waited` it flew behind whatever the rank computed (overlapped). A
-    collective issued and waited at once has `issued == waited`: all of it exposed.
+    collective issued and waited at once has `issued == waited`: all of it exposed. One that landed
+    before the rank waited for it (`landed <= waited`) was not waited on at all. `landed` is the
+    moment the backend reported the collective complete where it reports one (gloo's work
+    futures), else the moment the wait returned.
     """
 
     kind: str
@@ -116,11 +119,24 @@ class InFlight:
     arrived into the result (summing the blocks an all-to-all brought in), done after the wait.
     """
 
-    __slots__ = ("output", "work", "finish", "issued")
+    __slots__ = ("output", "work", "finish", "issued", "landed")
 
     def __init__(self, output: torch.Tensor, work, finish: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.output, self.work, self.finish = output, work, finish
         self.issued: float | None = None
+        self.landed: float | None = None  # set by the backend's thread, where its work has a future
+
+    def stamp(self, issued: float) -> None:
+        """Time this collective: issued at `issued`, landed when the backend completes its future."""
+        self.issued = issued
+        try:
+            future = self.work.get_future()
+        except RuntimeError:  # a work without a future lands when it is waited for
+            return
+        future.add_done_callback(self._land)
+
+    def _land(self, _future) -> None:
+        self.landed = time.perf_counter()
 
     def arrive(self) -> None:
         self.work.wait()
@@ -137,7 +153,7 @@ def issued(issue: Callable[[], Any]):
     stamp = time.perf_counter()
     pending = issue()
     if isinstance(pending, InFlight):
-        pending.issued = stamp
+        pending.stamp(stamp)
     elif isinstance(pending, funcol.AsyncCollectiveTensor):
         pending._hp_issued = stamp
     return pending
@@ -157,5 +173,8 @@ def wait(pending, kind: str) -> torch.Tensor:
     else:
         start = time.perf_counter()
         arrived = arrive()
-        state[1].spans.append(Span(kind, start if stamp is None else stamp, start, time.perf_counter()))
+        end = time.perf_counter()
+        landed = getattr(pending, "landed", None)  # its callback may not have run yet when the wait returns
+        state[1].spans.append(Span(kind, start if stamp is None else stamp, start,
+                                   end if landed is None else min(landed, end)))
     return pending.result() if isinstance(pending, InFlight) else arrived
