@@ -191,6 +191,16 @@ def test_a_timeline_is_drawn_or_the_plot_extra_is_named(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_collective_that_landed_before_its_wait_flew_until_it_landed_and_was_not_waited_on():
+    from hp.mpmd_timeline import Timeline  # noqa: PLC0415
+    from hp.ops.overlap import Span  # noqa: PLC0415
+
+    early = Timeline(0, 1.0, (Span("all_reduce", 0.1, 0.6, 0.4), Span("all_gather", 0.5, 0.7, 0.8)))
+    assert early.flight_seconds == pytest.approx(0.3 + 0.3)  # 0.1-0.4 and 0.5-0.8
+    assert early.exposed_seconds == pytest.approx(0.1)  # only the gather's 0.7-0.8
+    assert early.masking == pytest.approx(0.5 / 0.6)
+
+
 def test_drawing_before_a_step_is_refused():
     with pytest.raises(hp.MpmdError, match="no step has run yet"):
         hp.mpmd(lambda: None).draw("never.png")

@@ -7,12 +7,16 @@ ones fly. Every result is checked against the arithmetic on every rank's
 block (each rank regenerates them all from the round's seeds).
 Functional collectives corrupted the heap under this pattern on gloo (a crash
 within a few hundred rounds); this worker must finish every round and print
-"ok <rank>".
+"ok <rank>". One round also runs inside `hp.mpmd`'s timing and
+`hp.comm.trace`: the reduce-scatters (all-to-alls on gloo) are counted as
+reduce-scatters with their ring bytes, and a collective waited for long
+after it landed shows its landing (from gloo's future), not its wait.
 
     python -m torch.distributed.run --nproc-per-node 2 tests/workers/pipelined_gloo.py [rounds]
 """
 
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -20,7 +24,9 @@ import torch.nn.functional as F
 
 from hp.ops.collectives import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, all_gather, issue_all_gather,
                                 issue_all_reduce, issue_all_to_all, issue_reduce_scatter)
-from hp.ops.overlap import wait
+from hp.comm import trace
+from hp.cost import ring_bytes
+from hp.ops.overlap import pipelined, wait
 
 CHUNKS = 4
 
@@ -55,11 +61,27 @@ def one_round(step: int, group, weight: torch.Tensor) -> None:
         torch.testing.assert_close(wait(exchanges[c], ALL_TO_ALL), want)
 
 
+def counted_and_timed(group, weight: torch.Tensor) -> None:
+    with trace() as seen, pipelined(CHUNKS) as waits:
+        one_round(0, group, weight)
+        late = issue_all_reduce(torch.ones(1024), "sum", group)
+        time.sleep(0.2)  # landed long before this wait
+        torch.testing.assert_close(wait(late, ALL_REDUCE), torch.full((1024,), float(dist.get_world_size())))
+    piece = 2 * (256 // CHUNKS) * 512 * 4  # one chunk's bytes, fp32
+    assert seen.count(REDUCE_SCATTER) == CHUNKS, seen.table()
+    assert seen.bytes(REDUCE_SCATTER) == CHUNKS * ring_bytes(REDUCE_SCATTER, piece, dist.get_world_size())
+    assert seen.count(ALL_TO_ALL) + seen.count("send_recv") == CHUNKS, seen.table()  # the exchanges only
+    assert all(s.issued <= s.waited and s.issued <= s.landed for s in waits.spans), waits.spans
+    last = waits.spans[-1]
+    assert last.landed <= last.waited and last.waited - last.issued >= 0.2, last
+
+
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 300
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     weight = torch.randn(256, 512, generator=torch.Generator().manual_seed(0))
+    counted_and_timed(dist.group.WORLD, weight)
     for step in range(rounds):
         one_round(step, dist.group.WORLD, weight)
     dist.barrier()
