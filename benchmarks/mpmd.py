@@ -18,8 +18,8 @@ Each configuration is `hp.mpmd(step, chunks=c)` around one training step
 (as it is), 2 and 4, timed interleaved (the order rotates each round) after
 its first three calls (warm-up, the measured step as it is, the first
 pipelined one). The communication time is the plain step's (c = 1) time
-blocked on hp's collectives, each waited as it is issued: the whole time
-they took, waiting for the other rank included; its median over the same
+with hp's collectives in flight, from issue to landing: the whole time they
+took, waiting for the other rank included; its median over the same
 rounds. The exposed time is what a pipelined step spends blocked on them;
 `masking_<case>` is 1 - exposed / communication, rank 0's medians (the step
 times are the slowest rank's), at the chunk count that masks most. It is
@@ -27,9 +27,13 @@ the strict measure: a collective that takes longer while it competes with
 computation for the CPU counts as less hidden. `timeline_masking_<case>`
 is the profiler's measure on the pipelined step itself (its timeline,
 `hp.mpmd_timeline`): the time collectives flew while the rank computed,
-over the time they were in flight. A collective whose result had landed
-before the rank waited for it is counted in flight until that wait, so
-this measure leans high. With matplotlib, each case's last 2-chunk step is
+over the time they were in flight, each landing as gloo's work future
+reports it. `comm_cpu_share_<case>` is the CPU time a rank's process
+spends per second of the case's collectives waited as issued (gloo's
+threads and the kernel's loopback copies): with one core per rank, only
+the rest (1 - share, the time the process leaves its core idle while it
+waits) can ever be filled with computation, so it bounds what the strict
+measure can reach here on average. With matplotlib, each case's last 2-chunk step is
 drawn to `benchmarks/mpmd_<case>.png`. Only ratios within one run mean
 anything on a shared machine. Of a chunked layer, the first chunk's
 collective (nothing computes before it) and the last chunk's (nothing
@@ -97,13 +101,14 @@ def launch(settings: Settings) -> None:
     details = {}
     for case in CASES:
         runs = {r["chunks"]: r for r in records if r.get("bench") == "mpmd_step" and r["case"] == case}
-        comm = runs[1]["exposed_s"]  # the plain step waits on every collective whole
-        masking = {c: round(1 - r["exposed_s"] / comm, 4) for c, r in runs.items() if c > 1}
-        best = max(masking, key=masking.get)
+        comm = runs[1]["flight_s"]  # the plain step's whole communication time
+        masking = {c: round(1 - r["exposed_s"] / comm, 4) for c, r in runs.items()}
+        best = max((c for c in masking if c > 1), key=masking.get)
         details[case] = {
             "chunks": best,
-            "exposed_s": runs[best]["exposed_s"],
             "comm_s": comm,
+            "exposed_s_by_chunks": {c: r["exposed_s"] for c, r in runs.items()},
+            "flight_s_by_chunks": {c: r["flight_s"] for c, r in runs.items()},
             "masking_by_chunks": masking,
             "step_ratio_by_chunks": {c: round(r["step_s"] / runs[1]["step_s"], 4) for c, r in runs.items() if c > 1},
             "step_s_by_chunks": {c: r["step_s"] for c, r in runs.items()},
@@ -114,6 +119,8 @@ def launch(settings: Settings) -> None:
         summary[f"masking_{case}"] = masking[best]
         summary[f"step_ratio_{case}"] = round(runs[best]["step_s"] / runs[1]["step_s"], 4)
         summary[f"timeline_masking_{case}"] = runs[best]["timeline_masking"]
+        summary[f"comm_cpu_share_{case}"] = next(r["cpu_share"] for r in records
+                                                 if r.get("bench") == "mpmd_comm_cpu" and r["case"] == case)
     summary.update(details)
     summary["inputs"] = {**asdict(settings), "ranks": RANKS, "dtype": "float32"}
     summary["wall_s"] = round(time.perf_counter() - started, 1)
@@ -168,6 +175,7 @@ def worker(s: Settings) -> None:
             first = [run(), run(), run()]  # warm-up, the step as it is measured, then pipelined
             steps[chunks] = (run, first)
         _time(case, steps, s, emit)
+        emit({"bench": "mpmd_comm_cpu", "case": case, "cpu_share": round(_comm_cpu_share(case, s), 3)})
         if pyplot() is not None:  # the last 2-chunk step of each rank: benchmarks/mpmd_<case>.png
             steps[2][0].draw(str(Path(__file__).with_name(f"mpmd_{case}.png")))
     dist.barrier()
@@ -186,8 +194,8 @@ def _time(case: str, steps: dict, s: Settings, emit) -> None:
             report = run.report
             slowest = torch.tensor([report.step_seconds], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            rounds[chunks].append((float(slowest), report.exposed_seconds, report.comm_seconds, report.masking,
-                                   report.timeline.masking))
+            rounds[chunks].append((float(slowest), report.exposed_seconds, report.timeline.flight_seconds,
+                                   report.masking, report.timeline.masking))
     want = steps[1][1][2]
     for chunks in CHUNKS:
         run, first = steps[chunks]
@@ -195,10 +203,45 @@ def _time(case: str, steps: dict, s: Settings, emit) -> None:
         emit({"bench": "mpmd_step", "case": case, "chunks": chunks, "planned_chunks": run.plan.chunks,
               "step_s": round(statistics.median(m[0] for m in measured), 4),
               "exposed_s": round(statistics.median(m[1] for m in measured), 5),
-              "comm_s": round(measured[0][2], 5),
+              "flight_s": round(statistics.median(m[2] for m in measured), 5),
               "masking": round(statistics.median(m[3] for m in measured), 4),
               "timeline_masking": round(statistics.median(m[4] for m in measured), 4),
               "loss_rel_err": abs(first[2] - want) / abs(want)})  # the first pipelined step
+
+
+def _comm_cpu_share(case: str, s: Settings) -> float:
+    """The CPU this process burns per second of its case's collectives, waited as issued (hp's gloo path).
+
+    A rank blocked on a collective does not compute, so only the part of the collective's time
+    that its process leaves the core idle can ever hide behind computation: 1 - this share.
+    """
+    import resource
+
+    from hp.ops.collectives import all_to_all, all_gather, reduce_scatter
+
+    group = dist.group.WORLD
+    tokens = torch.randn(s.batch, s.seq, s.dense_hidden if case == "tp" else s.hidden)
+    if case == "tp":  # the sequence-parallel gather of a layer's input, the reduce-scatter of its output
+        collectives = [lambda: all_gather(tokens.chunk(RANKS, 1)[0], 1, group),
+                       lambda: reduce_scatter(tokens, 1, group)]
+    else:  # the dispatch of every token's top-k rows, evenly split
+        rows = tokens.flatten(0, 1).repeat(s.top_k, 1)
+        even = [rows.shape[0] // RANKS] * RANKS
+        collectives = [lambda: all_to_all(rows, even, even, group)]
+
+    def cpu() -> float:
+        used = resource.getrusage(resource.RUSAGE_SELF)
+        return used.ru_utime + used.ru_stime
+
+    busy = wall = 0.0
+    for rep in range(23):
+        for collective in collectives:
+            dist.barrier()
+            c0, t0 = cpu(), time.perf_counter()
+            collective()
+            if rep >= 3:  # after warm-up
+                busy, wall = busy + cpu() - c0, wall + time.perf_counter() - t0
+    return busy / wall
 
 
 if __name__ == "__main__":

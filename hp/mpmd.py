@@ -18,8 +18,9 @@ moved (in more, smaller collectives).
 
 The chunk count is planned from measurements of the step itself. The first
 call runs it as it is, to warm up (allocations, the ranks' start-up skew);
-the second runs it as it is too, every collective waited as it is issued:
-the time blocked is the step's whole communication time. The third call
+the second runs it as it is too (one chunk), and the time its collectives
+were in flight, from issue to landing, is the step's whole communication
+time. The third call
 runs it pipelined; if that step was slower than the second (chunks too
 small to pay for themselves), later calls run unpipelined and `plan.reason`
 says why. Every rank takes the slowest rank's times, so all choose alike
@@ -78,7 +79,7 @@ class StepReport:
     """One call's times, in seconds on this rank, and the share of its communication hidden behind computation."""
 
     chunks: int
-    comm_seconds: float  # the step's collectives waited as issued: the whole communication time (the second call's)
+    comm_seconds: float  # the step's communication time as it is: its collectives in flight (the second call's)
     timeline: Timeline  # this call on this rank's clock: its length and its collectives
 
     @property
@@ -119,8 +120,8 @@ class Mpmd:
             result, timeline = self._timed(1, args, kwargs)
             if self._calls == 2:
                 self._plain_seconds = _slowest(timeline.seconds)[0]  # the plan compares the slowest rank's times
-                self._comm_seconds = timeline.exposed_seconds
-            self.report = StepReport(1, timeline.exposed_seconds, timeline)
+                self._comm_seconds = timeline.flight_seconds
+            self.report = StepReport(1, timeline.flight_seconds, timeline)
             return result
         trying = self.plan is None
         chunks = self._candidate() if trying else self.plan.chunks
