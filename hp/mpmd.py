@@ -21,9 +21,11 @@ call runs it as it is, to warm up (allocations, the ranks' start-up skew);
 the second runs it as it is too (one chunk), and the time its collectives
 were in flight, from issue to landing, is the step's whole communication
 time. The third call
-runs it pipelined; if that step was slower than the second (chunks too
-small to pay for themselves), later calls run unpipelined and `plan.reason`
-says why. Every rank takes the slowest rank's times, so all choose alike
+runs it pipelined over 2 chunks; under "auto", while a count makes the
+step faster than every count before it, the next call tries the next
+count (4, then 8), and the fastest is kept. If 2 chunks were already
+slower than the step as it is (chunks too small to pay for themselves),
+later calls run unpipelined and `plan.reason` says why. Every rank takes the slowest rank's times, so all choose alike
 (their collectives must match). Each call's `report` holds its step time,
 its communication time, the part left exposed (time blocked on hp's
 collectives) and the masking ratio, 1 - exposed / communication: the share
@@ -66,12 +68,19 @@ class MpmdError(ValueError):
     """An `hp.mpmd` setting that cannot work."""
 
 
+AUTO_CHUNKS = (2, 4, 8)  # the counts "auto" tries in turn, while each makes the step faster
+
+
 @dataclass(frozen=True)
 class Plan:
-    """How the step runs: over `chunks` chunks (1: as it is), and why when the planner kept it as it is."""
+    """How the step runs: over `chunks` chunks (1: as it is), and why when the planner kept it as it is.
+
+    `tried` holds each count the planner ran, with the slowest rank's step seconds (1: as it is).
+    """
 
     chunks: int
     reason: str = ""
+    tried: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -111,7 +120,7 @@ class Mpmd:
         self.report: StepReport | None = None
         self._calls = 0
         self._comm_seconds = 0.0
-        self._plain_seconds = 0.0
+        self._tried: list[tuple[int, float]] = []  # (chunks, the slowest rank's step seconds)
         functools.update_wrapper(self, step, updated=())  # its name and doc; not its attributes (a wrapped step object keeps its own)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -119,7 +128,7 @@ class Mpmd:
         if self._calls <= 2:  # warm-up, then as it is: every wait is the whole communication
             result, timeline = self._timed(1, args, kwargs)
             if self._calls == 2:
-                self._plain_seconds = _slowest(timeline.seconds)[0]  # the plan compares the slowest rank's times
+                self._tried.append((1, _slowest(timeline.seconds)[0]))  # the plan compares the slowest rank's times
                 self._comm_seconds = timeline.flight_seconds
             self.report = StepReport(1, timeline.flight_seconds, timeline)
             return result
@@ -128,19 +137,33 @@ class Mpmd:
         result, timeline = self._timed(chunks, args, kwargs)
         self.report = StepReport(chunks, self._comm_seconds, timeline)
         if trying:
-            self.plan = self._decide(chunks, timeline.seconds)
+            self._tried.append((chunks, _slowest(timeline.seconds)[0]))
+            self.plan = self._decide()
         return result
 
     def _candidate(self) -> int:
-        return 2 if self._asked == "auto" else self._asked
+        """The count to run next while planning: the one asked, or under 'auto' the next after the last tried."""
+        if self._asked != "auto":
+            return self._asked
+        return next(c for c in AUTO_CHUNKS if c > self._tried[-1][0])
 
-    def _decide(self, chunks: int, seconds: float) -> Plan:
-        """Keep `chunks` unless the step ran slower with them (on the slowest rank) and chunks were 'auto'."""
-        (slowest,) = _slowest(seconds)
-        if self._asked == "auto" and chunks > 1 and slowest > self._plain_seconds:
-            return Plan(1, f"pipelined over {chunks} chunks the step took {slowest:.4g} s against "
-                           f"{self._plain_seconds:.4g} s as it is: its collectives are too small to pay for chunking")
-        return Plan(chunks)
+    def _decide(self) -> Plan | None:
+        """The plan once the trials are over (None: try the next count).
+
+        A count asked for is kept. Under 'auto' the next count is tried while the last one made the
+        step faster than every count before it; then the fastest is kept.
+        """
+        tried = tuple(self._tried)
+        if self._asked != "auto":
+            return Plan(tried[-1][0], tried=tried)
+        fastest = min(tried, key=lambda t: t[1])
+        if fastest == tried[-1] and fastest[0] < AUTO_CHUNKS[-1]:
+            return None
+        if fastest[0] > 1:
+            return Plan(fastest[0], tried=tried)
+        (_, plain), (chunks, seconds) = tried[0], tried[1]
+        return Plan(1, f"pipelined over {chunks} chunks the step took {seconds:.4g} s against {plain:.4g} s as "
+                       "it is: its collectives are too small to pay for chunking", tried)
 
     def draw(self, path: str) -> None:
         """The last call's timeline of every rank as a PNG (`hp.mpmd_timeline.draw`; the `plot` extra).
@@ -176,8 +199,9 @@ def _slowest(*seconds: float) -> tuple[float, ...]:
 def mpmd(step: Callable, *, chunks: int | str = "auto") -> Mpmd:
     """`step` (any function running forward and backward) with hp's collectives pipelined over `chunks`.
 
-    `chunks` is a count, or "auto": the planner tries 2 and keeps them only if the step got
-    faster. The step's results are the same; see the module docstring for what runs concurrently.
+    `chunks` is a count, or "auto": the planner tries 2, 4 and 8 in turn while each makes the
+    step faster, and keeps the fastest (1 when 2 already made it slower). The step's results are
+    the same; see the module docstring for what runs concurrently.
 
     >>> import torch
     >>> step = mpmd(lambda: torch.ones(2).sum(), chunks="auto")

@@ -164,6 +164,21 @@ def test_the_planner_keeps_a_step_that_chunking_slows_down_and_says_why():
     assert planned.plan.chunks == 1 and "too small to pay for chunking" in planned.plan.reason
     forced = hp.mpmd(step, chunks=3)
     assert [forced() for _ in range(4)] == [1, 1, 3, 3] and forced.plan.reason == ""
+    assert [c for c, _ in forced.plan.tried] == [1, 3]
+
+
+@pytest.mark.parametrize("fastest", [2, 4, 8])
+def test_auto_tries_more_chunks_while_they_make_the_step_faster_and_keeps_the_fastest(fastest):
+    def step():  # each doubling saves 30 ms up to `fastest` chunks and costs 30 ms past it
+        c = overlap.chunks()
+        time.sleep(0.03 * (abs(c.bit_length() - fastest.bit_length()) + 1))
+        return c
+
+    planned = hp.mpmd(step, chunks="auto")
+    trials = [1, 1] + [c for c in (2, 4, 8) if c <= min(2 * fastest, 8)]
+    assert [planned() for _ in range(len(trials) + 2)] == trials + [fastest, fastest]
+    assert planned.plan.chunks == fastest and planned.plan.reason == ""
+    assert [c for c, _ in planned.plan.tried] == [1] + trials[2:]
 
 
 @pytest.mark.parametrize("chunks, message", [(0, "chunks = 0: expected an integer >= 1, or 'auto'"),

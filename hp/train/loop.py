@@ -436,6 +436,7 @@ def _mpmd_summary(step) -> dict:
     return {"chunks": plan.chunks if plan else report.chunks, "masking": report.masking,
             "timeline_masking": report.timeline.masking,  # hp.mpmd_timeline: computed through / in flight
             "comm_seconds": report.comm_seconds, "exposed_seconds": report.exposed_seconds,
+            **({"tried": {str(c): seconds for c, seconds in plan.tried}} if plan else {}),
             **({"reason": plan.reason} if plan and plan.reason else {})}
 
 
