@@ -30,10 +30,14 @@ is the profiler's measure on the pipelined step itself (its timeline,
 over the time they were in flight, each landing as gloo's work future
 reports it. `comm_cpu_share_<case>` is the CPU time a rank's process
 spends per second of the case's collectives waited as issued (gloo's
-threads and the kernel's loopback copies): with one core per rank, only
+threads, the kernel's loopback copies, the copies that lay the blocks out;
+a thread waiting on gloo does not spin): with one core per rank, only
 the rest (1 - share, the time the process leaves its core idle while it
 waits) can ever be filled with computation, so it bounds what the strict
-measure can reach here on average. With matplotlib, each case's last 2-chunk step is
+measure can reach here on average. `peer_wait_share_<case>` is the share
+of the pipelined step's exposed time that rank 0 spent waiting for the
+other rank to issue the same collective (`hp.mpmd_timeline.waiting_for_peers`):
+time no overlap on rank 0 could have hidden. With matplotlib, each case's last 2-chunk step is
 drawn to `benchmarks/mpmd_<case>.png`. Only ratios within one run mean
 anything on a shared machine. Of a chunked layer, the first chunk's
 collective (nothing computes before it) and the last chunk's (nothing
@@ -108,6 +112,7 @@ def launch(settings: Settings) -> None:
             "chunks": best,
             "comm_s": comm,
             "exposed_s_by_chunks": {c: r["exposed_s"] for c, r in runs.items()},
+            "peer_wait_s_by_chunks": {c: r["peer_wait_s"] for c, r in runs.items()},
             "flight_s_by_chunks": {c: r["flight_s"] for c, r in runs.items()},
             "masking_by_chunks": masking,
             "step_ratio_by_chunks": {c: round(r["step_s"] / runs[1]["step_s"], 4) for c, r in runs.items() if c > 1},
@@ -119,6 +124,7 @@ def launch(settings: Settings) -> None:
         summary[f"masking_{case}"] = masking[best]
         summary[f"step_ratio_{case}"] = round(runs[best]["step_s"] / runs[1]["step_s"], 4)
         summary[f"timeline_masking_{case}"] = runs[best]["timeline_masking"]
+        summary[f"peer_wait_share_{case}"] = round(runs[best]["peer_wait_s"] / runs[best]["exposed_s"], 4)
         summary[f"comm_cpu_share_{case}"] = next(r["cpu_share"] for r in records
                                                  if r.get("bench") == "mpmd_comm_cpu" and r["case"] == case)
     summary.update(details)
@@ -184,6 +190,8 @@ def worker(s: Settings) -> None:
 
 def _time(case: str, steps: dict, s: Settings, emit) -> None:
     """Each chunk count's steps, interleaved; one record per count."""
+    from hp.mpmd_timeline import gathered, waiting_for_peers
+
     rounds = {c: [] for c in CHUNKS}
     for r in range(s.reps):
         order = CHUNKS[r % len(CHUNKS):] + CHUNKS[:r % len(CHUNKS)]
@@ -192,10 +200,10 @@ def _time(case: str, steps: dict, s: Settings, emit) -> None:
             dist.barrier()
             run()
             report = run.report
-            slowest = torch.tensor([report.step_seconds], dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            rounds[chunks].append((float(slowest), report.exposed_seconds, report.timeline.flight_seconds,
-                                   report.masking, report.timeline.masking))
+            lines = gathered(report.timeline)
+            rounds[chunks].append((max(line.seconds for line in lines), report.exposed_seconds,
+                                   report.timeline.flight_seconds, report.masking, report.timeline.masking,
+                                   waiting_for_peers(lines)[dist.get_rank()]))
     want = steps[1][1][2]
     for chunks in CHUNKS:
         run, first = steps[chunks]
@@ -206,6 +214,7 @@ def _time(case: str, steps: dict, s: Settings, emit) -> None:
               "flight_s": round(statistics.median(m[2] for m in measured), 5),
               "masking": round(statistics.median(m[3] for m in measured), 4),
               "timeline_masking": round(statistics.median(m[4] for m in measured), 4),
+              "peer_wait_s": round(statistics.median(m[5] for m in measured), 5),
               "loss_rel_err": abs(first[2] - want) / abs(want)})  # the first pipelined step
 
 

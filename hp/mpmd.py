@@ -183,7 +183,7 @@ class Mpmd:
         seconds = time.perf_counter() - start
         spans = tuple(Span(s.kind, s.issued - start, s.waited - start, s.landed - start) for s in waits.spans)
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        return result, Timeline(rank, seconds, spans)
+        return result, Timeline(rank, seconds, spans, started=start)
 
 
 def _slowest(*seconds: float) -> tuple[float, ...]:

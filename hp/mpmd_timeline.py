@@ -32,11 +32,16 @@ _COLORS = {"compute": "#b0b0b0", "flight": "#4c72b0", "exposed": "#c44e52"}
 
 @dataclass(frozen=True)
 class Timeline:
-    """One rank's step: its length and its collectives' spans, in seconds from the step's start."""
+    """One rank's step: its length and its collectives' spans, in seconds from the step's start.
+
+    `started` is the step's start on the rank's clock (`time.perf_counter`), which the processes
+    of one host share: it lines their timelines up (`waiting_for_peers`).
+    """
 
     rank: int
     seconds: float
     spans: tuple[Span, ...]
+    started: float = 0.0
 
     @property
     def flight_seconds(self) -> float:
@@ -66,6 +71,28 @@ def _union(intervals) -> float:
             total += b - max(a, end)
             end = b
     return total
+
+
+def waiting_for_peers(timelines: Sequence[Timeline]) -> list[float]:
+    """Of each rank's exposed time, the seconds it waited for another rank to issue the same collective.
+
+    The part of a wait before the last rank issued the collective is synchronization (what
+    Ascend's profiler calls wait time): no overlap on this rank could have shortened it, only
+    its peers arriving sooner. The rest is transfer. The timelines must come from processes of
+    one host (a shared clock) that issued the same collectives in the same order.
+
+    >>> from hp.ops.overlap import Span
+    >>> early = Timeline(0, 1.0, (Span("all_gather", 0.1, 0.2, 0.6),), started=10.0)
+    >>> late = Timeline(1, 1.0, (Span("all_gather", 0.4, 0.4, 0.6),), started=10.0)
+    >>> [round(w, 3) for w in waiting_for_peers([early, late])]
+    [0.2, 0.0]
+    """
+    kinds = {tuple(s.kind for s in line.spans) for line in timelines}
+    if len(kinds) > 1:
+        raise ValueError("the ranks' timelines hold different collectives: they are not one group's steps")
+    all_issued = [max(t.started + t.spans[i].issued for t in timelines) for i in range(len(timelines[0].spans))]
+    return [sum(max(0.0, min(line.started + s.landed, issued) - (line.started + s.waited))
+                for s, issued in zip(line.spans, all_issued)) for line in timelines]
 
 
 def gathered(timeline: Timeline) -> list[Timeline]:

@@ -216,6 +216,18 @@ def test_a_collective_that_landed_before_its_wait_flew_until_it_landed_and_was_n
     assert early.masking == pytest.approx(0.5 / 0.6)
 
 
+def test_peer_waits_need_the_ranks_of_one_group():
+    from hp.mpmd_timeline import Timeline, waiting_for_peers  # noqa: PLC0415
+    from hp.ops.overlap import Span  # noqa: PLC0415
+
+    gather, reduce = Span("all_gather", 0.1, 0.2, 0.3), Span("reduce_scatter", 0.1, 0.2, 0.3)
+    with pytest.raises(ValueError, match="different collectives"):
+        waiting_for_peers([Timeline(0, 1.0, (gather,)), Timeline(1, 1.0, (reduce,))])
+    # rank 1 started 0.15 s later: rank 0 waited from 0.2 to 0.25 for it, then 0.05 s for the transfer
+    both = waiting_for_peers([Timeline(0, 1.0, (gather,), started=5.0), Timeline(1, 1.0, (gather,), started=5.15)])
+    assert both == pytest.approx([0.05, 0.0])
+
+
 def test_drawing_before_a_step_is_refused():
     with pytest.raises(hp.MpmdError, match="no step has run yet"):
         hp.mpmd(lambda: None).draw("never.png")
