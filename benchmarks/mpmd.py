@@ -5,6 +5,7 @@ tensor-parallel gathers, reduce-scatters and all-reduces over token chunks
 (`hp.ops.expert_parallel`, `hp.ops.pipelined_linear`), so that one chunk's
 collective flies while another chunk computes. This measures what that
 hides, on the machine at hand: 2 real gloo ranks launched from this script,
+each bound to its own core (`ranks.bind_to_cores`, as `taskset` would),
 two HF models (fp32, batch 2 x 512 tokens per rank, 2 layers, vocabulary
 2048), each sized so that its layers compute longer than they communicate:
 
@@ -59,7 +60,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from ranks import DONE, adamw, emitter, run_ranks
+from ranks import DONE, adamw, bind_to_cores, emitter, run_ranks
 
 RANKS = 2
 CHUNKS = (1, 2, 4)
@@ -155,6 +156,7 @@ def _model(case: str, s: Settings):
 def worker(s: Settings) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
+    bind_to_cores(int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
     emit = emitter(rank)
     import hp
     from hp.models import plan_for

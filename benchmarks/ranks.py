@@ -105,6 +105,20 @@ def run_ranks(script: str, ranks: int, argv: list[str], name: str,
     return records, code
 
 
+def bind_to_cores(local_rank: int, local_ranks: int) -> set[int]:
+    """Bind this process (and the threads it starts from now on: gloo's) to its own share of the cores.
+
+    Unbound, the ranks' compute threads and gloo's threads migrate between the cores and take
+    turns on each other's, so the ranks drift apart and wait for one another at every collective.
+    Call it before the process group starts its threads.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    share = max(len(cores) // local_ranks, 1)
+    mine = set(cores[(local_rank * share) % len(cores):][:share])
+    os.sched_setaffinity(0, mine)
+    return mine
+
+
 def adamw(params: Iterable) -> torch.optim.Optimizer:
     # One optimizer setting for every configuration (on CPU AdamW runs its per-tensor loop).
     return torch.optim.AdamW(params, lr=1e-4)
