@@ -34,8 +34,9 @@ spends per second of the case's collectives waited as issued (gloo's
 threads, the kernel's loopback copies, the copies that lay the blocks out;
 a thread waiting on gloo does not spin): with one core per rank, only
 the rest (1 - share, the time the process leaves its core idle while it
-waits) can ever be filled with computation, so it bounds what the strict
-measure can reach here on average. `peer_wait_share_<case>` is the share
+waits) can ever be filled with computation, so it bounds the step time
+pipelining can save; a collective in flight beside a matmul takes its CPU
+from the matmul. `peer_wait_share_<case>` is the share
 of the pipelined step's exposed time that rank 0 spent waiting for the
 other rank to issue the same collective (`hp.mpmd_timeline.waiting_for_peers`):
 time no overlap on rank 0 could have hidden. With matplotlib, each case's last 2-chunk step is
@@ -224,7 +225,8 @@ def _comm_cpu_share(case: str, s: Settings) -> float:
     """The CPU this process burns per second of its case's collectives, waited as issued (hp's gloo path).
 
     A rank blocked on a collective does not compute, so only the part of the collective's time
-    that its process leaves the core idle can ever hide behind computation: 1 - this share.
+    that its process leaves the core idle (1 - this share) can be given to computation: the most
+    a pipelined step can save.
     """
     import resource
 

@@ -114,7 +114,8 @@ def bind_to_cores(local_rank: int, local_ranks: int) -> set[int]:
     """
     cores = sorted(os.sched_getaffinity(0))
     share = max(len(cores) // local_ranks, 1)
-    mine = set(cores[(local_rank * share) % len(cores):][:share])
+    first = (local_rank * share) % len(cores)
+    mine = set(cores[first:first + share])
     os.sched_setaffinity(0, mine)
     return mine
 

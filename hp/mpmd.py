@@ -20,13 +20,13 @@ The chunk count is planned from measurements of the step itself. The first
 call runs it as it is, to warm up (allocations, the ranks' start-up skew);
 the second runs it as it is too (one chunk), and the time its collectives
 were in flight, from issue to landing, is the step's whole communication
-time. The third call
-runs it pipelined over 2 chunks; under "auto", while a count makes the
-step faster than every count before it, the next call tries the next
-count (4, then 8), and the fastest is kept. If 2 chunks were already
-slower than the step as it is (chunks too small to pay for themselves),
-later calls run unpipelined and `plan.reason` says why. Every rank takes the slowest rank's times, so all choose alike
-(their collectives must match). Each call's `report` holds its step time,
+time. The third call runs it pipelined over 2 chunks; under "auto", while
+a count makes the step faster than every count before it, the next call
+tries the next count (4, then 8), and the fastest is kept. If 2 chunks
+were already slower than the step as it is (chunks too small to pay for
+themselves), later calls run unpipelined and `plan.reason` says why. Every
+rank takes the slowest rank's times, so all choose alike (their
+collectives must match). Each call's `report` holds its step time,
 its communication time, the part left exposed (time blocked on hp's
 collectives) and the masking ratio, 1 - exposed / communication: the share
 of the communication hidden behind computation, as Ascend's profiler
@@ -125,7 +125,7 @@ class Mpmd:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._calls += 1
-        if self._calls <= 2:  # warm-up, then as it is: every wait is the whole communication
+        if self._calls <= 2:  # warm-up, then as it is: its time in flight is the whole communication
             result, timeline = self._timed(1, args, kwargs)
             if self._calls == 2:
                 self._tried.append((1, _slowest(timeline.seconds)[0]))  # the plan compares the slowest rank's times

@@ -51,7 +51,7 @@ class Timeline:
     @property
     def exposed_seconds(self) -> float:
         """How long the rank was blocked on a collective."""
-        return _union((s.waited, s.landed) for s in self.spans if s.landed > s.waited)
+        return _union(filter(None, (s.blocked for s in self.spans)))
 
     @property
     def overlapped_seconds(self) -> float:
@@ -116,9 +116,8 @@ def draw(timelines: Sequence[Timeline], path: str) -> None:
         ax.broken_barh([(0, line.seconds * 1e3)], (y - 0.35, 0.7), color=_COLORS["compute"])
         flights = [(s.issued * 1e3, (s.landed - s.issued) * 1e3) for s in line.spans]
         ax.broken_barh(flights, (y - 0.1, 0.45), color=_COLORS["flight"])
-        blocked = [(s.waited * 1e3, (s.landed - s.waited) * 1e3) for s in line.spans if s.landed > s.waited]
-        ax.broken_barh(blocked, (y - 0.35, 0.25),
-                       color=_COLORS["exposed"])
+        blocked = [(a * 1e3, (b - a) * 1e3) for a, b in filter(None, (s.blocked for s in line.spans))]
+        ax.broken_barh(blocked, (y - 0.35, 0.25), color=_COLORS["exposed"])
         ax.text(line.seconds * 1e3, y, f"  masked {line.masking:.0%}",
                 va="center", fontsize=8)
     ax.set_yticks(range(len(timelines)), [f"rank {line.rank}" for line in reversed(timelines)])

@@ -50,6 +50,11 @@ class Span:
     waited: float
     landed: float
 
+    @property
+    def blocked(self) -> tuple[float, float] | None:
+        """(from, to) while the rank was blocked on it; None when it had landed before the wait."""
+        return (self.waited, self.landed) if self.landed > self.waited else None
+
 
 @dataclass
 class Waits:
@@ -162,19 +167,22 @@ def issued(issue: Callable[[], Any]):
 def wait(pending, kind: str) -> torch.Tensor:
     """`pending` (a collective's pending result) once it has landed, the time blocked on it recorded."""
     if isinstance(pending, InFlight):
-        arrive, stamp = pending.arrive, pending.issued
-    elif torch.compiler.is_compiling() or not isinstance(pending, funcol.AsyncCollectiveTensor):
+        _timed(pending.arrive, kind, pending.issued, lambda: pending.landed)
+        return pending.result()
+    if torch.compiler.is_compiling() or not isinstance(pending, funcol.AsyncCollectiveTensor):
         return funcol.wait_tensor(pending)  # a traced graph orders its own waits; a plain tensor has landed
-    else:
-        arrive, stamp = (lambda: funcol.wait_tensor(pending)), getattr(pending, "_hp_issued", None)
+    return _timed(lambda: funcol.wait_tensor(pending), kind, getattr(pending, "_hp_issued", None))
+
+
+def _timed(arrive: Callable[[], Any], kind: str, issued: float | None, reported=lambda: None):
+    """`arrive()`, recorded as a span inside `hp.mpmd`: landed when the backend `reported` it, else now."""
     state = _STATE.get()
     if state is None:
-        arrived = arrive()
-    else:
-        start = time.perf_counter()
-        arrived = arrive()
-        end = time.perf_counter()
-        landed = getattr(pending, "landed", None)  # its callback may not have run yet when the wait returns
-        state[1].spans.append(Span(kind, start if stamp is None else stamp, start,
-                                   end if landed is None else min(landed, end)))
-    return pending.result() if isinstance(pending, InFlight) else arrived
+        return arrive()
+    start = time.perf_counter()
+    arrived = arrive()
+    end = time.perf_counter()
+    landed = reported()  # the backend's callback may not have run yet when the wait returns
+    state[1].spans.append(Span(kind, start if issued is None else issued, start,
+                               end if landed is None else min(landed, end)))
+    return arrived
