@@ -27,7 +27,7 @@ times are the slowest rank's), at the chunk count that masks most. It is
 the strict measure: a collective that takes longer while it competes with
 computation for the CPU counts as less hidden. `timeline_masking_<case>`
 is the profiler's measure on the pipelined step itself (its timeline,
-`hp.mpmd_timeline`): the time collectives flew while the rank computed,
+`hp.mpmd.timeline`): the time collectives flew while the rank computed,
 over the time they were in flight, each landing as gloo's work future
 reports it. `comm_cpu_share_<case>` is the CPU time a rank's process
 spends per second of the case's collectives waited as issued (gloo's
@@ -38,7 +38,7 @@ waits) can ever be filled with computation, so it bounds the step time
 pipelining can save; a collective in flight beside a matmul takes its CPU
 from the matmul. `peer_wait_share_<case>` is the share
 of the pipelined step's exposed time that rank 0 spent waiting for the
-other rank to issue the same collective (`hp.mpmd_timeline.waiting_for_peers`):
+other rank to issue the same collective (`hp.mpmd.timeline.waiting_for_peers`):
 time no overlap on rank 0 could have hidden. With matplotlib, each case's last 2-chunk step is
 drawn to `benchmarks/mpmd_<case>.png`. Only ratios within one run mean
 anything on a shared machine. Of a chunked layer, the first chunk's
@@ -193,7 +193,7 @@ def worker(s: Settings) -> None:
 
 def _time(case: str, steps: dict, s: Settings, emit) -> None:
     """Each chunk count's steps, interleaved; one record per count."""
-    from hp.mpmd_timeline import gathered, waiting_for_peers
+    from hp.mpmd.timeline import gathered, waiting_for_peers
 
     rounds = {c: [] for c in CHUNKS}
     for r in range(s.reps):

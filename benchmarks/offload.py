@@ -5,7 +5,7 @@ only what the budget requires, and early enough not to wait. This measures
 that promise against the two usual answers: moving every saved activation
 out and back (what `torch.autograd.graph.save_on_cpu` does; on CPU the host
 is the device, so here "everything" goes to the same disk tier hp uses),
-and recomputing every decoder layer in backward (`hp.recompute`).
+and recomputing every decoder layer in backward (`hp.parallel.recompute`).
 
 One HF `LlamaForCausalLM` (hidden 256, 4 layers, 8 / 4 heads, ffn 688,
 vocabulary 1024; fp32; batch 4 x 512 tokens; AdamW), one process, CPU (on
@@ -74,8 +74,8 @@ def main() -> None:
 
 def run(reps: int) -> list[dict]:
     import hp
-    from hp.recompute import recompute_blocks
-    from hp.use_def import record
+    from hp.parallel.recompute import recompute_blocks
+    from hp.offload.use_def import record
 
     ids = torch.randint(0, SHAPE["vocab"], (SHAPE["batch"], SHAPE["seq"]), generator=torch.Generator().manual_seed(0))
     models = {name: _model() for name in ("none", *FRACTIONS, "everything", "recompute")}
@@ -157,7 +157,7 @@ class _Everything:
     """Every saved activation to the disk tier and back when needed (save_on_cpu's policy)."""
 
     def __init__(self) -> None:
-        from hp.offload_tiers import DiskTier
+        from hp.offload.tiers import DiskTier
 
         self.tier, self.moved = DiskTier(), 0
 

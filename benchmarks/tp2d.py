@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 
 import hp
-from hp import tp_plan
+from hp.parallel import tp_plan
 from hp.models.llama import choice_layouts
 from hp.plot import pyplot
 

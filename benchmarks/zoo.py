@@ -38,7 +38,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 import hp
 from hp.cost import ring_bytes
-from hp.model_plan import ModelPlan
+from hp.parallel.model_plan import ModelPlan
 from hp.models import FAMILIES, VL_FAMILIES, plan_for, plan_for_type, tiny_config, tiny_vl_batch
 
 BATCH, SEQ, HEAD_DIM, TOLERANCE = 4, 16, 8, 1e-5

@@ -7,8 +7,8 @@
 'f32[b=8/dp, h=16/tp]'
 """
 
-from hp import models_finder  # noqa: F401  first: lets a source tree, whose zoo sits beside hp/, import hp.models
-from hp import backports
+from hp.compat import models_finder  # noqa: F401  first: lets a source tree, whose zoo sits beside hp/, import hp.models
+from hp.compat import backports
 
 backports.install()  # before any layout: what this torch release lacks
 from hp.layouts import (
@@ -27,19 +27,19 @@ from hp.explain import StrictError, explain, strict
 from hp.mesh import MeshError, mesh
 from hp.ops import RuleError, rule
 from hp.ops.context_parallel import context_parallel
-from hp.parallelize import PlanError, parallelize
-from hp.region import region
-from hp.replicated import run_replicated
+from hp.parallel.parallelize import PlanError, parallelize
+from hp.ops.region import region
+from hp.parallel.replicated import run_replicated
 from hp.simulate import simulated
-from hp.strategy import Strategy, StrategyError
-from hp.model_plan import ModelPlan
-from hp.apply import apply_strategy, check_strategy, strategy_mesh
-from hp.compiled import compile_blocks, compile_loss
-from hp.data_parallel import reduce_gradients
+from hp.parallel.strategy import Strategy, StrategyError
+from hp.parallel.model_plan import ModelPlan
+from hp.parallel.apply import apply_strategy, check_strategy, strategy_mesh
+from hp.parallel.compiled import compile_blocks, compile_loss
+from hp.parallel.data_parallel import reduce_gradients
 from hp.offload import OffloadError, offload
 from hp.mpmd import MpmdError, mpmd
-from hp.finetune import Lora, LoraError
-from hp.lora import add_lora
+from hp.parallel.finetune import Lora, LoraError
+from hp.parallel.lora import add_lora
 
 __all__ = [
     "Layout", "LayoutError", "Lora", "LoraError", "MeshError", "ModelPlan", "MpmdError", "OffloadError", "PlanError", "RuleError", "Rules", "Strategy", "StrategyError",
@@ -48,4 +48,5 @@ __all__ = [
     "strategy_mesh", "strict",
 ]
 
-from hp import comm, tp_plan  # noqa: E402  (hp.comm.trace(), hp.tp_plan.choose())
+from hp import comm  # noqa: E402  (hp.comm.trace())
+from hp.parallel import tp_plan  # noqa: E402  (hp.tp_plan.choose())

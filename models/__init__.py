@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hp.model_plan import ModelPlan
+from hp.parallel.model_plan import ModelPlan
 from hp.models import llama, phi3, qwen_moe, qwen_vl
 from hp.models.tiny import FAMILIES, MOE_FAMILIES, VL_FAMILIES, tiny_config, tiny_vl_batch
 

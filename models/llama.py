@@ -16,8 +16,8 @@ Qwen2's q, k, v biases split with their weights.
 
 from __future__ import annotations
 
-from hp import tp_plan
-from hp.model_plan import ModelPlan
+from hp.parallel import tp_plan
+from hp.parallel.model_plan import ModelPlan
 
 # Layouts of nn.Linear weights, which are stored (out, in).
 TP_PLAN = {

@@ -11,7 +11,7 @@ heads as query heads, as in Phi-3-mini.
 
 from __future__ import annotations
 
-from hp.model_plan import ModelPlan
+from hp.parallel.model_plan import ModelPlan
 
 TP_PLAN = {
     "*.self_attn.qkv_proj.weight": "[q k v]/tp in",

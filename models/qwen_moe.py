@@ -9,7 +9,7 @@ parallel splits the packed experts along E over `ep` and sends each token
 to the ranks of its experts (`hp.ops.expert_parallel`); the experts are not
 split over tp, whose ranks hold the same tokens. The router (`mlp.gate`)
 is replicated; its softmax top-k takes the strategy's routing bias
-(`hp.expert_balance`). Qwen2-MoE adds a shared expert, a plain MLP split over tp
+(`hp.parallel.expert_balance`). Qwen2-MoE adds a shared expert, a plain MLP split over tp
 like the dense ones, behind a sigmoid gate. The whole `mlp` output joins the
 residual stream, so the dense MLP's and the shared expert's pending sums are
 reduced there.
@@ -17,7 +17,7 @@ reduced there.
 
 from __future__ import annotations
 
-from hp.model_plan import ModelPlan
+from hp.parallel.model_plan import ModelPlan
 from hp.models.llama import BIAS_PLAN
 
 TP_PLAN = {

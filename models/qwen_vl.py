@@ -15,7 +15,7 @@ unless the strategy splits it too (`vision_tp`, by `VISION_TP_PLAN`).
 
 from __future__ import annotations
 
-from hp.model_plan import ModelPlan
+from hp.parallel.model_plan import ModelPlan
 
 DECODER = "model.language_model"
 _LAYERS = f"{DECODER}.layers.*"

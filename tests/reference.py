@@ -19,7 +19,7 @@ import hp
 from hp.cost import ring_bytes
 from hp.explain import Explanation
 from hp.models import plan_for, tiny_config
-from hp.strategy import Strategy
+from hp.parallel.strategy import Strategy
 
 BATCH, SEQ = 4, 16
 

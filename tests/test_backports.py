@@ -16,7 +16,7 @@ from torch.distributed.tensor._ops import _view_ops
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import hp
-from hp import backports
+from hp.compat import backports
 from hp.ops import flatten, selection
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ import torch
 from reference import batch, expected_layer_collectives, rel_err, tiny_pair
 
 import hp
-from hp.lora import adapter_layouts, has_lora
+from hp.parallel.lora import adapter_layouts, has_lora
 from hp.models import plan_for
 
 STRATEGIES = [{"tp": 2}, {"tp": 2, "sp": True}, {"dp": 2, "tp": 2}, {"cp": 2}, {"cp": 2, "cp_algorithm": "ring"},

@@ -11,7 +11,7 @@ from torch.distributed._local_tensor import LocalTensor
 from reference import assert_same_loss_and_grads, batch, five_adamw_steps, laid_out_step, rel_err, tiny_pair
 
 import hp
-from hp.expert_balance import ExpertLoad, measure, nudge_routing_bias
+from hp.parallel.expert_balance import ExpertLoad, measure, nudge_routing_bias
 from hp.models import plan_for
 from hp.ops import overlap
 from hp.ops.expert_parallel import ExpertsError, route

@@ -190,7 +190,7 @@ def test_bad_chunks_are_refused(chunks, message):
 
 
 def test_a_timeline_is_drawn_or_the_plot_extra_is_named(tmp_path):
-    from hp.mpmd_timeline import Timeline, draw  # noqa: PLC0415
+    from hp.mpmd.timeline import Timeline, draw  # noqa: PLC0415
     from hp.ops.overlap import Span  # noqa: PLC0415
 
     lines = [Timeline(r, 1.0, (Span("all_gather", 0.1, 0.3, 0.4), Span("reduce_scatter", 0.35, 0.6, 0.7))) for r in (0, 1)]
@@ -207,7 +207,7 @@ def test_a_timeline_is_drawn_or_the_plot_extra_is_named(tmp_path):
 
 
 def test_a_collective_that_landed_before_its_wait_flew_until_it_landed_and_was_not_waited_on():
-    from hp.mpmd_timeline import Timeline  # noqa: PLC0415
+    from hp.mpmd.timeline import Timeline  # noqa: PLC0415
     from hp.ops.overlap import Span  # noqa: PLC0415
 
     early = Timeline(0, 1.0, (Span("all_reduce", 0.1, 0.6, 0.4), Span("all_gather", 0.5, 0.7, 0.8)))
@@ -217,7 +217,7 @@ def test_a_collective_that_landed_before_its_wait_flew_until_it_landed_and_was_n
 
 
 def test_peer_waits_need_the_ranks_of_one_group():
-    from hp.mpmd_timeline import Timeline, waiting_for_peers  # noqa: PLC0415
+    from hp.mpmd.timeline import Timeline, waiting_for_peers  # noqa: PLC0415
     from hp.ops.overlap import Span  # noqa: PLC0415
 
     gather, reduce = Span("all_gather", 0.1, 0.2, 0.3), Span("reduce_scatter", 0.1, 0.2, 0.3)

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hp
-from hp.offload_plan import plan_offload
-from hp.use_def import Recording, SavedTensor
+from hp.offload.plan import plan_offload
+from hp.offload.use_def import Recording, SavedTensor
 from tests.reference import tiny_pair
 
 
@@ -89,7 +89,7 @@ def test_the_planner_recomputes_the_blocks_whose_moves_would_cost_more_and_steps
         assert torch.equal(got_loss, want_loss) and all(torch.equal(got_grads[n], g) for n, g in want_grads.items()), i
     plan = offloaded.plan()
     assert offloaded.settled and plan.recompute == recomputed
-    assert [hp.recompute.is_recomputed(layer) for layer in model.model.layers] == [bool(recomputed)] * 2
+    assert [hp.parallel.recompute.is_recomputed(layer) for layer in model.model.layers] == [bool(recomputed)] * 2
     assert plan.peak_after <= plan.budget_bytes and offloaded.last_run.peak_resident_bytes <= plan.budget_bytes
     if recomputed:  # planned on the step as it runs now: the blocks keep their inputs, and nothing inside
         inside = [t.defined_in for t in (d.tensor for d in plan.decisions)  # (torch 2.11's checkpoint also
@@ -130,7 +130,7 @@ def test_a_recompute_that_holds_more_than_planned_is_backed_out_and_steps_stay_b
         assert all(torch.equal(a, b) for a, b in zip(offloaded(x), training(reference)(x))), i
         tried.append(offloaded.plan().recompute)
     assert tried[0] == ("0", "1", "2")  # the estimate leaves out the temporaries a recompute makes again
-    assert tried[-1] == () and not any(hp.recompute.is_recomputed(b) for b in model)  # the recording showed them
+    assert tried[-1] == () and not any(hp.parallel.recompute.is_recomputed(b) for b in model)  # the recording showed them
 
 
 def test_the_recording_sees_every_saved_activation_with_its_definition_and_uses(tmp_path):

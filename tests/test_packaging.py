@@ -4,7 +4,7 @@ The zoo lives in the top-level `models/` and is installed as `hp.models`. A
 regular install copies it into `hp/models`; a checkout keeps it beside `hp/`,
 and a checkout is what Python imports whenever its root comes first on
 `sys.path` (`python -m`, `python -c`, or `hp train`'s workers started from
-the repository root). `hp.models_finder` bridges that case; these tests
+the repository root). `hp.compat.models_finder` bridges that case; these tests
 install hp for real into a temporary directory and run fresh interpreters.
 
 This environment may hold an editable install of the checkout, whose finder
@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 from gloo_launch import _free_port, clean_env
 
-from hp import models_finder
+from hp.compat import models_finder
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = str(ROOT / "examples" / "quickstart.yaml")

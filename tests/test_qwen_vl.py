@@ -19,7 +19,7 @@ from transformers import AutoModelForImageTextToText
 
 import hp
 from hp.models import plan_for, tiny_config, tiny_vl_batch
-from hp.strategy import StrategyError
+from hp.parallel.strategy import StrategyError
 from tests.reference import adamw_steps_follow, rel_err
 
 def vl_pair(family: str, layers: int = 2):

@@ -20,7 +20,7 @@ from reference import assert_same_loss_and_grads, batch, expected_layer_collecti
 
 import hp
 from hp.models import plan_for
-from hp.recompute import is_recomputed
+from hp.parallel.recompute import is_recomputed
 
 STRATEGIES = [{"tp": 2}, {"tp": 2, "sp": True}, {"cp": 2}, {"cp": 2, "cp_algorithm": "ring"}, {"dp": 2, "tp": 2}]
 CASES = [(f, s) for f in ("llama", "phi3") for s in STRATEGIES] + [("gemma2", {"cp": 2})]

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from reference import tiny_pair
 
 import hp
-from hp import tp_plan
+from hp.parallel import tp_plan
 from hp.models.llama import choice_layouts
 
 ROOT = Path(__file__).parent.parent

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from hp.train import config as config_module
-from hp.strategy import Strategy
+from hp.parallel.strategy import Strategy
 from hp.train.config import ConfigError, TrainConfig, apply_overrides, load_config, to_dict, validate
 
 MINIMAL = {"model_name_or_path": "hp/tiny-llama", "dataset": "alpaca_en_demo", "output_dir": "saves/tiny"}
@@ -518,17 +518,17 @@ def test_config_error_is_a_value_error():
 
 def test_the_config_and_its_strategy_import_no_torch():
     """Checked before any worker starts: these modules do no tensor or distributed work."""
-    import hp.finetune
-    import hp.strategy
+    import hp.parallel.finetune
+    import hp.parallel.strategy
     import hp.train.llamafactory_keys
     import hp.train.templates
 
-    for module in (config_module, hp.strategy, hp.finetune, hp.train.templates, hp.train.llamafactory_keys):
+    for module in (config_module, hp.parallel.strategy, hp.parallel.finetune, hp.train.templates, hp.train.llamafactory_keys):
         tree = ast.parse(Path(module.__file__).read_text())
         imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
         assert not {name for name in imported if name.split(".")[0] == "torch"}, imported
-        allowed = {"hp.strategy", "hp.finetune", "hp.train.templates", "hp.train.sharding_keys",
+        allowed = {"hp.parallel.strategy", "hp.parallel.finetune", "hp.train.templates", "hp.train.sharding_keys",
                    "hp.train.llamafactory_keys"}
         assert {name for name in imported if name.split(".")[0] == "hp"} <= allowed, imported
 

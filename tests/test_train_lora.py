@@ -35,7 +35,7 @@ def _hp_model(checkpoint: Path):
     """The checkpoint's model as hp trained it: base weights and adapters, unmerged."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hp.lora import add_lora, from_peft_config
+    from hp.parallel.lora import add_lora, from_peft_config
     from hp.train.checkpoint import load_model_weights
 
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint))

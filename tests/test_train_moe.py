@@ -18,7 +18,7 @@ import torch
 from train_runs import DATA, ROOT, hp_train, losses, summary
 
 import hp
-from hp.strategy import Strategy
+from hp.parallel.strategy import Strategy
 from hp.train.config import ConfigError, load_config, validate
 from hp.train.model import TINY_QWEN3_MOE, build_model, check_fits, model_config, tiny_qwen3_moe_config
 

@@ -20,7 +20,7 @@ from PIL import Image
 from train_runs import hp_train, summary
 
 import hp.cli
-from hp.strategy import Strategy
+from hp.parallel.strategy import Strategy
 from hp.train.config import ConfigError
 from hp.train.data import IGNORE_INDEX, TokenBatches, build_examples, collate
 from hp.train.images import ImageSpec, load_image, patchify

@@ -24,11 +24,12 @@ from torch.distributed.tensor import DTensor, Shard
 
 from hp.ops.local import to_dtensor
 from hp.ops.ring_attention import ORDERS, RingAttention
-from hp.strategy import CP_ALGORITHMS
 
 # The innermost `context_parallel` choice last. A plain stack, not a ContextVar:
 # `torch.compile` traces (and guards on) a module global's read, not ContextVar.get.
 _ALGORITHM: list[tuple[str, str]] = [("ulysses", "contiguous")]
+
+ORDERS_OF = {"ulysses": ("contiguous",), "ring": ORDERS}  # each algorithm, and the sequence orders it takes
 
 
 @contextmanager
@@ -43,11 +44,11 @@ def context_parallel(algorithm: str = "ulysses", *, order: str = "contiguous"):
     >>> with hp.context_parallel("ring", order="head_tail"):
     ...     pass
     """
-    if algorithm not in CP_ALGORITHMS:
-        raise ValueError(f"context-parallel algorithm {algorithm!r} is not one of {CP_ALGORITHMS}")
-    if order not in ORDERS or (algorithm == "ulysses" and order != "contiguous"):
-        allowed = ORDERS if algorithm == "ring" else ("contiguous",)
-        raise ValueError(f"sequence order {order!r} is not supported by {algorithm} attention (allowed: {allowed})")
+    if algorithm not in ORDERS_OF:
+        raise ValueError(f"context-parallel algorithm {algorithm!r} is not one of {tuple(ORDERS_OF)}")
+    if order not in ORDERS_OF[algorithm]:
+        raise ValueError(f"sequence order {order!r} is not supported by {algorithm} attention "
+                         f"(allowed: {ORDERS_OF[algorithm]})")
     _ALGORITHM.append((algorithm, order))
     try:
         yield

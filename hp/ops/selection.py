@@ -7,7 +7,7 @@ router's `topk` over a laid-out tensor could not be differentiated. Where
 each rank holds whole rows along the dim (a router's scores over experts),
 each rank's block selects alone, values and gradient as the op's own, on
 plain tensors. Used only on torch releases with that backward
-(`hp.backports`).
+(`BACKWARD_MIXES_TENSORS`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,14 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from hp import backports
 from hp.ops.flatten import moved
 from hp.ops.local import local_block, to_dtensor
+
+
+BACKWARD_MIXES_TENSORS = torch.__version__ < (2, 13)
+"""Whether top-k, sort, max and min along a dim scatter their gradient into a plain tensor
+(torch 2.11; 2.13 builds it like the gradient). 2.12 is not checked and takes the same path,
+which is exact anywhere."""
 
 
 def _selecting(op, dim_at: int, default_dim: int | None, keepdim_at: int | None = None):
@@ -57,7 +62,7 @@ def _whole_along(input: DTensor, dim: int) -> bool:
                for p in input.placements)
 
 
-def kernels(needed: bool = backports.SELECTION_BACKWARD_MIXES_TENSORS) -> dict:
+def kernels(needed: bool = BACKWARD_MIXES_TENSORS) -> dict:
     """The kernels, where this torch release needs them (`needed`; none where the op's own backward takes a DTensor).
 
     >>> torch.topk in kernels(needed=True), kernels(needed=False)

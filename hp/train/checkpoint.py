@@ -38,8 +38,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from hp.lora import has_lora, peft_config
-from hp.storable import from_storable, to_storable
+from hp.parallel.lora import has_lora, peft_config
+from hp.parallel.storable import from_storable, to_storable
 
 _NAME = re.compile(r"checkpoint-(\d+)\Z")
 TRAINER_STATE = "trainer_state.pt"

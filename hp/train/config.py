@@ -40,8 +40,8 @@ from typing import Any
 
 import yaml
 
-from hp.finetune import Finetuning, Freeze, Lora
-from hp.strategy import CP_ALGORITHMS, DEFAULTS, DTYPES, Strategy, StrategyError
+from hp.parallel.finetune import Finetuning, Freeze, Lora
+from hp.parallel.strategy import CP_ALGORITHMS, DEFAULTS, DTYPES, Strategy, StrategyError
 
 from hp.train.llamafactory_keys import verdict
 from hp.train.sharding_keys import (

@@ -39,7 +39,7 @@ def export(checkpoint_dir: str, out_dir: str, *, merge: bool = False) -> str:
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
-    from hp.lora import add_lora, from_peft_config, merge_lora, peft_state
+    from hp.parallel.lora import add_lora, from_peft_config, merge_lora, peft_state
     from hp.train.model import VALUE_HEAD, add_value_head, model_class
 
     checkpoint.require_complete(checkpoint_dir)

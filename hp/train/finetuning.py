@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from hp.finetune import Finetuning, Freeze, FreezeError
-from hp.lora import add_lora
+from hp.parallel.finetune import Finetuning, Freeze, FreezeError
+from hp.parallel.lora import add_lora
 
 __all__ = ["Finetuning", "Freeze", "FreezeError", "apply_finetuning"]
 

@@ -15,7 +15,7 @@ first/last loss, steps, tokens/s, collective bytes per step per mesh axis
 (the first step traced with `hp.comm.trace()`, eagerly: compiled blocks
 compile on the second), peak memory, and the latest
 evaluation loss and perplexity. A mixture-of-experts model's load balance is
-measured after every optimizer step (`hp.expert_balance.measure`, on every
+measured after every optimizer step (`hp.parallel.expert_balance.measure`, on every
 rank: the tokens each expert got, summed over ranks): rank 0 shows the
 imbalance (most loaded expert over the mean) in the progress bar and writes
 it, with the tokens per expert of each MoE layer, into that step's metrics
@@ -62,8 +62,8 @@ from torch import nn
 
 import hp
 from hp.device import bind_local_device, detect
-from hp.expert_balance import ExpertLoad, measure, nudge_routing_bias
-from hp.mpmd import Mpmd
+from hp.parallel.expert_balance import ExpertLoad, measure, nudge_routing_bias
+from hp.mpmd.transform import Mpmd
 from hp.models import plan_for
 from hp.plot import pyplot
 from hp.train import checkpoint
@@ -434,7 +434,7 @@ def _mpmd_summary(step) -> dict:
     """The chunks `hp.mpmd` planned and its last step's communication figures (this rank's)."""
     report, plan = step.report, step.plan
     return {"chunks": plan.chunks if plan else report.chunks, "masking": report.masking,
-            "timeline_masking": report.timeline.masking,  # hp.mpmd_timeline: computed through / in flight
+            "timeline_masking": report.timeline.masking,  # hp.mpmd.timeline: computed through / in flight
             "comm_seconds": report.comm_seconds, "exposed_seconds": report.exposed_seconds,
             **({"tried": {str(c): seconds for c, seconds in plan.tried}} if plan else {}),
             **({"reason": plan.reason} if plan and plan.reason else {})}

@@ -36,13 +36,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hp.apply import apply_strategy, check_strategy
-from hp.expert_balance import BIAS as ROUTING_BIAS
-from hp.lora import LoraError, is_adapter, start_adapters
+from hp.parallel.apply import apply_strategy, check_strategy
+from hp.parallel.expert_balance import BIAS as ROUTING_BIAS
+from hp.parallel.lora import LoraError, is_adapter, start_adapters
 from hp.ops.local import copy_whole
-from hp.parallelize import PlanError
-from hp.storable import from_storable, to_storable
-from hp.strategy import Strategy, StrategyError, num_experts
+from hp.parallel.parallelize import PlanError
+from hp.parallel.storable import from_storable, to_storable
+from hp.parallel.strategy import Strategy, StrategyError, num_experts
 from hp.train import expert_weights
 from hp.train.config import ConfigError
 from hp.train.finetuning import Finetuning, FreezeError, apply_finetuning

@@ -4,7 +4,7 @@ pt and sft take the model's own next-token loss. The preference stages need
 a number per sequence: the summed log-probability of its supervised labels
 (`label_logps`), or a value head's score at its last token (`last_scores`).
 Both are computed from the model's outputs as they come back under the
-strategy (split by vocab, sequence, batch: `hp.sequence.arrange` lays the
+strategy (split by vocab, sequence, batch: `hp.parallel.sequence.arrange` lays the
 labels and the last-token mask along the sequence the same way, and
 cross-entropy on vocab-split logits never gathers them), then gathered whole:
 one number per sequence, tiny beside the activations. The losses are then
@@ -34,9 +34,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import hp
-from hp.lora import adapters_off
-from hp.sequence import arrange, shift
-from hp.strategy import Strategy
+from hp.parallel.lora import adapters_off
+from hp.parallel.sequence import arrange, shift
+from hp.parallel.strategy import Strategy
 from hp.train import preference
 from hp.train.batch import Batch
 from hp.train.config import Preference

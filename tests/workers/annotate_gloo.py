@@ -69,7 +69,7 @@ def check_2d_llama(rank) -> None:
     """2D tensor parallelism on a 2x2 mesh: a tiny HF Llama matches the unsharded model."""
     from transformers import AutoModelForCausalLM
 
-    from hp import tp_plan
+    from hp.parallel import tp_plan
     from hp.models import tiny_config
     from hp.models.llama import choice_layouts
 

@@ -22,8 +22,8 @@ from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM
 
 import hp
-from hp import tp_plan
-from hp.backports import torch_version
+from hp.parallel import tp_plan
+from hp.compat.backports import torch_version
 from hp.models import plan_for, tiny_config
 from hp.models.llama import choice_layouts
 

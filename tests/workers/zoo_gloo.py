@@ -17,7 +17,7 @@ Switch auxiliary loss in the loss; and its weights saved by transformers (one
 expert at a time) read back by `hp train`'s loader into those packed, sharded
 blocks. And LoRA under (dp=2 fsdp, tp=2): only the adapters train, as in the
 unsharded LoRA model. Where torch has `fully_shard(dp_mesh_dims=...)`, two of
-those run again through `hp.fsdp_backport`, the path torch 2.11 takes. Every
+those run again through `hp.compat.fsdp`, the path torch 2.11 takes. Every
 check raises on failure.
 """
 
@@ -198,8 +198,8 @@ def main() -> None:
     check_mixed_precision(rank)
     check("qwen3_moe", {"dp": 4, "ep": 2, "fsdp": True}, rank, output_router_logits=True, router_aux_loss_coef=0.1)
     check_expert_loading(rank)
-    if hp.backports.FSDP_ON_THE_WHOLE_MESH:  # the steps torch 2.11 runs, here against dp_mesh_dims' results
-        with mock.patch.object(hp.backports, "FSDP_ON_THE_WHOLE_MESH", False):
+    if hp.compat.backports.FSDP_ON_THE_WHOLE_MESH:  # the steps torch 2.11 runs, here against dp_mesh_dims' results
+        with mock.patch.object(hp.compat.backports, "FSDP_ON_THE_WHOLE_MESH", False):
             check("phi3", {"dp": 2, "tp": 2, "fsdp": True}, rank)  # fused parts split over tp, then dp
             # experts over dp on the ep mesh; the rest over all four, no axis left: plain tensors for FSDP
             check("qwen3_moe", {"dp": 4, "ep": 2, "fsdp": True}, rank, output_router_logits=True,

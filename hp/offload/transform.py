@@ -2,9 +2,9 @@
 
 The step is any function that runs a forward and a backward (and usually an
 optimizer update). Its first call runs it as it is while recording the
-use-definition chains of everything autograd saves (`hp.use_def`); the
-planner (`hp.offload_plan`) then decides which activations leave the device
-for a slower tier (`hp.offload_tiers`) and when each comes back. Every later
+use-definition chains of everything autograd saves (`hp.offload.use_def`); the
+planner (`hp.offload.plan`) then decides which activations leave the device
+for a slower tier (`hp.offload.tiers`) and when each comes back. Every later
 call runs the plan: in forward, an offloaded activation is written out as
 autograd saves it; in backward, reads start at their planned events on the
 tier's reader thread, and each tensor is rebuilt, view and all (a DTensor
@@ -19,7 +19,7 @@ On CPU the device is host memory, so the slow tier is the disk; the host
 tier (pinned memory and a copy stream) is for accelerators and is not built
 yet. Saved activations are planned; optimizer states, when the optimizer is
 given, wait in the tier between updates, and so does a decoding step's KV
-cache (`hp.offload_cache`); given candidate blocks, the planner recomputes
+cache (`hp.offload.cache`); given candidate blocks, the planner recomputes
 those whose recompute costs less than moving what they save. Parameters and
 gradients stay where they are.
 """
@@ -38,13 +38,13 @@ from torch.distributed._local_tensor import LocalTensor
 from torch.distributed.tensor import DTensor
 
 from hp.device import detect
-from hp.offload_cache import CacheRun, CacheTiering
-from hp.offload_plan import OffloadPlan, choose_recompute, plan_offload
-from hp.offload_states import OptimizerStates
-from hp.offload_tiers import DiskTier
+from hp.offload.cache import CacheRun, CacheTiering
+from hp.offload.plan import OffloadPlan, choose_recompute, plan_offload
+from hp.offload.states import OptimizerStates
+from hp.offload.tiers import DiskTier
 from hp.layouts.specs import new_dtensor
-from hp.recompute import is_recomputed, keep_activations, recompute
-from hp.use_def import Recording, local_of, record, storage_key
+from hp.parallel.recompute import is_recomputed, keep_activations, recompute
+from hp.offload.use_def import Recording, local_of, record, storage_key
 
 SLOW_TIERS = ("host", "disk")
 
@@ -72,19 +72,19 @@ def offload(
 
     `modules` (the model) name definitions in the plan and mark their parameters and buffers as
     inputs; with `optimizer`, its states wait in the slow tier between its updates
-    (`hp.offload_states`); `directory` is where the disk tier writes (a temporary folder by default).
+    (`hp.offload.states`); `directory` is where the disk tier writes (a temporary folder by default).
 
     `recompute` lists blocks of `modules` (decoder layers, say) the planner may recompute in
     backward instead of moving what they save, where that costs less time
-    (`hp.offload_plan.choose_recompute`); a block it picks is recomputed from then on
-    (`hp.recompute`) and the next call is recorded anew; should that recording hold more than the
+    (`hp.offload.plan.choose_recompute`); a block it picks is recomputed from then on
+    (`hp.parallel.recompute`) and the next call is recorded anew; should that recording hold more than the
     plan expected, the block keeps its activations again and is not picked again. `bandwidth`
     (bytes per second) replaces the tier's measured one, for a disk other work shares, say.
 
     With `kv_cache` (a decoding step's cache, such as transformers' `DynamicCache`), the budget is
     the cache's instead: at most that many of its bytes resident at any moment (a float: that
     fraction of the whole cache after each call), its later layers waiting in the slow tier between
-    the calls that use them (`hp.offload_cache`); nothing is recorded, and `last_run` is a
+    the calls that use them (`hp.offload.cache`); nothing is recorded, and `last_run` is a
     `CacheRun`.
 
     >>> import torch, hp

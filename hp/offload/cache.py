@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hp.offload_tiers import DiskTier
-from hp.use_def import local_of
+from hp.offload.tiers import DiskTier
+from hp.offload.use_def import local_of
 
 _WORKING_LAYERS = 2  # the layer computing (old and new joined) and the next one read ahead
 

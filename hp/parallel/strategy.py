@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-CP_ALGORITHMS = ("ulysses", "ring")  # how attention runs on a sequence split over cp
+CP_ALGORITHMS = ("ulysses", "ring")  # how attention runs on a sequence split over cp (hp.ops.context_parallel)
 MESH_AXES = ("dp", "ep", "cp", "tp")  # mesh order: data outermost, tensor innermost (neighbouring ranks)
 OFFLOAD_TIERS = ("host", "disk")
 DEFAULT_OFFLOAD_BUDGET = 0.5
@@ -63,13 +63,13 @@ class Strategy:
     >>> hp.Strategy(cp=2, cp_algorithm="flash")
     Traceback (most recent call last):
     ...
-    hp.strategy.StrategyError: cp_algorithm = 'flash': expected one of 'ulysses', 'ring'
+    hp.parallel.strategy.StrategyError: cp_algorithm = 'flash': expected one of 'ulysses', 'ring'
     >>> hp.Strategy(tp=2, recompute=True).recompute
     True
     >>> hp.Strategy(recompute="full")
     Traceback (most recent call last):
     ...
-    hp.strategy.StrategyError: recompute = 'full': expected true or false
+    hp.parallel.strategy.StrategyError: recompute = 'full': expected true or false
     """
 
     dp: int = 1  # data parallel: the batch is split over dp ranks
@@ -88,7 +88,7 @@ class Strategy:
     offload_budget: float = DEFAULT_OFFLOAD_BUDGET  # hp.offload's budget: this fraction of the step's recorded peak
     vision_tp: bool = False  # a vision-language model's vision tower splits over tp too (else replicated)
     recompute: bool = False  # each decoder block recomputes its activations in backward instead of keeping them
-    compile: bool = False  # each decoder block and the loss under torch.compile(fullgraph=True) (hp.compiled)
+    compile: bool = False  # each decoder block and the loss under torch.compile(fullgraph=True) (hp.parallel.compiled)
     mpmd: int | str | None = None  # hp.mpmd's chunks: a count, "auto" (planned), or None (the step as it is)
 
     def __post_init__(self) -> None:
@@ -170,7 +170,7 @@ class Strategy:
         >>> Strategy.of({"pp": 2})
         Traceback (most recent call last):
         ...
-        hp.strategy.StrategyError: pp = 2: unknown strategy key; expected one of dp, cp, tp, sp, cp_algorithm, fsdp, reshard_after_forward, param_dtype, reduce_dtype, ep, expert_bias_rate, tp2d, offload, offload_budget, vision_tp, recompute, compile, mpmd
+        hp.parallel.strategy.StrategyError: pp = 2: unknown strategy key; expected one of dp, cp, tp, sp, cp_algorithm, fsdp, reshard_after_forward, param_dtype, reduce_dtype, ep, expert_bias_rate, tp2d, offload, offload_budget, vision_tp, recompute, compile, mpmd
         """
         if spec is None:
             return cls()
@@ -265,7 +265,7 @@ class Strategy:
         >>> Strategy(tp=3).check_fits(LlamaConfig(num_attention_heads=4, num_key_value_heads=2))
         Traceback (most recent call last):
         ...
-        hp.strategy.StrategyError: tp = 3 does not divide num_attention_heads = 4 of the model
+        hp.parallel.strategy.StrategyError: tp = 3 does not divide num_attention_heads = 4 of the model
         """
         config = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VL model's decoder
         self._check_experts(config)

@@ -36,9 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from hp.model_plan import ModelPlan
+from hp.parallel.model_plan import ModelPlan
 from hp.ops.ring_attention import head_tail_order
-from hp.strategy import Strategy
+from hp.parallel.strategy import Strategy
 
 IGNORE_INDEX = -100
 

@@ -19,7 +19,7 @@ import types
 
 from torch import nn
 
-from hp.model_plan import ModelPlan
+from hp.parallel.model_plan import ModelPlan
 from hp.ops.blockwise import blockwise
 
 

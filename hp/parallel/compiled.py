@@ -13,7 +13,7 @@ Choices, as torchtitan makes them:
   does not grow with depth.
 - The block's `forward` is compiled, not its `__call__`: module hooks stay
   eager around it (FSDP2's gathers and reshards, hp's layouts at the block's
-  boundary, `hp.recompute`'s checkpoint around the compiled forward), while
+  boundary, `hp.parallel.recompute`'s checkpoint around the compiled forward), while
   the layouts of the modules inside are traced with it.
 - `fullgraph=True`: a graph break inside a block is an error naming the line,
   not a silent fall back to eager.
@@ -54,7 +54,7 @@ def compile_blocks(blocks: Iterable[nn.Module], *, backend: str = "inductor") ->
     True
     """
     for block in blocks:
-        # the instance's forward as it is now (hp.recompute may have replaced it)
+        # the instance's forward as it is now (hp.parallel.recompute may have replaced it)
         block.forward = _compiled(block.forward, backend)
 
 

@@ -1,7 +1,7 @@
 """What trains, as values: LoRA's settings, LlamaFactory's freeze tuning, or every weight.
 
 Torch-free, so that a configuration holds and checks them before any worker
-starts; `hp.lora` and `hp.train.finetuning` apply them to a model.
+starts; `hp.parallel.lora` and `hp.train.finetuning` apply them to a model.
 """
 
 from __future__ import annotations

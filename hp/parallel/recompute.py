@@ -41,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hp.layouts.rules import active_rules
 from hp.ops.context_parallel import context_parallel, current_algorithm
-from hp.region import region
+from hp.ops.region import region
 
 # Keyword arguments under which HF decoder layers take a KV cache.
 CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past", "cache")
@@ -51,7 +51,7 @@ def recompute(block: nn.Module) -> nn.Module:
     """`block`, changed in place to recompute its activations in backward instead of keeping them.
 
     >>> import torch
-    >>> from hp.recompute import recompute
+    >>> from hp.parallel.recompute import recompute
     >>> block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
     >>> calls = []
     >>> _ = block[1].register_forward_pre_hook(lambda *args: calls.append(1))

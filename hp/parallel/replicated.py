@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_map_only
 
 from hp.layouts import describe
 from hp.layouts.reshard import reshard
-from hp.parallelize import PlanError, forward_inside
+from hp.parallel.parallelize import PlanError, forward_inside
 
 
 def run_replicated(module: nn.Module, mesh, pending: Sequence[str] = ()) -> nn.Module:

@@ -6,11 +6,11 @@ residual stream's layout at every module the plan says adds to it (so a
 row-parallel projection's pending sum is reduced there, once: an all-reduce,
 or a reduce-scatter under sequence parallel, whatever norm follows it), the
 batch and sequence splits of the inputs, context-parallel attention, the
-sequence preparation of `hp.sequence`, FSDP or the dp/cp gradient
-reduction of `hp.data_parallel`, expert parallel for the plan's experts
+sequence preparation of `hp.parallel.sequence`, FSDP or the dp/cp gradient
+reduction of `hp.parallel.data_parallel`, expert parallel for the plan's experts
 modules (`hp.ops.expert_parallel`) with the routing bias of
-`hp.expert_balance`, activation recompute of the plan's
-blocks (`hp.recompute`), and `torch.compile` of each block and of the
+`hp.parallel.expert_balance`, activation recompute of the plan's
+blocks (`hp.parallel.recompute`), and `torch.compile` of each block and of the
 loss (`hp.compile_blocks`, `hp.compile_loss`). A vision-language plan's
 vision tower runs whole on every rank (`hp.run_replicated`) and is an FSDP unit of its own; its
 decoder's input is cut to each rank's batch and sequence block with a
@@ -27,23 +27,23 @@ from typing import Any
 
 from torch import nn
 
-from hp.compiled import compile_blocks, compile_loss
-from hp.data_parallel import fully_shard_model
-from hp.expert_balance import biased_routing
+from hp.parallel.compiled import compile_blocks, compile_loss
+from hp.parallel.data_parallel import fully_shard_model
+from hp.parallel.expert_balance import biased_routing
 from hp.layouts import constrain
-from hp.lora import adapter_layouts
-from hp.hf_attention import ulysses_around_attention, uses_sdpa
+from hp.parallel.lora import adapter_layouts
+from hp.parallel.hf_attention import ulysses_around_attention, uses_sdpa
 from hp.mesh import mesh as make_mesh
-from hp.model_plan import ModelPlan
+from hp.parallel.model_plan import ModelPlan
 from hp.ops.context_parallel import context_parallel
 from hp.ops.expert_parallel import expert_parallel
-from hp.parallelize import check_plan, forward_inside, parallelize
-from hp.recompute import recompute_blocks
-from hp.replicated import run_replicated
-from hp.rowwise import run_rowwise
-from hp.sequence import prepare_sequences
-from hp.strategy import Strategy, StrategyError
-from hp.vision_batch import split_images
+from hp.parallel.parallelize import check_plan, forward_inside, parallelize
+from hp.parallel.recompute import recompute_blocks
+from hp.parallel.replicated import run_replicated
+from hp.parallel.rowwise import run_rowwise
+from hp.parallel.sequence import prepare_sequences
+from hp.parallel.strategy import Strategy, StrategyError
+from hp.parallel.vision_batch import split_images
 
 
 def strategy_mesh(strategy: Strategy | Mapping[str, Any], *, simulate: bool = False):
@@ -106,7 +106,7 @@ def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any
 
     To simulate ranks with real values, apply inside `hp.simulated(mesh)`, so each simulated
     rank keeps its own blocks. With `recompute`, each of the plan's blocks recomputes its
-    activations in backward (`hp.recompute`); parameter names stay the model's.
+    activations in backward (`hp.parallel.recompute`); parameter names stay the model's.
 
     >>> import hp
     >>> from hp.models import plan_for, tiny_config
@@ -162,7 +162,7 @@ def check_strategy(model: nn.Module, strategy: Strategy | Mapping[str, Any], pla
     >>> hp.check_strategy(model, {"cp": 2, "cp_algorithm": "ring"}, plan_for(model.config))
     Traceback (most recent call last):
     ...
-    hp.strategy.StrategyError: cp_algorithm = 'ring' cannot soft-cap attention logits (attn_logit_softcapping = 50.0): ring attention merges blocks of SDPA; use ulysses
+    hp.parallel.strategy.StrategyError: cp_algorithm = 'ring' cannot soft-cap attention logits (attn_logit_softcapping = 50.0): ring attention merges blocks of SDPA; use ulysses
     """
     strategy = Strategy.of(strategy)
     strategy.check_fits(model.config)

@@ -1,6 +1,6 @@
 """The offload plan: which saved activations leave the device, and when each comes back.
 
-From a `hp.use_def.Recording` and a budget (the most bytes the step's own
+From a `hp.offload.use_def.Recording` and a budget (the most bytes the step's own
 storages may take at any moment: saved activations, and what offload cannot
 move, such as temporaries, gradients and optimizer states, as recorded), the
 planner decides per saved activation: keep, or offload to the slow tier; and
@@ -32,7 +32,7 @@ import bisect
 from dataclasses import dataclass
 
 from hp.plot import require_pyplot
-from hp.use_def import Recording, SavedTensor
+from hp.offload.use_def import Recording, SavedTensor
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ def plan_offload(recording: Recording, budget_bytes: int, tier: str, bandwidth: 
     """Offload decisions that keep the step's memory under `budget_bytes` at every event
     (`recompute`: the blocks the recorded step already recomputes, for the plan's record).
 
-    >>> from hp.use_def import Recording, SavedTensor
+    >>> from hp.offload.use_def import Recording, SavedTensor
     >>> a = SavedTensor(0, 100, (25,), None, "activation", defined_at=0, defined_in="", uses=[3])
     >>> b = SavedTensor(1, 100, (25,), None, "activation", defined_at=1, defined_in="", uses=[2])
     >>> rec = Recording([a, b], event_times=[0.0, 1.0, 2.0, 3.0], backward_start=2)
@@ -140,7 +140,7 @@ def plan_offload(recording: Recording, budget_bytes: int, tier: str, bandwidth: 
 def choose_recompute(recording: Recording, plan: OffloadPlan, copy_share: float) -> tuple[str, ...]:
     """The blocks whose recompute costs less time than moving what `plan` offloads from them.
 
-    >>> from hp.use_def import Block, Recording, SavedTensor
+    >>> from hp.offload.use_def import Block, Recording, SavedTensor
     >>> a = SavedTensor(0, 10**9, (), None, "activation", defined_at=0, defined_in="layers.0.mlp", uses=[1])
     >>> rec = Recording([a], event_times=[0.0, 0.1], backward_start=1, blocks=[Block("layers.0", 0.05)])
     >>> plan = plan_offload(rec, budget_bytes=0, tier="disk", bandwidth=1e10)

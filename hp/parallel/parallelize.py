@@ -35,7 +35,7 @@ from hp.layouts.placements import bind, to_placements
 from hp.layouts.rules import Rules, resolve
 from hp.ops import overlap
 from hp.ops.expert_parallel import expert_parallel
-from hp.region import region
+from hp.ops.region import region
 
 Layouts = str | Layout | tuple | Mapping
 
@@ -116,7 +116,7 @@ def check_plan(
     >>> check_plan(torch.nn.Linear(8, 6), {"tp": 4}, {"weight": "out/tp in"})
     Traceback (most recent call last):
     ...
-    hp.parallelize.PlanError: parameter 'weight' of shape (6, 8): dimension 0 has size 6, not divisible by its 4 shards (tp=4); pass uneven=True to allow torch.chunk-style uneven shards
+    hp.parallel.parallelize.PlanError: parameter 'weight' of shape (6, 8): dimension 0 has size 6, not divisible by its 4 shards (tp=4); pass uneven=True to allow torch.chunk-style uneven shards
       out/tp in
       ^^^^^^
     """

@@ -32,7 +32,7 @@ collectives) and the masking ratio, 1 - exposed / communication: the share
 of the communication hidden behind computation, as Ascend's profiler
 reports it; its `timeline` has every collective's issue, wait and landing
 on this rank's clock, and `draw(path)` puts every rank's on one PNG
-(`hp.mpmd_timeline`).
+(`hp.mpmd.timeline`).
 
 What hp's kernels do not issue is neither pipelined nor timed: FSDP's
 gathers and reduce-scatters (FSDP2 prefetches its next unit's gathers
@@ -58,10 +58,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hp.mpmd_timeline import Timeline, draw, gathered
+from hp.mpmd.timeline import Timeline, draw, gathered
 from hp.ops import overlap
 from hp.ops.overlap import Span
-from hp.strategy import is_chunks
+from hp.parallel.strategy import is_chunks
 
 
 class MpmdError(ValueError):
@@ -166,7 +166,7 @@ class Mpmd:
                        "it is: its collectives are too small to pay for chunking", tried)
 
     def draw(self, path: str) -> None:
-        """The last call's timeline of every rank as a PNG (`hp.mpmd_timeline.draw`; the `plot` extra).
+        """The last call's timeline of every rank as a PNG (`hp.mpmd.timeline.draw`; the `plot` extra).
 
         A collective: every rank calls it; rank 0 writes the file.
         """

@@ -30,7 +30,7 @@ from torch.distributed._local_tensor import enabled_local_tensor_mode
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from hp.sequence import as_keywords
+from hp.parallel.sequence import as_keywords
 
 
 def split_images(model: nn.Module, mesh, axes: tuple[str, ...]) -> None:

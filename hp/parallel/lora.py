@@ -40,7 +40,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from hp.finetune import Lora, LoraError
+from hp.parallel.finetune import Lora, LoraError
 from hp.layouts import layout
 from hp.ops.local import copy_whole
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch.distributed._local_tensor import LocalTensor
 
-from hp.offload_tiers import DiskTier
-from hp.use_def import local_of
+from hp.offload.tiers import DiskTier
+from hp.offload.use_def import local_of
 
 _SMALLEST = 1024  # bytes: smaller states stay where they are
 

@@ -31,10 +31,10 @@ releases CI tests this module changes nothing.
   of k parts) viewed as (k, heads, ...) leaves each rank its heads of every
   part, a plain split, where 2.11 refused the view.
 - **The backward of top-k, sort, max and min along a dim** on a DTensor:
-  `SELECTION_BACKWARD_MIXES_TENSORS` below; the kernels are `hp.ops.selection`.
+  `hp.ops.selection.BACKWARD_MIXES_TENSORS`; the kernels are in that module.
 
 FSDP over some axes of a laid-out mesh (`fully_shard(dp_mesh_dims=...)`,
-torch 2.13) is built from 2.11's own FSDP2 in `hp.fsdp_backport`, used where
+torch 2.13) is built from 2.11's own FSDP2 in `hp.compat.fsdp`, used where
 `FSDP_ON_THE_WHOLE_MESH` below is false. Not backported: 2.11's DTensor slices a
 strided-shard dim as if its blocks were contiguous; hp's fused-dim kernels
 (`hp.ops.fused`) gather the dim first for the cuts they see, and hp's own
@@ -123,7 +123,7 @@ def _transpose_strategy(op_schema: OpSchema) -> OpStrategy:
 
 
 def _other_dim(p):
-    from hp.ops.flatten import moved  # hp.ops imports this module
+    from hp.ops.flatten import moved  # late: install() runs before hp.ops is first imported
 
     return moved(p, 1 - p.dim) if isinstance(p, (Shard, _StridedShard)) else p
 
@@ -140,7 +140,7 @@ def _views_flatten_split_dims() -> bool:
 
 def _flattening_split_leading_dims(propagate):
     def propagate_shape_and_sharding(placements, shape, rule, mesh_shape, strict_view=False):
-        from hp.ops import flatten  # hp.ops imports this module
+        from hp.ops import flatten  # late: install() runs before hp.ops is first imported
 
         rows = _leading_split(rule, len(shape))
         unflattened = None if rows is None else flatten.unflattened_placements(shape, placements, mesh_shape, rows)
@@ -189,7 +189,7 @@ def _leading_split(rule, ndim: int) -> int | None:
 def _parts_split(placements, rule, mesh_shape) -> list | None:
     """The placements after a view splitting a fused dim (`_StridedShard(d, k)`) into (k, rest...): its
     split moves, plain, to the dim after the k parts; other splits follow their dims. None for other views."""
-    from hp.ops.flatten import moved  # hp.ops imports this module
+    from hp.ops.flatten import moved  # late: install() runs before hp.ops is first imported
 
     whole_at, parts_at = {}, {}  # input dim -> the output dim that keeps it whole / that follows its parts
     for j, r in enumerate(rule):
@@ -227,11 +227,6 @@ def _through_replicate(infos: list) -> list:
     return out
 
 
-SELECTION_BACKWARD_MIXES_TENSORS = torch_version() < (2, 13)
-"""Whether top-k, sort, max and min along a dim scatter their gradient into a plain tensor
-(torch 2.11; 2.13 builds it like the gradient). hp then selects on each rank's block
-(`hp.ops.selection`). 2.12 is not checked and takes the same path, which is exact anywhere."""
-
 FSDP_ON_THE_WHOLE_MESH = hasattr(fsdp, "DataParallelMeshDims")
 """Whether FSDP2 can shard over some axes of a mesh whose other axes lay parameters out
-(`fully_shard(dp_mesh_dims=...)`, torch 2.13); without it hp shards through `hp.fsdp_backport`."""
+(`fully_shard(dp_mesh_dims=...)`, torch 2.13); without it hp shards through `hp.compat.fsdp`."""

@@ -18,7 +18,7 @@ This module builds the first from the second, one unit at a time:
    the whole mesh again (replicated over the data axes, laid out as before
    over the others), and hands FSDP's reduce-scatter its gradient as the
    local part of a sum over the data axes, which the reduce-scatter (a
-   sum, see `hp.data_parallel`) adds up. So the forward and the gradients
+   sum, see `hp.parallel.data_parallel`) adds up. So the forward and the gradients
    are those of `dp_mesh_dims`; what differs is where the sharded
    parameters (and so their optimizer states and checkpoints) live: a mesh
    of the data axes (flattened, named by them joined with `_`) and the

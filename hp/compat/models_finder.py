@@ -29,7 +29,7 @@ from pathlib import Path
 from types import ModuleType
 
 NAME = "hp.models"
-HP_DIR = Path(__file__).resolve().parent
+HP_DIR = Path(__file__).resolve().parent.parent  # hp/, two up from hp/compat/models_finder.py
 
 
 class ModelsFinder(importlib.abc.MetaPathFinder):

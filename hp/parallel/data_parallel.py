@@ -17,16 +17,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hp import backports
-from hp.fsdp_backport import fully_shard_on_axes
-from hp.strategy import Strategy
+from hp.compat import backports
+from hp.compat.fsdp import fully_shard_on_axes
+from hp.parallel.strategy import Strategy
 
 
 def fully_shard_model(model: nn.Module, mesh, blocks: list[nn.Module], strategy: Strategy, *,
                       experts: list[nn.Module] = ()) -> None:
     """FSDP2 over `strategy.fsdp_axes` of `mesh`, around the layout `hp.parallelize` gave `model` on it.
 
-    FSDP2 runs on the whole mesh (its `dp_mesh_dims`; `hp.fsdp_backport` where torch lacks
+    FSDP2 runs on the whole mesh (its `dp_mesh_dims`; `hp.compat.fsdp` where torch lacks
     it): parameters stay DTensors replicated over dp and cp and laid out over tp, and each
     gradient reaches FSDP still pending its sum over dp and cp, which FSDP keeps and resolves
     in its reduce-scatter over the flattened dp x cp ranks (redistributing only the tp part).
