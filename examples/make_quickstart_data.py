@@ -1,5 +1,5 @@
-"""Write a quickstart dataset to examples/data/ (the tasks and why they suit: `hp.train.quickstart_data`,
-`hp.train.quickstart_vl_data`, `hp.train.quickstart_preference_data`).
+"""Write a quickstart dataset to examples/data/ (the tasks and why they suit: `hp.train.data.quickstart`,
+`hp.train.data.quickstart_vl`, `hp.train.data.quickstart_preference`).
 
     python examples/make_quickstart_data.py      # examples/data/quickstart.json, its dataset_info.json entry
     python examples/make_quickstart_data.py vl   # examples/data/quickstart_vl.json and quickstart_vl/*.png
@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hp.train import quickstart_data, quickstart_preference_data, quickstart_vl_data
+from hp.train.data import quickstart, quickstart_preference, quickstart_vl
 
 # task: (writer, records by default, what a record is)
-TASKS = {"text": (quickstart_data.write, 2000, "examples"), "vl": (quickstart_vl_data.write, 200, "pictures"),
-         "dpo": (quickstart_preference_data.write, 2000, "pairs")}
+TASKS = {"text": (quickstart.write, 2000, "examples"), "vl": (quickstart_vl.write, 200, "pictures"),
+         "dpo": (quickstart_preference.write, 2000, "pairs")}
 
 
 def main() -> None:

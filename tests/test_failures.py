@@ -425,7 +425,7 @@ _MODEL_ONLY = """
 import json, sys, torch
 from transformers import LlamaForCausalLM
 from hp.train import checkpoint
-from hp.train.model import tiny_llama_config
+from hp.train.data.embedded import tiny_llama_config
 
 model = LlamaForCausalLM(tiny_llama_config(259))
 optimizer = torch.optim.AdamW(model.parameters())

@@ -1,4 +1,4 @@
-"""hp.train.images gives the patches and grids of transformers' Qwen2-VL processor, and names bad images.
+"""hp.train.data.images gives the patches and grids of transformers' Qwen2-VL processor, and names bad images.
 
 The reference is `Qwen2VLImageProcessorPil`, built here from the same sizes
 and normalization (no processor files are read or fetched); the images are
@@ -19,7 +19,7 @@ from PIL import Image, ImageDraw
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
 
 from hp.models import tiny_config
-from hp.train.images import ImageSpec, fit_size, load_image, patchify
+from hp.train.data.images import ImageSpec, fit_size, load_image, patchify
 
 TINY = ImageSpec(patch_size=4, merge_size=2, temporal_patch_size=2)  # the tiny models' vision tower
 # Tiny patches with a small pixel budget: most images shrink, the smallest grow.

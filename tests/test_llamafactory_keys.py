@@ -1,4 +1,4 @@
-"""The table of LlamaFactory keys hp train takes no setting from (hp.train.llamafactory_keys), against the real lists.
+"""The table of LlamaFactory keys hp train takes no setting from (hp.train.config.llamafactory_keys), against the real lists.
 
 Every key of LlamaFactory's argument sets and of HF's Seq2SeqTrainingArguments
 must be a TrainConfig field, a key the config reads itself, or in the table;
@@ -15,7 +15,7 @@ from types import MappingProxyType
 import pytest
 
 from hp.train.config import ConfigError, TrainConfig, to_dict, validate
-from hp.train.llamafactory_keys import FOREIGN_KEYS, HIDDEN, verdict
+from hp.train.config.llamafactory_keys import FOREIGN_KEYS, HIDDEN, verdict
 
 MINIMAL = {"model_name_or_path": "hp/tiny-llama", "dataset": "alpaca_en_demo", "output_dir": "saves/tiny"}
 FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} - {"no_effect", "notes"}

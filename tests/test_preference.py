@@ -10,8 +10,8 @@ from reference import rel_err, tiny_pair
 
 import hp
 from hp.models import plan_for
-from hp.train.batch import collate
 from hp.train.config import Preference
+from hp.train.data import collate
 from hp.train.objectives import VALUE_HEAD, Dpo, Kto, Reference, Reward
 
 STRATEGIES = {"tp2": {"tp": 2}, "tp2-sp": {"tp": 2, "sp": True}, "cp2": {"cp": 2},

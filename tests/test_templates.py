@@ -18,13 +18,12 @@ import pytest
 
 from goldens.golden_tokenizer import CHAT_TEMPLATES, RECORDS, golden_tokenizer, messages
 from hp.train.config import ConfigError, validate
-from hp.train.data import SFT_OPTIONS, build_examples, load_examples
-from hp.train.encoding import (
+from hp.train.config.templates import TEMPLATES, Template
+from hp.train.data import SFT_OPTIONS, ByteTokenizer, HFTokenizer, build_examples, load_examples
+from hp.train.data.encoding import (
     IGNORE_INDEX, Conversation, check_template, configure, encode_conversation, encode_prompt, get_template,
     template_for,
 )
-from hp.train.templates import TEMPLATES, Template
-from hp.train.tokenizer import ByteTokenizer, HFTokenizer
 
 ROOT = Path(__file__).parent.parent
 GOLDENS = json.loads((Path(__file__).parent / "goldens" / "templates.json").read_text(encoding="utf-8"))

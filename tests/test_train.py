@@ -125,9 +125,8 @@ def test_the_evaluation_loss_is_the_held_out_loss_of_the_saved_weights(tmp_path)
 
     from hp.train.checkpoint import load_model_weights
     from hp.train.config import load_config
-    from hp.train.data import collate, load_splits
-    from hp.train.model import tiny_llama_config
-    from hp.train.tokenizer import ByteTokenizer
+    from hp.train.data import ByteTokenizer, collate, load_splits
+    from hp.train.data.embedded import tiny_llama_config
 
     overrides = ["max_steps=2", "save_steps=2", "val_size=0.05", "eval_strategy=steps", "eval_steps=2",
                  "per_device_eval_batch_size=16", f"output_dir={tmp_path}", f"dataset_dir={DATA}"]

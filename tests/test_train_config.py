@@ -520,17 +520,16 @@ def test_the_config_and_its_strategy_import_no_torch():
     """Checked before any worker starts: these modules do no tensor or distributed work."""
     import hp.parallel.finetune
     import hp.parallel.strategy
-    import hp.train.llamafactory_keys
-    import hp.train.templates
 
-    for module in (config_module, hp.parallel.strategy, hp.parallel.finetune, hp.train.templates, hp.train.llamafactory_keys):
-        tree = ast.parse(Path(module.__file__).read_text())
+    package = sorted(Path(config_module.__file__).parent.glob("*.py"))  # every module of hp.train.config
+    own = {"hp.train.config", *(f"hp.train.config.{path.stem}" for path in package)}
+    allowed = {"hp.parallel.strategy", "hp.parallel.finetune", *own}
+    for path in (*package, Path(hp.parallel.strategy.__file__), Path(hp.parallel.finetune.__file__)):
+        tree = ast.parse(path.read_text())
         imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-        assert not {name for name in imported if name.split(".")[0] == "torch"}, imported
-        allowed = {"hp.parallel.strategy", "hp.parallel.finetune", "hp.train.templates", "hp.train.sharding_keys",
-                   "hp.train.llamafactory_keys"}
-        assert {name for name in imported if name.split(".")[0] == "hp"} <= allowed, imported
+        assert not {name for name in imported if name.split(".")[0] == "torch"}, (path.name, imported)
+        assert {name for name in imported if name.split(".")[0] == "hp"} <= allowed, (path.name, imported)
 
 
 def test_train_config_fields_match_to_dict():

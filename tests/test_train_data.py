@@ -11,13 +11,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hp.train import quickstart_data, quickstart_preference_data, quickstart_vl_data
+from hp.train.config.templates import TEMPLATES
 from hp.train.data import (
-    IGNORE_INDEX, TEMPLATES, Conversation, TokenBatches, build_examples, collate, encode_conversation,
-    encode_prompt, load_examples,
+    IGNORE_INDEX, ByteTokenizer, Conversation, HFTokenizer, TokenBatches, build_examples, collate,
+    encode_conversation, encode_prompt, load_examples, load_tokenizer, quickstart, quickstart_preference,
+    quickstart_vl,
 )
-from hp.train.images import load_image
-from hp.train.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from hp.train.data.images import load_image
 
 ROOT = Path(__file__).parent.parent
 TOK = ByteTokenizer()
@@ -310,9 +310,9 @@ def test_quickstart_files_load_and_are_reproducible(tmp_path):
     prompt = masked_text(data[0])
     word = prompt.split("\n")[1]
     assert prompt == f"Human: uppercase\n{word}\nAssistant:" and supervised_text(data[0]) == word.upper() + "\n"
-    quickstart_data.write(tmp_path, 2000, 0)  # what examples/make_quickstart_data.py writes
-    quickstart_vl_data.write(tmp_path, 200, 0)  # and `make_quickstart_data.py vl`, in any order
-    quickstart_preference_data.write(tmp_path, 2000, 0)  # and `make_quickstart_data.py dpo`
+    quickstart.write(tmp_path, 2000, 0)  # what examples/make_quickstart_data.py writes
+    quickstart_vl.write(tmp_path, 200, 0)  # and `make_quickstart_data.py vl`, in any order
+    quickstart_preference.write(tmp_path, 2000, 0)  # and `make_quickstart_data.py dpo`
     for name in ("quickstart.json", "quickstart_vl.json", "quickstart_dpo.json", "quickstart_kto.json",
                  "dataset_info.json"):
         assert (tmp_path / name).read_bytes() == (data_dir / name).read_bytes()
@@ -335,8 +335,7 @@ def test_encode_conversation_matches_the_loader():
 
 
 def test_tokenizing_in_worker_processes_gives_the_same_examples_in_order():
-    from hp.train.data import build_examples
-    from hp.train.tokenizer import ByteTokenizer
+    from hp.train.data import ByteTokenizer, build_examples
 
     for stage in ("sft", "pt"):
         one = build_examples("quickstart", ROOT / "examples" / "data", ByteTokenizer(), stage=stage, template="alpaca", cutoff_len=48,

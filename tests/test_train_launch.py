@@ -90,8 +90,8 @@ def test_every_strategy_of_the_zoo_trains_through_hp_train(tmp_path, strategy, a
     import torch
     from transformers import LlamaForCausalLM
 
-    from hp.train.model import tiny_llama_config
-    from hp.train.tokenizer import ByteTokenizer
+    from hp.train.data import ByteTokenizer
+    from hp.train.data.embedded import tiny_llama_config
 
     overrides = [*strategy, "max_steps=1", "per_device_train_batch_size=4", f"output_dir={tmp_path}",
                  f"dataset_dir={DATA}"]

@@ -20,7 +20,8 @@ from train_runs import DATA, ROOT, hp_train, losses, summary
 import hp
 from hp.parallel.strategy import Strategy
 from hp.train.config import ConfigError, load_config, validate
-from hp.train.model import TINY_QWEN3_MOE, build_model, check_fits, model_config, tiny_qwen3_moe_config
+from hp.train.data.embedded import TINY_QWEN3_MOE, model_config, tiny_qwen3_moe_config
+from hp.train.model import build_model, check_fits
 
 QUICKSTART_MOE = str(ROOT / "examples" / "quickstart_moe.yaml")
 
@@ -29,9 +30,8 @@ def test_moe_quickstart_trains_under_expert_parallel_and_reports_the_load(tmp_pa
     """Loss falls, every logged step has the experts' load, and the held-out loss is HF's on the export."""
     from transformers import AutoModelForCausalLM
 
-    from hp.train.data import collate, load_splits
+    from hp.train.data import ByteTokenizer, collate, load_splits
     from hp.train.export import export
-    from hp.train.tokenizer import ByteTokenizer
 
     overrides = ["max_steps=5", "save_steps=5", "logging_steps=1", "per_device_train_batch_size=8", "val_size=32",
                  "eval_strategy=steps", "eval_steps=5", "per_device_eval_batch_size=16", f"output_dir={tmp_path}",
@@ -182,7 +182,7 @@ def _escaped(words: str) -> str:
 
 
 def test_the_loop_reports_the_step_load_nudges_the_bias_and_drops_the_evaluations(tmp_path):
-    from hp.train.batch import Batch
+    from hp.train.data import Batch
     from hp.train.loop import Progress, _log, balance_experts, evaluate
     from hp.train.report import Reporter
 

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from hp.train.data import build_examples
-from hp.train.encoding import IGNORE_INDEX, Conversation, encode_pairs, fit_lengths
-from hp.train.templates import TEMPLATES, Template
-from hp.train.tokenizer import ByteTokenizer
+from hp.train.config.templates import TEMPLATES, Template
+from hp.train.data import ByteTokenizer, build_examples
+from hp.train.data.encoding import IGNORE_INDEX, Conversation, encode_pairs, fit_lengths
 
 TOK = ByteTokenizer()
 EOS = TOK.eos_token_id

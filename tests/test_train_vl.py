@@ -22,14 +22,14 @@ from train_runs import hp_train, summary
 import hp.cli
 from hp.parallel.strategy import Strategy
 from hp.train.config import ConfigError
-from hp.train.data import IGNORE_INDEX, TokenBatches, build_examples, collate
-from hp.train.images import ImageSpec, load_image, patchify
+from hp.train.config.templates import TEMPLATES, VISION_TEMPLATES
+from hp.train.data import IGNORE_INDEX, TokenBatches, build_examples, collate, load_tokenizer
+from hp.train.data.embedded import TINY_QWEN2_5_VL, tiny_qwen2_5_vl_config
+from hp.train.data.images import ImageSpec, load_image, patchify
+from hp.train.data.quickstart_vl import INFO
+from hp.train.data.vision import Vision
 from hp.train.loader import Prefetched
-from hp.train.model import TINY_QWEN2_5_VL, check_fits, tiny_qwen2_5_vl_config
-from hp.train.quickstart_vl_data import INFO
-from hp.train.templates import TEMPLATES, VISION_TEMPLATES
-from hp.train.tokenizer import load_tokenizer
-from hp.train.vision import Vision
+from hp.train.model import check_fits
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART_VL = str(ROOT / "examples" / "quickstart_vl.yaml")

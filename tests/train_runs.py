@@ -41,8 +41,7 @@ def losses(output_dir: Path) -> dict[int, float]:
 def first_batch(overrides: list[str]):
     """The global batch the first step of `hp train QUICKSTART *overrides` draws, computed here."""
     from hp.train.config import load_config
-    from hp.train.data import TokenBatches, load_examples
-    from hp.train.tokenizer import load_tokenizer
+    from hp.train.data import TokenBatches, load_examples, load_tokenizer
 
     config = load_config(QUICKSTART, overrides)
     tokenizer = load_tokenizer(config.model_name_or_path)

@@ -38,7 +38,7 @@ def launch(config_path: str, overrides: Sequence[str] = ()) -> int:
 
     >>> launch("missing.yaml")  # doctest: +IGNORE_EXCEPTION_DETAIL
     Traceback (most recent call last):
-    hp.train.config.ConfigError: ...
+    hp.train.config.schema.ConfigError: ...
     """
     config = load_config(config_path, overrides)
     preflight.check(config)

@@ -2,7 +2,7 @@
 
 Every rank draws the same global batches (`per_device_train_batch_size` x dp
 rows per micro-batch) and the strategy lays them out, so data, cp and tp
-ranks agree without a sampler. A batch (`hp.train.batch.Batch`) is passed
+ranks agree without a sampler. A batch (`hp.train.data.batch.Batch`) is passed
 to the model as keywords: `input_ids` and `labels`, and for a
 vision-language model its images (`mm_token_type_ids`, `pixel_values`,
 `image_grid_thw`; HF computes the M-RoPE positions from them). One
@@ -68,7 +68,7 @@ from hp.models import plan_for
 from hp.plot import pyplot
 from hp.train import checkpoint
 from hp.train.config import PREFERENCE_STAGES, TrainConfig, to_dict
-from hp.train.data import IGNORE_INDEX, TokenBatches, eval_batches, load_splits
+from hp.train.data import IGNORE_INDEX, TokenBatches, eval_batches, load_splits, load_tokenizer
 from hp.train.errors import TrainingError
 from hp.train.loader import loader
 from hp.train.finetuning import Finetuning
@@ -76,7 +76,6 @@ from hp.train.model import build_model, freeze_parts
 from hp.train.objectives import Dpo, Kto, LanguageModeling, Reference, Reward
 from hp.train.preflight import resume_path
 from hp.train.report import METRICS, TENSORBOARD_DIR, Reporter
-from hp.train.tokenizer import load_tokenizer
 
 
 @dataclass

@@ -38,9 +38,8 @@ from hp.parallel.lora import adapters_off
 from hp.parallel.sequence import arrange, shift
 from hp.parallel.strategy import Strategy
 from hp.train import preference
-from hp.train.batch import Batch
 from hp.train.config import Preference
-from hp.train.encoding import IGNORE_INDEX
+from hp.train.data import IGNORE_INDEX, Batch
 from hp.train.model import VALUE_HEAD
 
 

@@ -33,9 +33,9 @@ def check(config: TrainConfig) -> None:
     >>> check(validate({"model_name_or_path": "hp/tiny-llama", "dataset": "nope", "output_dir": "/tmp/hp-doc"}))
     Traceback (most recent call last):
     ...
-    hp.train.config.ConfigError: dataset 'nope': data has no dataset_info.json and no file data/nope (name a .json/.jsonl file in dataset_dir, or add dataset_info.json)
+    hp.train.config.schema.ConfigError: dataset 'nope': data has no dataset_info.json and no file data/nope (name a .json/.jsonl file in dataset_dir, or add dataset_info.json)
     """
-    from hp.train.tokenizer import load_tokenizer
+    from hp.train.data import load_tokenizer
 
     _check_device(config.device)
     _check_trackers(config.report_to)
@@ -106,7 +106,7 @@ def resume_path(config: TrainConfig) -> str | None:
     ...                       "resume_from_checkpoint": "last"}))
     Traceback (most recent call last):
     ...
-    hp.train.config.ConfigError: resume_from_checkpoint = 'last': output_dir = '/nonexistent' holds no complete checkpoint; leave resume_from_checkpoint out to start a fresh run
+    hp.train.config.schema.ConfigError: resume_from_checkpoint = 'last': output_dir = '/nonexistent' holds no complete checkpoint; leave resume_from_checkpoint out to start a fresh run
     """
     from hp.train.checkpoint import latest
 
@@ -135,7 +135,8 @@ def _trainer_state(config: TrainConfig) -> dict[str, Any] | None:
 
 def _check_model(config: TrainConfig, vocab_size: int) -> None:
     """The model's config and weights, and the strategy against them (expert parallel needs experts, ...)."""
-    from hp.train.model import EMBEDDED, check_fits, model_config
+    from hp.train.data.embedded import EMBEDDED, model_config
+    from hp.train.model import check_fits
 
     try:
         hf_config = model_config(config.model_name_or_path, vocab_size)
@@ -152,7 +153,8 @@ def _check_model(config: TrainConfig, vocab_size: int) -> None:
 
 def _check_reference(config: TrainConfig, policy, vocab_size: int) -> None:
     """A preference stage's `ref_model`: a model of the policy's vocabulary that the strategy lays out."""
-    from hp.train.model import EMBEDDED, check_fits, model_config
+    from hp.train.data.embedded import EMBEDDED, model_config
+    from hp.train.model import check_fits
 
     try:
         reference = model_config(config.ref_model, vocab_size)
@@ -175,7 +177,7 @@ def _model_words(config: TrainConfig, error: Exception) -> str:
 def _check_template(config: TrainConfig, tokenizer) -> None:
     """The template can encode with this tokenizer: each special token it spells is one token, or, unset,
     the tokenizer's chat_template reads as a template."""
-    from hp.train.encoding import template_for
+    from hp.train.data.encoding import template_for
 
     try:
         template_for(config.template, tokenizer, config.stage)

@@ -11,7 +11,7 @@ compare hp's ids with one `apply_chat_template` rendering.
 
 from __future__ import annotations
 
-from hp.train.tokenizer import ByteTokenizer
+from hp.train.data import ByteTokenizer
 
 SPECIAL_TOKENS = (
     "<|im_start|>", "<|im_end|>",  # chatml, qwen

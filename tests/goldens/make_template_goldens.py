@@ -94,7 +94,7 @@ def encode(lf, template: str | None, chat_template: str | None, record: dict, cu
 def main() -> None:
     import transformers
 
-    from hp.train.templates import TEMPLATES
+    from hp.train.config.templates import TEMPLATES
 
     lf = _import_llamafactory()
     registered = lf[-1]

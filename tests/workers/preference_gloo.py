@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM
 
 import hp
 from hp.models import plan_for, tiny_config
-from hp.train.batch import collate
 from hp.train.config import Preference
+from hp.train.data import collate
 from hp.train.model import add_value_head
 from hp.train.objectives import Dpo, Kto, Reference, Reward
 

@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from transformers import LlamaForCausalLM
 
 from hp.train import checkpoint
-from hp.train.model import tiny_llama_config
+from hp.train.data.embedded import tiny_llama_config
 
 
 def fresh():

@@ -103,7 +103,7 @@ def read_json(key: str, value: Any, base_dir: str | os.PathLike | None) -> tuple
     >>> read_json("deepspeed", "no/ds.json", None)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    hp.train.sharding_keys.ShardingKeyError: deepspeed = 'no/ds.json': expected the path of a JSON file, ...
+    hp.train.config.sharding_keys.ShardingKeyError: deepspeed = 'no/ds.json': expected the path of a JSON file, ...
     """
     if isinstance(value, Mapping):
         return dict(value), key
@@ -135,7 +135,7 @@ def from_deepspeed(value: Any, base_dir: str | os.PathLike | None = None) -> Tra
     >>> from_deepspeed({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
     Traceback (most recent call last):
     ...
-    hp.train.sharding_keys.ShardingKeyError: deepspeed: zero_optimization.offload_optimizer = {'device': 'cpu'}: offloading to the CPU or NVMe is not available yet (parallel.offload: disk moves saved activations and AdamW's states by a plan of its own; DeepSpeed's CPU and NVMe sections are not mapped onto it); expected no offload section, or device 'none'
+    hp.train.config.sharding_keys.ShardingKeyError: deepspeed: zero_optimization.offload_optimizer = {'device': 'cpu'}: offloading to the CPU or NVMe is not available yet (parallel.offload: disk moves saved activations and AdamW's states by a plan of its own; DeepSpeed's CPU and NVMe sections are not mapped onto it); expected no offload section, or device 'none'
     """
     ds, source = read_json("deepspeed", value, base_dir)
     unknown = sorted(k for k in ds if k not in _DS_READ)
@@ -198,7 +198,7 @@ def from_hf_fsdp(fsdp: Any, fsdp_config: Any = None, base_dir: str | os.PathLike
     >>> from_hf_fsdp("hybrid_shard")
     Traceback (most recent call last):
     ...
-    hp.train.sharding_keys.ShardingKeyError: fsdp = 'hybrid_shard': hybrid sharding (FSDP within a node, replicas across nodes) is not available yet
+    hp.train.config.sharding_keys.ShardingKeyError: fsdp = 'hybrid_shard': hybrid sharding (FSDP within a node, replicas across nodes) is not available yet
     """
     options = fsdp.split() if isinstance(fsdp, str) else list(fsdp or [])
     fields: dict[str, Any] = {}

@@ -26,7 +26,7 @@ all exact; batch 16 was noisier: lr 1e-3 (constant or cosine) ended at
 the plateau for all 200 steps. The files are seeded, so they are the same
 on every run; `examples/make_quickstart_data.py` writes the copy in
 `examples/data/` (`dataset_info.json` there names the vision-language
-quickstart too: `hp.train.quickstart_vl_data`).
+quickstart too: `hp.train.data.quickstart_vl`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Conversations to token ids and labels with a chat template, as LlamaFactory's supervised (sft) stage does.
 
-Each turn is rendered with its slot (`hp.train.templates`) and each text
+Each turn is rendered with its slot (`hp.train.config.templates`) and each text
 part of it tokenized on its own, without special tokens added: the prefix
 and the system prompt (the record's, else the template's default) lead the
 first user turn. A conversation becomes (prompt, answer) pairs; every
@@ -32,7 +32,7 @@ special tokens out first). The cut of `cutoff_len` does not know images:
 the data layer refuses a conversation whose images it would cut.
 
 `template` unset (None) means, as in LlamaFactory, the tokenizer's own
-`chat_template` read back by `hp.train.chat_template`, or `empty` when the
+`chat_template` read back by `hp.train.data.chat_template`, or `empty` when the
 tokenizer has none (the byte tokenizer of `hp/tiny-llama` has none). A
 template spelled with special tokens needs each of them to be one token of
 the tokenizer: `check_template` refuses, naming them, where LlamaFactory
@@ -47,13 +47,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hp.train.chat_template import parse_chat_template
-from hp.train.templates import (
+from hp.train.config.templates import (
     BOS, EOS, IMAGE_PLACEHOLDER, TEMPLATES, VISION_TEMPLATES, Part, Special, Template, fill, missing_tokens,
 )
+from hp.train.data.chat_template import parse_chat_template
 
 if TYPE_CHECKING:
-    from hp.train.tokenizer import Tokenizer
+    from hp.train.data.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
 
@@ -94,7 +94,7 @@ def get_template(template: str | Template | None, tokenizer: Tokenizer | None = 
 def check_template(template: Template, tokenizer: Tokenizer, stage: str = "sft") -> None:
     """Refuse a template whose special tokens the tokenizer lacks (each must be one token).
 
-    >>> from hp.train.tokenizer import ByteTokenizer
+    >>> from hp.train.data.byte_tokenizer import ByteTokenizer
     >>> check_template(TEMPLATES["qwen"], ByteTokenizer())
     Traceback (most recent call last):
     ...
@@ -124,7 +124,7 @@ def template_for(
 ) -> Template:
     """The template a `stage` dataset is encoded with (`get_template`, then `configure`), checked against the tokenizer.
 
-    >>> from hp.train.tokenizer import ByteTokenizer
+    >>> from hp.train.data.byte_tokenizer import ByteTokenizer
     >>> template_for(None, ByteTokenizer()).name
     'empty'
     """
@@ -202,7 +202,7 @@ def check_supervision(template: Template, *, train_on_prompt: bool = False, mask
 def eos_id(template: Template, tokenizer: Tokenizer) -> int:
     """The id ending the template's turns: its replacing stop word's (`replace_eos`), else the tokenizer's eos.
 
-    >>> from hp.train.tokenizer import ByteTokenizer
+    >>> from hp.train.data.byte_tokenizer import ByteTokenizer
     >>> eos_id(TEMPLATES["default"], ByteTokenizer())
     258
     """
@@ -212,7 +212,7 @@ def eos_id(template: Template, tokenizer: Tokenizer) -> int:
 def document_end_id(template: Template, tokenizer: Tokenizer) -> int:
     """The id ending each pt document: llama3's <|end_of_text|>, else the template's eos (as LlamaFactory's pt).
 
-    >>> from hp.train.tokenizer import ByteTokenizer
+    >>> from hp.train.data.byte_tokenizer import ByteTokenizer
     >>> document_end_id(TEMPLATES["empty"], ByteTokenizer())
     258
     """
@@ -222,7 +222,7 @@ def document_end_id(template: Template, tokenizer: Tokenizer) -> int:
 def single_id(token: str, tokenizer: Tokenizer) -> int | None:
     """The id `tokenizer` has for `token` as one token of its own, else None (split, or read as unknown).
 
-    >>> from hp.train.tokenizer import ByteTokenizer
+    >>> from hp.train.data.byte_tokenizer import ByteTokenizer
     >>> single_id("a", ByteTokenizer()), single_id("<|im_end|>", ByteTokenizer())
     (97, None)
     """
@@ -263,7 +263,7 @@ def _ids(parts: list[Part], template: Template, tokenizer: Tokenizer,
 def _with_images(text: str, tokenizer: Tokenizer, images: Iterator[Sequence[int]]) -> list[int]:
     """`text` tokenized with each `<image>` replaced by the next image's ids.
 
-    >>> from hp.train.tokenizer import ByteTokenizer
+    >>> from hp.train.data.byte_tokenizer import ByteTokenizer
     >>> _with_images("a<image>b", ByteTokenizer(), iter([[300, 301]]))
     [97, 300, 301, 98]
     """
@@ -293,7 +293,7 @@ def encode_pairs(
     order, for the `<image>` placeholders of the turns (not of the system
     prompt); none given, `<image>` is text.
 
-    >>> from hp.train.tokenizer import ByteTokenizer
+    >>> from hp.train.data.byte_tokenizer import ByteTokenizer
     >>> encode_pairs(Conversation([("user", "a"), ("assistant", "b")]), ByteTokenizer(), TEMPLATES["empty"])
     [([97], [98])]
     """
@@ -380,7 +380,7 @@ def encode_conversation(
     supervised processor; its efficient_eos label then follows the reversed
     order too, as there). `images` are the ids of each image (see `encode_pairs`).
 
-    >>> from hp.train.tokenizer import ByteTokenizer
+    >>> from hp.train.data.byte_tokenizer import ByteTokenizer
     >>> encode_conversation(Conversation([("user", "a"), ("assistant", "b")]), ByteTokenizer(), TEMPLATES["default"])
     ([72, 117, 109, 97, 110, 58, 32, 97, 258, 10, 65, 115, 115, 105, 115, 116, 97, 110, 116, 58, 98, 258, 10], [-100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, -100, 98, 258, 10])
     """
@@ -429,7 +429,7 @@ def encode_prompt(
     and with `enable_thinking` False (or None) a reasoning template's prompt
     ends with the empty thought, as LlamaFactory's chat does.
 
-    >>> from hp.train.tokenizer import ByteTokenizer
+    >>> from hp.train.data.byte_tokenizer import ByteTokenizer
     >>> tok = ByteTokenizer()
     >>> tok.decode(encode_prompt("reverse\\nabc", tok, "alpaca", system="Be brief.\\n\\n"))
     'Be brief.\\n\\n### Instruction:\\nreverse\\nabc\\n\\n### Response:\\n'

@@ -38,7 +38,7 @@ import json
 import random
 from pathlib import Path
 
-from hp.train.quickstart_data import add_to_dataset_info
+from hp.train.data.quickstart import add_to_dataset_info
 
 NAME = "quickstart_vl"
 SIZE = 32  # pixels each way

@@ -8,7 +8,7 @@ and some of which ask for features hp does not have. An unknown-key error
 for each of them would make every such config fail for no good reason,
 and passing over them silently would hide the ones that matter (a LoRA
 rank, fp16, a second optimizer). So every one of those keys that
-`hp.train.config.TrainConfig` does not hold (nor the config module itself,
+`hp.train.config.TrainConfig` does not hold (nor the config package itself,
 for the keys it reads and maps, such as `deepspeed` or `template`) has a
 verdict here, with the reason in a few words:
 

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from hp.train.encoding import IGNORE_INDEX
-from hp.train.vision import Vision
+from hp.train.data.encoding import IGNORE_INDEX
+from hp.train.data.vision import Vision
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def collate(
     token see the pads after it, and their labels carry no loss.
     `pad_to_multiple_of` rounds the length up (context parallel splits the
     sequence into equal chunks). An example's images are the paths in its
-    `images` key (see `hp.train.vision`). Pairwise examples (`chosen_ids`, `chosen_labels`, `rejected_ids`,
+    `images` key (see `hp.train.data.vision`). Pairwise examples (`chosen_ids`, `chosen_labels`, `rejected_ids`,
     `rejected_labels`) and KTO's (`input_ids`, `labels`, `kl_input_ids`, `kl_labels`, `kto_tag`) give the
     preference batches of the module docstring. A batch for a vision-language model
     (`vision` given) has `mm_token_type_ids` even when none of its examples has

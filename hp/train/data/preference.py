@@ -2,7 +2,7 @@
 
 These stages score one final answer to a prompt rather than learn every
 answer of a conversation, so they are encoded as LlamaFactory's pairwise and
-feedback processors do, not as sft (`hp.train.encoding.encode_conversation`).
+feedback processors do, not as sft (`hp.train.data.encoding.encode_conversation`).
 The prompt is every turn before the last answer, template prefix and system
 prompt included, earlier answers unsupervised; the answer is encoded as the
 last turn, with the eos appended for an `efficient_eos` template
@@ -17,8 +17,9 @@ each preprocessing batch (of 1000 records by default); `kl_answers` takes the
 previous record's over the whole dataset (the first record takes the last
 one's), so the pairing does not depend on a batch size.
 
-`hp.train.data` reads the records and calls these. The example shapes
-(lists of ints; labels are -100 on the prompt):
+`hp.train.data.records` reads the records, and `hp.train.data.tokenizing`
+calls these on them. The example shapes (lists of ints; labels are -100 on
+the prompt):
 
     rm, dpo  {"chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"}
     kto      {"input_ids", "labels", "kl_input_ids", "kl_labels", "kto_tag"}   kto_tag: True for a desirable answer
@@ -30,11 +31,11 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from hp.train.encoding import IGNORE_INDEX, Conversation, encode_pairs, eos_id, fit_lengths
-from hp.train.templates import Template
+from hp.train.config.templates import Template
+from hp.train.data.encoding import IGNORE_INDEX, Conversation, encode_pairs, eos_id, fit_lengths
 
 if TYPE_CHECKING:
-    from hp.train.tokenizer import Tokenizer
+    from hp.train.data.tokenizer import Tokenizer
 
 # The token lists of an example of any stage, each with its labels.
 SIDES: dict[str, str] = {
@@ -51,8 +52,8 @@ def pairwise_example(
 
     `where` names the record in errors.
 
-    >>> from hp.train.tokenizer import ByteTokenizer
-    >>> from hp.train.templates import TEMPLATES
+    >>> from hp.train.data.byte_tokenizer import ByteTokenizer
+    >>> from hp.train.config.templates import TEMPLATES
     >>> pairwise_example(Conversation([("user", "1+1")]), "2", "11", ByteTokenizer(), TEMPLATES["empty"], 16)
     {'chosen_ids': [49, 43, 49, 50], 'chosen_labels': [-100, -100, -100, 50], 'rejected_ids': [49, 43, 49, 49, 49], 'rejected_labels': [-100, -100, -100, 49, 49]}
     """
@@ -87,8 +88,8 @@ def feedback_example(
 ) -> dict[str, Any]:
     """The kto example of `conv` (its last turn the judged answer), with its KL example: the prompt and `kl_answer`.
 
-    >>> from hp.train.tokenizer import ByteTokenizer
-    >>> from hp.train.templates import TEMPLATES
+    >>> from hp.train.data.byte_tokenizer import ByteTokenizer
+    >>> from hp.train.config.templates import TEMPLATES
     >>> conv = Conversation([("user", "1+1"), ("assistant", "2")])
     >>> feedback_example(conv, "3", True, ByteTokenizer(), TEMPLATES["empty"], 16)
     {'input_ids': [49, 43, 49, 50], 'labels': [-100, -100, -100, 50], 'kl_input_ids': [49, 43, 49, 51], 'kl_labels': [-100, -100, -100, 51], 'kto_tag': True}

@@ -4,7 +4,7 @@ A record of such data names its image files (its `images` column, paths
 relative to `dataset_dir`, LlamaFactory's default `media_dir`) and marks
 where each goes in its messages with an `<image>` placeholder. A
 `Vision` holds what the model needs to read them: how its processor turns a
-picture into patches (`hp.train.images.ImageSpec`: the vision tower's patch,
+picture into patches (`hp.train.data.images.ImageSpec`: the vision tower's patch,
 merge and frame sizes from the model config, and the pixel bounds and
 normalization of transformers' Qwen2-VL processor, which Qwen2.5-VL uses:
 between 56 x 56 and 28 x 28 x 1280 pixels, CLIP's mean and std), and the ids
@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from hp.train.encoding import IGNORE_INDEX
-from hp.train.images import ImageSpec, grid_of, load_image, patchify
+from hp.train.data.encoding import IGNORE_INDEX
+from hp.train.data.images import ImageSpec, grid_of, load_image, patchify
 
 READS_IMAGES = ("qwen2_5_vl",)  # model types whose processor `ImageSpec`'s defaults are
 
@@ -57,7 +57,7 @@ class Vision:
     def of(cls, config: Any) -> Vision | None:
         """The Vision of an HF model config; None for a text model, a ValueError for images hp does not prepare.
 
-        >>> from hp.train.model import tiny_llama_config, tiny_qwen2_5_vl_config
+        >>> from hp.train.data.embedded import tiny_llama_config, tiny_qwen2_5_vl_config
         >>> Vision.of(tiny_llama_config(259)) is None, Vision.of(tiny_qwen2_5_vl_config(265)).image_token_id
         (True, 263)
         """

@@ -5,7 +5,7 @@ slots (prefix, system, user, assistant) is a tuple of parts: a text, in
 which `{{content}}` stands for the turn's text, or a `Special` placed by id
 (the tokenizer's bos or eos, or a token named in the vocabulary). Each text
 part is tokenized on its own, as LlamaFactory does, so the ids are its ids;
-`hp.train.encoding` does that and builds the labels.
+`hp.train.data.encoding` does that and builds the labels.
 
 The names and what they render are LlamaFactory's (`default`, `empty` and
 `alpaca` included: `default` puts eos after the user's and the system's
@@ -22,7 +22,7 @@ A template for a vision-language model (`VISION_TEMPLATES`: LlamaFactory's
 `qwen2_vl`) is a text template and the name of the plugin that places images
 (`mm_plugin`, as LlamaFactory's `get_mm_plugin`): each `<image>` placeholder
 (`IMAGE_PLACEHOLDER`) of a turn becomes the image's tokens
-(`hp.train.vision`). A template without a plugin reads `<image>` as text, and
+(`hp.train.data.vision`). A template without a plugin reads `<image>` as text, and
 the data layer refuses records with images for it, as LlamaFactory's base
 plugin does. `TEMPLATES` holds the text templates, each checked against
 LlamaFactory's own encoding (`tests/test_templates.py`).
@@ -73,7 +73,7 @@ class Template:
     too (LlamaFactory's ReasoningTemplate). `preserve_thinking` keeps the
     thoughts of earlier answers under `mask_history`, which otherwise drops
     them. These two mean nothing to a template without `thought`, as in
-    LlamaFactory; `hp.train.encoding.configure` sets them and
+    LlamaFactory; `hp.train.data.encoding.configure` sets them and
     `default_system` from a config. `efficient_eos` templates leave eos out of the
     assistant slot and supervise it once, at the end, and after each answer
     in the label of the next prompt's first token. With `replace_eos` the

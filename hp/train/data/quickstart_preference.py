@@ -1,4 +1,4 @@
-"""The preference quickstart's dataset: the uppercase task of `hp.train.quickstart_data`, judged in pairs.
+"""The preference quickstart's dataset: the uppercase task of `hp.train.data.quickstart`, judged in pairs.
 
 Each record asks to uppercase six random letters; the chosen answer is
 right, and the rejected one is a near miss that a model from random weights
@@ -22,8 +22,8 @@ import json
 import random
 from pathlib import Path
 
-from hp.train.quickstart_data import add_to_dataset_info
-from hp.train.quickstart_data import records as uppercase_records
+from hp.train.data.quickstart import add_to_dataset_info
+from hp.train.data.quickstart import records as uppercase_records
 
 NAME = "quickstart_dpo"
 KTO_NAME = "quickstart_kto"

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hp.train.templates import CONTENT, Template
+from hp.train.config.templates import CONTENT, Template
 
 PARSED = "chat_template"  # the name a parsed template carries in messages
 _THOUGHT = ("<think>\n", "\n</think>\n\n")  # LlamaFactory's thought words for parsed reasoning templates
@@ -30,7 +30,7 @@ _THOUGHT = ("<think>\n", "\n</think>\n\n")  # LlamaFactory's thought words for p
 def parse_chat_template(hf: Any) -> Template:
     """The template that `hf` (a transformers tokenizer with a `chat_template`) renders.
 
-    >>> from hp.train.tokenizer import ByteTokenizer
+    >>> from hp.train.data.byte_tokenizer import ByteTokenizer
     >>> hf = ByteTokenizer().as_hf()
     >>> hf.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\\n{% endfor %}"
     ...                     "{% if add_generation_prompt %}<assistant>{% endif %}")

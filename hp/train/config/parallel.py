@@ -1,0 +1,173 @@
+"""The `parallel:` section and every other key that shards the model, folded into one `hp.Strategy`.
+
+Why this module exists: a LlamaFactory config may say how to shard in
+several places at once: hp's own `parallel:` section (dp, tp, cp, sp, ep,
+fsdp, offload, ...), LlamaFactory's HyperParallel keys
+(`hp.train.config.hyper_parallel`), a DeepSpeed file or HF Trainer's `fsdp`
+keys (`hp.train.config.sharding_keys`), and `torch_compile`. Here they are
+read into one strategy (a `Fold`, so that two keys setting one field
+differently are named together), dp is derived from the launched ranks when
+unset, activation recompute is set as LlamaFactory sets it, and each
+translation leaves the note the launcher prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from hp.parallel.strategy import Strategy
+
+from hp.train.config.fold import Fold, launched_ranks
+from hp.train.config.hyper_parallel import (
+    HYPER_CHECKED, check_efsdp_size, fold_fsdp_size, fsdp_everywhere, override_cp_size,
+)
+from hp.train.config.rules import HYPER_TO_PARALLEL, PARALLEL_RULES, check_value, refuse, unknown_key
+from hp.train.config.schema import ConfigError, TrainConfig
+from hp.train.config.sharding_keys import ShardingKeyError, Translation, from_deepspeed, from_hf_fsdp
+
+# The strategy fields each activation mode sets. HyperParallel swaps to host memory; here the slow tier is the
+# disk, the one hp.offload has on every machine (the host tier for accelerators is not built yet).
+_ACTIVATION_FIELDS = {"none": {}, "recompute": {"recompute": True}, "swap": {"offload": "disk"}}
+# sharding keys of DeepSpeed and HF Trainer (the last changes nothing: FSDP wraps every decoder block anyway)
+ELSEWHERE_KEYS = ("deepspeed", "fsdp", "fsdp_config", "fsdp_transformer_layer_cls_to_wrap")
+
+
+def parallel_section(section: Any) -> dict[str, Any]:
+    """The keys given in the `parallel:` section, checked (absent keys stay absent)."""
+    if section is None:
+        return {}
+    if not isinstance(section, Mapping):
+        raise refuse("parallel", section, "a mapping such as {dp: 2, tp: 2}")
+    for key, value in section.items():
+        if key not in PARALLEL_RULES:
+            raise unknown_key(key, value, tuple(PARALLEL_RULES), "parallel.")
+    if isinstance(section.get("offload"), Mapping):
+        section = {**section, **_offload_mapping(section["offload"], "offload_budget" in section)}
+    if isinstance(section.get("mpmd"), Mapping):  # {chunks: N}
+        if set(section["mpmd"]) - {"chunks"}:
+            raise refuse("parallel.mpmd", dict(section["mpmd"]), PARALLEL_RULES["mpmd"].allowed)
+        section = {**section, "mpmd": section["mpmd"].get("chunks", "auto")}
+    return {key: check_value(f"parallel.{key}", section[key], rule)
+            for key, rule in PARALLEL_RULES.items() if key in section}
+
+
+def _offload_mapping(value: Mapping, budget_given: bool) -> dict[str, Any]:
+    """`parallel.offload: {budget: 0.5, tiers: [device, disk]}` as the offload and offload_budget keys."""
+    unknown = set(value) - {"budget", "tiers"}
+    if unknown:
+        raise refuse("parallel.offload", dict(value), "a tier (disk) or a mapping of budget (a fraction of the "
+                     f"step's peak) and tiers ([device, disk]); unknown key {sorted(unknown)[0]!r}")
+    tiers = value.get("tiers", ["device", "disk"])
+    if not isinstance(tiers, (list, tuple)) or len(tiers) != 2 or tiers[0] != "device":
+        raise refuse("parallel.offload.tiers", tiers, "[device, T] with T the slow tier (disk)")
+    if budget_given and "budget" in value:
+        raise ConfigError("parallel.offload.budget and parallel.offload_budget are both given: expected one of them")
+    return {"offload": tiers[1], **({"offload_budget": value["budget"]} if "budget" in value else {})}
+
+
+def sharding_elsewhere(raw: Mapping[str, Any], base_dir: str | os.PathLike | None) -> list[Translation]:
+    """What DeepSpeed's or HF Trainer's sharding keys ask of the strategy (`hp.train.config.sharding_keys`)."""
+    if raw.get("deepspeed") is not None and raw.get("fsdp"):
+        raise ConfigError(f"deepspeed = {raw['deepspeed']!r} with fsdp = {raw['fsdp']!r}: both pick how the model is "
+                          "sharded; expected one of them")
+    try:
+        if raw.get("deepspeed") is not None:
+            return [from_deepspeed(raw["deepspeed"], base_dir)]
+        if raw.get("fsdp"):  # HF's default is the empty string: no FSDP
+            return [from_hf_fsdp(raw["fsdp"], raw.get("fsdp_config"), base_dir)]
+    except ShardingKeyError as e:
+        raise ConfigError(str(e)) from None
+    if raw.get("fsdp_config") is not None:
+        return [Translation("fsdp_config", note="fsdp_config: has no effect without fsdp (as in HF Trainer)")]
+    return []
+
+
+def fold_strategy(given: dict[str, Any], hyper: dict[str, Any] | None, elsewhere: list[Translation],
+                  values: Mapping[str, Any]) -> tuple[Strategy, tuple[str, ...]]:
+    """The strategy the parallel section, hyper_parallel_args and DeepSpeed/HF fsdp keys ask for, and the notes.
+
+    dp left unset takes the ranks cp and tp leave (nproc_per_node * nnodes / (cp * tp)), as a
+    LlamaFactory run is data parallel over every launched rank.
+    """
+    fold, notes = Fold(), []
+    for key, value in given.items():
+        fold.add(f"parallel.{key} = {value!r}", _strategy_fields(key, value))
+    if hyper is not None:
+        hyper, note = override_cp_size(hyper, values.get("hyper_parallel_cp_size"))
+        notes += [note] if note else []
+        for key, value in hyper.items():
+            if key not in HYPER_CHECKED:
+                fold.add(f"hyper_parallel_args.{key} = {value!r}", _strategy_fields(key, value))
+    for translation in elsewhere:
+        fold.add(translation.source, translation.fields)
+        notes.append(translation.note)
+    if values.get("torch_compile"):
+        fold.add("torch_compile = True", {"compile": True})
+    if hyper is not None and hyper.get("fsdp_size", 1) > 1:
+        fold_fsdp_size(fold, hyper["fsdp_size"], values)
+    _derive_dp(fold, values)
+    if hyper is not None and "fsdp_size" not in hyper:
+        notes += fsdp_everywhere(fold)
+    strategy = fold.strategy()
+    if hyper is not None and hyper.get("efsdp_size") is not None:
+        check_efsdp_size(strategy, hyper["efsdp_size"], hyper.get("fsdp_size"))
+    return strategy, tuple(notes)
+
+
+def _derive_dp(fold: Fold, values: Mapping[str, Any]) -> None:
+    """dp, when unset, from the launched ranks that cp and tp leave."""
+    world = launched_ranks(values)
+    if "dp" in fold.values or world is None:
+        return
+    inner = fold.get("cp") * fold.get("tp")
+    launched = f"nproc_per_node = {values['nproc_per_node']} (x nnodes = {values.get('nnodes', 1)})"
+    if world % inner:
+        raise ConfigError(f"{launched}: {world} ranks do not split into groups of cp * tp = {inner}; expected a "
+                          f"multiple of {inner}")
+    dp, ep = world // inner, fold.get("ep")
+    if dp % ep:
+        ep_label = fold.source.get("ep", f"parallel.ep = {ep}")
+        raise ConfigError(f"{ep_label} does not divide the data-parallel ranks: {launched} with cp = {fold.get('cp')} "
+                          f"and tp = {fold.get('tp')} leaves dp = {world} / (cp * tp) = {dp}, and expert parallel "
+                          f"splits the dp ranks into groups of ep; expected an ep that divides {dp}, or "
+                          f"nproc_per_node * nnodes a multiple of ep * cp * tp = {ep * inner}")
+    if dp > 1:
+        fold.add(f"nproc_per_node = {values['nproc_per_node']}", {"dp": dp})
+
+
+def with_recompute(strategy: Strategy, given: dict[str, Any], hyper: dict[str, Any] | None,
+                   elsewhere: list[Translation], disable: bool) -> Strategy:
+    """Activation recompute as LlamaFactory has it: on unless disable_gradient_checkpointing or compiled blocks,
+    or as parallel says."""
+    explicit = ("recompute" in given or "offload" in given or "activation_mode" in given
+                or "activation_mode" in (hyper or {})
+                or any("recompute" in t.fields for t in elsewhere))
+    if not explicit:
+        return dataclasses.replace(strategy, recompute=not disable and not strategy.compile)
+    if disable and strategy.recompute:
+        raise ConfigError("disable_gradient_checkpointing = True conflicts with the parallel settings, which ask for "
+                          "recompute (parallel.recompute, activation_mode: recompute or fsdp_config's "
+                          "activation_checkpointing): expected one of them")
+    return strategy
+
+
+def _strategy_fields(key: str, value: Any) -> dict[str, Any]:
+    """The strategy fields that one parallel or hyper_parallel_args key sets."""
+    if key == "activation_mode":
+        return _ACTIVATION_FIELDS[value]
+    if key == "tp2d":
+        return {"tp2d": bool(value)}
+    return {HYPER_TO_PARALLEL.get(key, key): value}
+
+
+def check_agreement(config: TrainConfig, elsewhere: list[Translation]) -> None:
+    """Values a DeepSpeed file fixes (other than 'auto') must be the YAML's, as HF Trainer requires."""
+    for translation in elsewhere:
+        for key, wanted in translation.agree.items():
+            have = getattr(config, key)
+            if have != wanted:
+                raise ConfigError(f"{translation.source}: sets {key} to {wanted!r}, but the config has {key} = "
+                                  f"{have!r}: expected 'auto' in the file, or the same value in both")

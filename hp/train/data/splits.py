@@ -1,0 +1,62 @@
+"""The training examples and the held-out ones: a run's evaluation data, as `val_size` or `eval_dataset` say.
+
+LlamaFactory evaluates on datasets of their own (`eval_dataset`, read like
+`dataset`) or on a seeded random part of the training data (`val_size`: a
+fraction, or a count); both are here, so that the loop and the checks
+before launch read the same splits.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from hp.train.data.examples import Examples, build_examples, example_options, load_examples
+from hp.train.data.tokenizer import Tokenizer
+
+
+def load_splits(config: Any, tokenizer: Tokenizer) -> tuple[Examples, Examples | None]:
+    """(training examples, evaluation examples or None) as the config's val_size / eval_dataset say.
+
+    `eval_dataset` names datasets read like `dataset`; else a `val_size` > 0 holds out a seeded
+    random part of the training examples (after packing, for pt), as LlamaFactory's split does.
+
+    >>> from pathlib import Path
+    >>> from types import SimpleNamespace
+    >>> from hp.train.data.byte_tokenizer import ByteTokenizer
+    >>> config = SimpleNamespace(dataset="quickstart", dataset_dir=Path(__file__).parents[3] / "examples" / "data",
+    ...                          stage="sft", template="default", cutoff_len=64, max_samples=100, val_size=0.1,
+    ...                          eval_dataset=None, seed=0)
+    >>> train, held = load_splits(config, ByteTokenizer())
+    >>> len(train), len(held)
+    (90, 10)
+    """
+    examples = load_examples(config, tokenizer)
+    if config.eval_dataset:
+        held = build_examples(config.eval_dataset, config.dataset_dir, tokenizer, stage=config.stage,
+                              template=config.template, cutoff_len=config.cutoff_len, max_samples=config.max_samples,
+                              **example_options(config, tokenizer))
+        return examples, held
+    if config.val_size:
+        return split_for_eval(examples, config.val_size, config.seed)
+    return examples, None
+
+
+def split_for_eval(examples: Examples, val_size: float, seed: int) -> tuple[Examples, Examples]:
+    """(rest, held out): `val_size` (a fraction in (0, 1), or a count) of the examples drawn with `seed`.
+
+    >>> data = Examples([{"input_ids": [i], "labels": [i]} for i in range(10)])
+    >>> [len(part) for part in split_for_eval(data, 0.2, seed=0)]
+    [8, 2]
+    """
+    n = len(examples)
+    held = round(val_size * n) if val_size < 1 else int(val_size)
+    if not 0 < held < n:
+        raise ValueError(f"val_size = {val_size:g} holds out {held} of the {n} training examples: expected at least "
+                         "one for evaluation and one left for training")
+    order = list(range(n))
+    random.Random(f"hp.train.data:eval:{seed}").shuffle(order)  # the text is part of the seed: keep it
+    chosen = set(order[:held])
+    rest = [e for i, e in enumerate(examples.examples) if i not in chosen]
+    held_out = [e for i, e in enumerate(examples.examples) if i in chosen]
+    return Examples(rest, examples.dropped, examples.vision), Examples(held_out, vision=examples.vision)
