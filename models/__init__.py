@@ -3,6 +3,8 @@
 `plan_for(config)` picks the plan of an HF config's `model_type`;
 `hp.apply_strategy(model, mesh, strategy, plan)` applies any strategy with
 it. A plan is data (`hp.ModelPlan`): parameter layouts and module names.
+The zoo may import hp's lower layers (`hp.parallel`, `hp.ops`, `hp.layouts`),
+never `hp.train` or the CLI.
 
 >>> from hp.models import plan_for_type, supported
 >>> plan_for_type("mistral").residual

@@ -34,7 +34,9 @@ def _free_port() -> int:
 
 def clean_env() -> dict[str, str]:
     """This environment without a launcher's rank variables, one thread per process."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    # and without what an `hp train` launched in this process left for its workers
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "HP_LAUNCHER_PID",
+                                                            "HP_ERRORS")}
     env["OMP_NUM_THREADS"] = "1"
     return env
 

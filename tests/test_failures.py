@@ -357,7 +357,8 @@ def _strict_json(line: str):
 
 def test_a_diverging_run_stops_at_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
     out = tmp_path / "run"
-    run = hp_train("max_steps=30", "save_steps=1", "logging_steps=1", "learning_rate=1e4", f"output_dir={out}")
+    run = hp_train("max_steps=30", "save_steps=1", "logging_steps=1", "learning_rate=1e4", f"output_dir={out}",
+                   launcher=True)
     assert run.returncode == 1, run.stderr[-3000:]
     assert "Traceback" not in run.stderr and len(_lines(run.stderr)) < 15, run.stderr
     message = _lines(run.stderr)[-1]

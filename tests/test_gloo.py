@@ -1,4 +1,8 @@
-"""Real multi-process runs over gloo (kept few: each spawn costs seconds)."""
+"""Real multi-process runs over gloo, on the pytest worker's pool of ranks (`rank_pool`).
+
+The compiled runs launch their own ranks: in a pooled rank that had run earlier jobs, dynamo
+failed to trace `mesh.get_local_rank` in the ring-attention kernel (not investigated further).
+"""
 
 from __future__ import annotations
 
@@ -9,13 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
+import rank_pool
 from gloo_launch import assert_finished, clean_env, torchrun
 
 HERE = Path(__file__).parent
 
 
 def test_shard_constrain_from_local_on_four_gloo_processes():
-    run = torchrun(str(HERE / "workers" / "annotate_gloo.py"), 4)
+    run = rank_pool.run(str(HERE / "workers" / "annotate_gloo.py"), 4)
     assert_finished(run)
     assert sorted(re.findall(r"rank (\d) ok", run.stdout)) == ["0", "1", "2", "3"]
 
@@ -23,7 +28,7 @@ def test_shard_constrain_from_local_on_four_gloo_processes():
 def test_collectives_in_flight_while_the_rank_computes_on_landed_ones():
     """hp.mpmd's pattern on gloo: several gathers, reduce-scatters and all-to-alls in flight, landed ones
     multiplied meanwhile; every result right and no process lost (functional collectives crashed here)."""
-    run = torchrun(str(HERE / "workers" / "pipelined_gloo.py"), 2, "300")
+    run = rank_pool.run(str(HERE / "workers" / "pipelined_gloo.py"), 2, "300")
     assert_finished(run)
     assert sorted(re.findall(r"ok (\d)", run.stdout)) == ["0", "1"]
 
@@ -68,13 +73,13 @@ def test_a_launch_past_its_timeout_leaves_no_worker_behind(tmp_path):
 
 def test_zoo_strategies_on_four_gloo_processes():
     # About two minutes on 2 shared cores, most of it DTensor planning each new layout once per process.
-    run = torchrun(str(HERE / "workers" / "zoo_gloo.py"), 4, timeout=600)
+    run = rank_pool.run(str(HERE / "workers" / "zoo_gloo.py"), 4, timeout=600)
     assert_finished(run)
     assert sorted(re.findall(r"rank (\d) ok", run.stdout)) == ["0", "1", "2", "3"]
 
 
 def test_vl_families_with_images_under_fsdp_cp_and_ep_on_two_gloo_processes():
-    run = torchrun(str(HERE / "workers" / "vl_gloo.py"), 2, timeout=600)
+    run = rank_pool.run(str(HERE / "workers" / "vl_gloo.py"), 2, timeout=600)
     assert_finished(run)
     assert sorted(re.findall(r"rank (\d) ok", run.stdout)) == ["0", "1"]
 

@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 
 import pytest
-from gloo_launch import assert_finished, torchrun
+import rank_pool
+from gloo_launch import assert_finished
 from reference import assert_same_loss_and_grads, batch, tiny_pair
 
 import hp
@@ -42,7 +43,7 @@ def test_weights_only_tp_matches_hf_with_two_allreduces_per_layer(family, tp):
 
 
 def test_two_gloo_processes_match_hf():
-    run = torchrun(str(EXAMPLE), 2, "--seq", "16")
+    run = rank_pool.run(str(EXAMPLE), 2, "--seq", "16")
     assert_finished(run)
     r = json.loads(run.stdout.strip().splitlines()[-1])
     assert r["tp"] == 2 and r["loss_rel_err"] < 1e-5 and r["grad_rel_err"] < 1e-5

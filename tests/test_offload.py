@@ -256,8 +256,9 @@ def test_offload_of_tp_and_sequence_parallel_llama_blocks_on_two_gloo_processes(
     import re
     from pathlib import Path
 
-    from gloo_launch import assert_finished, torchrun
+    import rank_pool
+    from gloo_launch import assert_finished
 
-    run = torchrun(str(Path(__file__).parent / "workers" / "offload_gloo.py"), 2)
+    run = rank_pool.run(str(Path(__file__).parent / "workers" / "offload_gloo.py"), 2)
     assert_finished(run)
     assert sorted(re.findall(r"rank (\d) ok", run.stdout)) == ["0", "1"]

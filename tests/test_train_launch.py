@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from gloo_launch import _free_port, torchrun
+import rank_pool
+from gloo_launch import _free_port
 from train_runs import DATA, QUICKSTART, WORKERS, first_batch, hp_train, local_hf_model, losses, summary
 
 from hp.models import FAMILIES
@@ -21,7 +22,7 @@ def test_a_local_hf_model_directory_of_every_family_trains(tmp_path):
 
     for family in FAMILIES:
         local_hf_model(tmp_path / family, family)
-    run = torchrun(str(WORKERS / "train_families.py"), 2, str(tmp_path), DATA, QUICKSTART)
+    run = rank_pool.run(str(WORKERS / "train_families.py"), 2, str(tmp_path), DATA, QUICKSTART)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     first = json.loads(run.stdout.strip().splitlines()[-1])
     for family in FAMILIES:

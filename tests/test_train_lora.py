@@ -108,7 +108,7 @@ def test_freeze_trains_only_the_last_layers(tmp_path):
 
 
 def test_lora_targets_that_name_nothing_stop_the_run_before_any_worker(tmp_path):
-    run = hp_train("finetuning_type=lora", "lora_target=qkv", f"output_dir={tmp_path}")
+    run = hp_train("finetuning_type=lora", "lora_target=qkv", f"output_dir={tmp_path}", launcher=True)
     assert run.returncode == 2
     assert "finetuning_type = 'lora': lora targets = ('qkv',) match no nn.Linear of LlamaForCausalLM" in run.stderr
     assert "starting" not in run.stderr

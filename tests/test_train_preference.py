@@ -12,7 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gloo_launch import assert_finished, clean_env, torchrun
+import rank_pool
+from gloo_launch import assert_finished, clean_env
 from train_runs import ROOT, WORKERS, hp_train, summary
 
 QUICKSTART_DPO = str(ROOT / "examples" / "quickstart_dpo.yaml")
@@ -31,7 +32,7 @@ def test_the_dpo_quickstart_prefers_the_right_answers(tmp_path):
 
 
 def test_every_stage_and_lora_take_the_unsharded_steps_on_gloo_processes():
-    run = torchrun(str(WORKERS / "preference_gloo.py"), 2, timeout=600)
+    run = rank_pool.run(str(WORKERS / "preference_gloo.py"), 2, timeout=600)
     assert_finished(run)
     assert sorted(re.findall(r"rank (\d) ok", run.stdout)) == ["0", "1"]
 

@@ -1,7 +1,12 @@
 """What the `hp train` tests share: running the command, reading its results, a local HF model directory.
 
-Every run is a real `hp train` subprocess (torch's elastic launcher and gloo
-workers when the strategy has more than one rank) from the repository root.
+A run that a test expects to train runs on the pytest worker's pool of gloo
+ranks (`rank_pool`): the launcher's checks, then each worker's code, without
+starting Python anew. A test of the launcher itself (its exit codes and
+messages, signals, several nodes, a run it watches while it runs) asks for
+the real command (`launcher=True`, or `wait=False`): `python -m hp.cli train`,
+with torch's elastic launcher and gloo workers when the strategy has more
+than one rank.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import rank_pool
 from gloo_launch import _free_port, clean_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,13 +25,24 @@ QUICKSTART = str(ROOT / "examples" / "quickstart.yaml")
 DATA = str(ROOT / "examples" / "data")
 
 
-def hp_train(*overrides: str, config: str = QUICKSTART, wait: bool = True):
+def hp_train(*overrides: str, config: str = QUICKSTART, wait: bool = True, launcher: bool = False):
+    if wait and not launcher:
+        return _in_pool(config, [f"dataset_dir={DATA}", *overrides])
     command = [sys.executable, "-m", "hp.cli", "train", config, f"dataset_dir={DATA}",
                f"master_port={_free_port()}", *overrides]
     if not wait:
         return subprocess.Popen(command, env=clean_env(), cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
     return subprocess.run(command, env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def _in_pool(config: str, overrides: list[str]) -> subprocess.CompletedProcess:
+    from hp.train.config import load_config
+
+    parsed = load_config(config, overrides)
+    if parsed.nnodes > 1:
+        return hp_train(*overrides[1:], config=config, launcher=True)
+    return rank_pool.run(str(WORKERS / "train_in_pool.py"), parsed.world_size, config, *overrides)
 
 
 def summary(run: subprocess.CompletedProcess) -> dict:

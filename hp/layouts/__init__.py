@@ -1,4 +1,7 @@
-"""Layouts: the notation, its value type, logical-axis rules, DTensor placements, annotate API."""
+"""Layouts: the notation, its value type, logical-axis rules, DTensor placements, annotate API.
+
+The lowest layer of hp's own: it may import torch and nothing of hp outside itself.
+"""
 
 from hp.layouts.annotate import constrain, describe, from_local, layout_of, shard
 from hp.layouts.errors import LayoutError
