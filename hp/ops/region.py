@@ -185,5 +185,5 @@ def _no_rule_error(op: str, func, args, kwargs) -> RuleError:
     return RuleError(
         f"no sharding rule for {op} ({where}) with inputs {layouts}.\n"
         f"Register one with hp.rule(torch.ops.{op}, \"<dims of each tensor argument> -> "
-        "<dims of each result>\", sum=..., whole=...); see the README, 'Adding a rule'."
+        "<dims of each result>\", sum=..., whole=...); see docs/extending.md, 'Adding a rule'."
     )

@@ -8,7 +8,7 @@ starts), each worker writes its failure to a file of the launcher's
 rank's) after the workers stopped. Tracebacks are for developers: they are
 printed only when debugging (`hp train --debug`, or `HP_DEBUG=1`).
 
-Exit codes (documented in the README):
+Exit codes (docs/troubleshooting.md shows what each means to a user):
 
     0    the run finished
     1    it failed during training (a non-finite loss, a crash in a worker)

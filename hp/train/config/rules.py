@@ -239,6 +239,6 @@ def unknown_key(key: Any, value: Any, known: Sequence[str], section: str = "") -
         return ConfigError(f"unknown key {name!r} = {value!r}; expected one of {', '.join(known)}")
     if hint is None:
         return ConfigError(f"unknown key {name!r} = {value!r}: neither a key hp train takes nor one of LlamaFactory's "
-                           "it knows (the README lists the keys)")
+                           "it knows (docs/train.md lists the keys)")
     return ConfigError(f"unknown key {name!r} = {value!r}; {hint}")
 
