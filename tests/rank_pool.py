@@ -146,7 +146,7 @@ def _serve(rank: int, reply_fd: int) -> None:
     import hp  # noqa: F401
 
     reply = os.fdopen(reply_fd, "w")
-    environ, cwd, path, exit_ = dict(os.environ), os.getcwd(), list(sys.path), os._exit
+    environ, cwd, path = dict(os.environ), os.getcwd(), list(sys.path)
     for line in sys.stdin:
         job = json.loads(line)
         os.environ.update(job["env"], RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(job["world"]),
@@ -171,7 +171,7 @@ def _serve(rank: int, reply_fd: int) -> None:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 _restore(saved)
-        os._exit = exit_
+        os._exit = _EXIT
         if dist.is_initialized():
             dist.destroy_process_group()
         _reset(environ, cwd, path)
@@ -179,7 +179,13 @@ def _serve(rank: int, reply_fd: int) -> None:
         reply.flush()
 
 
+_EXIT = os._exit
+_RANK_PID = os.getpid()
+
+
 def _raise_exit(code: int) -> None:
+    if os.getpid() != _RANK_PID:  # a process the job forked (a loader, a pool): its own exit is real
+        _EXIT(code)
     raise _Exit(code)
 
 
