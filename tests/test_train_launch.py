@@ -67,7 +67,7 @@ def test_compiled_blocks_train_as_eager_ones(tmp_path):
     for name, extra in (("eager", []), ("compiled", ["torch_compile=true"])):
         out = tmp_path / name
         summary(hp_train("parallel.sp=true", "max_steps=3", "logging_steps=1", "per_device_train_batch_size=4",
-                         f"output_dir={out}", *extra))
+                         f"output_dir={out}", *extra, launcher=True))  # inductor in a fresh process
         runs[name] = losses(out)
     assert runs["compiled"].keys() == runs["eager"].keys() == {1, 2, 3}
     for step, want in runs["eager"].items():

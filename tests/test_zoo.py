@@ -34,7 +34,10 @@ CASES += [("llama", s) for s in LLAMA_MORE] + [("gemma2", {"cp": 2, "tp": 2}), (
 
 @pytest.mark.parametrize("family, strategy", CASES, ids=[f"{f}-{'-'.join(f'{k}{v}' for k, v in s.items())}" for f, s in CASES])
 def test_family_matches_hf_and_moves_what_megatron_moves(family, strategy):
-    reference, model = tiny_pair(family)
+    # one decoder layer: its input arrives laid out as a later block's would (from the embedding instead of
+    # a block) and its output meets the final norm; block-to-block handoffs at 2 layers are checked under
+    # strategies by tests/test_hf_models.py, tests/test_moe.py and tests/test_lora.py
+    reference, model = tiny_pair(family, layers=1)
     ids, labels = batch()
     ref_loss = reference(input_ids=ids, labels=labels).loss
     ref_loss.backward()
