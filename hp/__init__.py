@@ -1,5 +1,24 @@
 """hp: named-axis layouts on PyTorch DTensor, JAX-style.
 
+This module only re-exports the public API. The package, from the top layer
+down (a layer imports only from those below it; `pyproject.toml` states the
+contract and `tests/test_architecture.py` checks it):
+
+    cli              the `hp` command
+    train            `hp train`: config/, data/, the loop, checkpoints, export
+    models           the zoo (the repository's models/), one plan per family
+    offload, mpmd    the transforms of a training step
+    parallel         applying a strategy: Strategy, ModelPlan, FSDP, sequences, ...
+    compat           what older torch releases lack
+    ops              per-op rules and distributed kernels, `hp.region`
+    explain, comm    diagnostics: `hp.explain`, `hp.strict`, `hp.comm.trace`
+    layouts          the notation and the Layout value
+    simulate, watch  simulated ranks; the dispatch-level vantage point
+    mesh, cost, source, plot, device    meshes, byte formulas, user lines, drawings, device detection
+
+`hp.offload` and `hp.mpmd` name the transforms; their modules are reached as
+`from hp.offload.plan import ...`.
+
 >>> import hp, torch
 >>> mesh = hp.mesh(dp=2, tp=4, simulate=True)  # or hp.mesh(dp=2, tp=4) under torchrun
 >>> x = hp.shard(torch.randn(8, 16), "b/dp h/tp", mesh)

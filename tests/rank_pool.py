@@ -18,7 +18,9 @@ recovered), and the next job starts a fresh one.
 
 Tests that check the launcher itself (its messages, signals, timeouts, several
 nodes) still launch for real (`gloo_launch.torchrun`, `train_runs.hp_train(...,
-launcher=True)`).
+launcher=True)`), and so do the compiled runs: `torch.compile` in a rank that
+had run other jobs failed to trace or to partition graphs that it compiles in
+a fresh process, even after `torch._dynamo.reset()`.
 """
 
 from __future__ import annotations
