@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
 import subprocess
 import sys
 import tempfile
@@ -91,8 +92,6 @@ class RankPool:
         """Each rank's exit code; once one rank fails, the others get a few seconds to finish."""
         codes: list[int | None] = [None] * world
         deadline = time.monotonic() + timeout
-        import selectors
-
         with selectors.DefaultSelector() as selector:
             for rank in range(world):
                 selector.register(self.replies[rank], selectors.EVENT_READ, rank)
