@@ -64,8 +64,9 @@ def test_plain_launch_is_a_one_rank_world_and_sizes_are_checked():
 def test_a_launch_past_its_timeout_leaves_no_worker_behind(tmp_path):
     script = tmp_path / "hangs.py"
     script.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
-    with pytest.raises(subprocess.TimeoutExpired):
-        torchrun(str(script), 2, timeout=20)
+    with pytest.raises(subprocess.TimeoutExpired) as stopped:
+        torchrun(str(script), 2, timeout=12)
+    assert stopped.value.output.count("started") == 2, stopped.value.output  # both workers ran before the stop
     time.sleep(1)
     left = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True).stdout.split()
     assert not left, f"workers still running: {left}"
