@@ -66,8 +66,7 @@ class RankPool:
             reply.close()
         self.ranks, self.replies = [], []
 
-    def run(self, script: str, world: int, *args: str, env: dict[str, str] | None = None,
-            timeout: float = 600) -> subprocess.CompletedProcess:
+    def run(self, script: str, world: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
         """Run `script` with `args` on ranks 0..world-1, as `torchrun --nproc-per-node world` would."""
         assert 1 <= world <= self.size, f"the pool has {self.size} ranks, not {world}"
         if not self.ranks or any(p.poll() is not None for p in self.ranks):
@@ -77,7 +76,7 @@ class RankPool:
         with tempfile.TemporaryDirectory(prefix="hp-pool-") as outputs:
             for rank in range(world):
                 job = {"script": str(script), "args": list(args), "world": world, "port": port,
-                       "env": env or {}, "out": f"{outputs}/{rank}.out", "err": f"{outputs}/{rank}.err"}
+                       "out": f"{outputs}/{rank}.out", "err": f"{outputs}/{rank}.err"}
                 self.ranks[rank].stdin.write(json.dumps(job) + "\n")
                 self.ranks[rank].stdin.flush()
             codes = self._wait(world, timeout, script)
@@ -97,6 +96,8 @@ class RankPool:
                 selector.register(self.replies[rank], selectors.EVENT_READ, rank)
             while None in codes:
                 left = deadline - time.monotonic()
+                if left <= 0 and any(c not in (None, 0) for c in codes):
+                    return [1 if c is None else int(c) for c in codes]  # the rest wait on the failed rank
                 if left <= 0:
                     self.stop()
                     raise subprocess.TimeoutExpired(str(script), timeout)
@@ -116,10 +117,9 @@ class RankPool:
 _POOL = RankPool()
 
 
-def run(script: str, world: int, *args: str, env: dict[str, str] | None = None,
-        timeout: float = 600) -> subprocess.CompletedProcess:
+def run(script: str, world: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """`script` on `world` ranks of this pytest worker's pool (see the module docstring)."""
-    return _POOL.run(script, world, *args, env=env, timeout=timeout)
+    return _POOL.run(script, world, *args, timeout=timeout)
 
 
 # ---- the rank process ---------------------------------------------------------------------------
@@ -150,7 +150,7 @@ def _serve(rank: int, reply_fd: int) -> None:
     environ, cwd, path = dict(os.environ), os.getcwd(), list(sys.path)
     for line in sys.stdin:
         job = json.loads(line)
-        os.environ.update(job["env"], RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(job["world"]),
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(job["world"]),
                           LOCAL_WORLD_SIZE=str(job["world"]), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(job["port"]), TORCHELASTIC_RUN_ID="pool")
         sys.argv = [job["script"], *job["args"]]
