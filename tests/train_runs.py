@@ -39,10 +39,8 @@ def hp_train(*overrides: str, config: str = QUICKSTART, wait: bool = True, launc
 def _in_pool(config: str, overrides: list[str]) -> subprocess.CompletedProcess:
     from hp.train.config import load_config
 
-    parsed = load_config(config, overrides)
-    if parsed.nnodes > 1:
-        return hp_train(*overrides[1:], config=config, launcher=True)
-    return rank_pool.run(str(WORKERS / "train_in_pool.py"), parsed.world_size, config, *overrides)
+    world = load_config(config, overrides).world_size
+    return rank_pool.run(str(WORKERS / "train_in_pool.py"), world, config, *overrides)
 
 
 def summary(run: subprocess.CompletedProcess) -> dict:

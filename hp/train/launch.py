@@ -40,10 +40,7 @@ def launch(config_path: str, overrides: Sequence[str] = ()) -> int:
     Traceback (most recent call last):
     hp.train.config.schema.ConfigError: ...
     """
-    config = load_config(config_path, overrides)
-    preflight.check(config)
-    for note in config.notes:
-        print(f"hp train: note: {note}", file=sys.stderr)
+    config = checked(config_path, overrides)
     os.environ["HP_DEVICE"] = config.device
     if config.nnodes == 1 and config.nproc_per_node == 1:
         from hp.train.loop import train
@@ -51,6 +48,15 @@ def launch(config_path: str, overrides: Sequence[str] = ()) -> int:
         train(config)
         return errors.FINISHED
     return _start_workers(config, ["-m", "hp.train.worker", str(config_path), *overrides])
+
+
+def checked(config_path: str, overrides: Sequence[str] = ()) -> TrainConfig:
+    """The config, checked as the launcher checks it before any worker starts, its notes printed."""
+    config = load_config(config_path, overrides)
+    preflight.check(config)
+    for note in config.notes:
+        print(f"hp train: note: {note}", file=sys.stderr)
+    return config
 
 
 def _start_workers(config: TrainConfig, command: list[str]) -> int:
