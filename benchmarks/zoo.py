@@ -1,12 +1,14 @@
 """The model zoo under every strategy: numbers equal to HF's, communication equal to Megatron's.
 
-For each family of `hp.models` (tiny configs built in code: hidden 64, 8
-query heads of dim 8, 2 layers, batch 4 x 16 tokens, fp32) and each strategy
-(tp, tp+sp, dp+tp, cp with Ulysses and with ring, cp+tp; the vision-language
-families, with images in their batch, also tp with the vision tower split
-over tp), one forward and
-backward on simulated ranks (one process, real values), against the
-unsharded HF model. Each line:
+For each family `hp.models` has a plan for (every transformers causal LM
+with a pipeline plan, its plan derived from transformers' own, and the
+hand-planned vision-language families; tiny configs built in code by
+`hp.models.tiny.sizes_for`: hidden 64, 8 query heads of dim 8, 2 layers,
+batch 4 x 16 tokens, fp32) and each strategy (tp, tp+sp, dp+tp, cp with
+Ulysses and with ring, cp+tp; ep and ep+tp for the mixture-of-experts
+families; the vision-language families, with images in their batch, also tp
+with the vision tower split over tp), one forward and backward on simulated
+ranks (one process, real values), against the unsharded HF model. Each line:
 
 - `loss_rel`, `grad_rel`: relative error of the loss and the worst gradient;
 - `fwd_collectives_per_layer`: the collectives of the last decoder layer's
@@ -25,12 +27,15 @@ without the residual-stream outputs of its plan. The last line:
 `{"families": N, "all_match": bool, "megatron_bytes": bool}` (Megatron's
 bytes: over the dense families; an MoE layer's experts do not cross tp).
 
-    python benchmarks/zoo.py
+    python benchmarks/zoo.py > zoo.jsonl                 # about 15 minutes on 2 cores
+    python benchmarks/zoo.py --table zoo.jsonl           # the families x strategies table of docs/benchmarks.md
+    python benchmarks/zoo.py --families=llama,olmo2      # some families only
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import torch
@@ -39,7 +44,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 import hp
 from hp.cost import ring_bytes
 from hp.parallel.model_plan import ModelPlan
-from hp.models import FAMILIES, VL_FAMILIES, plan_for, plan_for_type, tiny_config, tiny_vl_batch
+from hp.models import VL_FAMILIES, plan_for, supported, tiny_config, tiny_vl_batch
 
 BATCH, SEQ, HEAD_DIM, TOLERANCE = 4, 16, 8, 1e-5
 STRATEGIES = [
@@ -47,10 +52,11 @@ STRATEGIES = [
     {"cp": 2, "tp": 2},
 ]
 VL_STRATEGIES = [*STRATEGIES, {"tp": 2, "vision_tp": True}]  # and the vision tower split over tp too
+MOE_STRATEGIES = [*STRATEGIES, {"dp": 2, "ep": 2}, {"dp": 2, "ep": 2, "tp": 2}]
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+    return float((got - want).norm() / want.norm().clamp_min(1e-6))
 
 
 def measure(family: str, strategy: hp.Strategy, plan: ModelPlan | None = None) -> dict:
@@ -73,7 +79,8 @@ def measure(family: str, strategy: hp.Strategy, plan: ModelPlan | None = None) -
         loss = model(**inputs).loss
         loss.backward()
         loss_rel = abs(loss.full_tensor().item() - want.item()) / want.item()
-        grad_rel = max(rel_err(p.grad.full_tensor(), r.grad) for p, r in zip(model.parameters(), reference.parameters()))
+        grad_rel = max(rel_err(p.grad.full_tensor(), r.grad) for p, r in zip(model.parameters(), reference.parameters())
+                       if r.grad is not None)  # a parameter the batch never reaches (an unrouted layer's) has none
     forward = layers[-1].select(phase="forward")  # a layer inside the stack (a VL model's first gets whole tokens)
     tp_bytes = sum(r.bytes for r in forward if r.axis == "tp")
     cp_bytes = sum(r.bytes for r in forward if r.axis == "cp")
@@ -112,11 +119,27 @@ def formulas(strategy: hp.Strategy, config) -> tuple[int, int]:
     return megatron, ulysses
 
 
-def runs() -> list[tuple[str, dict]]:
-    """(family, strategy) pairs: every strategy a family's attention takes (Gemma-2's eager attention: no ring)."""
-    text = [(f, s) for f in FAMILIES for s in STRATEGIES if not (f == "gemma2" and s.get("cp_algorithm") == "ring")]
-    vl = [(f, s) for f in VL_FAMILIES for s in VL_STRATEGIES if not (f == "qwen3_vl_moe" and "vision_tp" in s)]
-    return text + vl
+def runs() -> tuple[list[tuple[str, dict]], dict[str, str]]:
+    """((family, strategy) pairs, {family: why it is left out}).
+
+    A strategy a family refuses (ring attention for eager attention, say) is printed with the reason and
+    not counted.
+    """
+    pairs, refused = [], {}
+    only = next((a.split("=", 1)[1].split(",") for a in sys.argv[1:] if a.startswith("--families=")), None)
+    for family in only or supported():
+        try:
+            config = tiny_config(family, layers=2)
+            plan = plan_for(config)
+        except Exception as error:  # a tiny config its own class rejects, or a model without a usable plan
+            refused[family] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+            continue
+        if plan.unsplit is not None:
+            refused[family] = f"{plan.unsplit} layers: dp and FSDP only"
+            continue
+        strategies = VL_STRATEGIES if family in VL_FAMILIES else MOE_STRATEGIES if plan.experts else STRATEGIES
+        pairs += [(family, s) for s in strategies if not (family == "qwen3_vl_moe" and "vision_tp" in s)]
+    return pairs, refused
 
 
 def naive_plans() -> list[tuple[str, ModelPlan]]:
@@ -127,19 +150,54 @@ def naive_plans() -> list[tuple[str, ModelPlan]]:
             ("gemma2", ModelPlan(params=gemma.params, residual=()))]
 
 
+def _name(strategy: dict) -> str:
+    return " ".join(f"{k}{'' if v is True else v}" for k, v in strategy.items()).replace("cp_algorithmring", "ring")
+
+
+def table(lines: list[dict]) -> str:
+    """Markdown: a row per family, a column per strategy; ok (errors under 1e-5), refused (-), or x."""
+    runs_ = [r for r in lines if "family" in r and r.get("plan", "zoo") == "zoo"]
+    columns = list(dict.fromkeys(_name(r["strategy"]) for r in runs_))
+    cells: dict[str, dict[str, str]] = {}
+    for r in runs_:
+        ok = "error" not in r and "refused" not in r and r["loss_rel"] < TOLERANCE and r["grad_rel"] < TOLERANCE
+        cells.setdefault(r["family"], {})[_name(r["strategy"])] = "-" if "refused" in r else "ok" if ok else "x"
+    rows = ["| family | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    rows += [f"| `{f}` | " + " | ".join(c.get(k, "") for k in columns) + " |" for f, c in cells.items()]
+    summary = lines[-1]
+    rows += ["", *(f"- `{f}`: {why}" for f, why in summary.get("refused", {}).items())]
+    return "\n".join(rows)
+
+
 def main() -> None:
-    results = []
-    for family, spec in runs():
-        results.append(measure(family, hp.Strategy.of(spec)))
+    if sys.argv[1:2] == ["--table"]:
+        with open(sys.argv[2]) as f:
+            print(table([json.loads(line) for line in f if line.startswith("{")]))
+        return
+    results, pairs, refused = [], *runs()
+    for family, spec in pairs:
+        try:
+            results.append(measure(family, hp.Strategy.of(spec)))
+        except hp.StrategyError as error:  # refused before running, by name: not a mismatch
+            print(json.dumps({"family": family, "strategy": spec, "refused": str(error)}), flush=True)
+            continue
+        except Exception as error:
+            results.append({"family": family, "strategy": spec, "error": f"{type(error).__name__}: {str(error)[:200]}"})
         print(json.dumps(results[-1]), flush=True)
     for family, plan in naive_plans():
         print(json.dumps(measure(family, hp.Strategy(tp=2), plan)), flush=True)
+    ok = [r for r in results if "error" not in r]
+    dense = [r for r in ok if not plan_for(tiny_config(r["family"])).experts]
     summary = {
         "families": len({r["family"] for r in results}),
-        "all_match": all(r["loss_rel"] < TOLERANCE and r["grad_rel"] < TOLERANCE for r in results),
+        "derived": len({r["family"] for r in results if r["family"] not in VL_FAMILIES}),
+        "all_match": len(ok) == len(results) and all(r["loss_rel"] < TOLERANCE and r["grad_rel"] < TOLERANCE for r in ok),
         # Megatron's two all-reduces are a dense layer's: an MoE layer's experts stay whole over tp
         "megatron_bytes": all(r["bytes_vs_megatron"] in (None, 1.0) and r["cp_bytes_vs_formula"] in (None, 1.0)
-                              for r in results if not plan_for_type(r["family"]).experts),
+                              for r in dense),
+        "mismatched": sorted({r["family"] for r in results if r not in ok or r["loss_rel"] >= TOLERANCE
+                              or r["grad_rel"] >= TOLERANCE}),
+        "refused": refused,
     }
     print(json.dumps(summary))
 

@@ -1,52 +1,84 @@
-"""hp.models: the reference model zoo, one plan per HF model family.
+"""hp.models: the reference model zoo, a plan for every family transformers can split.
 
-`plan_for(config)` picks the plan of an HF config's `model_type`;
+`plan_for(config)` derives a family's `hp.ModelPlan` from the tensor-,
+expert- and pipeline-parallel plans that transformers ships with the model
+(`hp.models.derive`); the vision-language families keep hand-written plans
+(`hp.models.qwen_vl`: the derivation reads causal LMs, and their vision tower
+and decoder input are hp's own). A family with layers hp cannot split
+(`hp.models.unsplit`) gets a plan that runs under dp and FSDP only.
 `hp.apply_strategy(model, mesh, strategy, plan)` applies any strategy with
-it. A plan is data (`hp.ModelPlan`): parameter layouts and module names.
-The zoo may import hp's lower layers (`hp.parallel`, `hp.ops`, `hp.layouts`),
-never `hp.train` or the CLI.
+it. The zoo may import hp's lower layers (`hp.parallel`, `hp.ops`,
+`hp.layouts`), never `hp.train` or the CLI.
 
->>> from hp.models import plan_for_type, supported
+>>> from hp.models import plan_for_type
 >>> plan_for_type("mistral").residual
 ('*.self_attn.o_proj', '*.mlp.down_proj')
->>> "phi3" in supported()
-True
+>>> plan_for_type("gpt_neox").blocks
+'gpt_neox.layers'
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 from hp.parallel.model_plan import ModelPlan
-from hp.models import llama, phi3, qwen_moe, qwen_vl
-from hp.models.tiny import FAMILIES, MOE_FAMILIES, VL_FAMILIES, tiny_config, tiny_vl_batch
+from hp.models import qwen_vl
+from hp.models.derive import derive, meta_model
+from hp.models.tiny import DERIVED_FAMILIES, FAMILIES, MOE_FAMILIES, VL_FAMILIES, tiny_config, tiny_vl_batch
+from hp.models.unsplit import unsplit_layer
 
-__all__ = ["FAMILIES", "MOE_FAMILIES", "VL_FAMILIES", "plan_for", "plan_for_type", "supported", "tiny_config",
+__all__ = ["DERIVED_FAMILIES", "FAMILIES", "MOE_FAMILIES", "VL_FAMILIES", "plan_for", "plan_for_type", "supported", "tiny_config",
            "tiny_vl_batch"]
 
-_PLANS: dict[str, ModelPlan] = {
-    **{t: llama.PLAN for t in llama.MODEL_TYPES},
-    **{t: phi3.PLAN for t in phi3.MODEL_TYPES},
-    **{t: qwen_moe.PLAN for t in qwen_moe.MODEL_TYPES},
+_HAND: dict[str, ModelPlan] = {
     **{t: qwen_vl.PLAN for t in qwen_vl.MODEL_TYPES},
     **{t: qwen_vl.MOE_PLAN for t in qwen_vl.MOE_MODEL_TYPES},
 }
 
 
+@functools.cache
 def supported() -> tuple[str, ...]:
-    """The HF `model_type`s the zoo has a plan for."""
-    return tuple(_PLANS)
+    """The HF `model_type`s with a plan: every causal LM with a pipeline plan, and the hand-planned ones."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    derived = [t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if t in transformers.CONFIG_MAPPING
+               and getattr(transformers.CONFIG_MAPPING[t], "base_model_pp_plan", None)]
+    return tuple(sorted({*derived, *_HAND}))
 
 
 def plan_for_type(model_type: str) -> ModelPlan:
-    """The plan of an HF `model_type`; a ValueError naming the supported ones otherwise."""
-    plan = _PLANS.get(model_type)
-    if plan is None:
-        raise ValueError(f"no model plan for model_type {model_type!r}; hp.models has plans for "
-                         f"{', '.join(supported())}")
-    return plan
+    """The plan of an HF `model_type`, derived on its tiny config; a ValueError naming the supported ones otherwise."""
+    if model_type in _HAND:
+        return _HAND[model_type]
+    _check_supported(model_type)
+    return plan_for(tiny_config(model_type, layers=1))
 
 
 def plan_for(config: Any) -> ModelPlan:
-    """The plan of an HF config (by its `model_type`)."""
-    return plan_for_type(config.model_type)
+    """The plan of an HF config: hand-written for the vision-language families, derived for the others."""
+    if config.model_type in _HAND:
+        return _HAND[config.model_type]
+    _check_supported(config.model_type)
+    return _derived(type(config), config.to_json_string(use_diff=False))
+
+
+def _check_supported(model_type: str) -> None:
+    if model_type not in supported():
+        raise ValueError(f"no model plan for model_type {model_type!r}: hp derives plans for the causal LMs "
+                         f"whose transformers model carries a pipeline plan; those are {', '.join(supported())}")
+
+
+@functools.lru_cache(maxsize=64)
+def _derived(config_class: type, config_json: str) -> ModelPlan:
+    import json
+
+    config = config_class.from_dict(json.loads(config_json))
+    try:
+        model = meta_model(config)
+        plan = derive(config, type(model))
+    except (ValueError, KeyError) as error:
+        raise ValueError(f"no model plan for model_type {config.model_type!r}: {error}") from None
+    return dataclasses.replace(plan, unsplit=unsplit_layer(model))

@@ -1,23 +1,18 @@
-"""The plan of Llama-style HF families: Llama, Mistral, Qwen2, Qwen3, Gemma-2 and Gemma-3 (text).
+"""Llama's Megatron layouts written out, and the 2D / SUMMA / 3D layouts of `hp.tp_plan`.
 
-They share module names: `q_proj`, `k_proj`, `v_proj`, `o_proj` under
-`self_attn`, `gate_proj`, `up_proj`, `down_proj` under `mlp`, the decoder
-blocks in `model.layers`, the embedding `model.embed_tokens`, RoPE in
-`model.rotary_emb` and the head `lm_head`. Tensor parallel is Megatron's:
-q, k, v, gate and up split by output features, o and down by input
-features, the LM head by vocabulary (so the loss runs vocab-parallel). The
-outputs of o and down join the residual stream, so their pending sums are
-reduced there: that is also what keeps Gemma's sandwich norms (a norm
-between the projection and the residual add) at two all-reduces per layer.
-Gemma ties the LM head to the embedding: laying out `lm_head.weight` lays
-out the shared parameter once, and the embedding runs vocab-parallel.
-Qwen2's q, k, v biases split with their weights.
+The zoo derives every family's plan from transformers' own (`hp.models.derive`);
+the Llama-style families (Llama, Mistral, Qwen2/3, Gemma-2/3) derive the
+layouts below. They are written out here for what the derivation does not
+cover: laying a Llama out by hand with `hp.parallelize` (the examples), and
+turning a choice of `hp.tp_plan.choose` into layouts over two or three mesh
+axes (`choice_layouts`). q, k, v, gate and up split by output features, o and
+down by input features, the LM head by vocabulary (so the loss runs
+vocab-parallel).
 """
 
 from __future__ import annotations
 
 from hp.parallel import tp_plan
-from hp.parallel.model_plan import ModelPlan
 
 # Layouts of nn.Linear weights, which are stored (out, in).
 TP_PLAN = {
@@ -28,10 +23,6 @@ TP_PLAN = {
     "*.mlp.down_proj.weight": "out in/tp",
     "lm_head.weight": "vocab/tp h",
 }
-BIAS_PLAN = {"*.self_attn.[qkv]_proj.bias": "out/tp"}  # Qwen2 has q/k/v biases
-
-PLAN = ModelPlan(params={**TP_PLAN, **BIAS_PLAN}, residual=("*.self_attn.o_proj", "*.mlp.down_proj"))
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
 
 
 def choice_layouts(choice: tp_plan.Choice) -> tuple[dict[str, str], dict[str, str]]:

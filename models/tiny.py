@@ -23,22 +23,32 @@ TINY_IMAGES = ((), ((16, 16),), ((16, 8), (8, 24)), ())
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
              max_position_embeddings=128, use_cache=False)
-# What each family needs beyond the shape: head_dim where it is not hidden / heads by default,
-# Phi-3's equal fused parts and token ids inside the vocabulary.
-_EXTRA: dict[str, dict[str, Any]] = {
-    "llama": {},
-    "mistral": {"head_dim": 8},
-    "qwen2": {},
-    "qwen3": {"head_dim": 8},
-    "phi3": {"num_key_value_heads": 8, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
-    "gemma2": {"head_dim": 8, "query_pre_attn_scalar": 8},
-    "gemma3_text": {"head_dim": 8, "query_pre_attn_scalar": 8},
+# The one rule for every family's sizes: each attribute its config class has takes the small value here.
+SIZES = {
+    **SHAPE, "head_dim": 8, "query_pre_attn_scalar": 8, "rotary_dim": 4, "layer_types": None,
+    # mixture of experts: 8 experts of width 32, 2 per token, a shared expert of 64, routing groups of 4
+    "num_experts": 8, "num_local_experts": 8, "n_routed_experts": 8, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "n_shared_experts": 1,
+    "norm_topk_prob": True, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 0,
+    # multi-head latent attention (its head_dim is the rope slice's)
+    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8,
 }
-FAMILIES = tuple(_EXTRA)  # the dense families
-_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
-_EXTRA["qwen2_moe"] = {**_MOE, "shared_expert_intermediate_size": 64}
-_EXTRA["qwen3_moe"] = {**_MOE, "head_dim": 8}
+_TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")  # the dense families
 MOE_FAMILIES = ("qwen2_moe", "qwen3_moe")
+# Every family whose plan is derived from transformers' own and whose tiny model matches HF under tp
+# (`python benchmarks/zoo.py` runs each under every strategy; tests/test_zoo_derived.py under tp).
+DERIVED_FAMILIES = (
+    "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "beam", "codegen", "cohere", "cohere2",
+    "cohere2_moe", "cwm", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4",
+    "exaone_moe", "flex_olmo", "flint", "gemma", "gemma2", "gemma3_text", "gemma4_text", "gemma4_unified_text", "glm",
+    "glm4", "glm4_moe", "glm4_moe_lite", "gpt_neox", "gpt_oss", "gptj", "granite", "granite_swa", "helium", "hy_v3",
+    "hyperclovax", "internlm3", "iquestcoder", "jais2", "kolibri1", "laguna", "llama", "longcat_flash", "mellum",
+    "mimo_v2_flash", "minicpm3", "minimax", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3", "mistral",
+    "mixtral", "olmo", "olmo2", "olmo3", "phi", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "sarvam_mla",
+    "sarvam_moe", "seed_oss", "smollm3", "solar_open", "starcoder2", "vaultgemma", "youtu",
+)
+_MOE = {k: SIZES[k] for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")}
 
 VL_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 _VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=SHAPE["hidden_size"],
@@ -72,10 +82,37 @@ def tiny_config(model_type: str, layers: int = 2, vocab_size: int = 256, **overr
         tokens = {name: vocab_size + offset for name, offset in VISION_TOKENS.items()}
         return AutoConfig.for_model(model_type, text_config=text, vision_config={**_VISION, **_VISION_EXTRA[model_type]},
                                     tie_word_embeddings=False, **tokens)
-    if model_type not in _EXTRA:
-        raise ValueError(f"no tiny config for model_type {model_type!r}; known: {', '.join((*_EXTRA, *VL_FAMILIES))}")
-    values = {**SHAPE, **_EXTRA[model_type], "num_hidden_layers": layers, "vocab_size": vocab_size, **overrides}
-    return AutoConfig.for_model(model_type, **values)
+    return AutoConfig.for_model(model_type, **{**sizes_for(model_type, layers, vocab_size), **overrides})
+
+
+def sizes_for(model_type: str, layers: int = 2, vocab_size: int = 256) -> dict[str, Any]:
+    """The tiny sizes of one family: `SIZES` where its config class has the attribute.
+
+    Multi-head latent attention keeps its own head_dim (the rope slice); a family whose plan
+    fuses q, k and v in one projection gets as many key/value heads as query heads (the fused
+    parts split over tp only when equal); dropout is off; token ids outside the vocabulary move into it.
+
+    >>> sizes_for("phi3")["num_key_value_heads"], sizes_for("llama")["num_key_value_heads"]
+    (8, 4)
+    """
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    default = cls()
+    keys = set(default.to_dict()) | set(getattr(cls, "attribute_map", {}))
+    values = {k: v for k, v in SIZES.items() if k in keys}
+    if "qk_rope_head_dim" in keys:  # latent attention: one key and value per query head
+        values.pop("head_dim", None)
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    if any("qkv" in k for k in (getattr(cls, "base_model_tp_plan", None) or {})):
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    values.update(num_hidden_layers=layers, vocab_size=vocab_size)
+    for key, value in default.to_dict().items():
+        if "dropout" in key or key.endswith("_pdrop"):  # training-mode dropout would differ from run to run
+            values[key] = 0.0 if isinstance(value, float) else value
+        if key.endswith("_token_id") and isinstance(value, int) and value >= vocab_size:
+            values[key] = _TOKEN_IDS.get(key, 3)
+    return values
 
 
 def tiny_vl_batch(model, images=TINY_IMAGES, seq: int = 16, seed: int = 0) -> dict:

@@ -223,7 +223,7 @@ BAD = {
         "model.safetensors is not a readable safetensors file"),
     "corrupt config.json": lambda t, m: ([_model(t, m, lambda c: _file(c, "config.json", "{"))], "model_name_or_path = "),
     "model type without a plan": lambda t, m: (
-        [_model(t, m, _gpt2)], "no model plan for model_type 'gpt2'; hp.models has plans for llama"),
+        [_model(t, m, _gpt2)], "no model plan for model_type 'gpt2': hp derives plans for the causal LMs"),
     "hyper_parallel_args file missing": lambda t, m: (
         ["use_hyper_parallel=true", "hyper_parallel_args=nope.json"], "hyper_parallel_args = 'nope.json': expected the path"),
 }

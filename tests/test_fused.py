@@ -345,13 +345,13 @@ def test_a_fused_block_matches_one_device_with_megatrons_two_allreduces(tp):
 def test_strict_passes_the_fused_path():
     from transformers import AutoModelForCausalLM
 
-    from hp.models import phi3, tiny_config
+    from hp.models import plan_for_type, tiny_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("phi3"))
     mesh = hp.mesh(tp=2, simulate=True)
     with hp.simulated(mesh):
-        hp.parallelize(model, mesh, phi3.TP_PLAN)
+        hp.parallelize(model, mesh, dict(plan_for_type("phi3").params))
         ids = torch.randint(0, 128, (2, 8))
         with hp.strict() as recorder:
             loss = model(input_ids=ids, labels=ids).loss

@@ -152,12 +152,13 @@ def test_shapes_a_strategy_cannot_take_are_refused_before_any_model_is_built():
 
 
 def test_an_unknown_model_type_names_the_supported_ones():
-    with pytest.raises(ValueError, match=r"no model plan for model_type 'gpt2'; hp.models has plans for llama, mistral"):
+    with pytest.raises(ValueError, match=r"no model plan for model_type 'gpt2': hp derives plans for the causal LMs "
+                                         r"whose transformers model carries a pipeline plan; those are .*\bllama, "):
         plan_for_type("gpt2")
 
 
-def test_a_plan_is_data_and_one_plan_serves_the_llama_style_families():
-    assert plan_for_type("llama") is plan_for_type("gemma2") is plan_for_type("mistral")
+def test_a_plan_is_data_and_the_llama_style_families_derive_one_plan():
+    assert plan_for_type("llama") == plan_for_type("gemma2") == plan_for_type("mistral")
     assert plan_for_type("phi3").params["*.self_attn.qkv_proj.weight"] == "[q k v]/tp in"
     assert hash(plan_for_type("llama")) == hash(plan_for_type("qwen3"))
 
@@ -181,5 +182,6 @@ def test_a_plan_that_does_not_fit_the_model_is_refused_without_a_mesh():
         model = AutoModelForCausalLM.from_config(tiny_config("phi3", layers=1, num_key_value_heads=4))
     with pytest.raises(hp.PlanError, match=r"parameter 'model.layers.0.self_attn.qkv_proj.weight' of shape \(128, 64\): "
                                            r"dimension 0 has size 128, not divisible into its 3 equal parts"):
-        hp.check_strategy(model, {"tp": 2}, plan_for(model.config))
-    hp.check_strategy(model, {"cp": 2}, plan_for(model.config))  # without tp nothing is split in parts
+        hp.check_strategy(model, {"tp": 2}, plan_for_type("phi3"))  # the plan of Phi-3's equal parts
+    hp.check_strategy(model, {"cp": 2}, plan_for_type("phi3"))  # without tp nothing is split in parts
+    assert "*.self_attn.qkv_proj.weight" not in plan_for(model.config).params  # derived for it: q, k, v left whole

@@ -120,6 +120,7 @@ def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any
     f32[out=64, in=64/tp]
     """
     strategy = Strategy.of(strategy)
+    _check_unsplit(model, strategy, plan)
     params, inputs, outputs = layouts(strategy, plan)
     params = _present({**params, **adapter_layouts(params)}, model.named_parameters(remove_duplicate=False))
     outputs = _present(outputs, model.named_modules())
@@ -165,6 +166,7 @@ def check_strategy(model: nn.Module, strategy: Strategy | Mapping[str, Any], pla
     hp.parallel.strategy.StrategyError: cp_algorithm = 'ring' cannot soft-cap attention logits (attn_logit_softcapping = 50.0): ring attention merges blocks of SDPA; use ulysses
     """
     strategy = Strategy.of(strategy)
+    _check_unsplit(model, strategy, plan)
     strategy.check_fits(model.config)
     params, _, _ = layouts(strategy, plan)
     params = {**params, **adapter_layouts(params)}
@@ -191,6 +193,13 @@ def _cut_decoder_input(decoder: nn.Module, tokens: str) -> None:
         return args, kwargs
 
     decoder.register_forward_pre_hook(cut_input, with_kwargs=True, prepend=True)
+
+
+def _check_unsplit(model: nn.Module, strategy: Strategy, plan: ModelPlan) -> None:
+    for key in ("tp", "cp", "ep"):
+        if plan.unsplit is not None and getattr(strategy, key) > 1:
+            raise StrategyError(key, getattr(strategy, key), f": {type(model).__name__} has {plan.unsplit} layers, "
+                                f"which hp cannot split over {key} yet; dp and FSDP run any family")
 
 
 def _check_compile(model: nn.Module, plan: ModelPlan) -> None:

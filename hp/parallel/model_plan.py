@@ -50,7 +50,9 @@ class ModelPlan:
     `rowwise_functions` names functions of the decoder blocks' modeling module
     that do too and are called `f(q, k, ...) -> (q', k')` (HF's
     `apply_rotary_pos_emb`): both run on each rank's block wherever that dim
-    is whole (`hp.ops.blockwise`).
+    is whole (`hp.ops.blockwise`). `unsplit` names a layer of the family that
+    hp cannot split over tp or cp yet (a state-space or linear-attention
+    layer, a short convolution): such a family runs under dp and FSDP only.
 
     >>> import hp
     >>> plan = hp.ModelPlan(params={"*.q_proj.weight": "out/tp in"}, residual=("*.o_proj",))
@@ -73,6 +75,7 @@ class ModelPlan:
     vision_residual: tuple[str, ...] = ()
     rowwise: tuple[str, ...] = ("*norm",)
     rowwise_functions: tuple[str, ...] = ("apply_rotary_pos_emb",)
+    unsplit: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
@@ -90,4 +93,4 @@ class ModelPlan:
         return hash((tuple(self.params.items()), self.residual, self.blocks, self.embedding, self.rotary,
                      self.experts, tuple(self.expert_params.items()), self.routers, self.vision, self.decoder,
                      tuple(self.vision_params.items()), self.vision_residual, self.projector, self.rowwise,
-                     self.rowwise_functions))
+                     self.rowwise_functions, self.unsplit))

@@ -122,14 +122,14 @@ def check_fits(config, strategy: Strategy, *, weights: str | None = None, name: 
 
 def _check_experts(config, strategy: Strategy, name: str | None, labels: Mapping[str, str]) -> None:
     """Expert parallel or a routing bias asked of a dense model, in words that name the model."""
-    from hp.models import plan_for_type, supported
+    from hp.models import MOE_FAMILIES
 
     if num_experts(config) or not (strategy.ep > 1 or strategy.expert_bias_rate):
         return
     model = f"model_name_or_path = {name!r}" if name else "the model"
     dense = f"{model} is a dense {config.model_type} model"
     if strategy.ep > 1:
-        families = ", ".join(t for t in supported() if plan_for_type(t).experts and plan_for_type(t).vision is None)
+        families = ", ".join(MOE_FAMILIES)
         raise ConfigError(f"{labels.get('ep', 'parallel.ep')} = {strategy.ep}: {dense}, with no experts to split; "
                           f"expert parallel needs a mixture-of-experts model ({families}; {TINY_QWEN3_MOE!r} is "
                           "embedded); set ep to 1")

@@ -1,0 +1,106 @@
+"""Plans derived from transformers' own: every covered family under tp against HF, and a drawn sample of strategies.
+
+`benchmarks/zoo.py` runs every family under every strategy; here each family
+runs tp=2 on one decoder layer (loss and every gradient against HF's
+unsharded model), and hypothesis draws family x strategy pairs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import batch, tiny_pair
+
+import hp
+from hp.models import DERIVED_FAMILIES, plan_for, plan_for_type
+from hp.models.derive import derive
+from hp.models.llama import TP_PLAN
+from hp.models import tiny_config
+
+STRATEGIES = [{"tp": 2, "sp": True}, {"dp": 2, "tp": 2}, {"cp": 2}, {"cp": 2, "cp_algorithm": "ring"}]
+MOE = {"dp": 2, "ep": 2}
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Relative error; a gradient zero in exact arithmetic (a hash-routed gate's) is measured against 1e-6."""
+    return float((got - want).norm() / want.norm().clamp_min(1e-6))
+
+
+def matches_hf(family: str, strategy: dict) -> None:
+    reference, model = tiny_pair(family, layers=1)
+    ids, labels = batch()
+    want = reference(input_ids=ids, labels=labels).loss
+    want.backward()
+    mesh = hp.strategy_mesh(strategy, simulate=True)
+    with hp.simulated(mesh):
+        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        assert abs(loss.full_tensor().item() - want.item()) / want.item() < 1e-5, family
+        for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+            got = p.grad.full_tensor() if isinstance(p.grad, torch.distributed.tensor.DTensor) else p.grad
+            assert rel_err(got, r.grad) < 1e-5, f"{family} {strategy}: gradient of {name}"
+
+
+@pytest.mark.parametrize("family", DERIVED_FAMILIES)
+def test_every_derived_family_matches_hf_under_tp(family):
+    matches_hf(family, {"tp": 2})
+
+
+@settings(max_examples=8)
+@given(family=st.sampled_from(DERIVED_FAMILIES), strategy=st.sampled_from(STRATEGIES + [MOE]))
+def test_a_drawn_family_and_strategy_match_hf(family, strategy):
+    if strategy is MOE and not plan_for_type(family).experts:
+        strategy = {"dp": 2}
+    try:
+        matches_hf(family, strategy)
+    except hp.StrategyError as refused:  # refused by name before running (ring for eager attention)
+        assert "cp_algorithm = 'ring'" in str(refused), refused
+
+
+def test_the_llama_style_derivation_is_megatrons_layout():
+    plan = derive(tiny_config("llama"))
+    for glob, layout in TP_PLAN.items():
+        names = [k for k in plan.params if __import__("fnmatch").fnmatchcase(k, glob)]
+        assert names and all(plan.params[k] == layout for k in names), glob
+    assert plan.residual == ("*.self_attn.o_proj", "*.mlp.down_proj")
+
+
+def test_module_paths_come_from_the_pipeline_plan():
+    plan = plan_for_type("gpt_neox")
+    assert (plan.blocks, plan.embedding, plan.rotary) == ("gpt_neox.layers", "gpt_neox.embed_in", "gpt_neox.rotary_emb")
+    assert plan.params["*.attention.query_key_value.weight"] == "out/tp in"  # packed by head: whole heads per rank
+
+
+def test_the_derivation_does_better_than_hf_where_hf_gathers_or_leaves_whole():
+    assert plan_for_type("phi3").params["*.mlp.gate_up_proj.weight"] == "[gate up]/tp in"  # HF gathers it
+    assert plan_for_type("qwen2_moe").params["*.mlp.shared_expert.down_proj.weight"] == "out in/tp"  # HF: whole
+    oss = plan_for_type("gpt_oss")  # HF's plan leaves its attention whole
+    assert oss.params["*.self_attn.q_proj.weight"] == "out/tp in" and oss.params["*.self_attn.sinks"] == "out/tp"
+    assert "*.mlp" in plan_for_type("qwen3_moe").residual  # the MoE block joins the stream once
+
+
+@pytest.mark.parametrize("family, layer", [
+    ("qwen3_next", r"linear-attention \(Qwen3NextGatedDeltaNet\)"),
+    ("inkling_text", r"short-convolution \(InklingShortConvolution\)"),
+    ("hy_v4", r"sparse indexed attention \(HYV4Indexer\)"),
+])
+def test_a_layer_hp_cannot_split_is_refused_by_name_and_dp_still_runs(family, layer):
+    config = tiny_config(family, layers=1)
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(config)
+    plan = plan_for(config)
+    for strategy, key in (({"tp": 2}, "tp"), ({"cp": 2}, "cp")):
+        with pytest.raises(hp.StrategyError, match=rf"{key} = 2: {type(model).__name__} has {layer} layers, which hp "
+                                                   rf"cannot split over {key} yet; dp and FSDP run any family"):
+            hp.check_strategy(model, strategy, plan)
+    hp.check_strategy(model, {"dp": 2, "fsdp": True}, plan)
+
+
+def test_families_without_a_pipeline_plan_are_named_with_the_rule():
+    with pytest.raises(ValueError, match=r"no model plan for model_type 'gpt2': hp derives plans for the causal LMs"):
+        plan_for_type("gpt2")
