@@ -1,7 +1,7 @@
 """Worker for test_train.py: hp's trainer on a local HF directory of every zoo family, in one launch.
 
-Argument: a directory holding one model directory per family (config, safetensors,
-tokenizer) and the dataset directory. For each family the worker runs the
+Arguments: a directory holding one model directory per family (config, safetensors,
+tokenizer), the dataset directory, the config file and the families (comma-separated). For each family the worker runs the
 training loop of `hp train` (the same config path, model building and rank-by-rank
 loading as the command) for one step at tp = the world size, and rank 0 prints
 `{family: first_loss}` as its last line. One launch instead of one per family:
@@ -16,16 +16,15 @@ import sys
 
 import torch.distributed as dist
 
-from hp.models import FAMILIES
 from hp.train.config import load_config
 from hp.train.loop import train
 
 
 def main() -> None:
-    models, data, config_file = sys.argv[1:4]
+    models, data, config_file, families = sys.argv[1:5]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     first = {}
-    for family in FAMILIES:
+    for family in families.split(","):
         overrides = [f"model_name_or_path={os.path.join(models, family)}", "max_steps=1", "save_steps=1000",
                      "per_device_train_batch_size=8", f"parallel.tp={world}", f"dataset_dir={data}",
                      f"output_dir={os.path.join(models, 'out', family)}"]
