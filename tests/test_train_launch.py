@@ -16,8 +16,10 @@ from train_runs import DATA, QUICKSTART, WORKERS, first_batch, hp_train, local_h
 from hp.models import FAMILIES
 
 
-# The zoo's hand-checked families and some dense ones whose plans are derived from transformers' own.
-TRAINED = (*FAMILIES, "olmo2", "granite", "smollm3", "glm4", "starcoder2", "cohere", "gpt_neox")
+# The zoo's hand-checked families and some whose plans are derived from transformers' own (Mixtral's and
+# DeepSeek-V3's experts stored one by one under their own names, read into the packed weights).
+TRAINED = (*FAMILIES, "olmo2", "granite", "smollm3", "glm4", "starcoder2", "cohere", "gpt_neox", "mixtral",
+           "deepseek_v3", "gpt_oss")
 
 
 def test_a_local_hf_model_directory_of_every_family_trains(tmp_path):

@@ -1,10 +1,12 @@
 """A mixture of experts' weights as HF stores them (one expert at a time) and as the model holds them (packed).
 
-transformers keeps Qwen-MoE's experts packed in memory, `experts.gate_up_proj
+transformers keeps the experts packed in memory, `experts.gate_up_proj
 [E, 2I, H]` and `experts.down_proj [E, H, I]`, but its checkpoints (and every
 model on the Hub) hold them one by one, `experts.{e}.gate_proj.weight [I, H]`,
-`experts.{e}.up_proj.weight [I, H]` and `experts.{e}.down_proj.weight [H, I]`,
-and it converts on load and on save. hp loads weights rank by rank, so the
+`experts.{e}.up_proj.weight [I, H]` and `experts.{e}.down_proj.weight [H, I]`
+(Mixtral's `w1`, `w3` and `w2`), and it converts on load and on save by the
+model's conversion rules (`transformers.conversion_mapping`), whose part
+names `parts_of(model)` reads. hp loads weights rank by rank, so the
 same conversion happens per block here: each rank reads, from the files,
 only the rows of the experts it holds (its ep block, and under FSDP its rows
 of those), and copies them into its block of the packed parameter.
@@ -24,7 +26,35 @@ _PACKED = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)$")
 Stored = Mapping[str, tuple[tuple[int, ...], str, str]]  # weight name -> (shape, file name, name in the file)
 
 
-def stored_keys(name: str, experts: int) -> list[list[str]] | None:
+_SOURCE = re.compile(r"experts\.\*\.(\w+)\.weight$")
+
+
+def parts_of(model) -> dict[str, tuple[str, ...]]:
+    """The stored parts of each packed experts weight, by the model's conversion rules (Qwen's names by default).
+
+    >>> import torch
+    >>> from transformers import AutoModelForCausalLM
+    >>> from hp.models import tiny_config
+    >>> with torch.device("meta"):
+    ...     model = AutoModelForCausalLM.from_config(tiny_config("mixtral", layers=1))
+    >>> parts_of(model)["experts.gate_up_proj"]
+    ('w1', 'w3')
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    parts = dict(PARTS)
+    for rule in get_model_conversion_mapping(model):
+        if not isinstance(rule, WeightConverter) or len(rule.target_patterns) != 1:
+            continue
+        target = rule.target_patterns[0].rpartition("experts.")[2]
+        sources = [_SOURCE.search(p) for p in rule.source_patterns]
+        if f"experts.{target}" in PARTS and all(sources):
+            parts[f"experts.{target}"] = tuple(m.group(1) for m in sources)
+    return parts
+
+
+def stored_keys(name: str, experts: int, parts: Mapping[str, tuple[str, ...]] = PARTS) -> list[list[str]] | None:
     """[expert][part] -> stored key of packed weight `name`, or None for a weight that is not packed experts.
 
     >>> stored_keys("model.layers.0.mlp.experts.gate_up_proj", 2)[1]
@@ -34,17 +64,18 @@ def stored_keys(name: str, experts: int) -> list[list[str]] | None:
     if found is None:
         return None
     prefix, packed = found.groups()
-    return [[f"{prefix}.{e}.{part}.weight" for part in PARTS[f"experts.{packed}"]] for e in range(experts)]
+    return [[f"{prefix}.{e}.{part}.weight" for part in parts[f"experts.{packed}"]] for e in range(experts)]
 
 
-def one_by_one(name: str, shape: tuple[int, ...], stored: Stored) -> list[list[str]] | None:
+def one_by_one(name: str, shape: tuple[int, ...], stored: Stored,
+               parts: Mapping[str, tuple[str, ...]] = PARTS) -> list[list[str]] | None:
     """The stored keys of `name` when the files hold its experts one by one (None when they hold it packed).
 
     A ValueError names the first key that is missing or has the wrong shape.
     """
     if name in stored or len(shape) != 3:
         return None
-    keys = stored_keys(name, shape[0])
+    keys = stored_keys(name, shape[0], parts)
     if keys is None or keys[0][0] not in stored:
         return None
     part_shape = (shape[1] // len(keys[0]), shape[2])

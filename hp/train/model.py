@@ -164,9 +164,10 @@ def check_weights(model: nn.Module, directory: str) -> None:
     hp.train.config.schema.ConfigError: model_name_or_path = '/nonexistent' holds no *.safetensors weights
     """
     stored = _model_names(model, _stored_shapes(directory))
+    parts = expert_weights.parts_of(model)
     for name, param in _loaded_state(model).items():
         try:
-            if expert_weights.one_by_one(name, tuple(param.shape), stored):
+            if expert_weights.one_by_one(name, tuple(param.shape), stored, parts):
                 continue  # experts stored one by one, as transformers saves them: read into the packed weight
         except ValueError as e:
             raise ConfigError(f"model_name_or_path = {directory!r}: {e}") from None
@@ -336,8 +337,9 @@ def load_safetensors(model: nn.Module, directory: str) -> None:
 
     wanted = _loaded_state(model)
     stored = _model_names(model, _stored_shapes(directory))
+    parts = expert_weights.parts_of(model)
     for name, param in list(wanted.items()):
-        keys = expert_weights.one_by_one(name, tuple(param.shape), stored)
+        keys = expert_weights.one_by_one(name, tuple(param.shape), stored, parts)
         if keys:
             expert_weights.load(model.get_parameter(name), keys, stored, directory)
             del wanted[name]
