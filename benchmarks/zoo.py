@@ -110,7 +110,8 @@ def formulas(strategy: hp.Strategy, config) -> tuple[int, int]:
     tokens = BATCH * SEQ // (strategy.dp * strategy.cp)
     tp, cp = strategy.tp, strategy.cp
     megatron = 2 * ring_bytes("all_reduce", tokens * config.hidden_size * 4, tp) if tp > 1 else 0
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if cp == 1:
         return megatron, 0
     if strategy.ring:

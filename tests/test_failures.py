@@ -136,6 +136,18 @@ def _gpt2(copy: Path) -> None:
     GPT2Config(n_embd=64, n_layer=1, n_head=4).save_pretrained(copy)
 
 
+def _qwen3_next(copy: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from hp.models import tiny_config
+
+    from safetensors.torch import save_model
+
+    config = tiny_config("qwen3_next", layers=1, vocab_size=320)
+    config.save_pretrained(copy)
+    save_model(AutoModelForCausalLM.from_config(config), str(copy / "model.safetensors"))
+
+
 def _file(copy: Path, name: str, text: str | bytes) -> None:
     (copy / name).write_bytes(text if isinstance(text, bytes) else text.encode())
 
@@ -224,6 +236,9 @@ BAD = {
     "corrupt config.json": lambda t, m: ([_model(t, m, lambda c: _file(c, "config.json", "{"))], "model_name_or_path = "),
     "model type without a plan": lambda t, m: (
         [_model(t, m, _gpt2)], "no model plan for model_type 'gpt2': hp derives plans for the causal LMs"),
+    "family with a layer hp cannot split": lambda t, m: (
+        [_model(t, m, _qwen3_next)], "Qwen3NextForCausalLM has linear-attention (Qwen3NextGatedDeltaNet) layers, which "
+                                     "hp cannot split over tp yet; dp and FSDP run any family"),
     "hyper_parallel_args file missing": lambda t, m: (
         ["use_hyper_parallel=true", "hyper_parallel_args=nope.json"], "hyper_parallel_args = 'nope.json': expected the path"),
 }
