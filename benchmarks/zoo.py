@@ -152,7 +152,9 @@ def naive_plans() -> list[tuple[str, ModelPlan]]:
 
 
 def _name(strategy: dict) -> str:
-    return " ".join(f"{k}{'' if v is True else v}" for k, v in strategy.items()).replace("cp_algorithmring", "ring")
+    order = ("dp", "ep", "cp", "cp_algorithm", "tp", "sp", "vision_tp")
+    keys = sorted(strategy, key=lambda k: order.index(k) if k in order else len(order))
+    return " ".join(f"{k}{'' if strategy[k] is True else strategy[k]}" for k in keys).replace("cp_algorithmring", "ring")
 
 
 def table(lines: list[dict]) -> str:
