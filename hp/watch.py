@@ -25,6 +25,7 @@ the formulas; each rank receives as many as it sends).
 from __future__ import annotations
 
 import contextvars
+import math
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -324,7 +325,8 @@ def _all_to_all(t: torch.Tensor, input_splits, group):
     split off for the other ranks; the ring formula holds only for even splits.
     """
     splits = _one_rank(input_splits or [])
-    row_bytes = t.element_size() * (_one_rank([t[0].numel()])[0] if t.ndim else 1)
+    # a row's size from the trailing dims: a simulated rank may hold no rows at all
+    row_bytes = t.element_size() * math.prod(_one_rank(t.shape[1:]))
     if sum(1 for n in splits if n) == 1:
         return "send_recv", row_bytes * max(splits), group
     if splits:
