@@ -78,7 +78,7 @@ def _derived(config_class: type, config_json: str) -> ModelPlan:
     config = config_class.from_dict(json.loads(config_json))
     try:
         model = meta_model(config)
-        plan = derive(config, type(model))
+        plan = derive(config, model)
     except (ValueError, KeyError) as error:
         raise ValueError(f"no model plan for model_type {config.model_type!r}: {error}") from None
     return dataclasses.replace(plan, unsplit=unsplit_layer(model))

@@ -61,16 +61,19 @@ BY_NAME = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_pro
 _ATTENTION = re.compile(r"(^|\.)(self_attn|attention|attn)$")
 
 
-def derive(config: Any, model_class: type | None = None) -> ModelPlan:
+def derive(config: Any, model=None) -> ModelPlan:
     """The plan of an HF causal LM's config, from the model's own tp, ep and pp plans (module docstring).
+
+    `model` is the config's model built on the meta device, when the caller has it already.
 
     >>> from hp.models import tiny_config
     >>> plan = derive(tiny_config("llama"))
     >>> plan.params["*.self_attn.q_proj.weight"], plan.params["lm_head.weight"], plan.residual
     ('out/tp in', 'vocab/tp h', ('*.self_attn.o_proj', '*.mlp.down_proj'))
     """
-    model = meta_model(config, model_class)
+    model = model if model is not None else meta_model(config)
     blocks, embedding = _pipeline_stages(model)
+    head = _head_name(model)
     modules = dict(model.named_modules())
     parameters = dict(model.named_parameters(remove_duplicate=False))
     styles = _styles(model, modules, parameters)
@@ -83,7 +86,7 @@ def derive(config: Any, model_class: type | None = None) -> ModelPlan:
         if owner is not None:
             continue  # an expert's weights split over ep (below); over tp they stay whole
         module = modules.get(name)
-        if module is not None and name == _head_name(model):
+        if module is not None and name == head:
             params[f"{name}.weight"] = "vocab/tp h"
             continue
         for param, layout in _layouts(name, module, style, parameters, config).items():
@@ -106,14 +109,12 @@ def derive(config: Any, model_class: type | None = None) -> ModelPlan:
     )
 
 
-def meta_model(config: Any, model_class: type | None = None):
+def meta_model(config: Any):
     """The causal LM of `config` built on the meta device: its modules and merged plans, no memory."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        if model_class is not None:
-            return model_class(config)
         return AutoModelForCausalLM.from_config(config)
 
 

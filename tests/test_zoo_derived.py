@@ -7,6 +7,8 @@ unsharded model), and hypothesis draws family x strategy pairs.
 
 from __future__ import annotations
 
+import fnmatch
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -69,7 +71,7 @@ def test_a_drawn_family_and_strategy_match_hf(family, strategy):
 def test_the_llama_style_derivation_is_megatrons_layout():
     plan = derive(tiny_config("llama"))
     for glob, layout in TP_PLAN.items():
-        names = [k for k in plan.params if __import__("fnmatch").fnmatchcase(k, glob)]
+        names = [k for k in plan.params if fnmatch.fnmatchcase(k, glob)]
         assert names and all(plan.params[k] == layout for k in names), glob
     assert plan.residual == ("*.self_attn.o_proj", "*.mlp.down_proj")
 
