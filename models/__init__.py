@@ -19,15 +19,13 @@ it. The zoo may import hp's lower layers (`hp.parallel`, `hp.ops`,
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
 from hp.parallel.model_plan import ModelPlan
 from hp.models import qwen_vl
-from hp.models.derive import derive, meta_model
+from hp.models.derive import derive
 from hp.models.tiny import DERIVED_FAMILIES, FAMILIES, MOE_FAMILIES, VL_FAMILIES, tiny_config, tiny_vl_batch
-from hp.models.unsplit import unsplit_layer
 
 __all__ = ["DERIVED_FAMILIES", "FAMILIES", "MOE_FAMILIES", "VL_FAMILIES", "plan_for", "plan_for_type", "supported", "tiny_config",
            "tiny_vl_batch"]
@@ -53,8 +51,9 @@ def plan_for_type(model_type: str) -> ModelPlan:
     """The plan of an HF `model_type`, derived on its tiny config; a ValueError naming the supported ones otherwise."""
     if model_type in _HAND:
         return _HAND[model_type]
-    _check_supported(model_type)
-    return plan_for(tiny_config(model_type, layers=1))
+    _check_supported(model_type)  # before its tiny config, which needs the type known
+    config = tiny_config(model_type, layers=1)
+    return _derived(type(config), config.to_json_string(use_diff=False))
 
 
 def plan_for(config: Any) -> ModelPlan:
@@ -75,10 +74,8 @@ def _check_supported(model_type: str) -> None:
 def _derived(config_class: type, config_json: str) -> ModelPlan:
     import json
 
-    config = config_class.from_dict(json.loads(config_json))
+    config = config_class.from_dict(json.loads(config_json))  # the cache's key: configs are not hashable
     try:
-        model = meta_model(config)
-        plan = derive(config, model)
+        return derive(config)
     except (ValueError, KeyError) as error:
         raise ValueError(f"no model plan for model_type {config.model_type!r}: {error}") from None
-    return dataclasses.replace(plan, unsplit=unsplit_layer(model))

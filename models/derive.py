@@ -48,9 +48,9 @@ memory.
 from __future__ import annotations
 
 import fnmatch
-import re
 from typing import Any
 
+from hp.models.unsplit import unsplit_layer
 from hp.parallel.model_plan import ModelPlan
 
 COLWISE = {"colwise", "colwise_rep", "colwise_gather_output"}
@@ -58,20 +58,17 @@ ROWWISE = {"rowwise", "rowwise_split_input", "rowwise_rep"}
 # Projections split by name where HF's plan leaves them whole (None: none of these).
 BY_NAME = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise",
            "gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise", "gate_up_proj": "packed_colwise"}
-_ATTENTION = re.compile(r"(^|\.)(self_attn|attention|attn)$")
 
 
-def derive(config: Any, model=None) -> ModelPlan:
+def derive(config: Any) -> ModelPlan:
     """The plan of an HF causal LM's config, from the model's own tp, ep and pp plans (module docstring).
-
-    `model` is the config's model built on the meta device, when the caller has it already.
 
     >>> from hp.models import tiny_config
     >>> plan = derive(tiny_config("llama"))
     >>> plan.params["*.self_attn.q_proj.weight"], plan.params["lm_head.weight"], plan.residual
     ('out/tp in', 'vocab/tp h', ('*.self_attn.o_proj', '*.mlp.down_proj'))
     """
-    model = model if model is not None else meta_model(config)
+    model = meta_model(config)
     blocks, embedding = _pipeline_stages(model)
     head = _head_name(model)
     modules = dict(model.named_modules())
@@ -82,8 +79,7 @@ def derive(config: Any, model=None) -> ModelPlan:
     params: dict[str, str] = {}
     residual: list[str] = []
     for name, style in styles.items():
-        owner = next((e for e in experts if name.startswith(e + ".")), None)
-        if owner is not None:
+        if any(name.startswith(e + ".") for e in experts):
             continue  # an expert's weights split over ep (below); over tp they stay whole
         module = modules.get(name)
         if module is not None and name == head:
@@ -106,6 +102,7 @@ def derive(config: Any, model=None) -> ModelPlan:
         expert_params={_glob(k, blocks): v for k, v in expert_params.items()},
         routers=tuple(dict.fromkeys(_glob(r, blocks) for r in _routers(experts, modules))),
         rowwise=_norms(modules, blocks),
+        unsplit=unsplit_layer(model),
     )
 
 
