@@ -212,10 +212,6 @@ def _check_compile(model: nn.Module, plan: ModelPlan) -> None:
 
 
 def _check_attention(model: nn.Module, strategy: Strategy) -> None:
-    sinks = next((n for n, _ in model.named_parameters() if "sink" in n.rpartition(".")[2]), None)
-    if strategy.cp > 1 and sinks is not None:
-        raise StrategyError("cp", strategy.cp, f": {type(model).__name__}'s attention adds learned sinks ({sinks}), "
-                            "which hp's context-parallel attention does not take yet; use tp or dp")
     latent = getattr(model.config.get_text_config(), "kv_lora_rank", None)
     if strategy.ring and latent:
         raise StrategyError("cp_algorithm", "ring", f": {type(model).__name__} runs multi-head latent attention "

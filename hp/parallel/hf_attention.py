@@ -12,6 +12,12 @@ for a model whose attention is not SDPA, an HF attention function that does
 exactly that around the model's own implementation, and points the model's
 config at it. Ring attention merges SDPA blocks by log-sum-exp and cannot
 wrap an opaque function: `apply_strategy` refuses it for such models.
+
+Learned attention sinks (gpt-oss, Granite-SWA: one logit per head that
+joins every softmax) travel with their heads: the implementation reads
+`module.sinks` (and the `s_aux` argument), so on each rank it sees a view
+of the module whose sinks are the rank's share of heads. Their gradient
+pends over every axis on which ranks attend to other tokens or heads.
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
+import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed._local_tensor import maybe_run_for_local_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from hp.ops.context_parallel import swap_heads_and_sequence
 from hp.ops.local import to_dtensor
@@ -65,8 +73,12 @@ def _ulysses(impl: str) -> Callable:
         mesh = query.device_mesh
         group, parts = mesh.get_group(axis), mesh.size(axis)
         q, k, v = (swap_heads_and_sequence(t.to_local(), group, parts, heads_to_seq=True) for t in (query, key, value))
-        if isinstance(attention_mask, DTensor):
-            attention_mask = attention_mask.full_tensor()
+        attention_mask = _batch_share(attention_mask, query)
+        sinks = getattr(module, "sinks", None)
+        if sinks is not None:
+            sinks = _heads_share(sinks, query, axis)
+            module = _WithSinks(module, sinks)
+            kwargs = {**kwargs, "s_aux": sinks} if "s_aux" in kwargs else kwargs
         out, _ = inner(module, q, k, v, attention_mask, **kwargs)  # (b, s, heads/cp, d)
         out = swap_heads_and_sequence(out.transpose(1, 2), group, parts, heads_to_seq=False).transpose(1, 2)
         placements = [_transposed(p) for p in query.placements]  # (b, h, s, d) -> (b, s, h, d)
@@ -74,6 +86,69 @@ def _ulysses(impl: str) -> Callable:
         return to_dtensor(out.contiguous(), mesh, placements, (b, s, h, d)), None
 
     return attention
+
+
+def _batch_share(mask: torch.Tensor | None, query: DTensor) -> torch.Tensor | None:
+    """The rows of a whole-batch mask that this rank's queries are (their batch may be split, by dp say)."""
+    if isinstance(mask, DTensor):
+        mask = mask.full_tensor()
+    axes = [m for m, p in enumerate(query.placements) if p == Shard(0)]
+    if mask is None or not axes or mask.shape[0] == 1:  # a mask of one row is broadcast over the batch
+        return mask
+    mesh, index, parts = query.device_mesh, 0, 1
+    for m in axes:  # a dim split over several axes is split over the first one outermost
+        index, parts = index * mesh.size(m) + mesh.get_local_rank(m), parts * mesh.size(m)
+    return _share(mask, index, parts)
+
+
+class _WithSinks:
+    """An attention module as one Ulysses rank's implementation sees it: its sinks cut to the rank's heads."""
+
+    def __init__(self, module: nn.Module, sinks: torch.Tensor):
+        self._module, self.sinks = module, sinks
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
+def _heads_share(sinks: torch.Tensor, query: DTensor, axis: int) -> torch.Tensor:
+    """The sinks of the heads this rank attends with after the swap, as a plain tensor.
+
+    Where `sinks` is replicated over an axis on which the ranks' queries differ (their batch,
+    sequence or heads), each rank's gradient is a share of the sum: it pends there.
+    """
+    if isinstance(sinks, DTensor):
+        grad = [p if p.is_shard() or q == Replicate() else Partial() for p, q in zip(sinks.placements, query.placements)]
+        sinks = sinks.to_local(grad_placements=grad)
+    mesh = query.device_mesh
+    return _TakeShare.apply(sinks, mesh.get_local_rank(axis), mesh.size(axis))
+
+
+class _TakeShare(torch.autograd.Function):
+    """Share `coord` of `parts` of a 1-D tensor; backward, its gradient in place, zeros elsewhere."""
+
+    @staticmethod
+    def forward(ctx, t, coord, parts: int):
+        ctx.share = (t.shape[0], coord, parts)
+        return _share(t, coord, parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _spread(grad, *ctx.share), None, None
+
+
+@maybe_run_for_local_tensor  # which share is this rank's depends on its coordinate
+def _share(t: torch.Tensor, coord: int, parts: int) -> torch.Tensor:
+    """Share `coord` of `parts` of `t`'s first dim."""
+    n = t.shape[0] // parts
+    return t[coord * n : (coord + 1) * n].clone()
+
+
+@maybe_run_for_local_tensor
+def _spread(grad: torch.Tensor, size: int, coord: int, parts: int) -> torch.Tensor:
+    out = grad.new_zeros(size)
+    out[coord * grad.shape[0] : (coord + 1) * grad.shape[0]] = grad
+    return out
 
 
 def _sequence_axis(query, key, value) -> int | None:
