@@ -1,7 +1,7 @@
 """The model zoo under every strategy: numbers equal to HF's, communication equal to Megatron's.
 
 For each family `hp.models` has a plan for (every transformers causal LM
-with a pipeline plan, its plan derived from transformers' own, and the
+with a tensor- or pipeline-parallel plan, its plan derived from transformers' own, and the
 hand-planned vision-language families; tiny configs built in code by
 `hp.models.tiny.sizes_for`: hidden 64, 8 query heads of dim 8, 2 layers,
 batch 4 x 16 tokens, fp32) and each strategy (tp, tp+sp, dp+tp, cp with
@@ -17,6 +17,13 @@ ranks (one process, real values), against the unsharded HF model. Each line:
   ring all-reduces of the layer's activations); null without tp;
 - `cp_bytes_vs_formula`: the same for the cp axis against Ulysses' four
   all-to-alls or ring's cp-1 K/V blocks; null without cp;
+- `a2a_bytes_vs_formula` (under ep): the ep all-to-alls of the last layer's
+  forward on rank 0 over what its routing says they must move: the expert
+  counts for the other ranks (int64), the (token, k) rows routed to another
+  rank's experts, and the rows other ranks routed to its experts, sent back
+  (each a hidden vector, fp32). The routing is read from HF's unsharded model
+  (its experts' `top_k_index`), so hp's dispatch is checked against an
+  independent count; null without ep;
 - `vision_fwd_collectives` (vision-language families): the vision tower's
   forward collectives, all its blocks (none when it is replicated over the
   decoder's ranks).
@@ -26,9 +33,8 @@ summary): Phi-3 laid out with plain `out/tp` on its fused weights, and Gemma-2
 without the residual-stream outputs of its plan. The last line: `families`
 (how many ran), `derived` (how many of them by a plan derived from
 transformers' own), `all_match`, `megatron_bytes` (over the dense families;
-an MoE layer's experts do not cross tp), `a2a_bytes_match` (null: the MoE
-families' all-to-all bytes are not checked here yet; `tests/test_moe.py`
-checks Qwen-MoE's), `mismatched` (the families with a miss or an error), and
+an MoE layer's experts do not cross tp), `a2a_bytes_match` (every ep run's
+`a2a_bytes_vs_formula` is 1), `mismatched` (the families with a miss or an error), and
 `refused`: each family left out, with its reason (a layer hp cannot split
 yet, or a tiny config its own class rejects). A gradient that is zero in
 exact arithmetic (DeepSeek-V4's hash-routed gate at a fresh, all-zero
@@ -41,6 +47,7 @@ routing table) is compared against a floor of 1e-6 rather than its own noise.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import sys
 import time
@@ -74,9 +81,10 @@ def measure(family: str, strategy: hp.Strategy, plan: ModelPlan | None = None) -
     reference, model = auto.from_config(config), auto.from_config(config)
     model.load_state_dict(reference.state_dict())
     inputs = tiny_vl_batch(reference, seq=SEQ) if family in VL_FAMILIES else _text(config)
+    naive, plan = plan is not None, plan or plan_for(config)
+    routing = _routing(reference, plan) if strategy.ep > 1 else None
     want = reference(**inputs).loss
     want.backward()
-    naive, plan = plan is not None, plan or plan_for(config)
     mesh = hp.strategy_mesh(strategy, simulate=True)
     start = time.perf_counter()
     with hp.simulated(mesh):
@@ -91,6 +99,7 @@ def measure(family: str, strategy: hp.Strategy, plan: ModelPlan | None = None) -
     forward = layers[-1].select(phase="forward")  # a layer inside the stack (a VL model's first gets whole tokens)
     tp_bytes = sum(r.bytes for r in forward if r.axis == "tp")
     cp_bytes = sum(r.bytes for r in forward if r.axis == "cp")
+    ep_bytes = sum(r.bytes for r in forward if r.axis == "ep" and r.kind == "all_to_all")
     tp_formula, cp_formula = formulas(strategy, config.get_text_config())
     extra = {"vision_fwd_collectives": [f"{r.kind}@{r.axis}" for r in vision[0].select(phase="forward")]} if vision else {}
     return {
@@ -100,6 +109,7 @@ def measure(family: str, strategy: hp.Strategy, plan: ModelPlan | None = None) -
         "fwd_collectives_per_layer": [f"{r.kind}@{r.axis}" for r in forward],
         "bytes_vs_megatron": round(tp_bytes / tp_formula, 4) if tp_formula else None,
         "cp_bytes_vs_formula": round(cp_bytes / cp_formula, 4) if cp_formula else None,
+        "a2a_bytes_vs_formula": round(ep_bytes / a2a_formula(strategy, config, routing[0]), 4) if routing else None,
         **extra,
         "seconds": round(time.perf_counter() - start, 2),
     }
@@ -125,6 +135,38 @@ def formulas(strategy: hp.Strategy, config) -> tuple[int, int]:
         return megatron, (cp - 1) * tokens * 2 * kv_heads // tp * HEAD_DIM * 4
     ulysses = sum(ring_bytes("all_to_all", tokens * n // tp * HEAD_DIM * 4, cp) for n in (heads, kv_heads, kv_heads, heads))
     return megatron, ulysses
+
+
+def _routing(reference: torch.nn.Module, plan: ModelPlan) -> list[torch.Tensor]:
+    """Filled by the forward: the last layer's experts' (token, k) expert ids, tokens in batch-major order."""
+    last = f"{plan.blocks}.{len(reference.get_submodule(plan.blocks)) - 1}."
+    experts = next(m for n, m in reference.named_modules()
+                   if n.startswith(last) and any(fnmatch.fnmatchcase(n, g) for g in plan.experts))
+    ids: list[torch.Tensor] = []
+    experts.register_forward_pre_hook(lambda m, args: ids.append(args[1].detach().clone()))
+    return ids
+
+
+def a2a_formula(strategy: hp.Strategy, config, expert_ids: torch.Tensor) -> int:
+    """Rank 0's ep all-to-all bytes in one MoE layer's forward, from the routing.
+
+    The tokens are split over the data ranks in batch-major order, the ep group of rank 0 is the
+    first `ep` of them, and ep rank r holds experts [r E/ep, (r+1) E/ep).
+    """
+    experts = _expert_count(config)
+    ep, hidden = strategy.ep, config.hidden_size
+    owner = expert_ids.view(strategy.dp, -1, expert_ids.shape[-1]) // (experts // ep)  # [data rank, token, k]
+    dispatched = int((owner[0] != 0).sum())  # rank 0's rows for other ranks' experts
+    returned = int((owner[1:ep] == 0).sum())  # other ranks' rows for rank 0's experts, sent back
+    counts = (ep - 1) * experts // ep * 8
+    return counts + (dispatched + returned) * hidden * 4
+
+
+def _expert_count(config) -> int:
+    for key in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"):
+        if isinstance(getattr(config, key, None), int):
+            return getattr(config, key)
+    raise ValueError(f"{config.model_type}: no expert count in its config")
 
 
 def runs() -> tuple[list[tuple[str, dict]], dict[str, str]]:
@@ -205,7 +247,7 @@ def main() -> None:
         # Megatron's two all-reduces are a dense layer's: an MoE layer's experts stay whole over tp
         "megatron_bytes": all(r["bytes_vs_megatron"] in (None, 1.0) and r["cp_bytes_vs_formula"] in (None, 1.0)
                               for r in dense),
-        "a2a_bytes_match": None,  # the MoE all-to-alls' bytes against the routing's formula: not computed yet
+        "a2a_bytes_match": all(r["a2a_bytes_vs_formula"] == 1.0 for r in ok if r["a2a_bytes_vs_formula"] is not None),
         "mismatched": sorted({r["family"] for r in results if r not in ok or r["loss_rel"] >= TOLERANCE
                               or r["grad_rel"] >= TOLERANCE}),
         "refused": refused,

@@ -38,12 +38,13 @@ _HAND: dict[str, ModelPlan] = {
 
 @functools.cache
 def supported() -> tuple[str, ...]:
-    """The HF `model_type`s with a plan: every causal LM with a pipeline plan, and the hand-planned ones."""
+    """The HF `model_type`s with a plan: every causal LM with a tensor- or pipeline-parallel plan, and the
+    hand-planned ones."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     derived = [t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if t in transformers.CONFIG_MAPPING
-               and getattr(transformers.CONFIG_MAPPING[t], "base_model_pp_plan", None)]
+               and any(getattr(transformers.CONFIG_MAPPING[t], f"base_model_{kind}_plan", None) for kind in ("pp", "tp"))]
     return tuple(sorted({*derived, *_HAND}))
 
 
@@ -67,7 +68,7 @@ def plan_for(config: Any) -> ModelPlan:
 def _check_supported(model_type: str) -> None:
     if model_type not in supported():
         raise ValueError(f"no model plan for model_type {model_type!r}: hp derives plans for the causal LMs "
-                         f"whose transformers model carries a pipeline plan; those are {', '.join(supported())}")
+                         f"whose transformers model carries a tensor- or pipeline-parallel plan; those are {', '.join(supported())}")
 
 
 @functools.lru_cache(maxsize=64)

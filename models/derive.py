@@ -3,7 +3,8 @@
 transformers describes how to split most of its models: a tensor-parallel
 plan (module or parameter glob -> style), an expert-parallel plan and a
 pipeline plan (the embedding, the decoder blocks, the final norm, the head),
-merged by the model at construction. `derive(config)` builds the model on the
+merged by the model at construction (a model with a tp plan and no pp plan
+gets transformers' usual names: `{base model}.layers` and its input embeddings). `derive(config)` builds the model on the
 meta device, reads the three plans and translates them:
 
 =============================  ==========================================
@@ -116,14 +117,23 @@ def meta_model(config: Any):
 
 
 def _pipeline_stages(model) -> tuple[str, str]:
-    """(decoder blocks, token embedding) from the pp plan: the ModuleList, and what takes `input_ids`."""
+    """(decoder blocks, token embedding) from the pp plan: the ModuleList, and what takes `input_ids`.
+
+    A model whose pp plan names neither (OLMoE, PhiMoE, ...: only its head) has them where
+    transformers' decoders keep them: `{base model}.layers` and the module `get_input_embeddings` returns.
+    """
     from torch import nn
 
     plan = model.pp_plan or {}
     blocks = next((k for k in plan if isinstance(model.get_submodule(k), nn.ModuleList)), None)
     embedding = next((k for k, (inputs, _) in plan.items() if "input_ids" in inputs), None)
+    if blocks is None and embedding is None:
+        prefix = f"{model.base_model_prefix}." if model.base_model is not model else ""
+        blocks = f"{prefix}layers" if isinstance(getattr(model.base_model, "layers", None), nn.ModuleList) else None
+        embedding = next((n for n, m in model.named_modules() if m is model.get_input_embeddings()), None)
     if blocks is None or embedding is None:
-        raise ValueError(f"{type(model).__name__} has no pipeline plan naming its decoder blocks and embedding")
+        raise ValueError(f"{type(model).__name__} has no pipeline plan naming its decoder blocks and embedding, "
+                         "and no `layers` list beside its input embeddings")
     return blocks, embedding
 
 

@@ -40,13 +40,15 @@ MOE_FAMILIES = ("qwen2_moe", "qwen3_moe")
 # (`python benchmarks/zoo.py` runs each under every strategy; tests/test_zoo_derived.py under tp).
 DERIVED_FAMILIES = (
     "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "beam", "codegen", "cohere", "cohere2",
-    "cohere2_moe", "cwm", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4",
-    "exaone_moe", "flex_olmo", "flint", "gemma", "gemma2", "gemma3_text", "gemma4_text", "gemma4_unified_text", "glm",
-    "glm4", "glm4_moe", "glm4_moe_lite", "gpt_neox", "gpt_oss", "gptj", "granite", "granite_swa", "helium", "hy_v3",
-    "hyperclovax", "internlm3", "iquestcoder", "jais2", "kolibri1", "laguna", "llama", "longcat_flash", "mellum",
-    "mimo_v2_flash", "minicpm3", "minimax", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3", "mistral",
-    "mixtral", "olmo", "olmo2", "olmo3", "phi", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "sarvam_mla",
-    "sarvam_moe", "seed_oss", "smollm3", "solar_open", "starcoder2", "vaultgemma", "youtu",
+    "cohere2_moe", "cwm", "deepseek_v2", "deepseek_v3", "dory", "dots1", "ernie4_5", "ernie4_5_moe", "exaone",
+    "exaone4", "exaone_moe", "flex_olmo", "flint", "gemma", "gemma2", "gemma3_text", "gemma4_text",
+    "gemma4_unified_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "gpt_neox", "gpt_oss", "gptj", "granite",
+    "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "helium", "hunyuan_v1_dense", "hunyuan_v1_moe",
+    "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2", "kolibri1", "laguna", "llama", "longcat_flash",
+    "mellum", "mimo_v2_flash", "minicpm3", "minimax", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3",
+    "mistral", "mixtral", "nanochat", "nemotron", "olmo", "olmo2", "olmo3", "olmoe", "phi", "phi3", "phimoe", "qwen2",
+    "qwen2_moe", "qwen3", "qwen3_moe", "sarvam_mla", "sarvam_moe", "seed_oss", "smollm3", "solar_open", "starcoder2",
+    "vaultgemma", "youtu",
 )
 _MOE = {k: SIZES[k] for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")}
 
@@ -90,7 +92,8 @@ def sizes_for(model_type: str, layers: int = 2, vocab_size: int = 256) -> dict[s
 
     Multi-head latent attention keeps its own head_dim (the rope slice); a family whose plan
     fuses q, k and v in one projection gets as many key/value heads as query heads (the fused
-    parts split over tp only when equal); dropout is off; token ids outside the vocabulary move into it.
+    parts split over tp only when equal); dropout and router jitter are off; token ids outside the vocabulary
+    move into it.
 
     >>> sizes_for("phi3")["num_key_value_heads"], sizes_for("llama")["num_key_value_heads"]
     (8, 4)
@@ -108,7 +111,7 @@ def sizes_for(model_type: str, layers: int = 2, vocab_size: int = 256) -> dict[s
         values["num_key_value_heads"] = values["num_attention_heads"]
     values.update(num_hidden_layers=layers, vocab_size=vocab_size)
     for key, value in default.to_dict().items():
-        if "dropout" in key or key.endswith("_pdrop"):  # training-mode dropout would differ from run to run
+        if "dropout" in key or key.endswith(("_pdrop", "jitter_noise")):  # training-mode noise differs run to run
             values[key] = 0.0 if isinstance(value, float) else value
         if key.endswith("_token_id") and isinstance(value, int) and value >= vocab_size:
             values[key] = _TOKEN_IDS.get(key, 3)

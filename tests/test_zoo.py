@@ -153,7 +153,7 @@ def test_shapes_a_strategy_cannot_take_are_refused_before_any_model_is_built():
 
 def test_an_unknown_model_type_names_the_supported_ones():
     with pytest.raises(ValueError, match=r"no model plan for model_type 'gpt2': hp derives plans for the causal LMs "
-                                         r"whose transformers model carries a pipeline plan; those are .*\bllama, "):
+                                         r"whose transformers model carries a tensor- or pipeline-parallel plan; those are .*\bllama, "):
         plan_for_type("gpt2")
 
 
