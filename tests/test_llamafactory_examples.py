@@ -1,19 +1,23 @@
 """LlamaFactory's example configs (restated in examples/llamafactory) through `hp train`, as given.
 
-Each runnable config trains 2 steps on a tiny local Qwen3 directory (the only
-keys changed are model_name_or_path, dataset_dir, output_dir and max_steps)
-over small datasets in LlamaFactory's demo formats and names; each config that
-needs what hp does not have stops before any worker with one message that
-lists every key in the way.
+Each runnable config trains 2 steps on a tiny local Qwen3 directory (Qwen3-VL
+for qwen3vl_*; the only keys changed are model_name_or_path, dataset_dir,
+output_dir and max_steps) over small datasets in LlamaFactory's demo formats
+and names (mllm_demo's pictures drawn with Pillow); each config that needs
+what hp does not have stops before any worker with one message that lists
+every key in the way.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import shutil
 from pathlib import Path
 
 import pytest
-from train_runs import QWEN_TOKENS, ROOT, hp_train, local_hf_model, summary
+from PIL import Image
+from train_runs import QWEN_TOKENS, ROOT, TINY_QWEN3_VL_PROCESSOR, hp_train, local_hf_model, local_vl_model, summary
 
 import hp.cli
 
@@ -28,10 +32,24 @@ def qwen3(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def qwen3_vl(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("qwen3_vl")
+    local_vl_model(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
 def demo_data(tmp_path_factory) -> Path:
-    """identity, alpaca_en_demo, c4_demo, dpo_en_demo and kto_en_demo in LlamaFactory's formats, named in a
-    dataset_info.json as LlamaFactory names them."""
+    """identity, alpaca_en_demo, c4_demo, dpo_en_demo, kto_en_demo and mllm_demo in LlamaFactory's formats, named
+    in a dataset_info.json as LlamaFactory names them."""
     data = tmp_path_factory.mktemp("data")
+    (data / "mllm_demo_data").mkdir()
+    for k, size in enumerate([(640, 480), (200, 150), (96, 128)]):  # the first over the qwen3vl example's bound
+        Image.effect_noise(size, 40 + 20 * k).convert("RGB").save(data / "mllm_demo_data" / f"{k + 1}.jpg")
+    mllm = [{"messages": [{"role": "user", "content": f"<image>Who are they? ({i})"},
+                          {"role": "assistant", "content": f"Picture {i % 3 + 1}."}],
+             "images": [f"mllm_demo_data/{i % 3 + 1}.jpg"]} for i in range(6)]
+    (data / "mllm_demo.json").write_text(json.dumps(mllm))
     identity = [{"instruction": q, "input": "", "output": f"I am {{{{name}}}}, made by {{{{author}}}}. ({q})"}
                 for q in ("hi", "who are you?", "what is your name?", "introduce yourself")] * 4
     alpaca = [{"instruction": f"add {i} and {i + 1}", "input": "", "output": f"{2 * i + 1}"} for i in range(24)]
@@ -57,6 +75,10 @@ def demo_data(tmp_path_factory) -> Path:
                         "columns": {"messages": "messages", "kto_tag": "label"},
                         "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
                                  "assistant_tag": "assistant"}},
+        "mllm_demo": {"file_name": "mllm_demo.json", "formatting": "sharegpt",
+                      "columns": {"messages": "messages", "images": "images"},
+                      "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                               "assistant_tag": "assistant"}},
     }))
     return data
 
@@ -71,6 +93,29 @@ def test_an_sft_example_runs_as_given(name, noted, qwen3, demo_data, tmp_path):
     assert (tmp_path / "checkpoint-2").is_dir()
     # what was made of its keys is said
     assert ("has no effect here" in run.stderr or "note:" in run.stderr) == noted, run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", ["qwen3vl_full_sft"])
+def test_a_vision_example_runs_as_given(name, qwen3_vl, demo_data, tmp_path):
+    """Images from mllm_demo and text from identity and alpaca_en_demo, read at the config's image_max_pixels and
+    the Qwen3-VL directory's processor file, with the config's template and freeze keys."""
+    run = hp_train(f"model_name_or_path={qwen3_vl}", f"dataset_dir={demo_data}", f"output_dir={tmp_path}",
+                   "max_steps=2", config=str(EXAMPLES / f"{name}.yaml"))
+    result = summary(run)
+    assert result["steps"] == 2 and math.isfinite(result["last_loss"]) and result["last_loss"] > 0
+    assert (tmp_path / "checkpoint-2").is_dir()
+    assert "video_max_pixels = 16384 has no effect here (hp train reads no video" in run.stderr, run.stderr[-2000:]
+
+
+def test_a_bad_processor_file_stops_the_qwen3vl_example_before_any_worker(qwen3_vl, demo_data, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(qwen3_vl, model)
+    (model / "preprocessor_config.json").write_text(json.dumps({**TINY_QWEN3_VL_PROCESSOR, "image_std": [0.5, 0, 0.5]}))
+    code = hp.cli.main(["train", str(EXAMPLES / "qwen3vl_full_sft.yaml"), f"model_name_or_path={model}",
+                        f"dataset_dir={demo_data}", f"output_dir={tmp_path / 'out'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{model / 'preprocessor_config.json'}: image_std = [0.5, 0, 0.5] is not taken" in err, err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("name", ["qwen3_lora_dpo"])
@@ -97,7 +142,6 @@ def test_the_kto_and_reward_examples_pass_every_check_before_the_workers(name, s
 
 
 @pytest.mark.parametrize("name, keys", [
-    ("qwen3vl_full_sft", ["image_max_pixels = 262144", "video_max_pixels = 16384", "template = 'qwen3_vl_nothink'"]),
     ("llama3_full_sft_galore", ["use_galore = True", "galore_layerwise = True", "galore_rank = 128", "pure_bf16 = True"]),
 ])
 def test_an_example_needing_what_hp_lacks_lists_every_key_before_any_worker(name, keys, qwen3, demo_data, tmp_path,

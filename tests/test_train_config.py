@@ -81,7 +81,8 @@ def test_good_config_round_trips(tmp_path):
 def test_defaults_are_llamafactorys():
     cfg = validate(MINIMAL)
     assert to_dict(cfg) == {
-        **MINIMAL, "stage": "sft", "do_train": True, "trust_remote_code": False, "finetuning_type": "full",
+        **MINIMAL, "stage": "sft", "do_train": True, "trust_remote_code": False, "image_max_pixels": 768 * 768,
+        "finetuning_type": "full",
         "lora_rank": 8, "lora_alpha": None, "lora_dropout": 0.0, "lora_target": "all", "additional_target": None,
         "use_rslora": False, "freeze_trainable_layers": 2, "freeze_trainable_modules": "all",
         "freeze_extra_modules": None, "freeze_vision_tower": True, "freeze_multi_modal_projector": True, "freeze_language_model": False,

@@ -1,10 +1,12 @@
-"""`hp train` on LlamaFactory's multimodal data: the reader, its batches, bad images by record, the tiny Qwen2.5-VL.
+"""`hp train` on LlamaFactory's multimodal data: the reader, its batches, bad images by record, the tiny Qwen-VLs.
 
 Datasets are written to tmp_path with Pillow in LlamaFactory's `mllm_demo`
 layout (sharegpt messages with `<image>` placeholders, an `images` column of
 paths relative to the dataset directory) and read with the embedded
 `hp/tiny-qwen2.5-vl`'s tokenizer and vision config (4-pixel patches merged
-2 x 2: an 8k x 8k picture is k x k image tokens, at least 56 x 56 pixels).
+2 x 2: an 8k x 8k picture is k x k image tokens, at least 56 x 56 pixels),
+or with a tiny local Qwen3-VL directory's (its processor file written as
+Qwen3-VL's: 32 x 32 to 64 x 64 pixels, mean and std 0.5).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
-from train_runs import hp_train, summary
+from train_runs import TINY_QWEN3_VL_PROCESSOR, hp_train, local_vl_model, summary
 
 import hp.cli
 from hp.parallel.strategy import Strategy
@@ -185,11 +187,14 @@ def test_images_need_a_vision_model_a_template_placing_them_and_sft(tmp_path):
 
 def test_the_model_is_checked_for_images_before_any_worker(tmp_path, capsys):
     check_fits(CONFIG, Strategy(tp=2), name=TINY_QWEN2_5_VL)  # the decoder splits over tp; the tower is replicated
+    from transformers import AutoConfig
+
     from hp.models import tiny_config
 
-    with pytest.raises(ConfigError, match=r"model_name_or_path: qwen3_vl is a vision-language model whose images hp "
-                                          r"train does not prepare yet"):
-        check_fits(tiny_config("qwen3_vl"), Strategy())
+    check_fits(tiny_config("qwen3_vl"), Strategy(tp=2))
+    with pytest.raises(ValueError, match=r"^llava is a vision-language model whose images hp train does not prepare "
+                                         r"yet: .* for qwen2_5_vl, qwen3_vl, qwen3_vl_moe; expected one of those"):
+        Vision.of(AutoConfig.for_model("llava"))
     directory = _bad(tmp_path / "data", {**RECORDS[0], "images": ["pics/gone.png"]})
     code = hp.cli.main(["train", QUICKSTART_VL, f"dataset_dir={directory}", "dataset=d",
                         f"output_dir={tmp_path / 'out'}"])
@@ -278,3 +283,70 @@ def test_a_local_qwen2_5_vl_directory_is_read_under_the_names_transformers_saves
     for (name, p), want in zip(model.named_parameters(), saved.parameters()):
         got = p.full_tensor() if hasattr(p, "full_tensor") else p
         assert torch.equal(got.detach(), want.detach()), name
+
+
+@pytest.mark.parametrize("name, text", [("qwen3_vl", "qwen3"), ("qwen3_vl_nothink", "qwen3_nothink")])
+def test_qwen3_vl_templates_are_the_checked_qwen3_ones_with_the_image_plugin(name, text):
+    # LlamaFactory registers them as its qwen3 and qwen3_nothink (tests/test_templates.py) with the Qwen3-VL plugin
+    assert VISION_TEMPLATES[name] == dataclasses.replace(TEMPLATES[text], name=name, mm_plugin="qwen3_vl")
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("qwen3_vl")
+    local_vl_model(directory)
+    return directory
+
+
+def test_a_local_qwen3_vl_reads_its_processor_file_and_its_loss_is_hfs_with_that_processor(qwen3_vl, tmp_path):
+    """The reader's batch for a Qwen3-VL directory, as `hp train` builds it, gives HF's loss with the
+    processor transformers builds from the same directory and M-RoPE positions from HF's own get_rope_index."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from hp.train.data.examples import model_vision
+
+    tok = load_tokenizer(str(qwen3_vl))
+    config = AutoConfig.from_pretrained(qwen3_vl)
+    directory = dataset(tmp_path, RECORDS)
+    vision = model_vision(SimpleNamespace(dataset="d", dataset_dir=directory, model_name_or_path=str(qwen3_vl)), tok)
+    bounds = TINY_QWEN3_VL_PROCESSOR["size"]
+    assert vision.spec == ImageSpec(patch_size=4, min_pixels=bounds["shortest_edge"], mean=(0.5,) * 3,
+                                    max_pixels=bounds["longest_edge"], std=(0.5,) * 3, image_max_pixels=768 * 768)
+    data = build_examples("d", directory, tok, template="qwen3_vl", cutoff_len=512, vision=vision)
+    grids = [tuple(g) for e in data.examples for g in vision.grids(e.get("images", []), "")]
+    assert grids == [(1, 10, 8), (1, 14, 16), (1, 10, 10)]  # w x h 16 x 24 grows to 32 x 40, 80 x 64 shrinks to 64 x 56
+    batch = collate(data.examples, tok.pad_token_id, vision=data.vision)
+    assert int((batch.input_ids == config.image_token_id).sum()) == sum(t * h * w // 4 for t, h, w in grids)
+    torch.manual_seed(0)
+    model = Qwen3VLForConditionalGeneration.from_pretrained(qwen3_vl)
+    out = model(**batch.inputs())
+    processor = Qwen2VLImageProcessorPil.from_pretrained(qwen3_vl)
+    hf = processor(images=[Image.open(p) for e in data.examples for p in e.get("images", [])], return_tensors="pt")
+    assert torch.equal(batch.pixel_values, hf["pixel_values"])
+    types = (batch.input_ids == config.image_token_id).int()
+    positions, _ = model.model.get_rope_index(batch.input_ids, types, image_grid_thw=hf["image_grid_thw"])
+    want = model(input_ids=batch.input_ids, labels=batch.labels, pixel_values=hf["pixel_values"],
+                 image_grid_thw=hf["image_grid_thw"], position_ids=positions)
+    assert out.loss.item() == pytest.approx(want.loss.item(), rel=1e-6)
+    assert torch.allclose(out.logits, want.logits, atol=1e-6)
+
+
+def test_image_max_pixels_is_llamafactorys_key_and_reaches_the_images(tmp_path):
+    from types import SimpleNamespace
+
+    from hp.train.config import validate
+    from hp.train.data.examples import model_vision
+
+    minimal = {"model_name_or_path": TINY_QWEN2_5_VL, "dataset": "quickstart_vl", "output_dir": "out"}
+    assert validate(minimal).image_max_pixels == 768 * 768  # LlamaFactory's default
+    with pytest.raises(ConfigError, match=r"image_max_pixels = 100: expected an integer >= 1024"):
+        validate({**minimal, "image_max_pixels": 100})  # below image_min_pixels, which LlamaFactory refuses too
+    config = SimpleNamespace(dataset="d", dataset_dir=dataset(tmp_path, RECORDS), model_name_or_path=TINY_QWEN2_5_VL,
+                             image_max_pixels=40 * 40)
+    vision = model_vision(config, TOK)
+    assert vision.spec == dataclasses.replace(VISION.spec, image_max_pixels=40 * 40)
+    # w x h 80 x 64 (grid 16 x 20 unbounded) shrinks to 44 x 35, which the processor grows to 64 x 56
+    assert vision.grids([str(tmp_path / "pics" / "b.png")], "") == [(1, 14, 16)]

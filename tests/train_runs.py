@@ -72,13 +72,14 @@ def local_hf_model(directory: Path, family: str = "llama", *, specials: tuple[st
                    bos: str | None = "<s>", eos: str = "</s>", pad: str | None = None) -> None:
     """A tiny model of `family` saved as a HF directory: config, safetensors and a locally trained BPE tokenizer.
 
-    `specials` are the tokenizer's special tokens after `<unk>` (Qwen's chat tokens with `**QWEN_TOKENS`).
+    `specials` are the tokenizer's special tokens after `<unk>` (Qwen's chat tokens with `**QWEN_TOKENS`); a
+    vision-language family's needs Qwen's vision tokens among them (`local_vl_model`).
     """
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedTokenizerFast
 
-    from hp.models import tiny_config
+    from hp.models import VL_FAMILIES, tiny_config
 
     records = json.loads((Path(DATA) / "quickstart.json").read_text())
     text = [" ".join(r.values()) for r in records[:200]]
@@ -92,6 +93,28 @@ def local_hf_model(directory: Path, family: str = "llama", *, specials: tuple[st
     ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(token) if token else None
            for name, token in (("bos", bos), ("eos", eos), ("pad", pad or "<unk>"))}
     config = tiny_config(family, layers=2, vocab_size=320, **ids)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    if family not in VL_FAMILIES:
+        AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+        return
+    for name, token in zip(("vision_start", "vision_end", "image", "video"), VL_TOKENS):  # the tokenizer's ids
+        setattr(config, f"{name}_token_id", tokenizer.convert_tokens_to_ids(token))
+    AutoModelForImageTextToText.from_config(config).save_pretrained(directory)
+
+
+VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# A tiny Qwen3-VL's image processor, written as Qwen3-VL's own preprocessor_config.json (mean and std 0.5, the
+# bounds as size) at the tiny tower's 4-pixel patches: every picture becomes 32 x 32 to 64 x 64 pixels.
+TINY_QWEN3_VL_PROCESSOR = {"size": {"shortest_edge": 32 * 32, "longest_edge": 64 * 64}, "patch_size": 4,
+                           "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+                           "image_std": [0.5, 0.5, 0.5], "processor_class": "Qwen3VLProcessor",
+                           "image_processor_type": "Qwen2VLImageProcessorFast"}
+
+
+def local_vl_model(directory: Path, family: str = "qwen3_vl", processor: dict | None = None) -> None:
+    """A tiny vision-language model of `family` saved as a HF directory: `local_hf_model`'s, its tokenizer with
+    Qwen's chat and vision tokens (the config's ids), and `processor` (default `TINY_QWEN3_VL_PROCESSOR`) as its
+    preprocessor_config.json."""
+    local_hf_model(directory, family, **{**QWEN_TOKENS, "specials": (*QWEN_TOKENS["specials"], *VL_TOKENS)})
+    (directory / "preprocessor_config.json").write_text(json.dumps(processor or TINY_QWEN3_VL_PROCESSOR))
 
 

@@ -3,8 +3,9 @@
 `make_template_goldens.py` (which runs LlamaFactory) and `tests/test_templates.py`
 (which runs hp) both import this module, so both sides tokenize with the
 same ids: hp's byte-level HF tokenizer (bytes 0-255, pad 256, bos `<s>` 257,
-eos `</s>` 258) plus, from 259 on, the special tokens the templates spell
-and two ordinary added tokens for Qwen3's thought tags. Byte-level with no
+eos `</s>` 258) plus, from 259 on, the special tokens the templates spell,
+two ordinary added tokens for Qwen3's thought tags, and from 275 on the
+special tokens of the templates added later. Byte-level with no
 merges, a text's ids do not depend on how it is split, which lets a test
 compare hp's ids with one `apply_chat_template` rendering.
 """
@@ -20,6 +21,23 @@ SPECIAL_TOKENS = (
     "<|user|>", "<|assistant|>", "<|system|>", "<|end|>",  # phi
 )
 THOUGHT_TOKENS = ("<think>", "</think>")  # added, not special, as in Qwen3's tokenizer
+# The special tokens (stop words and thought tags too) of the templates added later: after the thought tokens, so
+# that every id above, and with it every earlier golden, stays as it was
+LATER_SPECIAL_TOKENS = (
+    "<|start_of_role|>", "<|end_of_role|>",  # granite
+    "[gMASK]", "<sop>", "<|observation|>",  # glm4
+    "<｜User｜>", "<｜Assistant｜>",  # deepseek3
+    "<|start|>", "<|message|>", "<|channel|>",  # gpt_oss
+    "<|START_OF_TURN_TOKEN|>", "<|USER_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|CHATBOT_TOKEN|>",  # cohere
+    "<|SYSTEM_TOKEN|>",
+    "[|user|]", "[|assistant|]", "[|system|]", "[|endofturn|]",  # exaone
+    "<|begin_of_sentence|>", "<|end_of_sentence|>",  # ernie_nothink
+    "<beginning_of_sentence>", "<end_of_sentence>", "]~!b[", "]~b]", "[e~[",  # minimax1, minimax2
+    "<seed:think>", "</seed:think>",  # seed_oss
+    "<｜hy_User｜>", "<｜hy_Assistant｜>", "<｜hy_eos｜>",  # hy3
+    "<|User|>", "<|Assistant|>",  # youtu
+    "<|im_sep|>",  # phi4
+)
 
 # Jinja chat templates for the template-unset rule: name -> (template, whether encode("") gives bos).
 CHAT_TEMPLATES: dict[str, tuple[str, bool]] = {
@@ -102,6 +120,18 @@ OPTION_CASES: list[tuple[dict, tuple[str, ...], tuple[str, ...], list[tuple[str,
     ({"enable_thinking": False, "mask_history": True}, ("qwen3",), ("chatml_thinking",),
      [("thoughts", 1024), ("thoughts", 50)]),
     ({"mask_history": True, "default_system": _SYSTEM}, ("llama2", "qwen"), (), [("multi", 60)]),
+    # the templates added later: their efficient_eos, Llama-2 style, eos-in-the-user-turn and reasoning formats
+    ({"train_on_prompt": True}, ("glm4", "gpt_oss"), (), [("single", 1024)]),  # efficient_eos: refused
+    ({"train_on_prompt": True}, ("olmo", "ministral", "exaone", "seed_oss"), (), [("system", 1024), ("multi", 40)]),
+    ({"mask_history": True}, ("glm4", "glm4_7", "gpt_oss", "deepseekr1", "exaone", "seed_oss"), (),
+     [("multi", 40), ("thoughts", 1024), ("thoughts", 40)]),
+    ({"mask_history": True, "preserve_thinking": True}, ("glm4_7", "gpt_oss"), (), [("thoughts", 1024)]),
+    ({"enable_thinking": False}, ("glm4_moe", "glm4_7", "deepseekr1", "gpt_oss", "minimax2", "mimo_v2", "seed_oss",
+                                  "hy3", "youtu"), (), [("single", 1024), ("thoughts", 1024)]),
+    ({"enable_thinking": None}, ("glm4_7", "gpt_oss"), (), [("single", 1024), ("thoughts", 1024)]),
+    ({"default_system": _SYSTEM}, ("granite4", "gpt_oss", "ministral", "intern2", "smollm2"), (),
+     [("single", 1024), ("system", 1024)]),
+    ({"default_system": ""}, ("gpt_oss", "smollm2"), (), [("single", 1024)]),
 ]
 
 
@@ -117,6 +147,7 @@ def golden_tokenizer(chat_template: str | None = None):
     hf = ByteTokenizer().as_hf()
     hf.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS)})
     hf.add_tokens(list(THOUGHT_TOKENS))
+    hf.add_special_tokens({"additional_special_tokens": [*SPECIAL_TOKENS, *LATER_SPECIAL_TOKENS]})
     if chat_template is not None:
         text, adds_bos = CHAT_TEMPLATES[chat_template]
         hf.chat_template = text

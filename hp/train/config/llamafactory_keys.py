@@ -153,8 +153,8 @@ _ADAPTERS = ("LoRA's variants (DoRA, PiSSA, LoRA+), OFT and loading or stacking 
 _PREFERENCE = ("PPO, BCO, LD-DPO, a reward model read while training, and reference adapters are not available yet: "
                "the preference stages are rm, dpo (pref_loss sigmoid, hinge, ipo, simpo, orpo) and kto")
 _QUANTIZED = "quantized training is not available yet: weights are trained in fp32"
-_MULTIMODAL = ("LlamaFactory's image, video and audio settings are not available yet: hp train reads images for "
-               "Qwen2.5-VL at its processor's pixel bounds, and reads no video or audio")
+_MULTIMODAL = ("LlamaFactory's other image settings are not available yet: hp train reads images for Qwen2.5-VL and "
+               "Qwen3-VL at image_max_pixels and their processor's pixel bounds")
 _KTRANSFORMERS = "KTransformers (MoE experts on the CPU) is not available"
 _FP8 = "FP8 training is not available: bf16: true is the only mixed precision"
 _LOSS = "only the cross-entropy loss of the supervised tokens is available (DFT, ASFT and EAFT are not)"
@@ -208,10 +208,11 @@ _TABLE: dict[str, ForeignKey] = {
     **_noted("the parameters' status is not printed (hp explain shows a model's layout)", "print_param_status"),
     **_refused(_QUANTIZED, {"quantization_bit": None, "quantization_method": "bnb", "quantization_type": "nf4",
                             "double_quantization": True, "quantization_device_map": None}),
-    **_refused(_MULTIMODAL, {
-        "image_max_pixels": 768 * 768, "image_min_pixels": 32 * 32, "image_do_pan_and_scan": False,
-        "crop_to_patches": False, "video_max_pixels": 256 * 256, "video_min_pixels": 16 * 16, "video_fps": 2.0,
-        "video_maxlen": 128, "use_audio_in_video": False, "audio_sampling_rate": 16000, "media_dir": None}),
+    **_refused(_MULTIMODAL, {"image_min_pixels": 32 * 32, "image_do_pan_and_scan": False, "crop_to_patches": False,
+                             "media_dir": None}),
+    **_noted("hp train reads no video or audio: a dataset mapping a videos or audios column is refused",
+             "video_max_pixels", "video_min_pixels", "video_fps", "video_maxlen", "use_audio_in_video",
+             "audio_sampling_rate"),
     **_noted("a setting of llamafactory-cli export; hp export CHECKPOINT DIR writes an HF model directory",
              "export_dir", "export_size", "export_device", "export_quantization_bit", "export_quantization_dataset",
              "export_quantization_nsamples", "export_quantization_maxlen", "export_legacy_format",

@@ -58,6 +58,8 @@ RULES: dict[str, Rule] = {
     "ref_model": Rule("str", nonempty, "a model directory, or null for model_name_or_path", optional=True),
     "do_train": Rule("bool", lambda v: v, "true (only training is available yet)"),
     "trust_remote_code": Rule("bool"),
+    "image_max_pixels": Rule("int", lambda v: v >= 32 * 32,
+                             "an integer >= 1024 (LlamaFactory's image_min_pixels, the one hp train takes)"),
     "finetuning_type": Rule("str", choices=FINETUNING_TYPES),
     "lora_rank": Rule("int", lambda v: v >= 1, "an integer >= 1"),
     "lora_alpha": Rule("float", lambda v: v > 0, "a number > 0, or null for 2 * lora_rank", optional=True),

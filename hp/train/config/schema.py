@@ -75,6 +75,7 @@ class TrainConfig:
     # model
     model_name_or_path: str  # HF model directory, or hp/tiny-llama
     trust_remote_code: bool = False  # accepted for LlamaFactory configs; hp builds models from local configs only
+    image_max_pixels: int = 768 * 768  # LlamaFactory's: larger pictures shrink to this area before the processor
     # method
     stage: str = "sft"  # one of STAGES
     do_train: bool = True  # must be true: only training is available

@@ -98,7 +98,7 @@ def check_template(template: Template, tokenizer: Tokenizer, stage: str = "sft")
     >>> check_template(TEMPLATES["qwen"], ByteTokenizer())
     Traceback (most recent call last):
     ...
-    ValueError: template 'qwen' needs '<|im_start|>', '<|im_end|>' as special tokens, which the tokenizer (ByteTokenizer(vocab_size=259)) lacks (each must be one token); LlamaFactory would add them to the vocabulary and resize the embeddings, which hp train does not do: use a model whose tokenizer has them, or a template without special tokens (default, empty, alpaca, llama2, mistral, vicuna, falcon)
+    ValueError: template 'qwen' needs '<|im_start|>', '<|im_end|>' as special tokens, which the tokenizer (ByteTokenizer(vocab_size=259)) lacks (each must be one token); LlamaFactory would add them to the vocabulary and resize the embeddings, which hp train does not do: use a model whose tokenizer has them, or a template without special tokens (default, empty, alpaca, llama2, mistral, vicuna, falcon, olmo, deepseek, ministral, seed_oss)
     """
     missing = missing_tokens(template, lambda token: single_id(token, tokenizer), stage)
     if not missing:
@@ -180,7 +180,7 @@ def check_supervision(template: Template, *, train_on_prompt: bool = False, mask
     >>> check_supervision(TEMPLATES["falcon"], train_on_prompt=True)
     Traceback (most recent call last):
     ...
-    ValueError: train_on_prompt = true with template 'falcon': an efficient_eos template supervises each answer's eos at the first token of the next prompt, which a supervised prompt would overwrite (LlamaFactory refuses this too: "Current template does not support `train_on_prompt`"); expected train_on_prompt: false, or a template without efficient_eos (not gemma2, falcon)
+    ValueError: train_on_prompt = true with template 'falcon': an efficient_eos template supervises each answer's eos at the first token of the next prompt, which a supervised prompt would overwrite (LlamaFactory refuses this too: "Current template does not support `train_on_prompt`"); expected train_on_prompt: false, or a template without efficient_eos (not gemma2, falcon, glm4, glm4_moe, glm4_7, glmz1, gpt_oss)
     """
     for key, value in (("train_on_prompt", train_on_prompt), ("mask_history", mask_history)):
         if not isinstance(value, bool):
@@ -320,7 +320,7 @@ def encode_pairs(
     pairs = [(encoded[i], encoded[i + 1]) for i in range(0, len(encoded), 2)]
     if thought is None:
         return pairs
-    empty = tokenizer.encode(thought[0] + thought[1])
+    empty = tokenizer.encode(thought[0] + thought[1] if template.empty_thought is None else template.empty_thought)
     for k in [len(pairs) - 1] if drop_history_thoughts else range(len(pairs)):
         if not _has_thought(turns[2 * k + 1][1], thought):
             prompt, answer = pairs[k]

@@ -54,10 +54,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hp.train.config import PAIRWISE_STAGES, PREFERENCE_STAGES, STAGES
+from hp.train.config import PAIRWISE_STAGES, PREFERENCE_STAGES, STAGES, TrainConfig
 from hp.train.config.templates import VISION_TEMPLATES, Template
 from hp.train.data.dataset_info import INFO_FILE, DatasetSpec, check_mapped_columns, dataset_specs, read_records
-from hp.train.data.embedded import model_config
+from hp.train.data.embedded import EMBEDDED, model_config
 from hp.train.data.encoding import IGNORE_INDEX, check_supervision, document_end_id, template_for
 from hp.train.data.preference import feedback_answer, keeps_supervision, kl_answers, sides
 from hp.train.data.records import feedback_record
@@ -220,7 +220,9 @@ def example_options(config: Any, tokenizer: Tokenizer) -> dict[str, Any]:
 def model_vision(config: Any, tokenizer: Tokenizer) -> Vision | None:
     """How the config's model reads images, when one of its datasets has an images column; else None (text).
 
-    Text data never reads the model's config, so it loads as it always did.
+    Text data never reads the model's config, so it loads as it always did. A local model's directory
+    gives its processor's settings (`Vision.of`), and the config its `image_max_pixels` (LlamaFactory's
+    default when it has none).
 
     >>> from types import SimpleNamespace
     >>> from hp.train.data.tokenizer import load_tokenizer
@@ -234,7 +236,9 @@ def model_vision(config: Any, tokenizer: Tokenizer) -> Vision | None:
     model = getattr(config, "model_name_or_path", None)
     if model is None or not any(spec.columns.get("images") for spec in specs):
         return None
-    return Vision.of(model_config(model, tokenizer.vocab_size))
+    directory = None if model in EMBEDDED else Path(model)
+    return Vision.of(model_config(model, tokenizer.vocab_size), directory,
+                     image_max_pixels=getattr(config, "image_max_pixels", TrainConfig.image_max_pixels))
 
 
 def build_examples(

@@ -4,14 +4,17 @@ A record of such data names its image files (its `images` column, paths
 relative to `dataset_dir`, LlamaFactory's default `media_dir`) and marks
 where each goes in its messages with an `<image>` placeholder. A
 `Vision` holds what the model needs to read them: how its processor turns a
-picture into patches (`hp.train.data.images.ImageSpec`: the vision tower's patch,
-merge and frame sizes from the model config, and the pixel bounds and
-normalization of transformers' Qwen2-VL processor, which Qwen2.5-VL uses:
-between 56 x 56 and 28 x 28 x 1280 pixels, CLIP's mean and std), and the ids
-its config gives the vision tokens. An image of grid (t, h, w) patches is
-`vision_start`, then t * h * w / merge**2 image tokens (one per merged
-square of patches, where the vision tower's output goes), then `vision_end`
-(`tokens`), as LlamaFactory's Qwen2-VL plugin writes it.
+picture into patches (`hp.train.data.images.ImageSpec`: the vision tower's
+patch, merge and frame sizes, and the pixel bounds and normalization of
+the model directory's processor file, else Qwen3-VL's published ones, 256 x
+256 to 4096 x 4096 pixels with mean and std 0.5, or for Qwen2.5-VL the
+processor's defaults, 56 x 56 to 28 x 28 x 1280 with CLIP's mean and std),
+LlamaFactory's `image_max_pixels` bound applied before it, and the ids its
+config gives the vision tokens. An image of grid (t, h, w)
+patches is `vision_start`, then t * h * w / merge**2 image tokens (one per
+merged square of patches, where the vision tower's output goes), then
+`vision_end` (`tokens`), as LlamaFactory's Qwen2-VL and Qwen3-VL plugins
+write it.
 
 Examples keep their images' paths; a batch reads them again and cuts them
 into patches (`pixels`): `pixel_values`, every image's patch rows in the
@@ -21,14 +24,16 @@ grid found (`grids`), so a missing file, a file that is no image, or a
 picture smaller than one patch is a ValueError naming the record before
 any worker starts.
 
-Only Qwen2.5-VL's images are prepared (`READS_IMAGES`): Qwen3-VL's processor
-bounds and normalizes pictures otherwise, and is refused by name.
+The images of Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE are prepared
+(`READS_IMAGES`): the three share transformers' Qwen2-VL image processor,
+with other settings; another vision-language model is refused by name.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -36,7 +41,7 @@ import torch
 from hp.train.data.encoding import IGNORE_INDEX
 from hp.train.data.images import ImageSpec, grid_of, load_image, patchify
 
-READS_IMAGES = ("qwen2_5_vl",)  # model types whose processor `ImageSpec`'s defaults are
+READS_IMAGES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # model types whose image processor `ImageSpec` is
 
 
 @dataclass(frozen=True)
@@ -54,8 +59,12 @@ class Vision:
     vision_end_token_id: int
 
     @classmethod
-    def of(cls, config: Any) -> Vision | None:
+    def of(cls, config: Any, directory: str | os.PathLike | None = None, *,
+           image_max_pixels: int | None = None) -> Vision | None:
         """The Vision of an HF model config; None for a text model, a ValueError for images hp does not prepare.
+
+        `directory` is the model's (its processor file is read: `ImageSpec.of`), None for an embedded
+        model; `image_max_pixels` is LlamaFactory's bound on a picture's area (None: none).
 
         >>> from hp.train.data.embedded import tiny_llama_config, tiny_qwen2_5_vl_config
         >>> Vision.of(tiny_llama_config(259)) is None, Vision.of(tiny_qwen2_5_vl_config(265)).image_token_id
@@ -66,9 +75,10 @@ class Vision:
         if config.model_type not in READS_IMAGES:
             raise ValueError(
                 f"{config.model_type} is a vision-language model whose images hp train does not prepare yet: it "
-                f"prepares them as transformers' Qwen2-VL processor does, for {', '.join(READS_IMAGES)} (Qwen3-VL's "
-                "processor bounds and normalizes pictures otherwise); expected a Qwen2.5-VL model or a text model")
-        return cls(ImageSpec.of(config), int(config.image_token_id), int(config.vision_start_token_id),
+                f"prepares them as transformers' Qwen2-VL image processor does, for {', '.join(READS_IMAGES)}; "
+                "expected one of those or a text model")
+        spec = replace(ImageSpec.of(config, directory), image_max_pixels=image_max_pixels)
+        return cls(spec, int(config.image_token_id), int(config.vision_start_token_id),
                    int(config.vision_end_token_id))
 
     def tokens(self, grid: Sequence[int]) -> list[int]:
