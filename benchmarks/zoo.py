@@ -14,7 +14,9 @@ ranks (one process, real values), against the unsharded HF model. Each line:
 - `fwd_collectives_per_layer`: the collectives of the last decoder layer's
   forward (`kind@axis`), from `hp.comm.trace`;
 - `bytes_vs_megatron`: a layer's forward tp bytes per rank over Megatron's (two
-  ring all-reduces of the layer's activations); null without tp;
+  ring all-reduces of the layer's activations, and one of a sum of squares per
+  token for each norm over split features, as OLMo-2's full-width q/k norms);
+  null without tp;
 - `cp_bytes_vs_formula`: the same for the cp axis against Ulysses' four
   all-to-alls or ring's cp-1 K/V blocks; null without cp;
 - `a2a_bytes_vs_formula` (under ep): the ep all-to-alls of the last layer's
@@ -53,6 +55,7 @@ import sys
 import time
 
 import torch
+from torch.distributed.tensor import DTensor, Shard
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 import hp
@@ -89,6 +92,7 @@ def measure(family: str, strategy: hp.Strategy, plan: ModelPlan | None = None) -
     start = time.perf_counter()
     with hp.simulated(mesh):
         hp.apply_strategy(model, mesh, strategy, plan)
+        norms = _split_norms(model, plan)
         layers = hp.comm.trace_each(model.get_submodule(plan.blocks))
         vision = hp.comm.trace_each([model.get_submodule(plan.vision)]) if plan.vision else None
         loss = model(**inputs).loss
@@ -100,7 +104,7 @@ def measure(family: str, strategy: hp.Strategy, plan: ModelPlan | None = None) -
     tp_bytes = sum(r.bytes for r in forward if r.axis == "tp")
     cp_bytes = sum(r.bytes for r in forward if r.axis == "cp")
     ep_bytes = sum(r.bytes for r in forward if r.axis == "ep" and r.kind == "all_to_all")
-    tp_formula, cp_formula = formulas(strategy, config.get_text_config())
+    tp_formula, cp_formula = formulas(strategy, config.get_text_config(), len(norms))
     extra = {"vision_fwd_collectives": [f"{r.kind}@{r.axis}" for r in vision[0].select(phase="forward")]} if vision else {}
     return {
         "family": family, "strategy": {k: v for k, v in strategy.as_dict().items() if v != getattr(hp.Strategy(), k)},
@@ -122,19 +126,53 @@ def _text(config) -> dict:
     return {"input_ids": ids, "labels": labels}
 
 
-def formulas(strategy: hp.Strategy, config) -> tuple[int, int]:
-    """(Megatron's tp bytes, the CP algorithm's bytes) per layer forward per rank; 0 where the axis is absent."""
+def formulas(strategy: hp.Strategy, config, norms: int = 0) -> tuple[int, int]:
+    """(Megatron's tp bytes, the CP algorithm's bytes) per layer forward per rank; 0 where the axis is absent.
+
+    Megatron's are two all-reduces of the layer's activations, and for each of the layer's `norms`
+    over split features (OLMo-2's full-width q/k norms) an all-reduce of a statistic per token
+    (its sum of squares), never the features.
+    """
     tokens = BATCH * SEQ // (strategy.dp * strategy.cp)
     tp, cp = strategy.tp, strategy.cp
-    megatron = 2 * ring_bytes("all_reduce", tokens * config.hidden_size * 4, tp) if tp > 1 else 0
+    megatron = 0
+    if tp > 1:
+        megatron = 2 * ring_bytes("all_reduce", tokens * config.hidden_size * 4, tp)
+        megatron += norms * ring_bytes("all_reduce", tokens * 4, tp)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    qk, v = _head_dims(config)
     if cp == 1:
         return megatron, 0
     if strategy.ring:
-        return megatron, (cp - 1) * tokens * 2 * kv_heads // tp * HEAD_DIM * 4
-    ulysses = sum(ring_bytes("all_to_all", tokens * n // tp * HEAD_DIM * 4, cp) for n in (heads, kv_heads, kv_heads, heads))
+        return megatron, (cp - 1) * tokens * kv_heads // tp * (qk + v) * 4
+    ulysses = sum(ring_bytes("all_to_all", tokens * n // tp * d * 4, cp)
+                  for n, d in ((heads, qk), (kv_heads, qk), (kv_heads, v), (heads, v)))
     return megatron, ulysses
+
+
+def _head_dims(config) -> tuple[int, int]:
+    """(query and key, value) head dims: latent attention's keys carry the rope slice, its values not."""
+    if getattr(config, "kv_lora_rank", None):
+        return config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+    return HEAD_DIM, HEAD_DIM
+
+
+def _split_norms(model: torch.nn.Module, plan: ModelPlan) -> set[str]:
+    """Filled by the forward: the norms of the laid-out model's last layer whose features arrive split
+    over tp (OLMo-2's full-width q/k norms after split projections, Dory's sub-norms). Each costs one
+    all-reduce of a statistic per token in Megatron's accounting; a replicated or per-head norm none."""
+    layer, split = model.get_submodule(plan.blocks)[-1], set()
+
+    def record(name, args):
+        x = args[0]
+        if isinstance(x, DTensor) and any(p == Shard(x.ndim - 1) for p in x.placements):
+            split.add(name)
+
+    for name, m in layer.named_modules():
+        if "Norm" in type(m).__name__:
+            m.register_forward_pre_hook(lambda m, args, name=name: record(name, args))
+    return split
 
 
 def _routing(reference: torch.nn.Module, plan: ModelPlan) -> list[torch.Tensor]:

@@ -178,6 +178,29 @@ def test_masked_scatter_and_boolean_mask_reads_and_writes_keep_the_rows_in_order
     sharded_vs_single(mesh, scatter_then_add, [x, src], [layout, rows])
 
 
+@settings(max_examples=12, deadline=None)
+@given(st.sampled_from(["b h/tp s d", "b/tp h s d", "b h s/tp d", "b h s d/tp"]), st.sampled_from(["empty", "zeros"]))
+def test_a_wider_buffer_keeps_its_sources_split_and_the_parts_copied_in_move_nothing(layout, factory):
+    """Latent attention's keys: a buffer as wide as nope + rope, each part copied into its slice."""
+    mesh = hp.mesh(tp=2, simulate=True)
+    nope, rope = torch.randn(2, 4, 6, 8), torch.randn(2, 1, 6, 4)
+
+    traces = []
+
+    def keys(nope, rope):
+        with hp.comm.trace() as t:
+            made = getattr(nope, f"new_{factory}")((*nope.shape[:-1], 12))
+            made[..., :8].copy_(nope)
+            made[..., 8:].copy_(rope.expand(-1, nope.shape[1], -1, -1))
+        traces.append(t)
+        return made
+
+    out = sharded_vs_single(mesh, keys, [nope, rope], [layout, None], grads=False)
+    if "d/tp" not in layout:  # the split dim keeps its size: the buffer is split as the source, nothing moves
+        assert hp.layout_of(out).sharded_axes == hp.layout(layout).sharded_axes
+        assert traces[-1].count("all_gather") == 0
+
+
 COVERED = {
     aten.masked_scatter.default,
     aten.masked_scatter_backward.default,

@@ -80,6 +80,23 @@ def test_attention_sinks_travel_with_their_heads_under_ulysses(family, strategy)
         assert_same_loss_and_grads(loss, want, model, reference)
 
 
+@pytest.mark.parametrize("strategy", [{"tp": 2}, {"cp": 2}, {"cp": 2, "cp_algorithm": "ring"}, {"cp": 2, "tp": 2}])
+def test_latent_attention_splits_by_heads_and_takes_both_cp_algorithms(strategy):
+    """MiniCPM3's multi-head latent attention: keys wider than values, the rope slice shared by every head."""
+    reference, model = tiny_pair("minicpm3", layers=1)
+    ids, labels = batch()
+    want = reference(input_ids=ids, labels=labels).loss
+    want.backward()
+    mesh = hp.strategy_mesh(strategy, simulate=True)
+    with hp.simulated(mesh):
+        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
+        with hp.comm.trace() as t:
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        assert_same_loss_and_grads(loss, want, model, reference)
+    assert t.count("all_gather", axis="tp") == 0, t  # the heads stay split from kv_b_proj to o_proj
+
+
 def test_the_llama_style_derivation_is_megatrons_layout():
     plan = derive(tiny_config("llama"))
     for glob, layout in TP_PLAN.items():
@@ -130,9 +147,6 @@ def test_families_without_a_pipeline_plan_are_named_with_the_rule():
     ("gpt_oss", {"cp": 2, "cp_algorithm": "ring"},
      r"cp_algorithm = 'ring': ring attention needs SDPA attention, and this GptOssForCausalLM runs 'eager' "
      r"attention; use cp_algorithm ulysses"),
-    ("deepseek_v3", {"cp": 2, "cp_algorithm": "ring"},
-     r"cp_algorithm = 'ring': DeepseekV3ForCausalLM runs multi-head latent attention \(kv_lora_rank = 16\), whose keys "
-     r"and values ring attention does not take yet; use cp_algorithm ulysses"),
 ])
 def test_attention_cp_cannot_take_yet_is_refused_by_name(family, strategy, message):
     from transformers import AutoModelForCausalLM

@@ -98,14 +98,15 @@ def sequence_parallel_attention(
     axis = next(m for m, p in enumerate(query.placements) if p == Shard(2))
     parts, group = mesh.size(axis), mesh.get_group(axis)
     q, k, v = (t.to_local() for t in (query, key, value))
+    shape = (*query.shape[:-1], value.shape[-1])  # values may be narrower than queries and keys (latent attention)
     if algorithm == "ring":
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         args = (group, mesh.get_local_rank(axis), parts, order, is_causal, scale)
         out = RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), *args)
-        return to_dtensor(out, mesh, query.placements, query.shape, dim_order=(0, 2, 1, 3))
+        return to_dtensor(out, mesh, query.placements, shape, dim_order=(0, 2, 1, 3))
     q, k, v = (swap_heads_and_sequence(t, group, parts, heads_to_seq=True) for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    return to_dtensor(swap_heads_and_sequence(out, group, parts, heads_to_seq=False), mesh, query.placements, query.shape)
+    return to_dtensor(swap_heads_and_sequence(out, group, parts, heads_to_seq=False), mesh, query.placements, shape)
 
 
 def _unsupported(query, key, value, attn_mask, dropout_p, enable_gqa, algorithm) -> str | None:

@@ -17,7 +17,8 @@ permutation the caller applies to tokens, positions and labels): every rank
 then does the same work at every step. Bytes per rank and layer: (p-1) K/V
 blocks forward; (p-1) K/V blocks and p gradient blocks (fp32) backward.
 
-Block kernels: CPU uses its flash kernel (forward returns the log-sum-exp,
+Block kernels: CPU uses its flash kernel where values are as wide as queries
+(forward returns the log-sum-exp,
 backward accepts the merged output and log-sum-exp); other devices use an
 exact math path in the same shape (materialising one block of scores).
 """
@@ -61,13 +62,14 @@ def _visible(q_chunk: int, k_chunks: list[int], causal: bool) -> tuple[list[int]
 # -- block kernels: attention of a query block to a key block, with its log-sum-exp -------------
 
 
-def _fused(t: torch.Tensor) -> bool:
-    """Whether the device has a flash kernel taking and giving the log-sum-exp that hp uses."""
-    return t.device.type == "cpu"
+def _fused(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the device has a flash kernel taking and giving the log-sum-exp that hp uses (CPU's
+    wants values as wide as queries, which latent attention's are not)."""
+    return q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
 
 
 def _block_forward(q, k, v, causal: bool, scale: float):
-    if _fused(q):
+    if _fused(q, v):
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out.float(), lse
     scores = (q.float() @ k.float().transpose(-2, -1)) * scale
@@ -79,7 +81,7 @@ def _block_forward(q, k, v, causal: bool, scale: float):
 
 def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     """(dq, dk, dv) of a block, given the merged output and log-sum-exp (so the block's share is exact)."""
-    if _fused(q):
+    if _fused(q, v):
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale
         )
@@ -155,7 +157,7 @@ def _attend_backward(dout, q, k, v, out, lse, dq, dkv, coord: int, step: int, pa
             dk[:, :, c] += gk[:, :, at : at + width].float()
             dv[:, :, c] += gv[:, :, at : at + width].float()
             at += width
-    grads = torch.cat([_reduce_heads(dk, kv_heads), _reduce_heads(dv, kv_heads)], dim=1)
+    grads = torch.cat([_reduce_heads(dk, kv_heads), _reduce_heads(dv, kv_heads)], dim=-1)
     return dq, dkv + grads
 
 
@@ -188,12 +190,12 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, coord, parts: int, order: str, causal: bool, scale: float):
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        out = torch.zeros((*q.shape[:3], v.shape[3]), dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        kv, kh = torch.cat([k, v], dim=1), k.shape[1]
+        kv, kd = torch.cat([k, v], dim=-1), k.shape[-1]  # one block on the ring; v may be narrower
         for step in range(parts):
             pending = _pass_on(kv, coord, parts, group) if step < parts - 1 else None
-            out, lse = _attend(q, kv[:, :kh], kv[:, kh:], out, lse, coord, step, parts, order, causal, scale)
+            out, lse = _attend(q, kv[..., :kd], kv[..., kd:], out, lse, coord, step, parts, order, causal, scale)
             if pending is not None:
                 kv = _arrived(pending)
         # (b, s, h, d) memory seen as (b, h, s, d): the usual transpose back to tokens copies
@@ -209,16 +211,16 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, coord, parts, order, causal, scale = ctx.ring
         dout = dout.contiguous()
-        kv, kh = torch.cat([k, v], dim=1), k.shape[1]
+        kv, kd = torch.cat([k, v], dim=-1), k.shape[-1]  # one block on the ring; v may be narrower
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         for step in range(parts):
             pending = _pass_on(kv, coord, parts, group) if step < parts - 1 else None
             dq, dkv = _attend_backward(
-                dout, q, kv[:, :kh], kv[:, kh:], out, lse, dq, dkv, coord, step, parts, order, causal, scale
+                dout, q, kv[..., :kd], kv[..., kd:], out, lse, dq, dkv, coord, step, parts, order, causal, scale
             )
             dkv = _arrived(_pass_on(dkv, coord, parts, group))  # gradients follow their block home
             if pending is not None:
                 kv = _arrived(pending)
-        dk, dv = dkv[:, :kh], dkv[:, kh:]
+        dk, dv = dkv[..., :kd], dkv[..., kd:]
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None

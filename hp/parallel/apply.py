@@ -212,11 +212,6 @@ def _check_compile(model: nn.Module, plan: ModelPlan) -> None:
 
 
 def _check_attention(model: nn.Module, strategy: Strategy) -> None:
-    latent = getattr(model.config.get_text_config(), "kv_lora_rank", None)
-    if strategy.ring and latent:
-        raise StrategyError("cp_algorithm", "ring", f": {type(model).__name__} runs multi-head latent attention "
-                            f"(kv_lora_rank = {latent}), whose keys and values ring attention does not take yet; "
-                            "use cp_algorithm ulysses")
     if strategy.ring and not uses_sdpa(model):
         raise StrategyError("cp_algorithm", "ring", f": ring attention needs SDPA attention, and this "
                             f"{type(model).__name__} runs '{model.config._attn_implementation}' attention; "

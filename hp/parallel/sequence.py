@@ -128,7 +128,9 @@ def arrange(values: torch.Tensor, strategy: Strategy, fill: float | int, *, orde
 
 
 def _head_tail_rotary(cp: int):
-    def hook(mod, args, out):  # cos and sin, (b, s, d), in the tokens' order
+    def hook(mod, args, out):  # cos and sin, (b, s, d), in the tokens' order; DeepSeek-V2's one complex tensor
+        if isinstance(out, torch.Tensor):
+            return out[:, head_tail_order(out.shape[1], cp).to(out.device)]
         return tuple(t[:, head_tail_order(t.shape[1], cp).to(t.device)] for t in out)
 
     return hook
