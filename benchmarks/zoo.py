@@ -19,13 +19,14 @@ ranks (one process, real values), against the unsharded HF model. Each line:
   null without tp;
 - `cp_bytes_vs_formula`: the same for the cp axis against Ulysses' four
   all-to-alls or ring's cp-1 K/V blocks; null without cp;
-- `a2a_bytes_vs_formula` (under ep): the ep all-to-alls of the last layer's
+- `a2a_bytes_vs_formula` (under ep): the ep collectives of the last layer's
   forward on rank 0 over what its routing says they must move: the expert
   counts for the other ranks (int64), the (token, k) rows routed to another
   rank's experts, and the rows other ranks routed to its experts, sent back
-  (each a hidden vector, fp32). The routing is read from HF's unsharded model
-  (its experts' `top_k_index`), so hp's dispatch is checked against an
-  independent count; null without ep;
+  (each a hidden vector, fp32). The routing is the experts' `top_k_index` as
+  the laid-out model's router gave it (tied scores, as a fresh AFMoE router's,
+  may break otherwise than in HF's model; the loss matches either way), so
+  the bytes are checked against the rows the routing needs; null without ep;
 - `vision_fwd_collectives` (vision-language families): the vision tower's
   forward collectives, all its blocks (none when it is replicated over the
   decoder's ranks).
@@ -85,7 +86,6 @@ def measure(family: str, strategy: hp.Strategy, plan: ModelPlan | None = None) -
     model.load_state_dict(reference.state_dict())
     inputs = tiny_vl_batch(reference, seq=SEQ) if family in VL_FAMILIES else _text(config)
     naive, plan = plan is not None, plan or plan_for(config)
-    routing = _routing(reference, plan) if strategy.ep > 1 else None
     want = reference(**inputs).loss
     want.backward()
     mesh = hp.strategy_mesh(strategy, simulate=True)
@@ -93,6 +93,7 @@ def measure(family: str, strategy: hp.Strategy, plan: ModelPlan | None = None) -
     with hp.simulated(mesh):
         hp.apply_strategy(model, mesh, strategy, plan)
         norms = _split_norms(model, plan)
+        routing = _routing(model, plan) if strategy.ep > 1 else None
         layers = hp.comm.trace_each(model.get_submodule(plan.blocks))
         vision = hp.comm.trace_each([model.get_submodule(plan.vision)]) if plan.vision else None
         loss = model(**inputs).loss
@@ -100,10 +101,11 @@ def measure(family: str, strategy: hp.Strategy, plan: ModelPlan | None = None) -
         loss_rel = abs(loss.full_tensor().item() - want.item()) / want.item()
         grad_rel = max(rel_err(p.grad.full_tensor(), r.grad) for p, r in zip(model.parameters(), reference.parameters())
                        if r.grad is not None)  # a parameter the batch never reaches (an unrouted layer's) has none
+        expert_ids = [_whole(ids) for ids in routing or ()]  # one per call of the experts
     forward = layers[-1].select(phase="forward")  # a layer inside the stack (a VL model's first gets whole tokens)
     tp_bytes = sum(r.bytes for r in forward if r.axis == "tp")
     cp_bytes = sum(r.bytes for r in forward if r.axis == "cp")
-    ep_bytes = sum(r.bytes for r in forward if r.axis == "ep" and r.kind == "all_to_all")
+    ep_bytes = sum(r.bytes for r in forward if r.axis == "ep")  # a one-peer exchange is traced as send_recv
     tp_formula, cp_formula = formulas(strategy, config.get_text_config(), len(norms))
     extra = {"vision_fwd_collectives": [f"{r.kind}@{r.axis}" for r in vision[0].select(phase="forward")]} if vision else {}
     return {
@@ -113,7 +115,8 @@ def measure(family: str, strategy: hp.Strategy, plan: ModelPlan | None = None) -
         "fwd_collectives_per_layer": [f"{r.kind}@{r.axis}" for r in forward],
         "bytes_vs_megatron": round(tp_bytes / tp_formula, 4) if tp_formula else None,
         "cp_bytes_vs_formula": round(cp_bytes / cp_formula, 4) if cp_formula else None,
-        "a2a_bytes_vs_formula": round(ep_bytes / a2a_formula(strategy, config, routing[0]), 4) if routing else None,
+        "a2a_bytes_vs_formula": round(ep_bytes / sum(a2a_formula(strategy, config, ids) for ids in expert_ids), 4)
+                                 if expert_ids else None,
         **extra,
         "seconds": round(time.perf_counter() - start, 2),
     }
@@ -175,14 +178,22 @@ def _split_norms(model: torch.nn.Module, plan: ModelPlan) -> set[str]:
     return split
 
 
-def _routing(reference: torch.nn.Module, plan: ModelPlan) -> list[torch.Tensor]:
-    """Filled by the forward: the last layer's experts' (token, k) expert ids, tokens in batch-major order."""
-    last = f"{plan.blocks}.{len(reference.get_submodule(plan.blocks)) - 1}."
-    experts = next(m for n, m in reference.named_modules()
+def _routing(model: torch.nn.Module, plan: ModelPlan) -> list[torch.Tensor]:
+    """Filled by the forward: the last layer's experts' (token, k) expert ids, tokens in batch-major order,
+    one entry per call."""
+    last = f"{plan.blocks}.{len(model.get_submodule(plan.blocks)) - 1}."
+    experts = next(m for n, m in model.named_modules()
                    if n.startswith(last) and any(fnmatch.fnmatchcase(n, g) for g in plan.experts))
     ids: list[torch.Tensor] = []
-    experts.register_forward_pre_hook(lambda m, args: ids.append(args[1].detach().clone()))
+
+    experts.register_forward_pre_hook(lambda module, args: ids.append(args[1].detach()))  # gathered after the trace
     return ids
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's global value, as rank 0 of the simulated ranks holds it."""
+    whole = t.full_tensor() if isinstance(t, DTensor) else t
+    return getattr(whole, "_local_tensors", {0: whole})[0]
 
 
 def a2a_formula(strategy: hp.Strategy, config, expert_ids: torch.Tensor) -> int:

@@ -327,10 +327,10 @@ def _all_to_all(t: torch.Tensor, input_splits, group):
     splits = _one_rank(input_splits or [])
     # a row's size from the trailing dims: a simulated rank may hold no rows at all
     row_bytes = t.element_size() * math.prod(_one_rank(t.shape[1:]))
-    if sum(1 for n in splits if n) == 1:
+    own = splits[_rank_in(group)] if splits else 0
+    if sum(1 for n in splits if n) == 1 and not own:  # rows that stay home are not sent
         return "send_recv", row_bytes * max(splits), group
     if splits:
-        own = splits[_rank_in(group)]
         return "all_to_all", _nbytes(t), group, row_bytes * (sum(splits) - own)
     return "all_to_all", _nbytes(t), group
 

@@ -131,20 +131,9 @@ def test_a_users_grouped_mm_moe_runs_expert_parallel_inside_parallelize():
     assert t.count("all_gather") == 0
 
 
-@settings(max_examples=25, deadline=None)
-@given(data=st.data())
-@example(data=None)  # every token of every rank to the last rank's experts: the others get none
-def test_route_gives_each_row_its_experts_output_and_exact_gradients(data):
-    """Plain, and pipelined over chunks as `hp.mpmd` runs it (counts once, then each chunk's rows there and
-    back in forward and in backward)."""
-    ranks, per_rank, tokens, k, chunks = (2, 2, 3, 2, 1) if data is None else (
-        data.draw(st.sampled_from([2, 4])), data.draw(st.integers(1, 3)), data.draw(st.integers(0, 5)),
-        data.draw(st.integers(1, 2)), data.draw(st.integers(1, 4)))
+def _routed(ranks: int, per_rank: int, tokens: int, k: int, chunks: int, ids: list[torch.Tensor]):
+    """`route` on simulated ep ranks against per-token einsums: outputs and gradients checked; (trace, waits)."""
     experts = ranks * per_rank
-    draw_ids = (lambda: [[experts - 1] * k] * tokens) if data is None else (
-        lambda: data.draw(st.lists(st.lists(st.integers(0, experts - 1), min_size=k, max_size=k),
-                                   min_size=tokens, max_size=tokens)))
-    ids = [torch.tensor(draw_ids(), dtype=torch.int64).view(tokens, k) for _ in range(ranks)]
     torch.manual_seed(0)
     xs = [torch.randn(tokens, 4, requires_grad=True) for _ in range(ranks)]
     w = torch.randn(experts, 4, 3, requires_grad=True)
@@ -165,11 +154,38 @@ def test_route_gives_each_row_its_experts_output_and_exact_gradients(data):
             assert torch.allclose(out._local_tensors[r], want[r], atol=1e-6)
             assert torch.allclose(x.grad._local_tensors[r], xs[r].grad, atol=1e-5)
             assert torch.allclose(local_w.grad._local_tensors[r], w.grad[r * per_rank:(r + 1) * per_rank], atol=1e-5)
+    return trace, waits
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+@example(data=None)  # every token of every rank to the last rank's experts: the others get none
+def test_route_gives_each_row_its_experts_output_and_exact_gradients(data):
+    """Plain, and pipelined over chunks as `hp.mpmd` runs it (counts once, then each chunk's rows there and
+    back in forward and in backward)."""
+    ranks, per_rank, tokens, k, chunks = (2, 2, 3, 2, 1) if data is None else (
+        data.draw(st.sampled_from([2, 4])), data.draw(st.integers(1, 3)), data.draw(st.integers(0, 5)),
+        data.draw(st.integers(1, 2)), data.draw(st.integers(1, 4)))
+    experts = ranks * per_rank
+    draw_ids = (lambda: [[experts - 1] * k] * tokens) if data is None else (
+        lambda: data.draw(st.lists(st.lists(st.integers(0, experts - 1), min_size=k, max_size=k),
+                                   min_size=tokens, max_size=tokens)))
+    ids = [torch.tensor(draw_ids(), dtype=torch.int64).view(tokens, k) for _ in range(ranks)]
+    trace, waits = _routed(ranks, per_rank, tokens, k, chunks, ids)
     used = min(chunks, tokens)
     assert waits.count == {"all_to_all": 1 + 4 * used if used > 1 else 5}
     if data is None:  # rank 0's 6 rows of 4 floats go to rank 1 and come back; counts are int64, 4 per rank
         assert [(r.kind, r.bytes) for r in trace.select(phase="forward")] == [
             ("all_to_all", 16), ("send_recv", 96), ("all_to_all", 0)]
+
+
+def test_rows_routed_to_their_own_rank_are_not_counted_as_sent():
+    # every token of both ranks to expert 0: rank 0 keeps its 6 rows of 4 floats home and sends back
+    # rank 1's 6 results of 3 floats
+    ids = [torch.zeros(3, 2, dtype=torch.int64) for _ in range(2)]
+    trace, _ = _routed(2, 2, 3, 2, 1, ids)
+    assert [(r.kind, r.bytes) for r in trace.select(phase="forward")] == [
+        ("all_to_all", 16), ("all_to_all", 0), ("all_to_all", 72)]
 
 
 def test_the_load_is_counted_over_ranks_once_and_the_bias_moves_routing_toward_balance():
