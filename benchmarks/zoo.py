@@ -11,6 +11,11 @@ with the vision tower split over tp), one forward and backward on simulated
 ranks (one process, real values), against the unsharded HF model. Each line:
 
 - `loss_rel`, `grad_rel`: relative error of the loss and the worst gradient;
+  `grad_rel` leaves out a gradient that fp32 itself cannot give to 1e-5 (a
+  small sum that cancels: xIELU's `alpha_n`, Doge's `A`, whose HF fp32
+  values sit 1e-5 to 3e-5 from the same model run in float64): one that
+  misses HF's by 1e-5 but is within 1e-5 of float64, or within twice HF's
+  own fp32 distance from it, is listed in `fp32_limited` instead;
 - `fwd_collectives_per_layer`: the collectives of the last decoder layer's
   forward (`kind@axis`), from `hp.comm.trace`;
 - `bytes_vs_megatron`: a layer's forward tp bytes per rank over Megatron's (two
@@ -50,6 +55,7 @@ routing table) is compared against a floor of 1e-6 rather than its own noise.
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import json
 import sys
@@ -86,6 +92,7 @@ def measure(family: str, strategy: hp.Strategy, plan: ModelPlan | None = None) -
     model.load_state_dict(reference.state_dict())
     inputs = tiny_vl_batch(reference, seq=SEQ) if family in VL_FAMILIES else _text(config)
     naive, plan = plan is not None, plan or plan_for(config)
+    exact = _float64_grads(reference, inputs)
     want = reference(**inputs).loss
     want.backward()
     mesh = hp.strategy_mesh(strategy, simulate=True)
@@ -99,8 +106,9 @@ def measure(family: str, strategy: hp.Strategy, plan: ModelPlan | None = None) -
         loss = model(**inputs).loss
         loss.backward()
         loss_rel = abs(loss.full_tensor().item() - want.item()) / want.item()
-        grad_rel = max(rel_err(p.grad.full_tensor(), r.grad) for p, r in zip(model.parameters(), reference.parameters())
-                       if r.grad is not None)  # a parameter the batch never reaches (an unrouted layer's) has none
+        grads = {n: (p.grad.full_tensor(), r.grad) for (n, p), r in zip(model.named_parameters(), reference.parameters())
+                 if r.grad is not None}  # a parameter the batch never reaches (an unrouted layer's) has none
+        grad_rel, limited = _grad_errors(grads, exact)
         expert_ids = [_whole(ids) for ids in routing or ()]  # one per call of the experts
     forward = layers[-1].select(phase="forward")  # a layer inside the stack (a VL model's first gets whole tokens)
     tp_bytes = sum(r.bytes for r in forward if r.axis == "tp")
@@ -111,7 +119,7 @@ def measure(family: str, strategy: hp.Strategy, plan: ModelPlan | None = None) -
     return {
         "family": family, "strategy": {k: v for k, v in strategy.as_dict().items() if v != getattr(hp.Strategy(), k)},
         "plan": "naive" if naive else "zoo",
-        "loss_rel": loss_rel, "grad_rel": grad_rel,
+        "loss_rel": loss_rel, "grad_rel": grad_rel, "fp32_limited": limited,
         "fwd_collectives_per_layer": [f"{r.kind}@{r.axis}" for r in forward],
         "bytes_vs_megatron": round(tp_bytes / tp_formula, 4) if tp_formula else None,
         "cp_bytes_vs_formula": round(cp_bytes / cp_formula, 4) if cp_formula else None,
@@ -120,6 +128,38 @@ def measure(family: str, strategy: hp.Strategy, plan: ModelPlan | None = None) -
         **extra,
         "seconds": round(time.perf_counter() - start, 2),
     }
+
+
+def _float64_grads(reference: torch.nn.Module, inputs: dict) -> dict[str, torch.Tensor]:
+    """The reference's gradients computed in float64, by name; empty where the family does not run in float64."""
+    exact = copy.deepcopy(reference).double()
+    if hasattr(exact, "set_experts_implementation"):
+        exact.set_experts_implementation("eager")  # torch._grouped_mm takes no float64
+    wide = {k: v.double() if torch.is_floating_point(v) else v for k, v in inputs.items()}
+    try:
+        exact(**wide).loss.backward()
+    except (RuntimeError, TypeError):
+        return {}
+    return {n: p.grad for n, p in exact.named_parameters() if p.grad is not None}
+
+
+def _grad_errors(grads: dict, exact: dict) -> tuple[float, list[str]]:
+    """(the worst relative error against HF's fp32 gradients, the gradients fp32 cannot give to TOLERANCE).
+
+    A gradient that misses HF's by TOLERANCE is compared with float64 instead: when it is within
+    TOLERANCE of float64, or within twice HF's own fp32 distance from it (the two fp32 roundings
+    add up), it is listed, not counted; otherwise it counts in full.
+    """
+    worst, limited = 0.0, []
+    for name, (got, want) in grads.items():
+        err = rel_err(got, want)
+        if err >= TOLERANCE and name in exact:
+            noise = rel_err(want.double(), exact[name])
+            if rel_err(got.double(), exact[name]) <= max(TOLERANCE, 2 * noise):
+                limited.append(name)
+                continue
+        worst = max(worst, err)
+    return worst, limited
 
 
 def _text(config) -> dict:

@@ -109,6 +109,8 @@ def sizes_for(model_type: str, layers: int = 2, vocab_size: int = 256) -> dict[s
         values["num_key_value_heads"] = values["num_attention_heads"]
     if any("qkv" in k for k in (getattr(cls, "base_model_tp_plan", None) or {})):
         values["num_key_value_heads"] = values["num_attention_heads"]
+    if "per_layer_config" in keys:  # Gemma-4's full-attention layers: their own head dim, small too
+        values["global_head_dim"] = SIZES["head_dim"]
     values.update(num_hidden_layers=layers, vocab_size=vocab_size)
     for key, value in default.to_dict().items():
         if "dropout" in key or key.endswith(("_pdrop", "jitter_noise")):  # training-mode noise differs run to run
