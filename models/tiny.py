@@ -44,7 +44,7 @@ DERIVED_FAMILIES = (
     "exaone4", "exaone_moe", "flex_olmo", "flint", "gemma", "gemma2", "gemma3_text", "gemma4_text",
     "gemma4_unified_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "gpt_neox", "gpt_oss", "gptj", "granite",
     "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "helium", "hunyuan_v1_dense", "hunyuan_v1_moe",
-    "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2", "kolibri1", "laguna", "llama", "longcat_flash",
+    "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2", "kolibri1", "laguna", "llama",
     "mellum", "mimo_v2_flash", "minicpm3", "minimax", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3",
     "mistral", "mixtral", "nanochat", "nemotron", "olmo", "olmo2", "olmo3", "olmoe", "phi", "phi3", "phimoe", "qwen2",
     "qwen2_moe", "qwen3", "qwen3_moe", "sarvam_mla", "sarvam_moe", "seed_oss", "smollm3", "solar_open", "starcoder2",
@@ -106,12 +106,16 @@ def sizes_for(model_type: str, layers: int = 2, vocab_size: int = 256) -> dict[s
     values = {k: v for k, v in SIZES.items() if k in keys}
     if "qk_rope_head_dim" in keys:  # latent attention: one key and value per query head
         values.pop("head_dim", None)
+        if "head_dim" in keys:  # where a latent family's head_dim is its rope slice's (LongCat-Flash)
+            values["head_dim"] = SIZES["qk_rope_head_dim"]
         values["num_key_value_heads"] = values["num_attention_heads"]
     if any("qkv" in k for k in (getattr(cls, "base_model_tp_plan", None) or {})):
         values["num_key_value_heads"] = values["num_attention_heads"]
     if "per_layer_config" in keys:  # Gemma-4's full-attention layers: their own head dim, small too
         values["global_head_dim"] = SIZES["head_dim"]
     values.update(num_hidden_layers=layers, vocab_size=vocab_size)
+    if isinstance(getattr(cls, "num_hidden_layers", None), property) and "num_layers" in keys:
+        values = {**{k: v for k, v in values.items() if k != "num_hidden_layers"}, "num_layers": layers}  # LongCat's
     for key, value in default.to_dict().items():
         if "dropout" in key or key.endswith(("_pdrop", "jitter_noise")):  # training-mode noise differs run to run
             values[key] = 0.0 if isinstance(value, float) else value
