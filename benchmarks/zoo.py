@@ -40,7 +40,8 @@ Two more lines show what the plans buy (`"plan": "naive"`, not counted in the
 summary): Phi-3 laid out with plain `out/tp` on its fused weights, and Gemma-2
 without the residual-stream outputs of its plan. The last line: `families`
 (how many ran), `derived` (how many of them by a plan derived from
-transformers' own), `all_match`, `megatron_bytes` (over the dense families;
+transformers' own), `all_match`, `megatron_bytes` (over the dense families,
+tp bytes no more than Megatron's and cp bytes the algorithm's;
 an MoE layer's experts do not cross tp), `a2a_bytes_match` (every ep run's
 `a2a_bytes_vs_formula` is 1), `mismatched` (the families with a miss or an error), and
 `refused`: each family left out, with its reason (a layer hp cannot split
@@ -334,7 +335,8 @@ def main() -> None:
         "derived": len({r["family"] for r in results if r["family"] not in VL_FAMILIES}),
         "all_match": len(ok) == len(results) and all(r["loss_rel"] < TOLERANCE and r["grad_rel"] < TOLERANCE for r in ok),
         # Megatron's two all-reduces are a dense layer's: an MoE layer's experts stay whole over tp
-        "megatron_bytes": all(r["bytes_vs_megatron"] in (None, 1.0) and r["cp_bytes_vs_formula"] in (None, 1.0)
+        # a parallel block (GPT-J's attention and MLP on one norm) shares its all-gather under sp: 0.75
+        "megatron_bytes": all((r["bytes_vs_megatron"] or 0) <= 1.0 and r["cp_bytes_vs_formula"] in (None, 1.0)
                               for r in dense),
         "a2a_bytes_match": all(r["a2a_bytes_vs_formula"] == 1.0 for r in ok if r["a2a_bytes_vs_formula"] is not None),
         "mismatched": sorted({r["family"] for r in results if r not in ok or r["loss_rel"] >= TOLERANCE

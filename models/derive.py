@@ -85,6 +85,8 @@ def derive(config: Any) -> ModelPlan:
         module = modules.get(name)
         if module is not None and name == head:
             params[f"{name}.weight"] = "vocab/tp h"
+            if getattr(module, "bias", None) is not None:  # CodeGen's, Phi's: split with the vocabulary
+                params[f"{name}.bias"] = "vocab/tp"
             continue
         for param, layout in _layouts(name, module, style, parameters, config).items():
             params[param] = layout

@@ -36,6 +36,25 @@ def test_parallelized_mlp_matches_one_device():
             torch.testing.assert_close(p.grad.full_tensor(), r.grad, msg=name)
 
 
+@pytest.mark.parametrize("layout", ["b h", "b/dp h", "b s/dp h"])
+def test_a_row_parallel_bias_is_added_once_and_its_tokens_stay_split(layout):
+    """CodeGen's and GPT-J's down projections carry a bias: added on one rank of the pending sum
+    (a split sequence, flattened with the batch by the linear, stays split too)."""
+    reference, model = _mlp(), _mlp()
+    x = torch.randn(4, 2, 8) if " s" in layout else torch.randn(4, 8)
+    reference(x).square().mean().backward()
+    mesh = hp.mesh(dp=2, tp=2, simulate=True)
+    with hp.simulated(mesh):
+        hp.parallelize(model, mesh, PLAN, inputs={"": (layout,)})
+        with hp.comm.trace() as t:
+            y = model(x)
+        assert t.count("all_gather") == 0 and t.count("all_reduce") == 0, [r.kind for r in t.records]
+        hp.constrain(y, layout.replace("/tp", "")).square().mean().backward()
+        hp.reduce_gradients(model)
+        for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), r.grad, msg=name)
+
+
 def test_first_matching_entry_wins_and_globs_match_names():
     mesh = hp.mesh(tp=2, simulate=True)
     model = hp.parallelize(_mlp(), mesh, {"*.weight": "out/tp in", "*": "..."})

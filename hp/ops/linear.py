@@ -49,6 +49,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -239,7 +240,7 @@ def blockwise_linear(input, weight, bias=None):
             return NotImplemented
     if not rows and all(input.placements[m].dim == 0 for m in tokens):
         return NotImplemented  # only the batch split (data parallel): see the docstring
-    if len(rows) > 1 or (bias is not None and (rows or not isinstance(bias, DTensor)
+    if len(rows) > 1 or (bias is not None and (not isinstance(bias, DTensor)
                                                or not all(p.is_replicate() for p in bias.placements))):
         return NotImplemented
     resolved = _resolved_here(input, weight, rows) if bias is None else None
@@ -247,9 +248,30 @@ def blockwise_linear(input, weight, bias=None):
         placements, dim, scatter = resolved
         out = pipelined_linear.row(local_block(input), local_block(weight, tokens), dim, mesh.get_group(rows[0]), scatter)
         return to_dtensor(out, mesh, placements, (*input.shape[:-1], weight.shape[0]))
-    out = F.linear(local_block(input), local_block(weight, tokens), local_block(bias, tokens) if bias is not None else None)
+    out = F.linear(local_block(input), local_block(weight, tokens))
+    if bias is not None:  # a row-parallel product's bias is added once to its pending sum: on the axis' first rank
+        b = local_block(bias, [*tokens, *rows])
+        out = out + (_OnFirstRank.apply(b, mesh.get_local_rank(rows[0])) if rows else b)
     placements = [Partial() if m in rows else p for m, p in enumerate(input.placements)]
     return to_dtensor(out, mesh, placements, (*input.shape[:-1], weight.shape[0]))
+
+
+class _OnFirstRank(torch.autograd.Function):
+    """`t` on the rank of coordinate 0, zeros elsewhere (and so its gradient)."""
+
+    @staticmethod
+    def forward(ctx, t, coord):
+        ctx.coord = coord
+        return _first_only(t, coord)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _first_only(grad, ctx.coord), None
+
+
+@maybe_run_for_local_tensor  # which rank adds the bias depends on its coordinate
+def _first_only(t: torch.Tensor, coord: int) -> torch.Tensor:
+    return t.clone() if coord == 0 else torch.zeros_like(t)
 
 
 def _resolved_here(input, weight, rows):
