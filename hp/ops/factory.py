@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, RuntimeSchemaInfo
 from torch.distributed.tensor._ops._tensor_ops import new_factory_strategy
+from torch.distributed.tensor.placement_types import _StridedShard
 
 aten = torch.ops.aten
 FACTORIES = (aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default)
@@ -33,8 +34,9 @@ def kept_split(placements, shape, new_shape) -> tuple:
     (Replicate(),)
     """
     same = len(shape) == len(new_shape)
-    return tuple(p if type(p) is Shard and same and shape[p.dim] == new_shape[p.dim] else Replicate()
-                 for p in placements)
+    plain = [isinstance(p, Shard) and not isinstance(p, _StridedShard) for p in placements]  # a plain split
+    return tuple(p if keep and same and shape[p.dim] == new_shape[p.dim] else Replicate()
+                 for p, keep in zip(placements, plain))
 
 
 def _strategy(op_schema: OpSchema):
