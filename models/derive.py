@@ -230,10 +230,12 @@ def _routers(experts: list[str], modules: dict) -> list[str]:
 
 
 def _rotary(modules: dict, blocks: str) -> str | None:
-    """The module that returns RoPE's (cos, sin) beside the blocks, if the family has one."""
+    """The module that returns RoPE's (cos, sin) beside the blocks, if the family has one; a glob where
+    there are several (Granite-SWA's `rotary_embs`, one per RoPE theta)."""
     base = blocks.rpartition(".")[0]
     name = f"{base}.rotary_emb" if base else "rotary_emb"
-    return name if name in modules else None
+    several = [n for n, m in modules.items() if n.startswith(f"{name}s.") and type(m).__name__.endswith("Embedding")]
+    return f"{name}*" if several else name if name in modules else None
 
 
 def _norms(modules: dict, blocks: str) -> tuple[str, ...]:

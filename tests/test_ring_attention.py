@@ -102,3 +102,36 @@ def test_bad_context_parallel_choices_are_refused(algorithm, order, message):
     with pytest.raises(ValueError, match=message):
         with hp.context_parallel(algorithm, order=order):
             pass
+
+
+@given(window=st.sampled_from([None, 1, 3, 6]), fused=st.booleans(), scale=st.sampled_from([0.35, 1.0]),
+       cp=st.sampled_from([2, 4]))
+def test_ring_attention_with_sinks_and_a_window_matches_the_eager_softmax(window, fused, scale, cp):
+    """gpt-oss's eager attention: one learned logit per head joins each softmax; a query sees the keys
+    less than `window` before it. Output and the q, k, v and sink gradients match."""
+    from hp.ops.context_parallel import sequence_parallel_attention
+
+    torch.manual_seed(cp + (window or 0))
+    b, h, s = 2, 4, 4 * cp
+    q, k, v = (torch.randn(b, h, s, 8, requires_grad=True) for _ in range(3))
+    sinks = torch.randn(h, requires_grad=True)
+    i = torch.arange(s)
+    allowed = (i[None, :] <= i[:, None]) & ((i[:, None] - i[None, :]) < (window or s))
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+    want = torch.cat([scores, sinks.view(1, h, 1, 1).expand(b, h, s, 1)], -1).softmax(-1)[..., :-1] @ v
+    grad = torch.randn_like(want)
+    want.backward(grad)
+    perm = head_tail_order(s, cp)
+    mesh = hp.mesh(cp=cp, simulate=True)
+    with block_kernels(fused), hp.simulated(mesh), hp.context_parallel("ring", order="head_tail"), hp.region():
+        qs, ks, vs, gs = (hp.shard(t.detach()[:, :, perm], "b h s/cp d", mesh) for t in (q, k, v, grad))
+        for t in (qs, ks, vs):
+            t.requires_grad_(True)
+        hs = hp.shard(sinks.detach(), "h", mesh).requires_grad_(True)
+        out = sequence_parallel_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True, sinks=hs,
+                                          window=window)
+        out.backward(gs)
+        back = torch.argsort(perm)
+        got = [t.full_tensor()[:, :, back] for t in (out, qs.grad, ks.grad, vs.grad)] + [hs.grad.full_tensor()]
+    for name, g, w in zip(("out", "dq", "dk", "dv", "dsinks"), got, (want, q.grad, k.grad, v.grad, sinks.grad)):
+        assert rel_err(g, w) < 1e-5, name

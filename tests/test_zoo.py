@@ -167,8 +167,9 @@ def test_ring_attention_is_refused_for_a_model_without_sdpa_attention():
     _, model = tiny_pair("gemma2", layers=1, attn_logit_softcapping=None)
     strategy = {"cp": 2, "cp_algorithm": "ring"}
     mesh = hp.strategy_mesh(strategy, simulate=True)
-    with hp.simulated(mesh), pytest.raises(hp.StrategyError, match=r"ring attention needs SDPA attention, and this "
-                                           r"Gemma2ForCausalLM runs 'eager' attention; use cp_algorithm ulysses"):
+    with hp.simulated(mesh), pytest.raises(hp.StrategyError, match=r"ring attention needs SDPA attention \(or eager "
+                                           r"attention with learned sinks\), and this Gemma2ForCausalLM runs "
+                                           r"'eager' attention; use cp_algorithm ulysses"):
         hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
 
 

@@ -62,12 +62,15 @@ def test_a_drawn_family_and_strategy_match_hf(family, strategy):
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "granite_swa"])
-@pytest.mark.parametrize("strategy", [{"cp": 2}, {"cp": 2, "tp": 2}, {"dp": 2, "cp": 2}])
-def test_attention_sinks_travel_with_their_heads_under_ulysses(family, strategy):
-    # Sinks drawn away from their init (Granite-SWA's are zeros, which would hide a wrong head's sink).
-    reference, model = tiny_pair(family, layers=1)
+@pytest.mark.parametrize("strategy", [{"cp": 2}, {"cp": 2, "tp": 2}, {"dp": 2, "cp": 2},
+                                      {"cp": 2, "cp_algorithm": "ring"}, {"cp": 2, "cp_algorithm": "ring", "tp": 2}])
+def test_attention_sinks_travel_with_their_heads_under_both_cp_algorithms(family, strategy):
+    # Sinks drawn away from their init (Granite-SWA's are zeros, which would hide a wrong head's sink); a
+    # window of 5 tokens, shorter than the sequence, on the sliding layers (the first of two).
+    reference, model = tiny_pair(family, layers=2, sliding_window=5)
     for m in (reference, model):
-        torch.nn.init.normal_(m.model.layers[0].self_attn.sinks, generator=torch.Generator().manual_seed(1))
+        for layer in m.model.layers:
+            torch.nn.init.normal_(layer.self_attn.sinks, generator=torch.Generator().manual_seed(1))
     ids, labels = batch()
     want = reference(input_ids=ids, labels=labels).loss
     want.backward()
@@ -143,9 +146,9 @@ def test_families_without_a_pipeline_plan_are_named_with_the_rule():
 
 
 @pytest.mark.parametrize("family, strategy, message", [
-    ("gpt_oss", {"cp": 2, "cp_algorithm": "ring"},
-     r"cp_algorithm = 'ring': ring attention needs SDPA attention, and this GptOssForCausalLM runs 'eager' "
-     r"attention; use cp_algorithm ulysses"),
+    ("vaultgemma", {"cp": 2, "cp_algorithm": "ring"},
+     r"cp_algorithm = 'ring' cannot soft-cap attention logits \(attn_logit_softcapping = 50.0\): ring attention "
+     r"merges blocks of SDPA; use ulysses"),
 ])
 def test_attention_cp_cannot_take_yet_is_refused_by_name(family, strategy, message):
     from transformers import AutoModelForCausalLM

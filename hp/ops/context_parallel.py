@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from hp.ops.local import to_dtensor
 from hp.ops.ring_attention import ORDERS, RingAttention
@@ -81,15 +81,22 @@ def swap_heads_and_sequence(t: torch.Tensor, group, parts: int, heads_to_seq: bo
 
 
 def sequence_parallel_attention(
-    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+    sinks=None, window=None,
 ):
     """`F.scaled_dot_product_attention` on `b h s/cp d` inputs; NotImplemented otherwise.
 
     In head-tail order a fallback would mask the permuted sequence as if it were
     in order (silently wrong), so there every unsupported call is an error.
+    Ring attention also takes learned `sinks` (one logit per head, a DTensor laid
+    out as the heads) and a sliding `window` (a query sees the keys less than
+    `window` before it), for HF's eager attention with sinks
+    (`hp.parallel.hf_attention`).
     """
     algorithm, order = current_algorithm()
     why = _unsupported(query, key, value, attn_mask, dropout_p, enable_gqa, algorithm)
+    if not why and (sinks is not None or window is not None) and algorithm != "ring":
+        why = "sinks and sliding windows are taken by ring attention only"
     if why:
         if order == "head_tail":
             raise RuntimeError(f"ring attention in head-tail order cannot run this call: {why}")
@@ -101,12 +108,25 @@ def sequence_parallel_attention(
     shape = (*query.shape[:-1], value.shape[-1])  # values may be narrower than queries and keys (latent attention)
     if algorithm == "ring":
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        args = (group, mesh.get_local_rank(axis), parts, order, is_causal, scale)
-        out = RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), *args)
+        args = (group, mesh.get_local_rank(axis), parts, order, is_causal, scale, window)
+        local_sinks = local_heads(sinks, query) if sinks is not None else None
+        out = RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), local_sinks, *args)
         return to_dtensor(out, mesh, query.placements, shape, dim_order=(0, 2, 1, 3))
     q, k, v = (swap_heads_and_sequence(t, group, parts, heads_to_seq=True) for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     return to_dtensor(swap_heads_and_sequence(out, group, parts, heads_to_seq=False), mesh, query.placements, shape)
+
+
+def local_heads(per_head: DTensor, query: DTensor) -> torch.Tensor:
+    """The block of a per-head parameter (attention sinks) that goes with the rank's heads of `query`.
+
+    Where it is replicated over an axis on which the ranks' queries differ (their batch, sequence
+    or heads), each rank's gradient is a share of the sum: it pends there.
+    """
+    if not isinstance(per_head, DTensor):
+        return per_head
+    grads = [p if p.is_shard() or q == Replicate() else Partial() for p, q in zip(per_head.placements, query.placements)]
+    return per_head.to_local(grad_placements=grads)
 
 
 def _unsupported(query, key, value, attn_mask, dropout_p, enable_gqa, algorithm) -> str | None:

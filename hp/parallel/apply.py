@@ -32,7 +32,7 @@ from hp.parallel.data_parallel import fully_shard_model
 from hp.parallel.expert_balance import biased_routing
 from hp.layouts import constrain
 from hp.parallel.lora import adapter_layouts
-from hp.parallel.hf_attention import ulysses_around_attention, uses_sdpa
+from hp.parallel.hf_attention import ring_around_attention, takes_ring, ulysses_around_attention, uses_sdpa
 from hp.mesh import mesh as make_mesh
 from hp.parallel.model_plan import ModelPlan
 from hp.ops.context_parallel import context_parallel
@@ -212,17 +212,18 @@ def _check_compile(model: nn.Module, plan: ModelPlan) -> None:
 
 
 def _check_attention(model: nn.Module, strategy: Strategy) -> None:
-    if strategy.ring and not uses_sdpa(model):
-        raise StrategyError("cp_algorithm", "ring", f": ring attention needs SDPA attention, and this "
-                            f"{type(model).__name__} runs '{model.config._attn_implementation}' attention; "
-                            "use cp_algorithm ulysses")
+    if strategy.ring and not uses_sdpa(model) and not takes_ring(model):
+        raise StrategyError("cp_algorithm", "ring", f": ring attention needs SDPA attention (or eager attention "
+                            f"with learned sinks), and this {type(model).__name__} runs "
+                            f"'{model.config._attn_implementation}' attention; use cp_algorithm ulysses")
 
 
 def _context_parallel_attention(model: nn.Module, strategy: Strategy) -> None:
-    """SDPA runs on hp's ring or Ulysses kernels; any other attention, Ulysses around it."""
+    """SDPA runs on hp's ring or Ulysses kernels; any other attention, Ulysses around it, or under ring,
+    an eager attention with sinks on the ring kernel."""
     _check_attention(model, strategy)
     if not uses_sdpa(model):
-        ulysses_around_attention(model)
+        (ring_around_attention if strategy.ring else ulysses_around_attention)(model)
     order = "head_tail" if strategy.ring else "contiguous"
     forward_inside(model, lambda: context_parallel(strategy.cp_algorithm, order=order))
 

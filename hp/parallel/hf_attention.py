@@ -11,7 +11,11 @@ included), and a second all-to-all turns the result back. So hp registers,
 for a model whose attention is not SDPA, an HF attention function that does
 exactly that around the model's own implementation, and points the model's
 config at it. Ring attention merges SDPA blocks by log-sum-exp and cannot
-wrap an opaque function: `apply_strategy` refuses it for such models.
+wrap an opaque function: `apply_strategy` refuses it for such models, but for
+one kind it knows. An eager attention whose only additions to a causal
+softmax are learned sinks and a sliding window (gpt-oss, Granite-SWA:
+`takes_ring`) is what hp's ring kernel computes, given the module's scaling,
+sinks and window: `ring_around_attention` points the model there.
 
 Learned attention sinks (gpt-oss, Granite-SWA: one logit per head that
 joins every softmax) travel with their heads: the implementation reads
@@ -30,10 +34,11 @@ from torch import nn
 from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from hp.ops.context_parallel import swap_heads_and_sequence
+from hp.ops.context_parallel import local_heads, sequence_parallel_attention, swap_heads_and_sequence
 from hp.ops.local import to_dtensor
 
 PREFIX = "hp_ulysses_"
+RING_PREFIX = "hp_ring_"
 
 
 def uses_sdpa(model: nn.Module) -> bool:
@@ -53,6 +58,43 @@ def ulysses_around_attention(model: nn.Module) -> None:
     AttentionInterface.register(name, _ulysses(impl))
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[impl])  # the same masks as before
     model.config._attn_implementation = name
+
+
+def takes_ring(model: nn.Module) -> bool:
+    """Whether ring attention can stand in for the model's own attention: learned sinks, no soft-capping."""
+    sinks = any(name.rpartition(".")[2] == "sinks" for name, _ in model.named_parameters())
+    return sinks and getattr(model.config.get_text_config(), "attn_logit_softcapping", None) is None
+
+
+def ring_around_attention(model: nn.Module) -> None:
+    """Point a `takes_ring` model's attention at hp's ring kernel with its sinks and window (module docstring)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    impl = model.config._attn_implementation
+    if impl.startswith(RING_PREFIX):
+        return
+    name = RING_PREFIX + impl
+    AttentionInterface.register(name, _ring(impl))
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[impl])  # masks unused on split sequences
+    model.config._attn_implementation = name
+
+
+def _ring(impl: str) -> Callable:
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                  **kwargs):
+        if dropout and module.training:
+            raise ValueError(f"{type(module).__name__}: ring attention with sinks takes no attention dropout "
+                             f"({dropout}); set it to 0 or use cp_algorithm ulysses")
+        window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+        out = sequence_parallel_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True,
+                                          sinks=module.sinks, window=window)
+        if out is NotImplemented:  # nothing split by sequence here: the implementation as it is
+            return _implementation(impl, module)(module, query, key, value, attention_mask, scaling=scaling,
+                                                 dropout=dropout, sliding_window=sliding_window, **kwargs)
+        return out.transpose(1, 2), None
+
+    return attention
 
 
 def _implementation(impl: str, module: nn.Module) -> Callable:
@@ -112,16 +154,9 @@ class _WithSinks:
 
 
 def _heads_share(sinks: torch.Tensor, query: DTensor, axis: int) -> torch.Tensor:
-    """The sinks of the heads this rank attends with after the swap, as a plain tensor.
-
-    Where `sinks` is replicated over an axis on which the ranks' queries differ (their batch,
-    sequence or heads), each rank's gradient is a share of the sum: it pends there.
-    """
-    if isinstance(sinks, DTensor):
-        grad = [p if p.is_shard() or q == Replicate() else Partial() for p, q in zip(sinks.placements, query.placements)]
-        sinks = sinks.to_local(grad_placements=grad)
+    """The sinks of the heads this rank attends with after the swap, as a plain tensor."""
     mesh = query.device_mesh
-    return _TakeShare.apply(sinks, mesh.get_local_rank(axis), mesh.size(axis))
+    return _TakeShare.apply(local_heads(sinks, query), mesh.get_local_rank(axis), mesh.size(axis))
 
 
 class _TakeShare(torch.autograd.Function):
