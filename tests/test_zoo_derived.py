@@ -31,18 +31,25 @@ NUMERIC_GAPS = ("apertus", "apertus1p5_text", "beam", "phimoe")
 DRAWN = tuple(f for f in DERIVED_FAMILIES if f not in NUMERIC_GAPS)
 
 
-def matches_hf(family: str, strategy: dict) -> None:
-    reference, model = tiny_pair(family, layers=1)
+def matches_hf(family: str, strategy: dict, layers: int = 1, prepare=None, **overrides) -> hp.comm.Trace:
+    """The family under `strategy` gives HF's loss and gradients; the trace of its forward.
+
+    `prepare` runs on both models first (to draw parameters away from their init, say)."""
+    reference, model = tiny_pair(family, layers=layers, **overrides)
+    for m in (reference, model) if prepare else ():
+        prepare(m)
     ids, labels = batch()
     want = reference(input_ids=ids, labels=labels).loss
     want.backward()
     mesh = hp.strategy_mesh(strategy, simulate=True)
     with hp.simulated(mesh):
         hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
-        loss = model(input_ids=ids, labels=labels).loss
+        with hp.comm.trace() as t:
+            loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         # floor: a hash-routed gate's gradient is zero in exact arithmetic at a fresh, all-zero routing table
         assert_same_loss_and_grads(loss, want, model, reference, floor=1e-6)
+    return t
 
 
 @pytest.mark.parametrize("family", [f for f in DERIVED_FAMILIES if f not in FAMILIES])  # those: tests/test_zoo.py
@@ -67,35 +74,17 @@ def test_a_drawn_family_and_strategy_match_hf(family, strategy):
 def test_attention_sinks_travel_with_their_heads_under_both_cp_algorithms(family, strategy):
     # Sinks drawn away from their init (Granite-SWA's are zeros, which would hide a wrong head's sink); a
     # window of 5 tokens, shorter than the sequence, on the sliding layers (the first of two).
-    reference, model = tiny_pair(family, layers=2, sliding_window=5)
-    for m in (reference, model):
-        for layer in m.model.layers:
+    def draw_sinks(model):
+        for layer in model.model.layers:
             torch.nn.init.normal_(layer.self_attn.sinks, generator=torch.Generator().manual_seed(1))
-    ids, labels = batch()
-    want = reference(input_ids=ids, labels=labels).loss
-    want.backward()
-    mesh = hp.strategy_mesh(strategy, simulate=True)
-    with hp.simulated(mesh):
-        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        assert_same_loss_and_grads(loss, want, model, reference)
+
+    matches_hf(family, strategy, layers=2, prepare=draw_sinks, sliding_window=5)
 
 
 @pytest.mark.parametrize("strategy", [{"tp": 2}, {"cp": 2}, {"cp": 2, "cp_algorithm": "ring"}, {"cp": 2, "tp": 2}])
 def test_latent_attention_splits_by_heads_and_takes_both_cp_algorithms(strategy):
     """MiniCPM3's multi-head latent attention: keys wider than values, the rope slice shared by every head."""
-    reference, model = tiny_pair("minicpm3", layers=1)
-    ids, labels = batch()
-    want = reference(input_ids=ids, labels=labels).loss
-    want.backward()
-    mesh = hp.strategy_mesh(strategy, simulate=True)
-    with hp.simulated(mesh):
-        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
-        with hp.comm.trace() as t:
-            loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        assert_same_loss_and_grads(loss, want, model, reference)
+    t = matches_hf("minicpm3", strategy)
     assert t.count("all_gather", axis="tp") == 0, t  # the heads stay split from kv_b_proj to o_proj
 
 

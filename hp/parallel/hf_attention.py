@@ -48,16 +48,7 @@ def uses_sdpa(model: nn.Module) -> bool:
 
 def ulysses_around_attention(model: nn.Module) -> None:
     """Point `model`'s attention at a Ulysses wrapper of its own implementation (module docstring)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    impl = model.config._attn_implementation
-    if impl.startswith(PREFIX):
-        return
-    name = PREFIX + impl
-    AttentionInterface.register(name, _ulysses(impl))
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[impl])  # the same masks as before
-    model.config._attn_implementation = name
+    _point_at(model, PREFIX, _ulysses)
 
 
 def takes_ring(model: nn.Module) -> bool:
@@ -68,16 +59,7 @@ def takes_ring(model: nn.Module) -> bool:
 
 def ring_around_attention(model: nn.Module) -> None:
     """Point a `takes_ring` model's attention at hp's ring kernel with its sinks and window (module docstring)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    impl = model.config._attn_implementation
-    if impl.startswith(RING_PREFIX):
-        return
-    name = RING_PREFIX + impl
-    AttentionInterface.register(name, _ring(impl))
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[impl])  # masks unused on split sequences
-    model.config._attn_implementation = name
+    _point_at(model, RING_PREFIX, _ring)
 
 
 def _ring(impl: str) -> Callable:
@@ -95,6 +77,19 @@ def _ring(impl: str) -> Callable:
         return out.transpose(1, 2), None
 
     return attention
+
+
+def _point_at(model: nn.Module, prefix: str, make: Callable[[str], Callable]) -> None:
+    """Register `make(impl)` as HF attention `prefix + impl` (the same masks as `impl`'s) and point the model at it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    impl = model.config._attn_implementation
+    if impl.startswith((PREFIX, RING_PREFIX)):
+        return
+    AttentionInterface.register(prefix + impl, make(impl))
+    AttentionMaskInterface.register(prefix + impl, ALL_MASK_ATTENTION_FUNCTIONS[impl])
+    model.config._attn_implementation = prefix + impl
 
 
 def _implementation(impl: str, module: nn.Module) -> Callable:
