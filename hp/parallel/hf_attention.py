@@ -52,9 +52,12 @@ def ulysses_around_attention(model: nn.Module) -> None:
 
 
 def takes_ring(model: nn.Module) -> bool:
-    """Whether ring attention can stand in for the model's own attention: learned sinks, no soft-capping."""
-    sinks = any(name.rpartition(".")[2] == "sinks" for name, _ in model.named_parameters())
-    return sinks and getattr(model.config.get_text_config(), "attn_logit_softcapping", None) is None
+    """Whether ring attention can stand in for the model's own attention: multi-head attention (its own
+    q, k and v projections) with learned sinks and no soft-capping. DeepSeek-V4's, with one compressed
+    key-value projection beside its sinks, is not."""
+    owners = [name.rpartition(".")[0] for name, _ in model.named_parameters() if name.rpartition(".")[2] == "sinks"]
+    plain = all({"q_proj", "k_proj", "v_proj"} <= dict(model.get_submodule(o).named_children()).keys() for o in owners)
+    return bool(owners) and plain and getattr(model.config.get_text_config(), "attn_logit_softcapping", None) is None
 
 
 def ring_around_attention(model: nn.Module) -> None:
