@@ -222,12 +222,7 @@ def test_the_tiny_vl_models_loss_on_a_reader_batch_is_hfs_with_its_processor_and
                                          image_std=list(spec.std))
     images = [Image.open(p).convert("RGB") for e in data.examples for p in e.get("images", [])]
     hf = processor(images=images, return_tensors="pt")
-    types = (batch.input_ids == CONFIG.image_token_id).int()
-    positions, _ = model.model.get_rope_index(batch.input_ids, types, image_grid_thw=hf["image_grid_thw"])
-    want = model(input_ids=batch.input_ids, labels=batch.labels, pixel_values=hf["pixel_values"],
-                 image_grid_thw=hf["image_grid_thw"], position_ids=positions)
-    assert out.loss.item() == pytest.approx(want.loss.item(), rel=1e-6)
-    assert torch.allclose(out.logits, want.logits, atol=1e-6)
+    assert_hf_loss_and_logits(model, batch, hf, CONFIG.image_token_id, out)
     flat = model(input_ids=batch.input_ids, labels=batch.labels, pixel_values=batch.pixel_values,
                  image_grid_thw=batch.image_grid_thw)  # no mm_token_type_ids: HF falls back to 1-D positions
     assert (flat.logits - out.logits).abs().max() > 1e-3
@@ -326,12 +321,7 @@ def test_a_local_qwen3_vl_reads_its_processor_file_and_its_loss_is_hfs_with_that
     processor = Qwen2VLImageProcessorPil.from_pretrained(qwen3_vl)
     hf = processor(images=[Image.open(p) for e in data.examples for p in e.get("images", [])], return_tensors="pt")
     assert torch.equal(batch.pixel_values, hf["pixel_values"])
-    types = (batch.input_ids == config.image_token_id).int()
-    positions, _ = model.model.get_rope_index(batch.input_ids, types, image_grid_thw=hf["image_grid_thw"])
-    want = model(input_ids=batch.input_ids, labels=batch.labels, pixel_values=hf["pixel_values"],
-                 image_grid_thw=hf["image_grid_thw"], position_ids=positions)
-    assert out.loss.item() == pytest.approx(want.loss.item(), rel=1e-6)
-    assert torch.allclose(out.logits, want.logits, atol=1e-6)
+    assert_hf_loss_and_logits(model, batch, hf, config.image_token_id, out)
 
 
 def test_image_max_pixels_is_llamafactorys_key_and_reaches_the_images(tmp_path):
@@ -350,3 +340,13 @@ def test_image_max_pixels_is_llamafactorys_key_and_reaches_the_images(tmp_path):
     assert vision.spec == dataclasses.replace(VISION.spec, image_max_pixels=40 * 40)
     # w x h 80 x 64 (grid 16 x 20 unbounded) shrinks to 44 x 35, which the processor grows to 64 x 56
     assert vision.grids([str(tmp_path / "pics" / "b.png")], "") == [(1, 14, 16)]
+
+
+def assert_hf_loss_and_logits(model, batch, hf: dict, image_token_id: int, out) -> None:
+    """`out` (the model on hp's batch) is HF's model on its processor's pixels, with its own M-RoPE positions."""
+    types = (batch.input_ids == image_token_id).int()
+    positions, _ = model.model.get_rope_index(batch.input_ids, types, image_grid_thw=hf["image_grid_thw"])
+    want = model(input_ids=batch.input_ids, labels=batch.labels, pixel_values=hf["pixel_values"],
+                 image_grid_thw=hf["image_grid_thw"], position_ids=positions)
+    assert out.loss.item() == pytest.approx(want.loss.item(), rel=1e-6)
+    assert torch.allclose(out.logits, want.logits, atol=1e-6)
