@@ -147,3 +147,15 @@ def test_attention_cp_cannot_take_yet_is_refused_by_name(family, strategy, messa
         model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(hp.StrategyError, match=message):
         hp.check_strategy(model, strategy, plan_for(config))
+
+
+def test_ring_attention_with_sinks_refuses_attention_dropout_by_name():
+    _, model = tiny_pair("gpt_oss", layers=1, attention_dropout=0.1)
+    strategy = {"cp": 2, "cp_algorithm": "ring"}
+    mesh = hp.strategy_mesh(strategy, simulate=True)
+    ids, labels = batch()
+    with hp.simulated(mesh):
+        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
+        with pytest.raises(ValueError, match=r"GptOssAttention: ring attention with sinks takes no attention dropout "
+                                             r"\(0.1\); set it to 0 or use cp_algorithm ulysses"):
+            model.train()(input_ids=ids, labels=labels)
