@@ -93,6 +93,7 @@ class Progress:
     logged_rewards: dict[str, float] = field(default_factory=dict)  # last metrics line, and that line's mean
     first_rewards: dict[str, float] = field(default_factory=dict)  # the first step's of this run
     mpmd: Mpmd | None = None  # the pipelined step, under parallel.mpmd: its plan and last report
+    started: float = field(default_factory=time.perf_counter)  # the loop's start, for each record's elapsed_s
 
     def rewards_window(self) -> dict[str, float]:
         """The mean of the steps' rewards since the last metrics line (that line's, when none came since)."""
@@ -399,7 +400,7 @@ def _log(config: TrainConfig, step: int, loss: float, lr: float, progress: Progr
     if step % config.logging_steps == 0 or step == 1:
         progress.logged_rewards, progress.rewards = progress.rewards_window(), []
         record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "peak_memory_bytes": memory,
-                  **progress.logged_rewards}
+                  "elapsed_s": round(time.perf_counter() - progress.started, 4), **progress.logged_rewards}
         if load is not None:
             record.update(expert_imbalance=load.imbalance, expert_load=[list(layer) for layer in load.per_layer])
         report.write(record)
