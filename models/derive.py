@@ -61,6 +61,16 @@ BY_NAME = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_pro
            "gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise", "gate_up_proj": "packed_colwise"}
 
 
+def hf_plan(model: Any, kind: str) -> dict[str, str]:
+    """The model's merged `kind` ("tp", "ep" or "pp") plan: `model.tp_plan` in transformers >= 5.2x, `_tp_plan` before.
+
+    >>> from hp.models import tiny_config
+    >>> hf_plan(meta_model(tiny_config("llama")), "tp")["model.layers.*.self_attn.q_proj"]
+    'colwise'
+    """
+    return getattr(model, f"{kind}_plan", None) or getattr(model, f"_{kind}_plan", None) or {}
+
+
 def derive(config: Any) -> ModelPlan:
     """The plan of an HF causal LM's config, from the model's own tp, ep and pp plans (module docstring).
 
@@ -75,7 +85,7 @@ def derive(config: Any) -> ModelPlan:
     modules = dict(model.named_modules())
     parameters = dict(model.named_parameters(remove_duplicate=False))
     styles = _styles(model, modules, parameters)
-    experts = _experts(model.ep_plan or {}, modules)
+    experts = _experts(hf_plan(model, 'ep'), modules)
     moe_blocks = {name.rpartition(".")[0] for name in experts}
     params: dict[str, str] = {}
     residual: list[str] = []
@@ -94,7 +104,7 @@ def derive(config: Any) -> ModelPlan:
             block = next((b for b in moe_blocks if name.startswith(b + ".")), None)
             residual.append(block if block is not None else name)
     residual += sorted(moe_blocks)  # the experts' sum joins the stream (after a shared expert's, if any)
-    expert_params = {name: _expert_layout(parameters[name]) for name in _expert_params(model.ep_plan or {}, parameters)}
+    expert_params = {name: _expert_layout(parameters[name]) for name in _expert_params(hf_plan(model, 'ep'), parameters)}
     return ModelPlan(
         params={_glob(k, blocks): v for k, v in params.items()},
         residual=tuple(dict.fromkeys(_glob(r, blocks) for r in residual)),
@@ -126,7 +136,7 @@ def _pipeline_stages(model) -> tuple[str, str]:
     """
     from torch import nn
 
-    plan = model.pp_plan or {}
+    plan = hf_plan(model, 'pp')
     blocks = next((k for k in plan if isinstance(model.get_submodule(k), nn.ModuleList)), None)
     embedding = next((k for k, (inputs, _) in plan.items() if "input_ids" in inputs), None)
     if blocks is None and embedding is None:
@@ -142,7 +152,7 @@ def _pipeline_stages(model) -> tuple[str, str]:
 def _styles(model, modules: dict, parameters: dict) -> dict[str, str]:
     """Each module or parameter's style: HF's tp plan resolved on the model's names, then the names HF leaves."""
     styles: dict[str, str] = {}
-    for pattern, style in (model.tp_plan or {}).items():
+    for pattern, style in hf_plan(model, 'tp').items():
         for name in (*modules, *parameters):
             if fnmatch.fnmatchcase(name, pattern):
                 styles.setdefault(name, style)

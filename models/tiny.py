@@ -7,7 +7,9 @@ key/value heads (8 for Phi-3, whose fused q, k, v need equal parts), MLP
 width 128 and a vocabulary of 256 unless asked otherwise. The mixture-of-
 experts families (`MOE_FAMILIES`) route each token to 2 of 8 experts of width
 32 (Qwen2-MoE's shared expert: 64); their widths are multiples of 8, which
-`torch._grouped_mm` needs on CPU (16-byte-aligned rows in fp32 and bf16).
+`torch._grouped_mm` needs on CPU (16-byte-aligned rows in fp32 and bf16);
+LongCat-Flash adds 2 zero-computation experts (a token routed there passes
+through as it is).
 The vision-language families (`VL_FAMILIES`) pair that decoder with a vision
 tower of 2 blocks, hidden 32, 2 heads and 4-pixel patches merged 2 x 2 (an
 image of 8k x 8k pixels becomes k x k tokens), and place their vision token
@@ -30,6 +32,8 @@ SIZES = {
     "num_experts": 8, "num_local_experts": 8, "n_routed_experts": 8, "num_experts_per_tok": 2,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "n_shared_experts": 1,
     "norm_topk_prob": True, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 0,
+    # LongCat-Flash's zero-computation experts: few, so that tokens reach both kinds (its 256 took every token)
+    "zero_expert_num": 2,
     # multi-head latent attention (its head_dim is the rope slice's)
     "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8,
 }
@@ -44,7 +48,7 @@ DERIVED_FAMILIES = (
     "exaone4", "exaone_moe", "flex_olmo", "flint", "gemma", "gemma2", "gemma3_text", "gemma4_text",
     "gemma4_unified_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "gpt_neox", "gpt_oss", "gptj", "granite",
     "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "helium", "hunyuan_v1_dense", "hunyuan_v1_moe",
-    "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2", "kolibri1", "laguna", "llama",
+    "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2", "kolibri1", "laguna", "llama", "longcat_flash",
     "mellum", "mimo_v2_flash", "minicpm3", "minimax", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3",
     "mistral", "mixtral", "nanochat", "nemotron", "olmo", "olmo2", "olmo3", "olmoe", "phi", "phi3", "phimoe", "qwen2",
     "qwen2_moe", "qwen3", "qwen3_moe", "sarvam_mla", "sarvam_moe", "seed_oss", "smollm3", "solar_open", "starcoder2",

@@ -201,6 +201,28 @@ def test_a_wider_buffer_keeps_its_sources_split_and_the_parts_copied_in_move_not
         assert traces[-1].count("all_gather") == 0
 
 
+@pytest.mark.parametrize("layout", ["b s/tp e", "b/dp s/tp e"])
+def test_gather_and_scatter_along_experts_keep_strided_token_rows_where_they_are(layout):
+    """PhiMoE's router: top scores picked per token and added back in place, tokens flattened from `b s/cp`."""
+    mesh = hp.mesh(dp=2, tp=2, simulate=True)
+    scores = torch.randn(4, 8, 6)
+    traces = []
+
+    def pick_and_add_back(scores):
+        flat = scores.view(-1, scores.shape[-1]).softmax(-1)
+        index = flat.max(dim=-1, keepdim=True)[1]
+        with hp.comm.trace() as t:
+            picked = flat.gather(-1, index)
+            added = flat.clone().scatter_add_(-1, index, picked * 2)
+            out = added.scatter(-1, index, 0.5) + torch.scatter_add(flat, -1, index, picked)
+        traces.append(t)
+        return out
+
+    out = sharded_vs_single(mesh, pick_and_add_back, [scores], [layout])
+    assert out._local_tensor.shape[0] < out.shape[0]  # the rows stay split
+    assert traces[-1].records == []
+
+
 COVERED = {
     aten.masked_scatter.default,
     aten.masked_scatter_backward.default,

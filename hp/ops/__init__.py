@@ -7,7 +7,7 @@ top of hp (`watch`, `simulate`, `source`, `mesh`, `cost`); never a strategy,
 a transform, the zoo or the trainer.
 """
 
-from hp.ops import attention, factory, grouped_mm, masked  # noqa: F401  (register their rules on import)
+from hp.ops import attention, factory, gather_scatter, grouped_mm, masked  # noqa: F401  (register their rules on import)
 from hp.ops.rule import RuleError, parse_factors, rule
 
 __all__ = ["RuleError", "parse_factors", "rule"]
