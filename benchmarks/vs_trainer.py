@@ -38,8 +38,9 @@ batch 8 x 2048, bf16 autocast, no checkpointing, 20 steps, one device
 
 Last line: `step_ratio_<arm>` = the arm's median step / `hf_ddp`'s (`hf` on
 one device; `plain` is the reference there: `hp_tokens_vs_plain`), the same
-for wall, and `losses_match` (every arm fed hp's rows ends each step within
-1e-3 relative of `hf_ddp`'s loss: the same sums in another order, bf16 aside).
+for wall, and `losses_match` (every arm fed hp's rows has each step's loss
+within 1e-4 relative of `hf_ddp`'s in fp32, the same sums in another order
+amplified over the steps; 2e-2 under bf16 autocast).
 
     python benchmarks/vs_trainer.py [--rounds 1]             # CPU, 2 ranks: about 10 minutes a round
     python benchmarks/vs_trainer.py --shape tiny --arms hp_dp,hf_ddp
@@ -180,7 +181,7 @@ def run_arm(arm: str, shape: dict, work: Path, args) -> dict:
         return {"arm": arm, "error": output[-3000:]}
     steps = _steps(arm, out)
     times = [b["time"] - a["time"] for a, b in zip(steps, steps[1:])][shape["warmup"] - 1:]
-    memory = steps[-1].get("device_peak_bytes") or max(watcher.peaks.values(), default=None)
+    memory = max(watcher.peaks.values(), default=None) if args.cpu else steps[-1]["device_peak_bytes"]
     return {"arm": arm, "step_s": round(statistics.median(times), 4), "wall_s": round(wall, 1),
             "peak_bytes_per_rank": memory, "losses": [round(s["loss"], 5) for s in steps],
             "tokens_per_s": round(shape["batch"] * shape["ranks"] * shape["cutoff"] / statistics.median(times))
@@ -213,7 +214,8 @@ def _steps(arm: str, out: Path) -> list[dict]:
     """[{step, loss, time}] from hp's metrics.jsonl, the worker's steps.jsonl or LlamaFactory's trainer_log."""
     if arm.startswith("hp"):
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        return [{**r, "time": r["elapsed_s"]} for r in records if "loss" in r]
+        return [{**r, "time": r["elapsed_s"], "device_peak_bytes": r["peak_memory_bytes"]} for r in records
+                if "loss" in r]
     if arm == "llamafactory":
         records = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
         return [{"step": r["current_steps"], "loss": r["loss"], "time": _seconds(r["elapsed_time"])} for r in records]
@@ -382,7 +384,7 @@ def _device_peak() -> int:
 
 # ---- the run --------------------------------------------------------------------------------------------------
 
-def summary(results: dict[str, list[dict]], one_device: bool) -> dict:
+def summary(results: dict[str, list[dict]], one_device: bool, bf16: bool) -> dict:
     """Ratios of medians over rounds against the reference arm, and whether the losses of hp's rows match."""
     base = "hf" if one_device else "hf_ddp"
     ok = {arm: [r for r in runs if "error" not in r] for arm, runs in results.items()}
@@ -392,10 +394,10 @@ def summary(results: dict[str, list[dict]], one_device: bool) -> dict:
     if base in step:
         line |= {f"step_ratio_{arm}": round(step[arm] / step[base], 3) for arm in step if arm != base}
         line |= {f"wall_ratio_{arm}": round(wall[arm] / wall[base], 3) for arm in wall if arm != base}
-        reference = ok[base][0]["losses"]
+        reference, tolerance = ok[base][0]["losses"], 2e-2 if bf16 else 1e-4
         line["losses_match"] = all(
             len(r["losses"]) == len(reference)
-            and all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(r["losses"], reference))
+            and all(abs(a - b) <= tolerance * abs(b) for a, b in zip(r["losses"], reference))
             for arm, runs in ok.items() if arm != "llamafactory" for r in runs)
     if one_device and "plain" in step and "hp" in step:
         line["hp_tokens_vs_plain"] = round(step["plain"] / step["hp"], 3)
@@ -436,7 +438,7 @@ def main() -> None:
                 record = run_arm(arm, shape, work, args)
                 results[arm].append(record)
                 print(json.dumps({"bench": "vs_trainer", "round": round_, **record}), flush=True)
-    print(json.dumps({**summary(results, shape["ranks"] == 1), "shape": args.shape, "device": _device_name(),
+    print(json.dumps({**summary(results, shape["ranks"] == 1, shape["bf16"]), "shape": args.shape, "device": _device_name(),
                       "torch": torch.__version__, "date": datetime.date.today().isoformat()}), flush=True)
 
 

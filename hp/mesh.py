@@ -71,6 +71,11 @@ def _remember_axes(m: DeviceMesh) -> DeviceMesh:
     return m
 
 
+def name_group(group, axis: str) -> None:
+    """Count `group`'s collectives under mesh axis `axis` (a group of its own over that axis's ranks)."""
+    _AXIS_OF_GROUP[group.group_name] = axis
+
+
 def axis_of_group(group_name: str) -> str | None:
     """The mesh axis (of the latest hp.mesh) whose process group is `group_name`."""
     return _AXIS_OF_GROUP.get(group_name)

@@ -38,6 +38,20 @@ def test_a_local_hf_model_directory_of_every_family_trains(tmp_path):
         assert first[family] == pytest.approx(want, rel=1e-5), family
 
 
+def test_data_parallel_from_a_local_directory_follows_one_device_step_by_step(tmp_path):
+    """dp alone runs plain parameters (each rank its rows, gradients summed during backward) on weights loaded
+    into a model first laid out on the meta device: four steps of two micro-batches give one device's losses,
+    and the step's sums are counted on the dp axis."""
+    local_hf_model(tmp_path / "model", "qwen3")
+    common = [f"model_name_or_path={tmp_path / 'model'}", "max_steps=4", "logging_steps=1", "save_steps=4",
+              "gradient_accumulation_steps=2", "parallel.tp=1", "disable_gradient_checkpointing=false"]
+    one = summary(hp_train(*common, "per_device_train_batch_size=8", f"output_dir={tmp_path / 'one'}"))
+    two = summary(hp_train(*common, "parallel.dp=2", "per_device_train_batch_size=4", f"output_dir={tmp_path / 'two'}"))
+    want, got = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert got == pytest.approx(want, rel=1e-5) and len(got) == 4
+    assert two["comm_bytes_per_step"]["dp"] > 0 and not one["comm_bytes_per_step"]
+
+
 def test_hp_train_loads_a_fused_family_rank_by_rank(tmp_path):
     """The command itself (preflight, launcher, workers) on Phi-3, whose fused weights load through a stand-in."""
     from transformers import AutoModelForCausalLM

@@ -32,12 +32,14 @@ from hp.parallel.data_parallel import fully_shard_model
 from hp.parallel.expert_balance import biased_routing
 from hp.layouts import constrain
 from hp.parallel.lora import adapter_layouts
-from hp.parallel.hf_attention import ring_around_attention, takes_ring, ulysses_around_attention, uses_sdpa
+from hp.parallel.hf_attention import (own_mask_attention, paired_heads_attention, ring_around_attention, takes_ring,
+                                      ulysses_around_attention, uses_sdpa)
 from hp.mesh import mesh as make_mesh
 from hp.parallel.model_plan import ModelPlan
 from hp.ops.context_parallel import context_parallel
 from hp.ops.expert_parallel import expert_parallel
 from hp.parallel.parallelize import check_plan, forward_inside, parallelize
+from hp.parallel.plain_dp import plain_data_parallel, takes_plain_dp
 from hp.parallel.recompute import recompute_blocks
 from hp.parallel.replicated import run_replicated
 from hp.parallel.rowwise import run_rowwise
@@ -121,6 +123,9 @@ def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any
     """
     strategy = Strategy.of(strategy)
     _check_unsplit(model, strategy, plan)
+    _check_heads(model, strategy)
+    if takes_plain_dp(model, mesh, strategy) and plan.vision is None:
+        return _plain_dp(model, mesh, strategy, plan)
     params, inputs, outputs = layouts(strategy, plan)
     params = _present({**params, **adapter_layouts(params)}, model.named_parameters(remove_duplicate=False))
     outputs = _present(outputs, model.named_modules())
@@ -152,6 +157,21 @@ def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any
     return model
 
 
+def _plain_dp(model: nn.Module, mesh, strategy: Strategy, plan: ModelPlan) -> nn.Module:
+    """Only the batch splits: plain parameters, each rank its rows (`hp.parallel.plain_dp`)."""
+    plain_data_parallel(model, mesh)
+    expert_parallel(model, plan.experts)  # plain experts run as they are; their loads are still counted
+    if strategy.expert_bias_rate:
+        biased_routing(model, plan.routers)
+    if strategy.recompute:
+        recompute_blocks(model.get_submodule(plan.blocks))
+    if strategy.compile:
+        _check_compile(model, plan)
+        compile_blocks(model.get_submodule(plan.blocks))
+        compile_loss(model)
+    return model
+
+
 def check_strategy(model: nn.Module, strategy: Strategy | Mapping[str, Any], plan: ModelPlan) -> None:
     """What `apply_strategy` would refuse, found without a mesh or data (a meta-device model will do).
 
@@ -167,6 +187,7 @@ def check_strategy(model: nn.Module, strategy: Strategy | Mapping[str, Any], pla
     """
     strategy = Strategy.of(strategy)
     _check_unsplit(model, strategy, plan)
+    _check_heads(model, strategy)
     strategy.check_fits(model.config)
     params, _, _ = layouts(strategy, plan)
     params = {**params, **adapter_layouts(params)}
@@ -211,11 +232,25 @@ def _check_compile(model: nn.Module, plan: ModelPlan) -> None:
                             "yet (a vision tower's features enter the decoder); leave compile off")
 
 
+def _check_heads(model: nn.Module, strategy: Strategy) -> None:
+    paired = paired_heads_attention(model) if strategy.tp > 1 else None
+    if paired is not None:
+        raise StrategyError("tp", strategy.tp, f": {paired} is differential attention, which pairs head h with head "
+                            "h + heads/2 and the halves of its values across the heads that tp splits in order, so "
+                            "every layer would gather its heads over tp; dp, FSDP and cp (ulysses or ring) run it")
+
+
 def _check_attention(model: nn.Module, strategy: Strategy) -> None:
     if strategy.ring and not uses_sdpa(model) and not takes_ring(model):
         raise StrategyError("cp_algorithm", "ring", f": ring attention needs SDPA attention (or eager attention "
                             f"with learned sinks), and this {type(model).__name__} runs "
                             f"'{model.config._attn_implementation}' attention; use cp_algorithm ulysses")
+    masked = own_mask_attention(model) if strategy.ring else None
+    if masked is not None:
+        raise StrategyError("cp_algorithm", "ring", f": {masked} attends under a mask {type(model).__name__} "
+                            "always builds, in the tokens' order, and adds its own terms to; ring attention runs "
+                            "causal SDPA without masks on tokens in head-tail order; use cp_algorithm ulysses "
+                            "(tp and dp run too)")
 
 
 def _context_parallel_attention(model: nn.Module, strategy: Strategy) -> None:

@@ -19,6 +19,7 @@ from torch import nn
 
 from hp.compat import backports
 from hp.compat.fsdp import fully_shard_on_axes
+from hp.parallel import plain_dp
 from hp.parallel.strategy import Strategy
 
 
@@ -125,6 +126,8 @@ def reduce_gradients(model: nn.Module) -> None:
     """
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
+    if plain_dp.finish(model):  # plain parameters: their sums started during backward
+        return
     buckets: dict[tuple, list[nn.Parameter]] = {}
     for param in model.parameters():
         grad = param.grad

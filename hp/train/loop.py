@@ -63,6 +63,7 @@ from torch import nn
 import hp
 from hp.device import bind_local_device, detect
 from hp.parallel.expert_balance import ExpertLoad, measure, nudge_routing_bias
+from hp.parallel.plain_dp import accumulating
 from hp.mpmd.transform import Mpmd
 from hp.models import plan_for
 from hp.plot import pyplot
@@ -326,11 +327,13 @@ def _step(objective, batches, config: TrainConfig, device: str) -> tuple[float, 
     accumulate = config.gradient_accumulation_steps
     autocast = torch.autocast(device, dtype=torch.bfloat16) if config.bf16 else nullcontext()
     total, tokens, rewards = 0.0, 0, {}
-    for _ in range(accumulate):
+    for micro in range(accumulate):
         batch = next(batches)
         with autocast:
             outcome = objective(batch, device)
-        (outcome.loss / accumulate).backward()
+        last = micro == accumulate - 1
+        with nullcontext() if last else accumulating(objective.model):  # dp sums once, after the last
+            (outcome.loss / accumulate).backward()
         total += _value(outcome.loss) / accumulate
         for key, value in outcome.metrics.items():
             rewards[key] = rewards.get(key, 0.0) + value / accumulate

@@ -23,6 +23,7 @@ check raises on failure.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -30,9 +31,11 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 import hp
+from hp.parallel import plain_dp
 from hp.models import FAMILIES, MOE_FAMILIES, plan_for, tiny_config
 
 
@@ -97,6 +100,34 @@ def check(family: str, strategy: dict, rank: int, **overrides) -> None:
         runs = (2 if strategy.get("recompute") else 1) * (step + 1)
         assert len(mlp_calls) == runs, f"{where}: {len(mlp_calls)} MLP calls, expected {runs}"
         hp.reduce_gradients(model)
+        for o in (ref_opt, opt):
+            o.step()
+            o.zero_grad()
+
+
+def check_plain_dp(family: str, rank: int, **overrides) -> None:
+    """dp alone: plain parameters, each rank its rows, gradients summed during backward. Per step two
+    micro-batches, the first held back from the sums (`accumulating`); the loss, every summed gradient and
+    3 AdamW steps equal the unsharded model's. A MoE's experts that a rank's rows leave unused add zeros."""
+    reference, model = tiny_pair(family, **overrides)
+    strategy = {"dp": 4, "recompute": True}
+    hp.apply_strategy(model, hp.strategy_mesh(strategy), strategy, plan_for(model.config))
+    assert not any(isinstance(p, DTensor) for p in model.parameters()), f"rank {rank}: DTensor parameters"
+    ref_opt, opt = torch.optim.AdamW(reference.parameters(), lr=1e-3), torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(3):
+        where = f"rank {rank} {family} plain dp step {step}"
+        for micro in range(2):
+            ids = torch.randint(0, 256, (4, 16))
+            want = reference(input_ids=ids, labels=labelled(ids)).loss
+            (want / 2).backward()
+            with plain_dp.accumulating(model) if micro == 0 else contextlib.nullcontext():
+                got = model(input_ids=ids, labels=labelled(ids)).loss
+                (got / 2).backward()
+            torch.testing.assert_close(got.full_tensor(), want, rtol=1e-5, atol=0, msg=where)
+        hp.reduce_gradients(model)
+        for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, r.grad if r.grad is not None else torch.zeros_like(p),
+                                       msg=f"{where}: {name}")
         for o in (ref_opt, opt):
             o.step()
             o.zero_grad()
@@ -194,6 +225,8 @@ def main() -> None:
         {"cp": 2, "tp": 2, "cp_algorithm": "ring", "fsdp": True, "reshard_after_forward": False, "mpmd": 2},
     ):  # under hp.mpmd from step 3 on: FSDP's prefetched gathers, pipelined tp linears
         check("llama", strategy, rank)
+    check_plain_dp("llama", rank)
+    check_plain_dp("qwen3_moe", rank)
     check_lora(rank)
     check_mixed_precision(rank)
     check("qwen3_moe", {"dp": 4, "ep": 2, "fsdp": True}, rank, output_router_logits=True, router_aux_loss_coef=0.1)
