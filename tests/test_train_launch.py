@@ -81,15 +81,18 @@ def test_two_nodes_join_one_rendezvous(tmp_path):
 
 
 def test_compiled_blocks_train_as_eager_ones(tmp_path):
-    """LlamaFactory's torch_compile under tp+sp: the losses of eager blocks, step by step (the first
-    step runs eagerly under the byte trace, the others compiled)."""
+    """LlamaFactory's torch_compile on its everyday config, data parallel with recompute: the losses of
+    eager blocks, step by step (the first step runs eagerly under the byte trace, the others compiled,
+    each block's graph run again in backward). tp, sp, cp and FSDP compile in tests/workers/compile_gloo.py."""
     runs = {}
     for name, extra in (("eager", []), ("compiled", ["torch_compile=true"])):
         out = tmp_path / name
         # inductor in fresh processes (the real command); the eager run on the pool's ranks
-        summary(hp_train("parallel.sp=true", "max_steps=3", "logging_steps=1", "per_device_train_batch_size=4",
-                         f"output_dir={out}", *extra, launcher=bool(extra)))
+        summary(hp_train("parallel.tp=1", "parallel.dp=2", "disable_gradient_checkpointing=false", "max_steps=3",
+                         "logging_steps=1", "per_device_train_batch_size=4", f"output_dir={out}", *extra,
+                         launcher=bool(extra)))
         runs[name] = losses(out)
+        assert json.loads((out / "hp_config.json").read_text())["parallel"]["recompute"], name
     assert runs["compiled"].keys() == runs["eager"].keys() == {1, 2, 3}
     for step, want in runs["eager"].items():
         assert runs["compiled"][step] == pytest.approx(want, rel=1e-5), step

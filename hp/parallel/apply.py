@@ -163,12 +163,12 @@ def _plain_dp(model: nn.Module, mesh, strategy: Strategy, plan: ModelPlan) -> nn
     expert_parallel(model, plan.experts)  # plain experts run as they are; their loads are still counted
     if strategy.expert_bias_rate:
         biased_routing(model, plan.routers)
-    if strategy.recompute:
-        recompute_blocks(model.get_submodule(plan.blocks))
-    if strategy.compile:
+    if strategy.compile:  # compiled first: the recompute's checkpoint stays eager around each block's graph
         _check_compile(model, plan)
         compile_blocks(model.get_submodule(plan.blocks))
         compile_loss(model)
+    if strategy.recompute:
+        recompute_blocks(model.get_submodule(plan.blocks))
     return model
 
 

@@ -15,7 +15,10 @@ wrap an opaque function: `apply_strategy` refuses it for such models, but for
 one kind it knows. An eager attention whose only additions to a causal
 softmax are learned sinks and a sliding window (gpt-oss, Granite-SWA:
 `takes_ring`) is what hp's ring kernel computes, given the module's scaling,
-sinks and window: `ring_around_attention` points the model there.
+sinks and window: `ring_around_attention` points the model there. Nor can
+ring take a mask a model always builds for its attention to add to (Doge's
+dynamic mask: `own_mask_attention`), laid out in the tokens' order, not
+ring's; such a model is refused ring by name before it runs.
 
 Learned attention sinks (gpt-oss, Granite-SWA: one logit per head that
 joins every softmax) travel with their heads: the implementation reads
@@ -26,6 +29,8 @@ pends over every axis on which ranks attend to other tokens or heads.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 from collections.abc import Callable
 
@@ -58,6 +63,55 @@ def takes_ring(model: nn.Module) -> bool:
     owners = [name.rpartition(".")[0] for name, _ in model.named_parameters() if name.rpartition(".")[2] == "sinks"]
     plain = all({"q_proj", "k_proj", "v_proj"} <= dict(model.get_submodule(o).named_children()).keys() for o in owners)
     return bool(owners) and plain and getattr(model.config.get_text_config(), "attn_logit_softcapping", None) is None
+
+
+def own_mask_attention(model: nn.Module) -> str | None:
+    """The attention class of a model that always hands its attention a mask, or None.
+
+    Without padding HF builds no mask for SDPA (causal SDPA needs none), unless the model asks for
+    one (`allow_is_causal_skip=False`) to add its own terms to: Doge's dynamic mask, ALiBi. Such a
+    mask is laid out by position in the tokens' order, which ring attention's head-tail order is not.
+
+    >>> from hp.models import tiny_config
+    >>> from hp.models.derive import meta_model
+    >>> own_mask_attention(meta_model(tiny_config("doge", layers=1)))
+    'DogeAttention'
+    >>> own_mask_attention(meta_model(tiny_config("llama", layers=1))) is None
+    True
+    """
+    if not any(_materializes_mask(type(m)) for m in model.modules() if type(m).__name__.endswith("Model")):
+        return None
+    attention = next((m for m in model.modules() if type(m).__name__.endswith("Attention")), model)
+    return type(attention).__name__
+
+
+@functools.cache
+def _materializes_mask(cls: type) -> bool:
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):  # defined outside a source file: nothing to read
+        return False
+    return "allow_is_causal_skip=False" in source.replace(" ", "")
+
+
+def paired_heads_attention(model: nn.Module) -> str | None:
+    """The class of a differential attention in `model` (DiffLlama's), or None.
+
+    Differential attention subtracts head h + heads/2's softmax from head h's (weighted by a
+    lambda re-parameterized as `lambda_q1`, `lambda_k1`, `lambda_q2`, `lambda_k2`) and splits its
+    values into halves along the key-value heads: tp's split of the heads in order puts each pair
+    on two ranks, and DTensor gathers the heads twice per layer to bring them together.
+
+    >>> from hp.models import tiny_config
+    >>> from hp.models.derive import meta_model
+    >>> paired_heads_attention(meta_model(tiny_config("diffllama", layers=1)))
+    'DiffLlamaAttention'
+    """
+    for module in model.modules():
+        names = {name for name, _ in module.named_parameters(recurse=False)}
+        if {"lambda_q1", "lambda_q2"} <= names:
+            return type(module).__name__
+    return None
 
 
 def ring_around_attention(model: nn.Module) -> None:

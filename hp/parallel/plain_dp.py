@@ -45,12 +45,11 @@ IGNORE_INDEX = -100  # HF's label for tokens that are not supervised
 def takes_plain_dp(model: nn.Module, mesh, strategy) -> bool:
     """Whether `strategy` splits only the batch, on real processes, of a model whose loss takes the global count
     and mixes no rows (no router auxiliary loss)."""
-    only_batch = strategy.tp == strategy.cp == strategy.ep == 1 and not (strategy.fsdp or strategy.tp2d)
     transformed = strategy.mpmd is not None or strategy.offload is not None  # they work on DTensor steps
     real = dist.is_initialized() and dist.get_backend() != "fake"
     # A router's auxiliary loss balances the load over the whole batch: the DTensor path computes it over all rows.
     batch_wide = getattr(getattr(model, "config", None), "output_router_logits", False)
-    return only_batch and not transformed and real and not batch_wide and _takes_loss_kwargs(model)
+    return strategy.only_batch and not transformed and real and not batch_wide and _takes_loss_kwargs(model)
 
 
 def _takes_loss_kwargs(model: nn.Module) -> bool:

@@ -62,7 +62,7 @@ def recompute(block: nn.Module) -> nn.Module:
     ['0.weight', '0.bias']
     """
     if not is_recomputed(block):
-        block.forward = _Recomputed(block)
+        block.forward = _Recomputed(block, block.__dict__.get("forward"))  # a compiled forward runs inside
     return block
 
 
@@ -103,17 +103,19 @@ def keep_activations(block: nn.Module) -> nn.Module:
 
 
 class _Recomputed:
-    """A block's class `forward` run under checkpoint; set on the instance as its `forward`.
+    """A block's forward run under checkpoint; set on the instance as its `forward`.
 
-    It holds the block rather than its bound method, so a deep copy of the block recomputes
-    the copy.
+    The forward is the class's, or the one the instance had (a compiled one: checkpoint then
+    stays eager around the graph, which runs again in backward; torch's checkpoint traced inside
+    a graph refuses side effects that HF's layers have). It holds the block rather than its
+    bound method, so a deep copy of a block with its class's forward recomputes the copy.
     """
 
-    def __init__(self, block: nn.Module) -> None:
-        self.block = block
+    def __init__(self, block: nn.Module, inner: Callable | None = None) -> None:
+        self.block, self.inner = block, inner
 
     def __call__(self, *args, **kwargs):
-        forward = functools.partial(type(self.block).forward, self.block)
+        forward = self.inner or functools.partial(type(self.block).forward, self.block)
         if not torch.is_grad_enabled() or any(kwargs.get(k) is not None for k in CACHE_ARGUMENTS):
             return forward(*args, **kwargs)
         return checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=False, context_fn=_as_in_forward)

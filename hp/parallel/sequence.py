@@ -13,7 +13,10 @@ sequence, before any rank holds only its part:
 - under ring attention the tokens, labels and RoPE's cos/sin are permuted to
   head-tail order (`hp.ops.ring_attention.head_tail_order`), so every rank
   does the same causal work; the logits come back in that order
-  (`logits[:, argsort(order)]` restores it).
+  (`logits[:, argsort(order)]` restores it). So are the positions a function
+  of the modeling module takes as its first argument, `position_ids`, when
+  the model computes per-token values from them (BEAM's query scaling on its
+  NoPE layers): such a function sees the tokens' positions in their order.
 
 Padding masks and explicit `position_ids` are refused under cp (packed and
 padded batches are not supported there yet); an all-ones mask is dropped.
@@ -29,7 +32,10 @@ the decoder's.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import inspect
+import sys
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -37,10 +43,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from hp.parallel.model_plan import ModelPlan
+from hp.parallel.parallelize import forward_inside
 from hp.ops.ring_attention import head_tail_order
 from hp.parallel.strategy import Strategy
 
 IGNORE_INDEX = -100
+# The cp size of the ring-ordered forwards running now, innermost last. A plain stack, not a ContextVar:
+# `torch.compile` traces (and guards on) a module global's read, not ContextVar.get.
+_RING_CP: list[int] = []
 
 
 def as_keywords(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
@@ -67,6 +77,9 @@ def prepare_sequences(model: nn.Module, strategy: Strategy, plan: ModelPlan) -> 
         for name, module in model.named_modules():
             if fnmatch.fnmatchcase(name, plan.rotary):
                 module.register_forward_hook(_head_tail_rotary(strategy.cp))
+    if strategy.ring:
+        _position_functions_in_token_order(model, plan)
+        forward_inside(model.get_submodule(plan.decoder) if plan.decoder else model, lambda: _ring_forward(strategy.cp))
 
 
 def prepare(kwargs: dict, strategy: Strategy, pad_id: int, *, order_tokens: bool = True) -> dict:
@@ -134,6 +147,43 @@ def _head_tail_rotary(cp: int):
         return tuple(t[:, head_tail_order(t.shape[1], cp).to(t.device)] for t in out)
 
     return hook
+
+
+def _position_functions_in_token_order(model: nn.Module, plan: ModelPlan) -> None:
+    """Replace, once per process, each function of the blocks' modeling module whose first parameter is
+    `position_ids` by one that, inside a ring-ordered forward, passes it the positions of the tokens as
+    they lie (head-tail order); elsewhere it is the function itself."""
+    blocks = model.get_submodule(plan.blocks)
+    modeling = sys.modules[type(blocks[0]).__module__] if len(blocks) else None
+    for name, function in inspect.getmembers(modeling, inspect.isfunction) if modeling is not None else ():
+        if function.__module__ != modeling.__name__ or hasattr(function, "hp_token_order"):
+            continue
+        first = next(iter(inspect.signature(function).parameters), None)
+        if first == "position_ids":
+            setattr(modeling, name, _in_token_order(function))
+
+
+def _in_token_order(function):
+    @functools.wraps(function)
+    def in_token_order(position_ids, *args, **kwargs):
+        # The model counts positions 0, 1, ... along the sequence as it lies; under ring attention the
+        # token at place i is token order[i] of the sequence.
+        if _RING_CP and isinstance(position_ids, torch.Tensor) and not isinstance(position_ids, DTensor):
+            order = head_tail_order(position_ids.shape[-1], _RING_CP[-1]).to(position_ids.device)
+            position_ids = position_ids[..., order]
+        return function(position_ids, *args, **kwargs)
+
+    in_token_order.hp_token_order = True
+    return in_token_order
+
+
+@contextmanager
+def _ring_forward(cp: int):
+    _RING_CP.append(cp)
+    try:
+        yield
+    finally:
+        _RING_CP.pop()
 
 
 def _head_tail_decoder_input(cp: int):

@@ -151,9 +151,10 @@ class Strategy:
         """Combinations whose blocks cannot be one graph yet: refused here, not as a graph break."""
         if not self.compile:
             return
-        if self.recompute:
-            raise StrategyError("compile", True, ": compiled blocks cannot recompute yet (torch's activation "
-                                "checkpoint under torch.compile cannot save DTensors' meshes); choose one")
+        if self.recompute and not self.only_batch:
+            raise StrategyError("compile", True, ": compiled blocks recompute only when dp alone splits (plain "
+                                "parameters): torch's activation checkpoint under torch.compile cannot save "
+                                "DTensors' meshes; choose one")
         if self.offload is not None:
             raise StrategyError("compile", True, ": compiled blocks cannot offload yet (hp.offload moves tensors "
                                 "from saved-tensor hooks, which compiled graphs do not run); choose one")
@@ -237,6 +238,11 @@ class Strategy:
         (('dp',), ())
         """
         return tuple(axis for axis in self.fsdp_axes if axis != "ep")
+
+    @property
+    def only_batch(self) -> bool:
+        """Whether only the batch splits (dp, no tp, cp, ep or FSDP): what plain data parallel runs."""
+        return self.tp == self.cp == self.ep == 1 and not (self.fsdp or self.tp2d)
 
     @property
     def sequence_parallel(self) -> bool:

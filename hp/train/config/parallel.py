@@ -140,13 +140,14 @@ def _derive_dp(fold: Fold, values: Mapping[str, Any]) -> None:
 
 def with_recompute(strategy: Strategy, given: dict[str, Any], hyper: dict[str, Any] | None,
                    elsewhere: list[Translation], disable: bool) -> Strategy:
-    """Activation recompute as LlamaFactory has it: on unless disable_gradient_checkpointing or compiled blocks,
-    or as parallel says."""
+    """Activation recompute as LlamaFactory has it: on unless disable_gradient_checkpointing, or compiled blocks
+    of a strategy that splits more than the batch (those cannot recompute yet), or as parallel says."""
     explicit = ("recompute" in given or "offload" in given or "activation_mode" in given
                 or "activation_mode" in (hyper or {})
                 or any("recompute" in t.fields for t in elsewhere))
     if not explicit:
-        return dataclasses.replace(strategy, recompute=not disable and not strategy.compile)
+        compiled_apart = strategy.compile and not strategy.only_batch
+        return dataclasses.replace(strategy, recompute=not disable and not compiled_apart)
     if disable and strategy.recompute:
         raise ConfigError("disable_gradient_checkpointing = True conflicts with the parallel settings, which ask for "
                           "recompute (parallel.recompute, activation_mode: recompute or fsdp_config's "
