@@ -36,6 +36,7 @@ graph anyway), `fn` runs on the DTensors as before.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 
 import torch
@@ -76,7 +77,7 @@ def blockwise(fn: Callable, like: Sequence[int] = (0,)) -> Callable:
                             for o, (placements, shape, stride) in zip(out, wraps))
         return wrapped[0] if len(like) == 1 else wrapped
 
-    on_blocks.__name__ = f"blockwise {getattr(fn, '__qualname__', getattr(fn, '__name__', 'function'))}"
+    on_blocks.__name__ = f"blockwise {function_name(fn)}"
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
@@ -225,3 +226,19 @@ class _Blocks(TorchFunctionMode):
             raise _NotBlockwise
         self.read = True
         return local_block(value, self.pending)
+
+
+def function_name(fn: Callable) -> str:
+    """`fn`'s name; a function that transformers wraps as a module for hub kernels (`kernels`' `Func`, which
+    calls it from its forward) is named by the function it wraps.
+
+    >>> from transformers.models.llama import modeling_llama
+    >>> function_name(modeling_llama.apply_rotary_pos_emb), function_name(lambda x: x)
+    ('apply_rotary_pos_emb', '<lambda>')
+    """
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    if name is not None:
+        return name
+    cells = getattr(getattr(type(fn), "forward", None), "__closure__", None) or ()
+    inner = next((c.cell_contents for c in cells if inspect.isfunction(c.cell_contents)), None)
+    return inner.__name__ if inner is not None else type(fn).__name__
