@@ -77,7 +77,7 @@ SHAPES = {
 }
 ARMS_RANKS = ("hf_ddp", "hf_fsdp", "llamafactory", "hp_dp", "hp_fsdp", "hp_tp")
 ARMS_ONE = ("plain", "hf", "hp", "hp_compile")
-HP_OVERRIDES = {"hp_dp": [], "hp_fsdp": ["parallel.fsdp=true"], "hp": [], "hp_compile": ["parallel.compile=true"]}
+HP_OVERRIDES = {"hp_dp": [], "hp_tp": [], "hp_fsdp": ["parallel.fsdp=true"], "hp": [], "hp_compile": ["parallel.compile=true"]}
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # Qwen's chat tokens; eos is <|im_end|>
 
 
@@ -106,7 +106,8 @@ def make_inputs(shape: dict, work: Path) -> None:
     config = AutoConfig.for_model(
         shape["family"], hidden_size=shape["hidden"], num_hidden_layers=shape["layers"],
         num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
-        intermediate_size=shape["ffn"], vocab_size=len(tokenizer), max_position_embeddings=max(4096, shape["cutoff"]),
+        intermediate_size=shape["ffn"], vocab_size=-(-len(tokenizer) // 64) * 64,  # rows tp can split
+        max_position_embeddings=max(4096, shape["cutoff"]),
         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None)
     torch.manual_seed(0)
@@ -164,7 +165,7 @@ def hp_rows(work: Path, ranks: int) -> list[dict]:
 
 def run_arm(arm: str, shape: dict, work: Path, args) -> dict:
     """Launch `arm`, bind and watch its ranks, and read its per-step figures back."""
-    out = work / "out" / arm
+    out = work / "out" / f"{arm}-{len(list((work / 'out').glob(f'{arm}-*'))) if (work / 'out').is_dir() else 0}"
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
@@ -342,7 +343,7 @@ def _hf_trainer(arm: str, model, rows: list[dict], shape: dict, pad: int, out: P
                 extra = {"device_peak_bytes": _device_peak()} if torch.accelerator.is_available() else {}
                 log.write(state.global_step, float(logs["loss"]), **extra)
 
-    config = json.loads((out.parent.parent / "hp.yaml").read_text())
+    config = json.loads((out.parent.parent / "hp.yaml").read_text())  # out: WORK/out/ARM-ROUND
     fsdp = {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2}} if arm == "hf_fsdp" else {}
     arguments = TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=shape["batch"], max_steps=shape["steps"],
