@@ -95,6 +95,7 @@ def blockwise(fn: Callable, like: Sequence[int] = (0,)) -> Callable:
         return run_kernel(on_blocks, (args, kwargs, plan), {})
 
     run.hp_blockwise = fn
+    run.__name__ = run.__qualname__ = function_name(fn)  # wraps finds no name on a hub-kernel module
     return run
 
 
