@@ -10,6 +10,10 @@ laid out `b/dp ...`, and the loss as a pending sum over dp whose parts are
 each rank's tokens' loss over the global count of supervised tokens (HF's
 `num_items_in_batch`, which every rank counts from the global batch it
 holds), so `full_tensor()` gives the global mean, as on the DTensor path.
+With labels, a rank's rows are also cut after their last supervised column
+(the global batch is padded to its longest row; HF's collator pads each
+rank's rows to their own); the logits of such a call are then the rank's
+block as it is, a plain tensor (call without labels for laid-out logits).
 
 Gradients are summed over dp in buckets as backward produces them, DDP's
 scheme: each parameter's post-accumulate hook counts it into its bucket, and
@@ -65,8 +69,9 @@ def plain_data_parallel(model: nn.Module, mesh) -> nn.Module:
     """
     dp = mesh["dp"] if "dp" in (mesh.mesh_dim_names or ()) else None
     model._hp_reducer = _Reducer(dp) if dp is not None and dp.size() > 1 else None
-    model.register_forward_pre_hook(_rows_of_this_rank(dp, model._hp_reducer), with_kwargs=True)
-    model.register_forward_hook(_laid_out(mesh, "dp" if dp is not None else None))
+    cut: list[bool] = [False]  # whether the latest call's rows were cut short (the pre-hook tells the hook)
+    model.register_forward_pre_hook(_rows_of_this_rank(dp, model._hp_reducer, cut), with_kwargs=True)
+    model.register_forward_hook(_laid_out(mesh, "dp" if dp is not None else None, cut))
     return model
 
 
@@ -93,8 +98,9 @@ def accumulating(model: nn.Module) -> Iterator[None]:
         reducer.holding = False
 
 
-def _rows_of_this_rank(dp, reducer: _Reducer | None):
-    """A pre-hook: each batch-shaped argument cut to this rank's rows; the loss over the global supervised count."""
+def _rows_of_this_rank(dp, reducer: _Reducer | None, cut: list[bool]):
+    """A pre-hook: each batch-shaped argument cut to this rank's rows (and, with labels, to their last
+    supervised column); the loss over the global supervised count."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict):
         if reducer is not None and torch.is_grad_enabled():
@@ -106,15 +112,34 @@ def _rows_of_this_rank(dp, reducer: _Reducer | None):
         if labels is not None and kwargs.get("num_items_in_batch") is None:
             shifted = labels if "shift_labels" in kwargs else labels[..., 1:]  # HF shifts labels by one
             kwargs["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum()
+        cut[0] = False
         if dp is None or rows is None:
             return args, kwargs
         if rows % dp.size():
             raise ValueError(f"a batch of {rows} rows does not split evenly over dp={dp.size()}")
         share = rows // dp.size()
         start = dp.get_local_rank() * share
-        return args, {k: v[start:start + share] if _batched(v, rows) else v for k, v in kwargs.items()}
+        mine = {k: v[start:start + share] if _batched(v, rows) else v for k, v in kwargs.items()}
+        return args, _to_last_supervised(mine, share, cut)
 
     return hook
+
+
+def _to_last_supervised(kwargs: dict, rows: int, cut: list[bool]) -> dict:
+    """This rank's rows without the columns past their last supervised label: a global batch is padded to its
+    longest row, and computing the rest on a rank whose rows are shorter changes no loss or gradient (causal
+    attention, right padding; HF's collator pads each rank's rows to their own longest too)."""
+    labels = kwargs.get("labels")
+    if labels is None or "shift_labels" in kwargs or labels.dim() < 2:
+        return kwargs
+    width = labels.shape[1]
+    supervised = (labels != IGNORE_INDEX).any(0).nonzero()
+    keep = int(supervised.max()) + 1 if len(supervised) else 1  # a column more than the last prediction reads
+    if keep >= width:
+        return kwargs
+    cut[0] = True
+    return {k: v[:, :keep] if _batched(v, rows) and v.dim() > 1 and v.shape[1] == width else v
+            for k, v in kwargs.items()}
 
 
 def _batch_size(kwargs: dict) -> int | None:
@@ -126,13 +151,14 @@ def _batched(value: object, rows: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows
 
 
-def _laid_out(mesh, axis: str | None):
-    """A forward hook: the logits laid out `b/dp ...` and the loss a pending sum over dp, as DTensors."""
+def _laid_out(mesh, axis: str | None, cut: list[bool]):
+    """A forward hook: the logits laid out `b/dp ...` (this rank's block as it is when its rows were cut short)
+    and the loss a pending sum over dp, as DTensors."""
     split = f"/{axis}" if axis else ""
 
     def hook(module: nn.Module, args: tuple, output):
         logits = getattr(output, "logits", None)
-        if isinstance(logits, torch.Tensor):
+        if isinstance(logits, torch.Tensor) and not cut[0]:
             output.logits = from_local(logits, " ".join([f"b{split}", *(f"d{i}" for i in range(1, logits.dim()))]),
                                        mesh)
         loss = getattr(output, "loss", None)

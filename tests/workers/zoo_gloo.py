@@ -106,9 +106,10 @@ def check(family: str, strategy: dict, rank: int, **overrides) -> None:
 
 
 def check_plain_dp(family: str, rank: int, **overrides) -> None:
-    """dp alone: plain parameters, each rank its rows, gradients summed during backward. Per step two
-    micro-batches, the first held back from the sums (`accumulating`); the loss, every summed gradient and
-    3 AdamW steps equal the unsharded model's. A MoE's experts that a rank's rows leave unused add zeros."""
+    """dp alone: plain parameters, each rank its rows (two ranks' cut after their last label), gradients summed
+    during backward. Per step two micro-batches, the first held back from the sums (`accumulating`); the loss,
+    every summed gradient and 3 AdamW steps equal the unsharded model's. A MoE's experts that a rank's rows
+    leave unused add zeros."""
     reference, model = tiny_pair(family, **overrides)
     strategy = {"dp": 4, "recompute": True}
     hp.apply_strategy(model, hp.strategy_mesh(strategy), strategy, plan_for(model.config))
@@ -118,10 +119,12 @@ def check_plain_dp(family: str, rank: int, **overrides) -> None:
         where = f"rank {rank} {family} plain dp step {step}"
         for micro in range(2):
             ids = torch.randint(0, 256, (4, 16))
-            want = reference(input_ids=ids, labels=labelled(ids)).loss
+            labels = labelled(ids)
+            labels[2:, 16 - 5 * (micro + 1):] = -100  # padding: ranks 2 and 3 cut their rows short
+            want = reference(input_ids=ids, labels=labels).loss
             (want / 2).backward()
             with plain_dp.accumulating(model) if micro == 0 else contextlib.nullcontext():
-                got = model(input_ids=ids, labels=labelled(ids)).loss
+                got = model(input_ids=ids, labels=labels).loss
                 (got / 2).backward()
             torch.testing.assert_close(got.full_tensor(), want, rtol=1e-5, atol=0, msg=where)
         hp.reduce_gradients(model)
