@@ -69,6 +69,7 @@ def _start_workers(config: TrainConfig, command: list[str]) -> int:
 
     if not errors.debugging():
         _quiet_agent()
+    _cheap_event_names()
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: workers share this node's cores
     os.environ[LAUNCHER_ENV] = str(os.getpid())
     print(f"hp train: starting {config.nproc_per_node} workers on this node ({config.world_size} in all)",
@@ -109,6 +110,22 @@ def _report_workers(recorded: str, failed) -> int:
     print(f"hp train: worker rank {rank} {how} without saying why (out of memory?); hp train --debug shows more",
           file=sys.stderr, flush=True)
     return errors.FAILED
+
+
+def _cheap_event_names() -> None:
+    """torch's rendezvous names each of its events by its caller through `inspect.stack()`, which reads the
+    source of every frame and scans every loaded module for each: seconds per launch in a process that has
+    checked the model (transformers imported). The caller's frame gives the same name at once."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    def method_name(depth: int = 2) -> str:
+        try:
+            return sys._getframe(depth).f_code.co_name  # frame 0 is this function, as inspect.stack()[0]
+        except ValueError:  # a stack shallower than depth
+            return "no_method_name"
+
+    if hasattr(dynamic_rendezvous, "get_method_name"):
+        dynamic_rendezvous.get_method_name = method_name
 
 
 def _quiet_agent() -> None:
