@@ -65,7 +65,7 @@ def _takes_loss_kwargs(model: nn.Module) -> bool:
 def plain_data_parallel(model: nn.Module, mesh) -> nn.Module:
     """Run `model` data parallel over `mesh`'s dp axis (or alone on a one-rank mesh) with plain parameters.
 
-    >>> # on real processes, what hp.apply_strategy does for {"dp": N}: tests/workers/plain_dp.py
+    >>> # on real processes, what hp.apply_strategy does for {"dp": N}: tests/workers/zoo_gloo.py, check_plain_dp
     """
     dp = mesh["dp"] if "dp" in (mesh.mesh_dim_names or ()) else None
     model._hp_reducer = _Reducer(dp) if dp is not None and dp.size() > 1 else None
