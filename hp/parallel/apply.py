@@ -148,13 +148,7 @@ def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any
         _context_parallel_attention(model.get_submodule(plan.decoder) if plan.decoder else model, strategy)
     if strategy.splits_sequence:
         prepare_sequences(model, strategy, plan)
-    if strategy.recompute:
-        recompute_blocks(model.get_submodule(plan.blocks))
-    if strategy.compile:
-        _check_compile(model, plan)
-        compile_blocks(model.get_submodule(plan.blocks))
-        compile_loss(model)
-    return model
+    return _blocks_as_asked(model, strategy, plan)
 
 
 def _plain_dp(model: nn.Module, mesh, strategy: Strategy, plan: ModelPlan) -> nn.Module:
@@ -163,7 +157,13 @@ def _plain_dp(model: nn.Module, mesh, strategy: Strategy, plan: ModelPlan) -> nn
     expert_parallel(model, plan.experts)  # plain experts run as they are; their loads are still counted
     if strategy.expert_bias_rate:
         biased_routing(model, plan.routers)
-    if strategy.compile:  # compiled first: the recompute's checkpoint stays eager around each block's graph
+    return _blocks_as_asked(model, strategy, plan)
+
+
+def _blocks_as_asked(model: nn.Module, strategy: Strategy, plan: ModelPlan) -> nn.Module:
+    """The plan's blocks compiled and / or recomputing, as `strategy` asks. Compiled first: the recompute's
+    checkpoint then stays eager around each block's graph (the only order torch runs with HF's layers)."""
+    if strategy.compile:
         _check_compile(model, plan)
         compile_blocks(model.get_submodule(plan.blocks))
         compile_loss(model)

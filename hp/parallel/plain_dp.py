@@ -41,9 +41,9 @@ from torch import nn
 
 from hp.layouts import from_local
 from hp.mesh import name_group
+from hp.parallel.sequence import IGNORE_INDEX
 
 BUCKET_ELEMENTS = 1 << 22  # gradient elements per all-reduce (16 MiB in fp32): DDP's size, to overlap backward
-IGNORE_INDEX = -100  # HF's label for tokens that are not supervised
 
 
 def takes_plain_dp(model: nn.Module, mesh, strategy) -> bool:

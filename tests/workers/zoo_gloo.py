@@ -114,6 +114,15 @@ def check_plain_dp(family: str, rank: int, **overrides) -> None:
     strategy = {"dp": 4, "recompute": True}
     hp.apply_strategy(model, hp.strategy_mesh(strategy), strategy, plan_for(model.config))
     assert not any(isinstance(p, DTensor) for p in model.parameters()), f"rank {rank}: DTensor parameters"
+    for bad, message in ((lambda: model(input_ids=torch.zeros(3, 16, dtype=torch.long)),
+                          "a batch of 3 rows does not split evenly over dp=4"),
+                         (lambda: model(torch.zeros(4, 16, dtype=torch.long)), "takes the model's inputs by keyword")):
+        try:
+            bad()
+        except (ValueError, TypeError) as refused:
+            assert message in str(refused), f"rank {rank}: {refused}"
+        else:
+            raise AssertionError(f"rank {rank}: no error for {message!r}")
     ref_opt, opt = torch.optim.AdamW(reference.parameters(), lr=1e-3), torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(3):
         where = f"rank {rank} {family} plain dp step {step}"
