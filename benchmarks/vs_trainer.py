@@ -337,6 +337,11 @@ def _hf_trainer(arm: str, model, rows: list[dict], shape: dict, pad: int, out: P
         def _get_train_sampler(self, *args, **kwargs):
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
+        def create_accelerator_and_postprocess(self):
+            super().create_accelerator_and_postprocess()
+            if self.args.fsdp_plugin_args is not None and not self.is_fsdp_enabled:
+                _fsdp_on_cpu(self)
+
     class Steps(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
@@ -355,7 +360,19 @@ def _hf_trainer(arm: str, model, rows: list[dict], shape: dict, pad: int, out: P
     trainer = InOrder(model=model, args=arguments, train_dataset=rows, data_collator=_collate(pad),
                       callbacks=[Steps()])
     trainer.train()
-    trainer.save_model()  # what LlamaFactory does at the end, as hp train writes its last checkpoint
+    if not (arm == "hf_fsdp" and not torch.accelerator.is_available()):  # accelerate's full state dict fails there
+        trainer.save_model()  # what LlamaFactory does at the end, as hp train writes its last checkpoint
+
+
+def _fsdp_on_cpu(trainer) -> None:
+    """accelerate takes FSDP only on accelerators and runs DDP instead on CPU; this gives its CPU state the
+    FSDP plugin the arguments asked for, so Trainer's own FSDP2 path (`fsdp2_prepare_model`) runs over gloo."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = trainer.accelerator.state
+    state.fsdp_plugin = FullyShardedDataParallelPlugin(**trainer.args.fsdp_plugin_args)
+    state.distributed_type = DistributedType.FSDP
+    trainer.is_fsdp_enabled = True
 
 
 def _plain_loop(model, rows: list[dict], shape: dict, pad: int, log: _StepLog) -> None:

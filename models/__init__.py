@@ -40,12 +40,22 @@ _HAND: dict[str, ModelPlan] = {
 def supported() -> tuple[str, ...]:
     """The HF `model_type`s with a plan: every causal LM with a tensor- or pipeline-parallel plan, and the
     hand-planned ones."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return tuple(sorted({*(t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if _has_plan(t)), *_HAND}))
+
+
+def _has_plan(model_type: str) -> bool:
+    """Whether `model_type` is in `supported()`, importing its config module alone (all of them take seconds)."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    derived = [t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if t in transformers.CONFIG_MAPPING
-               and any(getattr(transformers.CONFIG_MAPPING[t], f"base_model_{kind}_plan", None) for kind in ("pp", "tp"))]
-    return tuple(sorted({*derived, *_HAND}))
+    if model_type in _HAND:
+        return True
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or model_type not in transformers.CONFIG_MAPPING:
+        return False
+    config = transformers.CONFIG_MAPPING[model_type]
+    return any(getattr(config, f"base_model_{kind}_plan", None) for kind in ("pp", "tp"))
 
 
 def plan_for_type(model_type: str) -> ModelPlan:
@@ -66,7 +76,7 @@ def plan_for(config: Any) -> ModelPlan:
 
 
 def _check_supported(model_type: str) -> None:
-    if model_type not in supported():
+    if not _has_plan(model_type):
         raise ValueError(f"no model plan for model_type {model_type!r}: hp derives plans for the causal LMs "
                          f"whose transformers model carries a tensor- or pipeline-parallel plan; those are {', '.join(supported())}")
 

@@ -35,7 +35,7 @@ releases CI tests this module changes nothing.
 
 FSDP over some axes of a laid-out mesh (`fully_shard(dp_mesh_dims=...)`,
 torch 2.13) is built from 2.11's own FSDP2 in `hp.compat.fsdp`, used where
-`FSDP_ON_THE_WHOLE_MESH` below is false. Not backported: 2.11's DTensor slices a
+`fsdp_on_the_whole_mesh()` below is false. Not backported: 2.11's DTensor slices a
 strided-shard dim as if its blocks were contiguous; hp's fused-dim kernels
 (`hp.ops.fused`) gather the dim first for the cuts they see, and hp's own
 redistribution (`hp.layouts.reshard`) moves fused dims through Replicate on
@@ -53,7 +53,6 @@ saved the empty buffer for backward).
 from __future__ import annotations
 
 import torch
-from torch.distributed import fsdp
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor import _dtensor_spec, _redistribute
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
@@ -227,6 +226,10 @@ def _through_replicate(infos: list) -> list:
     return out
 
 
-FSDP_ON_THE_WHOLE_MESH = hasattr(fsdp, "DataParallelMeshDims")
-"""Whether FSDP2 can shard over some axes of a mesh whose other axes lay parameters out
-(`fully_shard(dp_mesh_dims=...)`, torch 2.13); without it hp shards through `hp.compat.fsdp`."""
+def fsdp_on_the_whole_mesh() -> bool:
+    """Whether FSDP2 can shard over some axes of a mesh whose other axes lay parameters out
+    (`fully_shard(dp_mesh_dims=...)`, torch 2.13); without it hp shards through `hp.compat.fsdp`.
+    Asked when FSDP is applied: importing FSDP costs a second that runs without it need not pay."""
+    from torch.distributed import fsdp
+
+    return hasattr(fsdp, "DataParallelMeshDims")

@@ -28,7 +28,7 @@ from typing import Any
 from torch import nn
 
 from hp.parallel.compiled import compile_blocks, compile_loss
-from hp.parallel.data_parallel import fully_shard_model
+from hp.parallel.data_parallel import fully_shard_model, fully_shard_plain
 from hp.parallel.expert_balance import biased_routing
 from hp.layouts import constrain
 from hp.parallel.lora import adapter_layouts
@@ -152,11 +152,14 @@ def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any
 
 
 def _plain_dp(model: nn.Module, mesh, strategy: Strategy, plan: ModelPlan) -> nn.Module:
-    """Only the batch splits: plain parameters, each rank its rows (`hp.parallel.plain_dp`)."""
-    plain_data_parallel(model, mesh)
+    """Only the batch splits: plain parameters, each rank its rows (`hp.parallel.plain_dp`), FSDP2 over dp
+    around them when asked."""
+    plain_data_parallel(model, mesh, sums=not strategy.fsdp)
     expert_parallel(model, plan.experts)  # plain experts run as they are; their loads are still counted
     if strategy.expert_bias_rate:
         biased_routing(model, plan.routers)
+    if strategy.fsdp:
+        fully_shard_plain(model, mesh, list(model.get_submodule(plan.blocks)), strategy)
     return _blocks_as_asked(model, strategy, plan)
 
 

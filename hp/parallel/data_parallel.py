@@ -64,9 +64,27 @@ def fully_shard_model(model: nn.Module, mesh, blocks: list[nn.Module], strategy:
         unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-scaled one)
 
 
+def fully_shard_plain(model: nn.Module, mesh, blocks: list[nn.Module], strategy: Strategy) -> None:
+    """FSDP2 over dp alone around a model of plain parameters (`hp.parallel.plain_dp`'s rows per rank).
+
+    torch's own arrangement: the sharded parameters are DTensors on the dp axis, and the gathered
+    ones plain tensors, so no op of the step pays DTensor's dispatch. One unit per block plus the
+    root; the reduce-scatter sums (each rank's loss is already over the global token count).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dp = mesh["dp"]
+    precision = MixedPrecisionPolicy(_dtype(strategy.param_dtype), _dtype(strategy.reduce_dtype))
+    units = [fully_shard(block, mesh=dp, mp_policy=precision, reshard_after_forward=strategy.reshard_after_forward)
+             for block in blocks]
+    for unit in [*units, fully_shard(model, mesh=dp, mp_policy=precision)]:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+
+
 def _shard(module: nn.Module, mesh, axes: tuple[str, ...], *, ignored_params: set = frozenset(), **options):
     """FSDP2 over `axes` of the whole `mesh` (`dp_mesh_dims`, or its backport where torch lacks it)."""
-    if not backports.FSDP_ON_THE_WHOLE_MESH:
+    if not backports.fsdp_on_the_whole_mesh():
         return fully_shard_on_axes(module, mesh, axes, ignored_params=ignored_params, **options)
     from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
 

@@ -47,13 +47,15 @@ BUCKET_ELEMENTS = 1 << 22  # gradient elements per all-reduce (16 MiB in fp32): 
 
 
 def takes_plain_dp(model: nn.Module, mesh, strategy) -> bool:
-    """Whether `strategy` splits only the batch, on real processes, of a model whose loss takes the global count
-    and mixes no rows (no router auxiliary loss)."""
+    """Whether `strategy` splits only the batch (dp, FSDP over dp allowed), on real processes, of a model whose
+    loss takes the global count and mixes no rows (no router auxiliary loss)."""
     transformed = strategy.mpmd is not None or strategy.offload is not None  # they work on DTensor steps
     real = dist.is_initialized() and dist.get_backend() != "fake"
     # A router's auxiliary loss balances the load over the whole batch: the DTensor path computes it over all rows.
     batch_wide = getattr(getattr(model, "config", None), "output_router_logits", False)
-    return strategy.only_batch and not transformed and real and not batch_wide and _takes_loss_kwargs(model)
+    only_rows = strategy.only_batch or (strategy.fsdp_axes == ("dp",) and strategy.tp == strategy.cp == 1
+                                        and not strategy.tp2d)
+    return only_rows and not transformed and real and not batch_wide and _takes_loss_kwargs(model)
 
 
 def _takes_loss_kwargs(model: nn.Module) -> bool:
@@ -62,15 +64,17 @@ def _takes_loss_kwargs(model: nn.Module) -> bool:
     return "num_items_in_batch" in forward or any(p.kind is p.VAR_KEYWORD for p in forward.values())
 
 
-def plain_data_parallel(model: nn.Module, mesh) -> nn.Module:
-    """Run `model` data parallel over `mesh`'s dp axis (or alone on a one-rank mesh) with plain parameters.
+def plain_data_parallel(model: nn.Module, mesh, *, sums: bool = True) -> nn.Module:
+    """Run `model` data parallel over `mesh`'s dp axis (or alone on a one-rank mesh) with plain parameters;
+    without `sums`, FSDP sums the gradients (`hp.parallel.data_parallel.fully_shard_plain`).
 
     >>> # on real processes, what hp.apply_strategy does for {"dp": N}: tests/workers/zoo_gloo.py, check_plain_dp
     """
     dp = mesh["dp"] if "dp" in (mesh.mesh_dim_names or ()) else None
-    model._hp_reducer = _Reducer(dp) if dp is not None and dp.size() > 1 else None
-    cut: list[bool] = [False]  # whether the latest call's rows were cut short (the pre-hook tells the hook)
-    model.register_forward_pre_hook(_rows_of_this_rank(dp, model._hp_reducer, cut), with_kwargs=True)
+    model._hp_reducer = _Reducer(dp) if sums and dp is not None and dp.size() > 1 else None
+    cut: list[bool] = [False]  # whether the latest call's logits are not its whole rows (the pre-hook tells the hook)
+    model.register_forward_pre_hook(_rows_of_this_rank(dp, model._hp_reducer, cut, selects_logits(model)),
+                                    with_kwargs=True)
     model.register_forward_hook(_laid_out(mesh, "dp" if dp is not None else None, cut))
     return model
 
@@ -88,19 +92,24 @@ def finish(model: nn.Module) -> bool:
 def accumulating(model: nn.Module) -> Iterator[None]:
     """Backward passes inside add to the gradients without summing them over dp (all but the last micro-batch)."""
     reducer = getattr(model, "_hp_reducer", None)
-    if reducer is None:
-        yield
-        return
-    reducer.holding = True
+    sharded = hasattr(model, "_hp_reducer") and hasattr(model, "set_requires_gradient_sync")  # FSDP2's root
+    if reducer is not None:
+        reducer.holding = True
+    if sharded:
+        model.set_requires_gradient_sync(False)
     try:
         yield
     finally:
-        reducer.holding = False
+        if reducer is not None:
+            reducer.holding = False
+        if sharded:
+            model.set_requires_gradient_sync(True)
 
 
-def _rows_of_this_rank(dp, reducer: _Reducer | None, cut: list[bool]):
+def _rows_of_this_rank(dp, reducer: _Reducer | None, cut: list[bool], selects: bool):
     """A pre-hook: each batch-shaped argument cut to this rank's rows (and, with labels, to their last
-    supervised column); the loss over the global supervised count."""
+    supervised column, and the logits to the supervised positions when the model `selects`); the loss over the
+    global supervised count."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict):
         if reducer is not None and torch.is_grad_enabled():
@@ -113,16 +122,88 @@ def _rows_of_this_rank(dp, reducer: _Reducer | None, cut: list[bool]):
             shifted = labels if "shift_labels" in kwargs else labels[..., 1:]  # HF shifts labels by one
             kwargs["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum()
         cut[0] = False
-        if dp is None or rows is None:
-            return args, kwargs
-        if rows % dp.size():
-            raise ValueError(f"a batch of {rows} rows does not split evenly over dp={dp.size()}")
-        share = rows // dp.size()
-        start = dp.get_local_rank() * share
-        mine = {k: v[start:start + share] if _batched(v, rows) else v for k, v in kwargs.items()}
-        return args, _to_last_supervised(mine, share, cut)
+        if dp is not None and rows is not None:
+            if rows % dp.size():
+                raise ValueError(f"a batch of {rows} rows does not split evenly over dp={dp.size()}")
+            mine = _my_rows(kwargs.get("labels") if "shift_labels" not in kwargs else None, rows, dp, cut)
+            share = len(range(rows)[mine]) if isinstance(mine, slice) else len(mine)
+            kwargs = _to_last_supervised({k: v[mine] if _batched(v, rows) else v for k, v in kwargs.items()},
+                                         share, cut)
+        return args, _supervised_logits(kwargs, cut) if selects else kwargs
 
     return hook
+
+
+def _my_rows(labels: torch.Tensor | None, rows: int, dp, cut: list[bool]) -> slice | torch.Tensor:
+    """This rank's rows: an equal share in order, or with labels, a share balanced by padded tokens."""
+    if labels is None or labels.dim() != 2:
+        share = rows // dp.size()
+        return slice(dp.get_local_rank() * share, (dp.get_local_rank() + 1) * share)
+    columns = torch.arange(labels.shape[1], device=labels.device)
+    widths = (torch.where(labels != IGNORE_INDEX, columns, 0).amax(1) + 1).tolist()
+    cut[0] = True  # the logits are this rank's rows, in its own order
+    return torch.tensor(balanced_rows(widths, dp.size())[dp.get_local_rank()], device=labels.device)
+
+
+def balanced_rows(widths: list[int], ranks: int) -> list[list[int]]:
+    """The rows (by index) each of `ranks` takes, so that the most padded tokens a rank computes is least.
+
+    A rank pads its rows to its widest, so it computes rows x widest tokens; equal shares in the
+    batch's order leave the rank with the longest row as many rows as the others. Here the rows,
+    widest first, are cut into runs of at most `limit` padded tokens, with the least `limit` that
+    needs no more runs than ranks. The loss and gradients are sums over rows, whichever rank
+    computes each, so this changes which rank waits, not what is computed.
+
+    >>> balanced_rows([100, 10, 10, 10, 10, 10], 2)
+    [[0], [1, 2, 3, 4, 5]]
+    >>> balanced_rows([5, 5, 5, 5], 2)
+    [[0, 1], [2, 3]]
+    """
+    order = sorted(range(len(widths)), key=lambda i: (-widths[i], i))
+
+    def runs(limit: int) -> list[list[int]]:
+        out, i = [], 0
+        while i < len(order):
+            count = max(1, limit // widths[order[i]])
+            out.append(order[i:i + count])
+            i += count
+        return out
+
+    low, high = widths[order[0]], widths[order[0]] * -(-len(order) // ranks)  # high: equal runs fit
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if len(runs(middle)) <= ranks else (middle + 1, high)
+    found = runs(low)
+    while len(found) < ranks:  # every rank takes a row: halve the longest run (neither half costs more)
+        longest = max(range(len(found)), key=lambda j: len(found[j]))
+        run = found[longest]
+        found[longest:longest + 1] = [run[:len(run) // 2], run[len(run) // 2:]]
+    return found
+
+
+def _supervised_logits(kwargs: dict, cut: list[bool]) -> dict:
+    """With labels, the logits of the supervised positions only, as HF's boolean `logits_to_keep` selects them,
+    and their targets as `shift_labels`: the LM head and the loss skip prompt and padding positions (a third of
+    an SFT step's head on instruction data), and their sum is the same."""
+    labels, asked = kwargs.get("labels"), kwargs.get("logits_to_keep")
+    if labels is None or labels.dim() != 2 or "shift_labels" in kwargs or isinstance(asked, torch.Tensor) or asked:
+        return kwargs
+    targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    keep = targets != IGNORE_INDEX
+    cut[0] = True
+    return {**kwargs, "logits_to_keep": keep, "shift_labels": targets[keep]}
+
+
+def selects_logits(model: nn.Module) -> bool:
+    """Whether `model` computes its logits through HF's `slice_logits_to_keep` (a boolean mask keeps the masked
+    positions) and its loss is the causal LM's, which takes `shift_labels`."""
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
+    forward = inspect.unwrap(type(model).forward)
+    if "slice_logits_to_keep" not in getattr(getattr(forward, "__code__", None), "co_names", ()):
+        return False
+    loss = model.__dict__.get("_loss_function") or LOSS_MAPPING.get(getattr(model, "loss_type", None) or "ForCausalLM")
+    return getattr(loss, "_torchdynamo_orig_callable", loss) is ForCausalLMLoss
 
 
 def _to_last_supervised(kwargs: dict, rows: int, cut: list[bool]) -> dict:
@@ -170,24 +251,37 @@ def _laid_out(mesh, axis: str | None, cut: list[bool]):
 
 
 class _Reducer:
-    """Sums `params`' gradients over the dp group in buckets, as backward produces them."""
+    """Sums `params`' gradients over the dp group in buckets, as backward produces them.
+
+    Each bucket is one flat buffer, and its parameters' gradients are views into it (DDP's
+    `gradient_as_bucket_view`): backward accumulates into the buffer, which is all-reduced in place,
+    with no copy into a bucket and back, and no second copy of the gradients in memory.
+    """
 
     def __init__(self, dp) -> None:
         self.group = dist.new_group(dist.get_process_group_ranks(dp.get_group()))  # its own collective order
         name_group(self.group, "dp")  # hp.comm.trace counts its sums as dp's
         self.buckets: list[list[nn.Parameter]] = []
+        self.flats: list[torch.Tensor] = []
         self.bucket_of: dict[nn.Parameter, int] = {}
         self.holding = False
         self._reset()
 
     def attach(self, model: nn.Module) -> None:
-        """Bucket the parameters `model` trains now, hooked once each. Checked at every forward, as loading
-        weights onto a model laid out on the meta device (`to_empty`) makes new parameters, and
-        fine-tuning may freeze some after the layout."""
+        """Bucket the parameters `model` trains now, hooked once each, and point their gradients into the
+        buckets. Checked at every forward, as loading weights onto a model laid out on the meta device
+        (`to_empty`) makes new parameters, fine-tuning may freeze some after the layout, and the optimizer
+        sets gradients to None between steps."""
         params = [p for p in model.parameters() if p.requires_grad]
-        if len(params) == len(self.bucket_of) and all(p in self.bucket_of for p in params):
-            return
+        if len(params) != len(self.bucket_of) or not all(p in self.bucket_of for p in params):
+            self._rebucket(params)
+        for bucket, flat in zip(self.buckets, self.flats):
+            _into(bucket, flat)
+
+    def _rebucket(self, params: list[nn.Parameter]) -> None:
         self.buckets = _buckets(list(reversed(params)))  # backward meets the last layers first
+        self.flats = [torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+                      for bucket in self.buckets]
         self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
         for param in params:
             if not getattr(param, "_hp_summed_over_dp", False):
@@ -197,7 +291,7 @@ class _Reducer:
 
     def _reset(self) -> None:
         self.waiting = [len(bucket) for bucket in self.buckets]
-        self.sent: list[tuple[torch.Tensor, object]] = []
+        self.sent: list[object] = []
 
     def _ready(self, param: nn.Parameter) -> None:
         if self.holding or param not in self.bucket_of:
@@ -207,24 +301,31 @@ class _Reducer:
             self._send(len(self.sent))
 
     def _send(self, index: int) -> None:
-        bucket = self.buckets[index]
-        for p in bucket:  # a parameter the batch left unused on this rank adds zeros
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-        self.sent.append((flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+        _into(self.buckets[index], self.flats[index])  # a gradient replaced since the forward joins its bucket
+        self.sent.append(dist.all_reduce(self.flats[index], group=self.group, async_op=True))
 
     def finish(self) -> None:
         while len(self.sent) < len(self.buckets):
             self._send(len(self.sent))
-        for bucket, (flat, work) in zip(self.buckets, self.sent):
+        for work in self.sent:
             work.wait()
-            offset = 0
-            for p in bucket:
-                n = p.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                offset += n
         self._reset()
+
+
+def _into(params: list[nn.Parameter], flat: torch.Tensor) -> None:
+    """Make each of `params`' gradients a view of its place in `flat` (zeros where it had none)."""
+    offset = 0
+    for p in params:
+        n = p.numel()
+        view = flat[offset:offset + n].view_as(p)
+        offset += n
+        if p.grad is None:
+            view.zero_()
+        elif p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+        else:
+            continue
+        p.grad = view
 
 
 def _buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:

@@ -40,26 +40,36 @@ def launch(config_path: str, overrides: Sequence[str] = ()) -> int:
     Traceback (most recent call last):
     hp.train.config.schema.ConfigError: ...
     """
-    config = checked(config_path, overrides)
-    os.environ["HP_DEVICE"] = config.device
-    if config.nnodes == 1 and config.nproc_per_node == 1:
-        from hp.train.loop import train
+    from hp.train.data.splits import hand_over
 
-        train(config)
-        return errors.FINISHED
-    return _start_workers(config, ["-m", "hp.train.worker", str(config_path), *overrides])
+    config = load_config(config_path, overrides)
+    splits = _checked(config)
+    os.environ["HP_DEVICE"] = config.device
+    with tempfile.TemporaryDirectory(prefix="hp-launch-") as private:
+        hand_over(splits, config, private)  # the data this process tokenized: the workers read them
+        if config.nnodes == 1 and config.nproc_per_node == 1:
+            from hp.train.loop import train
+
+            train(config)
+            return errors.FINISHED
+        return _start_workers(config, ["-m", "hp.train.worker", str(config_path), *overrides], private)
 
 
 def checked(config_path: str, overrides: Sequence[str] = ()) -> TrainConfig:
     """The config, checked as the launcher checks it before any worker starts, its notes printed."""
     config = load_config(config_path, overrides)
-    preflight.check(config)
-    for note in config.notes:
-        print(f"hp train: note: {note}", file=sys.stderr)
+    _checked(config)
     return config
 
 
-def _start_workers(config: TrainConfig, command: list[str]) -> int:
+def _checked(config: TrainConfig) -> tuple:
+    splits = preflight.check(config)
+    for note in config.notes:
+        print(f"hp train: note: {note}", file=sys.stderr)
+    return splits
+
+
+def _start_workers(config: TrainConfig, command: list[str], private: str) -> int:
     """Run the elastic agent here over `python COMMAND` workers; their outcome as an exit code."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -74,14 +84,15 @@ def _start_workers(config: TrainConfig, command: list[str]) -> int:
     os.environ[LAUNCHER_ENV] = str(os.getpid())
     print(f"hp train: starting {config.nproc_per_node} workers on this node ({config.world_size} in all)",
           file=sys.stderr, flush=True)
-    with tempfile.TemporaryDirectory(prefix="hp-errors-") as recorded:
-        os.environ[errors.ERRORS_ENV] = recorded
-        try:
-            elastic_launch(launch_config(config), sys.executable)(*command)
-        except SignalException:
-            raise KeyboardInterrupt from None
-        except ChildFailedError as failed:
-            return _report_workers(recorded, failed)
+    recorded = os.path.join(private, "errors")
+    os.mkdir(recorded)
+    os.environ[errors.ERRORS_ENV] = recorded
+    try:
+        elastic_launch(launch_config(config), sys.executable)(*command)
+    except SignalException:
+        raise KeyboardInterrupt from None
+    except ChildFailedError as failed:
+        return _report_workers(recorded, failed)
     return errors.FINISHED
 
 

@@ -26,8 +26,9 @@ from typing import Any
 from hp.train.config import RESUME_LAST, ConfigError, TrainConfig, strategy_labels
 
 
-def check(config: TrainConfig) -> None:
-    """Raise `ConfigError` for the first thing that would stop `config`'s workers.
+def check(config: TrainConfig) -> tuple:
+    """Raise `ConfigError` for the first thing that would stop `config`'s workers; else the data's splits
+    (`hp.train.data.load_splits`), which the workers need not make again.
 
     >>> from hp.train.config import validate
     >>> check(validate({"model_name_or_path": "hp/tiny-llama", "dataset": "nope", "output_dir": "/tmp/hp-doc"}))
@@ -48,7 +49,7 @@ def check(config: TrainConfig) -> None:
         raise ConfigError(_model_words(config, e)) from None
     _check_model(config, tokenizer.vocab_size)
     _check_template(config, tokenizer)
-    _check_data(config, tokenizer, state)
+    return _check_data(config, tokenizer, state)
 
 
 def _check_trackers(report_to: tuple[str, ...]) -> None:
@@ -185,14 +186,15 @@ def _check_template(config: TrainConfig, tokenizer) -> None:
         raise ConfigError(str(e)) from None  # the message names the template (or says it is unset) and the tokens
 
 
-def _check_data(config: TrainConfig, tokenizer, state: dict[str, Any] | None) -> None:
+def _check_data(config: TrainConfig, tokenizer, state: dict[str, Any] | None) -> tuple:
     """Every dataset parses into examples, enough to fill a global batch, at the resumed position if any."""
     from hp.train.data import TokenBatches, load_splits
 
     try:
-        examples, _ = load_splits(config, tokenizer)
+        splits = load_splits(config, tokenizer)
     except (OSError, ValueError) as e:
         raise ConfigError(str(e)) from None
+    examples = splits[0]
     rows = config.per_device_train_batch_size * config.parallel.dp
     try:
         batches = TokenBatches(examples, rows, config.seed, tokenizer.pad_token_id)
@@ -204,3 +206,4 @@ def _check_data(config: TrainConfig, tokenizer, state: dict[str, Any] | None) ->
             batches.load_state_dict(state["data"])
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"resume_from_checkpoint = {config.resume_from_checkpoint!r}: {e}") from None
+    return splits

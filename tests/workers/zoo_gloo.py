@@ -243,8 +243,8 @@ def main() -> None:
     check_mixed_precision(rank)
     check("qwen3_moe", {"dp": 4, "ep": 2, "fsdp": True}, rank, output_router_logits=True, router_aux_loss_coef=0.1)
     check_expert_loading(rank)
-    if hp.compat.backports.FSDP_ON_THE_WHOLE_MESH:  # the steps torch 2.11 runs, here against dp_mesh_dims' results
-        with mock.patch.object(hp.compat.backports, "FSDP_ON_THE_WHOLE_MESH", False):
+    if hp.compat.backports.fsdp_on_the_whole_mesh():  # the steps torch 2.11 runs, here against dp_mesh_dims' results
+        with mock.patch.object(hp.compat.backports, "fsdp_on_the_whole_mesh", lambda: False):
             check("phi3", {"dp": 2, "tp": 2, "fsdp": True}, rank)  # fused parts split over tp, then dp
             # experts over dp on the ep mesh; the rest over all four, no axis left: plain tensors for FSDP
             check("qwen3_moe", {"dp": 4, "ep": 2, "fsdp": True}, rank, output_router_logits=True,

@@ -4,14 +4,22 @@ LlamaFactory evaluates on datasets of their own (`eval_dataset`, read like
 `dataset`) or on a seeded random part of the training data (`val_size`: a
 fraction, or a count); both are here, so that the loop and the checks
 before launch read the same splits.
+
+The launcher tokenizes them once to check them; `hand_over` leaves what it
+made in a file that the workers it starts read instead of tokenizing the
+data again (`SPLITS_ENV` names it; a file made for other data settings, or
+examples with images, are not handed over).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import random
+from pathlib import Path
 from typing import Any
 
-from hp.train.data.examples import Examples, build_examples, example_options, load_examples
+from hp.train.data.examples import SFT_OPTIONS, Examples, build_examples, example_options, load_examples
 from hp.train.data.tokenizer import Tokenizer
 
 
@@ -31,6 +39,9 @@ def load_splits(config: Any, tokenizer: Tokenizer) -> tuple[Examples, Examples |
     >>> len(train), len(held)
     (90, 10)
     """
+    handed = _handed_over(config)
+    if handed is not None:
+        return handed
     examples = load_examples(config, tokenizer)
     if config.eval_dataset:
         held = build_examples(config.eval_dataset, config.dataset_dir, tokenizer, stage=config.stage,
@@ -60,3 +71,35 @@ def split_for_eval(examples: Examples, val_size: float, seed: int) -> tuple[Exam
     rest = [e for i, e in enumerate(examples.examples) if i not in chosen]
     held_out = [e for i, e in enumerate(examples.examples) if i in chosen]
     return Examples(rest, examples.dropped, examples.vision), Examples(held_out, vision=examples.vision)
+
+
+SPLITS_ENV = "HP_TRAIN_SPLITS"  # the file where the launcher left the splits it made
+
+
+def hand_over(splits: tuple[Examples, Examples | None], config: Any, directory: str) -> None:
+    """Write `splits` (of text) into `directory` for the workers of this process, whose `load_splits` reads them."""
+    if any(part is not None and part.vision is not None for part in splits):
+        return
+    path = Path(directory) / "splits.json"
+    train, held = splits
+    path.write_text(json.dumps({"key": _key(config), "train": [train.examples, train.dropped],
+                                "held": None if held is None else [held.examples, held.dropped]}))
+    os.environ[SPLITS_ENV] = str(path)
+
+
+def _handed_over(config: Any) -> tuple[Examples, Examples | None] | None:
+    path = os.environ.get(SPLITS_ENV)
+    if not path or not Path(path).is_file():
+        return None
+    saved = json.loads(Path(path).read_text())
+    if saved["key"] != _key(config):
+        return None
+    held = saved["held"]
+    return Examples(*saved["train"]), None if held is None else Examples(*held)
+
+
+def _key(config: Any) -> str:
+    """What the splits depend on: the model (its tokenizer), the data and how they are cut."""
+    names = ("model_name_or_path", "dataset", "dataset_dir", "eval_dataset", "stage", "template", "cutoff_len",
+             "max_samples", "val_size", "seed", *SFT_OPTIONS)
+    return json.dumps({name: str(getattr(config, name, None)) for name in names})
