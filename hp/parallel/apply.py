@@ -154,12 +154,12 @@ def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any
 def _plain_dp(model: nn.Module, mesh, strategy: Strategy, plan: ModelPlan) -> nn.Module:
     """Only the batch splits: plain parameters, each rank its rows (`hp.parallel.plain_dp`), FSDP2 over dp
     around them when asked."""
+    if strategy.fsdp:
+        fully_shard_plain(model, mesh, list(model.get_submodule(plan.blocks)), strategy)
     plain_data_parallel(model, mesh, sums=not strategy.fsdp)
     expert_parallel(model, plan.experts)  # plain experts run as they are; their loads are still counted
     if strategy.expert_bias_rate:
         biased_routing(model, plan.routers)
-    if strategy.fsdp:
-        fully_shard_plain(model, mesh, list(model.get_submodule(plan.blocks)), strategy)
     return _blocks_as_asked(model, strategy, plan)
 
 

@@ -66,15 +66,16 @@ def _takes_loss_kwargs(model: nn.Module) -> bool:
 
 def plain_data_parallel(model: nn.Module, mesh, *, sums: bool = True) -> nn.Module:
     """Run `model` data parallel over `mesh`'s dp axis (or alone on a one-rank mesh) with plain parameters;
-    without `sums`, FSDP sums the gradients (`hp.parallel.data_parallel.fully_shard_plain`).
+    without `sums`, FSDP sums the gradients (`hp.parallel.data_parallel.fully_shard_plain`, applied before).
 
     >>> # on real processes, what hp.apply_strategy does for {"dp": N}: tests/workers/zoo_gloo.py, check_plain_dp
     """
     dp = mesh["dp"] if "dp" in (mesh.mesh_dim_names or ()) else None
     model._hp_reducer = _Reducer(dp) if sums and dp is not None and dp.size() > 1 else None
     cut: list[bool] = [False]  # whether the latest call's logits are not its whole rows (the pre-hook tells the hook)
+    # first of the pre-hooks: a refused batch must not leave FSDP's root half into its forward
     model.register_forward_pre_hook(_rows_of_this_rank(dp, model._hp_reducer, cut, selects_logits(model)),
-                                    with_kwargs=True)
+                                    with_kwargs=True, prepend=True)
     model.register_forward_hook(_laid_out(mesh, "dp" if dp is not None else None, cut))
     return model
 

@@ -31,7 +31,7 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from transformers import AutoModelForCausalLM
 
 import hp
@@ -105,15 +105,17 @@ def check(family: str, strategy: dict, rank: int, **overrides) -> None:
             o.zero_grad()
 
 
-def check_plain_dp(family: str, rank: int, **overrides) -> None:
-    """dp alone: plain parameters, each rank its rows (two ranks' cut after their last label), gradients summed
-    during backward. Per step two micro-batches, the first held back from the sums (`accumulating`); the loss,
-    every summed gradient and 3 AdamW steps equal the unsharded model's. A MoE's experts that a rank's rows
-    leave unused add zeros."""
+def check_plain_dp(family: str, rank: int, fsdp: bool = False, **overrides) -> None:
+    """dp alone (or FSDP over dp): plain parameters gathered plain, each rank its rows (balanced by their padded
+    tokens, cut after their last label), the head computed on supervised positions only, gradients summed during
+    backward. Per step two micro-batches, the first held back from the sums (`accumulating`); the loss, every
+    summed gradient and 3 AdamW steps equal the unsharded model's. A MoE's experts that a rank's rows leave unused
+    add zeros."""
     reference, model = tiny_pair(family, **overrides)
-    strategy = {"dp": 4, "recompute": True}
+    strategy = {"dp": 4, "recompute": True, "fsdp": fsdp}
     hp.apply_strategy(model, hp.strategy_mesh(strategy), strategy, plan_for(model.config))
-    assert not any(isinstance(p, DTensor) for p in model.parameters()), f"rank {rank}: DTensor parameters"
+    layouts = {(type(p).__name__, tuple(getattr(p, "placements", ()))) for p in model.parameters()}
+    assert layouts == ({("DTensor", (Shard(0),))} if fsdp else {("Parameter", ())}), f"rank {rank}: {layouts}"
     for bad, message in ((lambda: model(input_ids=torch.zeros(3, 16, dtype=torch.long)),
                           "a batch of 3 rows does not split evenly over dp=4"),
                          (lambda: model(torch.zeros(4, 16, dtype=torch.long)), "takes the model's inputs by keyword")):
@@ -123,26 +125,32 @@ def check_plain_dp(family: str, rank: int, **overrides) -> None:
             assert message in str(refused), f"rank {rank}: {refused}"
         else:
             raise AssertionError(f"rank {rank}: no error for {message!r}")
+    heads = []
+    model.get_output_embeddings().register_forward_hook(lambda m, args, out: heads.append(args[0].shape[:-1]))
     ref_opt, opt = torch.optim.AdamW(reference.parameters(), lr=1e-3), torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(3):
-        where = f"rank {rank} {family} plain dp step {step}"
+        where = f"rank {rank} {family} plain dp{' fsdp' if fsdp else ''} step {step}"
         for micro in range(2):
-            ids = torch.randint(0, 256, (4, 16))
+            draw = torch.Generator().manual_seed(2 * step + micro)  # the same global batch on every rank
+            ids = torch.randint(0, 256, (8, 16), generator=draw)
             labels = labelled(ids)
-            labels[2:, 16 - 5 * (micro + 1):] = -100  # padding: ranks 2 and 3 cut their rows short
+            for row, end in enumerate(torch.randint(3, 17, (8,), generator=draw).tolist()):  # rows of their lengths
+                labels[row, end:] = -100
             want = reference(input_ids=ids, labels=labels).loss
             (want / 2).backward()
             with plain_dp.accumulating(model) if micro == 0 else contextlib.nullcontext():
                 got = model(input_ids=ids, labels=labels).loss
                 (got / 2).backward()
-            torch.testing.assert_close(got.full_tensor(), want, rtol=1e-5, atol=0, msg=where)
+            torch.testing.assert_close(got.full_tensor(), want, rtol=1e-5, atol=0, msg=lambda m: f"{where}: {m}")
         hp.reduce_gradients(model)
         for (name, p), r in zip(model.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(p.grad, r.grad if r.grad is not None else torch.zeros_like(p),
-                                       msg=f"{where}: {name}")
+            grad = p.grad.full_tensor() if fsdp else p.grad
+            torch.testing.assert_close(grad, r.grad if r.grad is not None else torch.zeros_like(grad),
+                                       rtol=1e-5, atol=1e-7, msg=lambda m: f"{where}: {name}: {m}")
         for o in (ref_opt, opt):
             o.step()
             o.zero_grad()
+    assert all(len(shape) == 1 for shape in heads), f"rank {rank}: the head saw {heads[:2]}, not supervised rows"
 
 
 def check_lora(rank: int) -> None:
@@ -238,6 +246,7 @@ def main() -> None:
     ):  # under hp.mpmd from step 3 on: FSDP's prefetched gathers, pipelined tp linears
         check("llama", strategy, rank)
     check_plain_dp("llama", rank)
+    check_plain_dp("llama", rank, fsdp=True)
     check_plain_dp("qwen3_moe", rank)
     check_lora(rank)
     check_mixed_precision(rank)
