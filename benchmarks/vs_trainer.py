@@ -8,7 +8,10 @@ the same tokenized rows in the same order, and the same hyperparameters:
   the rows hp's data layer made, in hp's order (a sequential sampler: global
   step i takes the same rows under every arm);
 - `hf_fsdp`: the same with FSDP2 full-shard (`fsdp="full_shard"`,
-  `fsdp_version: 2`), DeepSpeed ZeRO-3's analogue;
+  `fsdp_version: 2`), DeepSpeed ZeRO-3's analogue (accelerate takes FSDP
+  on accelerators only and runs DDP instead on CPU; there the arm hands its
+  state the FSDP plugin, so Trainer's own FSDP2 path runs over gloo, and
+  skips the final save, whose full state dict fails in accelerate on CPU);
 - `llamafactory`: LlamaFactory's own engine (`llamafactory-cli train`) on the
   same YAML, when `--llamafactory-python` names a Python that has it (it
   tokenizes and orders the data itself, so only its speed compares);
@@ -38,7 +41,10 @@ batch 8 x 2048, bf16 autocast, no checkpointing, 20 steps, one device
 
 Last line: `step_ratio_<arm>` = the arm's median step / `hf_ddp`'s (`hf` on
 one device; `plain` is the reference there: `hp_tokens_vs_plain`), the same
-for wall, and `losses_match` (every arm fed hp's rows has each step's loss
+for wall; the targets `step_ratio_vs_trainer_ddp` (hp_dp / hf_ddp),
+`step_ratio_vs_trainer_fsdp` (hp_fsdp / hf_fsdp), `wall_ratio_vs_trainer`
+and `peak_ratio_vs_trainer` (hp_dp / hf_ddp, peak memory per rank); and
+`losses_match` (every arm fed hp's rows has each step's loss
 within 1e-4 relative of `hf_ddp`'s in fp32, the same sums in another order
 amplified over the steps; 2e-2 under bf16 autocast).
 
@@ -408,6 +414,8 @@ def summary(results: dict[str, list[dict]], one_device: bool, bf16: bool) -> dic
     ok = {arm: [r for r in runs if "error" not in r] for arm, runs in results.items()}
     step = {arm: statistics.median(r["step_s"] for r in runs) for arm, runs in ok.items() if runs}
     wall = {arm: statistics.median(r["wall_s"] for r in runs) for arm, runs in ok.items() if runs}
+    peak = {arm: statistics.median(r["peak_bytes_per_rank"] for r in runs) for arm, runs in ok.items()
+            if runs and all(r["peak_bytes_per_rank"] is not None for r in runs)}
     line: dict = {"summary": True}
     if base in step:
         line |= {f"step_ratio_{arm}": round(step[arm] / step[base], 3) for arm in step if arm != base}
@@ -419,8 +427,16 @@ def summary(results: dict[str, list[dict]], one_device: bool, bf16: bool) -> dic
             for arm, runs in ok.items() if arm != "llamafactory" for r in runs)
     if one_device and "plain" in step and "hp" in step:
         line["hp_tokens_vs_plain"] = round(step["plain"] / step["hp"], 3)
+    for name, figures, hp_arm, hf_arm in _targets(step, wall, peak):  # the issue's names: hp at dp=2 against Trainer's DDP (FSDP)
+        if hp_arm in figures and hf_arm in figures:
+            line[name] = round(figures[hp_arm] / figures[hf_arm], 3)
     line["failed"] = sorted(arm for arm, runs in results.items() if any("error" in r for r in runs))
     return line
+
+
+def _targets(step: dict, wall: dict, peak: dict) -> list:
+    return [("step_ratio_vs_trainer_ddp", step, "hp_dp", "hf_ddp"), ("step_ratio_vs_trainer_fsdp", step, "hp_fsdp", "hf_fsdp"),
+            ("wall_ratio_vs_trainer", wall, "hp_dp", "hf_ddp"), ("peak_ratio_vs_trainer", peak, "hp_dp", "hf_ddp")]
 
 
 def main() -> None:

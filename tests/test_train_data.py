@@ -343,3 +343,20 @@ def test_tokenizing_in_worker_processes_gives_the_same_examples_in_order():
         three = build_examples("quickstart", ROOT / "examples" / "data", ByteTokenizer(), stage=stage, template="alpaca", cutoff_len=48,
                                max_samples=300, workers=3)
         assert three.examples == one.examples and three.dropped == one.dropped
+
+
+def test_the_launcher_hands_its_splits_to_its_workers_for_the_same_data_settings(tmp_path, monkeypatch):
+    from hp.train.data import splits
+
+    monkeypatch.setenv(splits.SPLITS_ENV, "")  # hand_over sets it: restored after the test
+    config = SimpleNamespace(dataset="quickstart", dataset_dir=ROOT / "examples" / "data", stage="sft",
+                             template="default", cutoff_len=64, max_samples=40, val_size=0.1, eval_dataset=None,
+                             seed=0)
+    made = splits.load_splits(config, TOK)
+    splits.hand_over(made, config, str(tmp_path))
+    monkeypatch.setattr(splits, "load_examples", lambda *a: pytest.fail("tokenized again"))
+    handed = splits.load_splits(config, TOK)
+    assert [part.examples for part in handed] == [part.examples for part in made]
+    other = SimpleNamespace(**{**vars(config), "cutoff_len": 32})  # other settings: their own examples
+    with pytest.raises(pytest.fail.Exception, match="tokenized again"):
+        splits.load_splits(other, TOK)

@@ -1,6 +1,6 @@
 """Plain data parallel: whole plain parameters, each rank its own rows, gradients summed while backward runs.
 
-Why: when only the batch is split (dp alone: no tp, cp, ep or FSDP), laying
+Why: when only the batch is split (dp alone: no tp, cp or ep), laying
 every parameter out as a replicated DTensor buys nothing and costs DTensor's
 dispatch on every op of every step. Here the parameters stay plain tensors
 and the model sees its rank's rows of the global batch. What the layout
@@ -10,20 +10,32 @@ laid out `b/dp ...`, and the loss as a pending sum over dp whose parts are
 each rank's tokens' loss over the global count of supervised tokens (HF's
 `num_items_in_batch`, which every rank counts from the global batch it
 holds), so `full_tensor()` gives the global mean, as on the DTensor path.
-With labels, a rank's rows are also cut after their last supervised column
-(the global batch is padded to its longest row; HF's collator pads each
-rank's rows to their own); the logits of such a call are then the rank's
-block as it is, a plain tensor (call without labels for laid-out logits).
+
+With labels, three things make a rank's share cheaper, none changing a sum:
+
+- the rows are dealt out by their padded tokens (`balanced_rows`): a rank
+  pads its rows to its widest, so the rank holding the longest row takes
+  fewer rows;
+- a rank's rows are cut after their last supervised column (HF's collator
+  pads each rank's rows to their own longest too);
+- the LM head and the loss see the supervised positions only (HF's boolean
+  `logits_to_keep` with `shift_labels`), where the model computes its logits
+  through `slice_logits_to_keep`.
+
+The logits of such a call are then the rank's own, a plain tensor (call
+without labels for laid-out logits).
 
 Gradients are summed over dp in buckets as backward produces them, DDP's
 scheme: each parameter's post-accumulate hook counts it into its bucket, and
 the all-reduce of the first buckets whose gradients are all in flies while
 backward goes on; `finish` (called by `hp.reduce_gradients`) sends the rest
-and writes the sums back. Buckets go out in one order on every rank, on a
-process group of their own, so a rank whose bucket waits for a parameter the
-batch left unused there (an expert nobody routed to) cannot cross another
-collective. `accumulating(model)` holds the reductions back for all but the
-last micro-batch of an accumulated step (DDP's `no_sync`).
+and waits. The gradients are views of the buckets' buffers. Buckets go out
+in one order on every rank, on a process group of their own, so a rank
+whose bucket waits for a parameter the batch left unused there (an expert
+nobody routed to) cannot cross another collective. `accumulating(model)`
+holds the reductions back for all but the last micro-batch of an
+accumulated step (DDP's `no_sync`). With FSDP over dp alone, FSDP2 shards
+the plain parameters on the dp axis and its reduce-scatter sums instead.
 
 Simulated meshes (`hp.simulated`) keep the DTensor path: per-rank values in
 one process need DTensors.

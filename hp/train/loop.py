@@ -362,11 +362,16 @@ def clip_gradients(params, max_norm: float) -> float:
     >>> clip_gradients([p], 1.0), p.grad.norm().item()
     (6.0, 1.0)
     """
-    grads = [p.grad for p in params if p.grad is not None]
-    total = sum(_value(g.detach().float().norm()) ** 2 for g in grads) ** 0.5
+    groups: dict[tuple, list[torch.Tensor]] = {}  # one reduction per layout, not one per gradient
+    for p in params:
+        if p.grad is not None:
+            layout = (id(p.grad.device_mesh), p.grad.placements) if hasattr(p.grad, "device_mesh") else ()
+            groups.setdefault((layout, p.grad.dtype), []).append(p.grad.detach())
+    total = sum(_value(torch.nn.utils.get_total_norm([g.float() for g in grads])) ** 2
+                for grads in groups.values()) ** 0.5
     if total > max_norm:
-        for g in grads:
-            g.mul_(max_norm / total)
+        for grads in groups.values():
+            torch._foreach_mul_(grads, max_norm / total)
     return total
 
 
