@@ -7,7 +7,7 @@ the same tokenized rows in the same order, and the same hyperparameters:
 - `hf_ddp`: `transformers.Trainer` under torchrun (accelerate's DDP), fed
   the rows hp's data layer made, in hp's order (a sequential sampler: global
   step i takes the same rows under every arm);
-- `hf_fsdp`: the same with FSDP2 full-shard (`fsdp="full_shard"`,
+- `hf_fsdp`: the same with FSDP2 full-shard per decoder layer (`fsdp="full_shard auto_wrap"`,
   `fsdp_version: 2`), DeepSpeed ZeRO-3's analogue (accelerate takes FSDP
   on accelerators only and runs DDP instead on CPU; there the arm hands its
   state the FSDP plugin, so Trainer's own FSDP2 path runs over gloo, and
@@ -355,7 +355,8 @@ def _hf_trainer(arm: str, model, rows: list[dict], shape: dict, pad: int, out: P
                 log.write(state.global_step, float(logs["loss"]), **extra)
 
     config = json.loads((out.parent.parent / "hp.yaml").read_text())  # out: WORK/out/ARM-ROUND
-    fsdp = {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2}} if arm == "hf_fsdp" else {}
+    # per decoder layer, as LlamaFactory's FSDP recipes wrap it (TRANSFORMER_BASED_WRAP)
+    fsdp = {"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_version": 2}} if arm == "hf_fsdp" else {}
     arguments = TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=shape["batch"], max_steps=shape["steps"],
         learning_rate=config["learning_rate"], lr_scheduler_type="linear", logging_steps=1, save_strategy="no",
