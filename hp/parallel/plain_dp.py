@@ -55,6 +55,10 @@ from hp.layouts import from_local
 from hp.mesh import name_group
 from hp.parallel.sequence import IGNORE_INDEX
 
+# Set on a model whose caller runs some of its modules outside its forward (a reward model's value head on
+# its hidden states): plain data parallel lays out only what the forward returns, so such a model keeps the
+# DTensor path.
+USED_OUTSIDE_FORWARD = "_hp_used_outside_forward"
 BUCKET_ELEMENTS = 1 << 22  # gradient elements per all-reduce (16 MiB in fp32): DDP's size, to overlap backward
 
 
@@ -67,7 +71,8 @@ def takes_plain_dp(model: nn.Module, mesh, strategy) -> bool:
     batch_wide = getattr(getattr(model, "config", None), "output_router_logits", False)
     only_rows = strategy.only_batch or (strategy.fsdp_axes == ("dp",) and strategy.tp == strategy.cp == 1
                                         and not strategy.tp2d)
-    return only_rows and not transformed and real and not batch_wide and _takes_loss_kwargs(model)
+    outside = getattr(model, USED_OUTSIDE_FORWARD, False)
+    return only_rows and not transformed and real and not batch_wide and not outside and _takes_loss_kwargs(model)
 
 
 def _takes_loss_kwargs(model: nn.Module) -> bool:

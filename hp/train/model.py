@@ -36,6 +36,7 @@ from hp.parallel.expert_balance import BIAS as ROUTING_BIAS
 from hp.parallel.lora import LoraError, is_adapter, start_adapters
 from hp.ops.local import copy_whole
 from hp.parallel.parallelize import PlanError
+from hp.parallel.plain_dp import USED_OUTSIDE_FORWARD
 from hp.parallel.storable import from_storable, to_storable
 from hp.parallel.strategy import Strategy, StrategyError, num_experts
 from hp.train import expert_weights
@@ -292,6 +293,7 @@ def add_value_head(model: nn.Module, seed: int) -> nn.Module:
         torch.manual_seed(seed)
         head = nn.Linear(model.config.get_text_config().hidden_size, 1)
     model.add_module(VALUE_HEAD, head)
+    setattr(model, USED_OUTSIDE_FORWARD, True)  # the objective runs the head on hidden states: the DTensor path
     return head
 
 
