@@ -124,7 +124,7 @@ def train(config: TrainConfig) -> dict:
     freeze_parts(model, vision_tower=config.freeze_vision_tower, projector=config.freeze_multi_modal_projector,
                  language_model=config.freeze_language_model)
     trained = [p for p in model.parameters() if p.requires_grad]  # frozen weights keep no optimizer state
-    optimizer = adamw(trained, config, offloaded=strategy.offload is not None)
+    optimizer = adamw(trained, config)
     total = total_steps(config, len(batches))
     scheduler = _scheduler(config, optimizer, total)
     step = _restore(config, model, optimizer, scheduler, batches)
@@ -220,13 +220,13 @@ def _reference(config: TrainConfig, model: nn.Module, mesh, vocab_size: int) -> 
     return Reference(frozen.requires_grad_(False).eval())
 
 
-def adamw(params: list[torch.Tensor], config: TrainConfig, *, offloaded: bool = False) -> torch.optim.AdamW:
+def adamw(params: list[torch.Tensor], config: TrainConfig) -> torch.optim.AdamW:
     """torch's AdamW over `params`, fused (one kernel over every tensor, as HF Trainer's `adamw_torch_fused`)
-    where torch has the kernel for their device; `hp.offload` moves the states itself, so it keeps the default."""
+    where torch has the kernel for their device (`hp.offload` brings the states back to it before each step)."""
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
     devices = {p.device.type for p in params}
-    fused = not offloaded and bool(params) and devices <= set(_get_fused_kernels_supported_devices()) \
+    fused = bool(params) and devices <= set(_get_fused_kernels_supported_devices()) \
         and all(p.is_floating_point() for p in params)
     return torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay, fused=fused or None)
 
