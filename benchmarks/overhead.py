@@ -26,7 +26,10 @@ with torchrun, one thread per rank), as
 - `hp_compiled`: `hp` with `compile=True`: each decoder layer and the loss
   under `torch.compile(fullgraph=True)`, inductor's kernels (`hp.compile_blocks`,
   `hp.compile_loss`);
-  when that cannot compile, a record says why and the figures are null.
+  when that cannot compile, a record says why and the figures are null;
+- `hp_recompute`, `hp_compiled_recompute`: the same two with `recompute=True`
+  (each block's activations recomputed in backward; compiled, the block's
+  graph runs again under an eager checkpoint).
 
 The first step of each configuration must give the plain model's loss
 (relative 1e-5). Then steps run interleaved, the order rotating each round;
@@ -38,8 +41,9 @@ what the configuration adds per decoder layer per step. Recompiles: dynamo's
 count of compiled frames after the timed steps minus after warm-up.
 
 Summary (last line): `host_ratio_vs_torch` = hp / torch, tiny, one rank;
-`compiled_vs_eager` = hp_compiled / hp, 512, 2 ranks; `recompiles_after_warmup`.
-About six minutes on 2 CPU cores.
+`compiled_vs_eager` = hp_compiled / hp, 512, 2 ranks; `compiled_vs_eager_recompute`
+= hp_compiled_recompute / hp_recompute, the same; `recompiles_after_warmup` (the most of
+any compiled configuration). About ten minutes on 2 CPU cores.
 
     python benchmarks/overhead.py [--reps 25]
 """
@@ -117,12 +121,14 @@ def measure(name: str, shape: dict, mesh, reps: int, emit) -> None:
         torch.manual_seed(0)
         return LlamaForCausalLM(config)
 
-    def laid_out(compile: bool):
-        return hp.apply_strategy(fresh(), mesh, {"tp": 2, "compile": compile}, plan_for(config))
+    def laid_out(compile: bool, recompute: bool = False):
+        return hp.apply_strategy(fresh(), mesh, {"tp": 2, "compile": compile, "recompute": recompute},
+                                 plan_for(config))
 
     plain, torch_tp = fresh(), fresh()
     parallelize_module(torch_tp, mesh, torch_tp_plan(shape["layers"], vocab_parallel=False))
-    variants = {"plain": plain, "torch": torch_tp, "hp": laid_out(False), "hp_compiled": laid_out(True)}
+    variants = {"plain": plain, "torch": torch_tp, "hp": laid_out(False), "hp_compiled": laid_out(True),
+                "hp_recompute": laid_out(False, True), "hp_compiled_recompute": laid_out(True, True)}
     # AdamW's multi-tensor path, its default on accelerators (on CPU torch picks a per-tensor loop,
     # whose per-parameter dispatch an accelerator step does not pay); the same for every configuration
     optimizers = {k: torch.optim.AdamW(_groups(m), lr=1e-4, foreach=True) for k, m in variants.items()}
@@ -158,7 +164,7 @@ def measure(name: str, shape: dict, mesh, reps: int, emit) -> None:
         emit({"bench": "overhead", "model": name, "ranks": ranks, "config": key, "median_s": round(median, 5),
               "min_s": round(min(seconds), 5), "host_ms_per_layer": round((median - plain_s) / shape["layers"] * 1e3, 3),
               "round_s": [round(t, 5) for t in seconds],
-              **({"recompiles_after_warmup": _compiled_frames() - frames} if key == "hp_compiled" else {})})
+              **({"recompiles_after_warmup": _compiled_frames() - frames} if "compiled" in key else {})})
 
 
 def train_step(model, optimizer, ids) -> float:
@@ -196,7 +202,7 @@ def summarize(records: list[dict]) -> dict:
             return None
         return round(statistics.median(x / y for x, y in zip(a["round_s"], b["round_s"])), 4)
 
-    compiled = [r for r in steps.values() if r["config"] == "hp_compiled"]
+    compiled = [r for r in steps.values() if "compiled" in r["config"]]
     return {
         "summary": True,
         "median_s": {f"{m}/{n}/{c}": r["median_s"] for (m, n, c), r in steps.items()},
@@ -205,6 +211,7 @@ def summarize(records: list[dict]) -> dict:
         "failed": [f"{r['model']}/{r['ranks']}/{r['config']}: {r['error']}" for r in records if r.get("bench") == "overhead_fails"],
         "host_ratio_vs_torch": ratio("tiny", 1, "hp", "torch"),
         "compiled_vs_eager": ratio("512", 2, "hp_compiled", "hp"),
+        "compiled_vs_eager_recompute": ratio("512", 2, "hp_compiled_recompute", "hp_recompute"),
         "recompiles_after_warmup": max((r["recompiles_after_warmup"] for r in compiled), default=None),
     }
 

@@ -122,13 +122,12 @@ def test_activation_recompute_as_llamafactory_sets_it(raw, recompute):
 
 @pytest.mark.parametrize("raw", [{"torch_compile": True}, {"parallel": {"compile": True}},
                                  {"torch_compile": True, "parallel": {"compile": True}}])
-@pytest.mark.parametrize("split, recompute", [({}, True), ({"tp": 2}, False), ({"dp": 2, "fsdp": True}, False)])
-def test_compiled_blocks_as_llamafactorys_torch_compile_or_parallel_compile_ask(raw, split, recompute):
-    """Compiled blocks recompute by LlamaFactory's default where dp alone splits (plain parameters); with
-    layouts they keep their activations, LlamaFactory's default recompute yielding to them."""
+@pytest.mark.parametrize("split", [{}, {"tp": 2}, {"dp": 2, "fsdp": True}])
+def test_compiled_blocks_as_llamafactorys_torch_compile_or_parallel_compile_ask(raw, split):
+    """Compiled blocks recompute by LlamaFactory's default under every strategy."""
     raw = {**raw, "parallel": {**raw.get("parallel", {}), **split}}
     strategy = validate({**MINIMAL, **raw}).parallel
-    assert strategy.compile and strategy.recompute is recompute
+    assert strategy.compile and strategy.recompute
 
 
 @pytest.mark.parametrize("offload", ["disk", {"budget": 0.3, "tiers": ["device", "disk"]}, {"budget": 0.3}])
@@ -422,8 +421,6 @@ BAD = [
     ({"parallel": {"offload_budget": 0.3}}, "offload_budget = 0.3: only offload has a budget"),
     ({"disable_gradient_checkpointing": True, "parallel": {"activation_mode": "recompute"}},
      "disable_gradient_checkpointing = True conflicts with the parallel settings, which ask for recompute"),
-    ({"torch_compile": True, "parallel": {"tp": 2, "recompute": True}},
-     "torch_compile = True: compiled blocks recompute only when dp alone splits"),
     ({"parallel": {"compile": True, "offload": "disk"}}, "parallel.compile = True: compiled blocks cannot offload yet"),
     ({"torch_compile": True, "parallel": {"ep": 2}, "nproc_per_node": 2},
      "torch_compile = True: expert parallel sizes its all-to-alls by routing counts known only while the step runs"),

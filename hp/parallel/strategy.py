@@ -151,10 +151,6 @@ class Strategy:
         """Combinations whose blocks cannot be one graph yet: refused here, not as a graph break."""
         if not self.compile:
             return
-        if self.recompute and not self.only_batch:
-            raise StrategyError("compile", True, ": compiled blocks recompute only when dp alone splits (plain "
-                                "parameters): torch's activation checkpoint under torch.compile cannot save "
-                                "DTensors' meshes; choose one")
         if self.offload is not None:
             raise StrategyError("compile", True, ": compiled blocks cannot offload yet (hp.offload moves tensors "
                                 "from saved-tensor hooks, which compiled graphs do not run); choose one")

@@ -1,6 +1,7 @@
 """Worker for test_gloo.py: hp-laid-out Llama blocks and loss under `torch.compile(fullgraph=True)` on gloo ranks.
 
-On 2 ranks, each strategy's compiled model against the same layout run eagerly: the loss and
+On 2 ranks, each strategy's compiled model (three of them also recomputing each block's graph in
+backward) against the same layout run eagerly without recompute: the loss and
 every gradient of 3 AdamW steps (fp32, relative 1e-5), and the first loss against HF's
 unsharded model; no graph compiled after the first step and no graph break; under tp+sp, two
 more sequence lengths compile one graph more for the blocks and one for the loss, with the
@@ -26,8 +27,10 @@ from hp.parallel import tp_plan
 from hp.compat.backports import torch_version
 from hp.models import plan_for, tiny_config
 from hp.models.llama import choice_layouts
+from hp.parallel.recompute import recompute_blocks
 
-STRATEGIES_2 = [{"tp": 2, "sp": True}, {"tp": 2}, {"cp": 2, "cp_algorithm": "ring"}, {"cp": 2}, {"dp": 2, "fsdp": True}]
+STRATEGIES_2 = [{"tp": 2, "sp": True, "recompute": True}, {"tp": 2}, {"cp": 2, "cp_algorithm": "ring", "recompute": True},
+                {"cp": 2}, {"dp": 2, "fsdp": True, "recompute": True}]
 SCHEMES_4 = ["2d", "summa"]
 
 
@@ -97,9 +100,11 @@ def main() -> None:
             torch._dynamo.reset()
             reference, eager, compiled = triple()
             mesh, plan = hp.strategy_mesh(strategy), plan_for(reference.config)
-            hp.apply_strategy(eager, mesh, {**strategy, "compile": False}, plan)
-            hp.apply_strategy(compiled, mesh, strategy, plan)
+            hp.apply_strategy(eager, mesh, {**strategy, "recompute": False}, plan)
+            hp.apply_strategy(compiled, mesh, {**strategy, "recompute": False}, plan)
             hp.compile_blocks(compiled.model.layers, backend="aot_eager")
+            if strategy.get("recompute"):  # as hp.Strategy(compile=True, recompute=True) orders them
+                recompute_blocks(compiled.model.layers)
             assert hp.compile_loss(compiled, backend="aot_eager")
             follows(reference, eager, compiled, f"{strategy}")
             if strategy.get("sp"):

@@ -140,14 +140,13 @@ def _derive_dp(fold: Fold, values: Mapping[str, Any]) -> None:
 
 def with_recompute(strategy: Strategy, given: dict[str, Any], hyper: dict[str, Any] | None,
                    elsewhere: list[Translation], disable: bool) -> Strategy:
-    """Activation recompute as LlamaFactory has it: on unless disable_gradient_checkpointing, or compiled blocks
-    of a strategy that splits more than the batch (those cannot recompute yet), or as parallel says."""
+    """Activation recompute as LlamaFactory has it: on unless disable_gradient_checkpointing, or as parallel says
+    (compiled blocks recompute too: an eager checkpoint runs each block's graph again in backward)."""
     explicit = ("recompute" in given or "offload" in given or "activation_mode" in given
                 or "activation_mode" in (hyper or {})
                 or any("recompute" in t.fields for t in elsewhere))
     if not explicit:
-        compiled_apart = strategy.compile and not strategy.only_batch
-        return dataclasses.replace(strategy, recompute=not disable and not compiled_apart)
+        return dataclasses.replace(strategy, recompute=not disable)
     if disable and strategy.recompute:
         raise ConfigError("disable_gradient_checkpointing = True conflicts with the parallel settings, which ask for "
                           "recompute (parallel.recompute, activation_mode: recompute or fsdp_config's "
