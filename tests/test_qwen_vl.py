@@ -91,6 +91,7 @@ def test_vision_tp_is_refused_for_a_model_without_a_vision_tower():
     ("qwen3_moe", "compile = True: the blocks of Qwen3MoeForCausalLM route tokens to experts"),
 ])
 def test_compile_is_refused_by_name_for_plans_it_does_not_cover(family, words):
+    """(A MoE compiles where only the batch splits: tests/workers/compile_gloo.py.)"""
     from transformers import AutoModelForCausalLM
 
     auto = AutoModelForImageTextToText if family.endswith("_vl") else AutoModelForCausalLM
@@ -98,3 +99,11 @@ def test_compile_is_refused_by_name_for_plans_it_does_not_cover(family, words):
         model = auto.from_config(tiny_config(family, layers=1))
     with pytest.raises(StrategyError, match=words.replace("(", r"\(").replace(")", r"\)")):
         hp.check_strategy(model, {"tp": 2, "compile": True}, plan_for(model.config))
+
+
+def test_compile_takes_a_moe_where_only_the_batch_splits():
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe", layers=1))
+    hp.check_strategy(model, {"dp": 2, "compile": True, "recompute": True}, plan_for(model.config))

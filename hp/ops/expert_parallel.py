@@ -79,7 +79,11 @@ def experts_forward(module: nn.Module, forward: Callable, hidden, expert_ids, we
     params = dict(module.named_parameters(recurse=False))
     experts = next(iter(params.values())).shape[0]
     if not all(isinstance(p, DTensor) for p in params.values()):
-        _count(module, torch.bincount(expert_ids.detach().reshape(-1), minlength=experts))
+        counts = _histogram(expert_ids, experts)
+        if torch.compiler.is_compiling():  # a compiled block's hook adds them up, outside the graph
+            module._hp_counts = counts
+        else:
+            _count(module, counts)
         return forward(module, hidden, expert_ids, weights, *args, **kwargs)
     mesh = next(iter(params.values())).device_mesh
     axis = _expert_axis(params)
@@ -99,6 +103,9 @@ def experts_forward(module: nn.Module, forward: Callable, hidden, expert_ids, we
         rows = route(x, ids, counts, mesh.get_group(axis), lambda r, i: each_rank(routed, r, i, *local.values()))
         out = (rows.view(*ids.shape, -1) * w.unsqueeze(-1)).sum(1).to(x.dtype)
     return to_dtensor(out, mesh, hidden.placements, hidden.shape)
+
+
+LOADS_GROUP = "_hp_loads_group"  # set on a model whose plain experts count their rank's rows: sum over it
 
 
 def expert_loads(module: nn.Module) -> list[torch.Tensor]:
@@ -121,12 +128,45 @@ def expert_loads(module: nn.Module) -> list[torch.Tensor]:
     [tensor([1, 2, 0, 1])]
     """
     loads = []
+    group = getattr(module, LOADS_GROUP, None)  # plain experts under plain data parallel: each rank counted its rows
     for experts in module.modules():
         counted = getattr(experts, "_hp_load", None)
         if counted is not None:
-            loads.append(counted.full_tensor() if isinstance(counted, DTensor) else counted)
+            if isinstance(counted, DTensor):
+                counted = counted.full_tensor()
+            elif group is not None:
+                torch.distributed.all_reduce(counted, group=group)
+            loads.append(counted)
             experts._hp_load = None
     return loads
+
+
+def count_outside_graphs(blocks: Sequence[nn.Module]) -> None:
+    """Count the expert loads of compiled `blocks` (plain experts) from each block's forward hook.
+
+    A compiled block's experts keep the counts of their latest call (`_hp_counts`, a graph output
+    that dynamo stores after the graph); the block's forward hook, eager outside the graph, adds
+    them to the tally once per forward, as the recompute in backward runs the block's forward,
+    not its hooks.
+    """
+    for block in blocks:
+        experts = [m for m in block.modules() if getattr(m, "_hp_expert_parallel", False)]
+        if experts and not getattr(block, "_hp_counts_outside", False):
+            block.register_forward_hook(functools.partial(_add_latest, experts))
+            block._hp_counts_outside = True
+
+
+def _add_latest(experts: list[nn.Module], block: nn.Module, args, output) -> None:
+    for module in experts:
+        counts = module.__dict__.pop("_hp_counts", None)
+        if counts is not None:
+            _count(module, counts)
+
+
+def _histogram(expert_ids: torch.Tensor, experts: int) -> torch.Tensor:
+    """Rows per expert: `bincount` with a size known before the ids are (one graph holds it)."""
+    ids = expert_ids.detach().reshape(-1)
+    return torch.zeros(experts, dtype=torch.long, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
 
 
 def _count(module: nn.Module, counts: torch.Tensor) -> None:

@@ -37,9 +37,9 @@ from hp.parallel.hf_attention import (own_mask_attention, paired_heads_attention
 from hp.mesh import mesh as make_mesh
 from hp.parallel.model_plan import ModelPlan
 from hp.ops.context_parallel import context_parallel
-from hp.ops.expert_parallel import expert_parallel
+from hp.ops.expert_parallel import count_outside_graphs, expert_parallel
 from hp.parallel.parallelize import check_plan, forward_inside, parallelize
-from hp.parallel.plain_dp import plain_data_parallel, takes_plain_dp
+from hp.parallel.plain_dp import plain_data_parallel, plain_dp_layout, takes_plain_dp
 from hp.parallel.recompute import recompute_blocks
 from hp.parallel.replicated import run_replicated
 from hp.parallel.rowwise import run_rowwise
@@ -160,16 +160,17 @@ def _plain_dp(model: nn.Module, mesh, strategy: Strategy, plan: ModelPlan) -> nn
     expert_parallel(model, plan.experts)  # plain experts run as they are; their loads are still counted
     if strategy.expert_bias_rate:
         biased_routing(model, plan.routers)
-    return _blocks_as_asked(model, strategy, plan)
+    return _blocks_as_asked(model, strategy, plan, plain=True)
 
 
-def _blocks_as_asked(model: nn.Module, strategy: Strategy, plan: ModelPlan) -> nn.Module:
+def _blocks_as_asked(model: nn.Module, strategy: Strategy, plan: ModelPlan, *, plain: bool = False) -> nn.Module:
     """The plan's blocks compiled and / or recomputing, as `strategy` asks. Compiled first: the recompute's
     checkpoint then stays eager around each block's graph (the only order torch runs with HF's layers)."""
     if strategy.compile:
-        _check_compile(model, plan)
+        _check_compile(model, plan, plain)
         compile_blocks(model.get_submodule(plan.blocks))
         compile_loss(model)
+        count_outside_graphs(model.get_submodule(plan.blocks))
     if strategy.recompute:
         recompute_blocks(model.get_submodule(plan.blocks))
     return model
@@ -197,7 +198,7 @@ def check_strategy(model: nn.Module, strategy: Strategy | Mapping[str, Any], pla
     check_plan(model, strategy.mesh_axes, _present(params, model.named_parameters(remove_duplicate=False)))
     _check_attention(model, strategy)
     if strategy.compile:
-        _check_compile(model, plan)
+        _check_compile(model, plan, plain_dp_layout(model, strategy))
     if strategy.vision_tp and plan.vision is None:
         raise StrategyError("vision_tp", True, f": the plan of {type(model).__name__} has no vision tower to split; "
                             "leave it out")
@@ -226,10 +227,12 @@ def _check_unsplit(model: nn.Module, strategy: Strategy, plan: ModelPlan) -> Non
                                 f"which hp cannot split over {key} yet; dp and FSDP run any family")
 
 
-def _check_compile(model: nn.Module, plan: ModelPlan) -> None:
-    if plan.experts:
-        raise StrategyError("compile", True, f": the blocks of {type(model).__name__} route tokens to experts by "
-                            "counts known only while the step runs, which one graph cannot hold yet; leave compile off")
+def _check_compile(model: nn.Module, plan: ModelPlan, plain: bool) -> None:
+    if plan.experts and not plain:
+        raise StrategyError("compile", True, f": the blocks of {type(model).__name__} route tokens to experts laid "
+                            "out as DTensors by counts known only while the step runs, which one graph cannot hold "
+                            "yet; compile runs them where only the batch splits (dp, FSDP over dp, plain experts), "
+                            "else leave compile off")
     if plan.vision is not None:
         raise StrategyError("compile", True, f": {type(model).__name__}'s blocks are not checked under torch.compile "
                             "yet (a vision tower's features enter the decoder); leave compile off")

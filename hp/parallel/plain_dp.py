@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hp.layouts import from_local
+from hp.ops.expert_parallel import LOADS_GROUP
 from hp.mesh import name_group
 from hp.parallel.sequence import IGNORE_INDEX
 
@@ -63,16 +64,22 @@ BUCKET_ELEMENTS = 1 << 22  # gradient elements per all-reduce (16 MiB in fp32): 
 
 
 def takes_plain_dp(model: nn.Module, mesh, strategy) -> bool:
-    """Whether `strategy` splits only the batch (dp, FSDP over dp allowed), on real processes, of a model whose
-    loss takes the global count and mixes no rows (no router auxiliary loss)."""
-    transformed = strategy.mpmd is not None or strategy.offload is not None  # they work on DTensor steps
+    """Whether `model` runs plain data parallel under `strategy` here: `plain_dp_layout`, on real processes."""
     real = dist.is_initialized() and dist.get_backend() != "fake"
+    return real and plain_dp_layout(model, strategy)
+
+
+def plain_dp_layout(model: nn.Module, strategy) -> bool:
+    """Whether `strategy` splits only the batch (dp, FSDP over dp allowed) of a model whose loss takes the global
+    count and mixes no rows (no router auxiliary loss): plain data parallel on real processes (simulated ranks
+    keep DTensors)."""
+    transformed = strategy.mpmd is not None or strategy.offload is not None  # they work on DTensor steps
     # A router's auxiliary loss balances the load over the whole batch: the DTensor path computes it over all rows.
     batch_wide = getattr(getattr(model, "config", None), "output_router_logits", False)
     only_rows = strategy.only_batch or (strategy.fsdp_axes == ("dp",) and strategy.tp == strategy.cp == 1
                                         and not strategy.tp2d)
     outside = getattr(model, USED_OUTSIDE_FORWARD, False)
-    return only_rows and not transformed and real and not batch_wide and not outside and _takes_loss_kwargs(model)
+    return only_rows and not transformed and not batch_wide and not outside and _takes_loss_kwargs(model)
 
 
 def _takes_loss_kwargs(model: nn.Module) -> bool:
@@ -89,6 +96,8 @@ def plain_data_parallel(model: nn.Module, mesh, *, sums: bool = True) -> nn.Modu
     """
     dp = mesh["dp"] if "dp" in (mesh.mesh_dim_names or ()) else None
     model._hp_reducer = _Reducer(dp) if sums and dp is not None and dp.size() > 1 else None
+    if dp is not None and dp.size() > 1:
+        setattr(model, LOADS_GROUP, dp.get_group())  # each rank counts its rows' expert loads: summed over dp
     cut: list[bool] = [False]  # whether the latest call's logits are not its whole rows (the pre-hook tells the hook)
     # first of the pre-hooks: a refused batch must not leave FSDP's root half into its forward
     model.register_forward_pre_hook(_rows_of_this_rank(dp, model._hp_reducer, cut, selects_logits(model)),

@@ -27,6 +27,7 @@ from hp.parallel import tp_plan
 from hp.compat.backports import torch_version
 from hp.models import plan_for, tiny_config
 from hp.models.llama import choice_layouts
+from hp.ops.expert_parallel import count_outside_graphs, expert_loads
 from hp.parallel.recompute import recompute_blocks
 
 STRATEGIES_2 = [{"tp": 2, "sp": True, "recompute": True}, {"tp": 2}, {"cp": 2, "cp_algorithm": "ring", "recompute": True},
@@ -34,10 +35,10 @@ STRATEGIES_2 = [{"tp": 2, "sp": True, "recompute": True}, {"tp": 2}, {"cp": 2, "
 SCHEMES_4 = ["2d", "summa"]
 
 
-def triple():
+def triple(family: str = "llama"):
     """HF's model, and two copies of it to lay out: one to run eagerly, one compiled."""
     torch.manual_seed(0)
-    config = tiny_config("llama", layers=2)
+    config = tiny_config(family, layers=2)
     reference = AutoModelForCausalLM.from_config(config)
     copies = [AutoModelForCausalLM.from_config(config) for _ in range(2)]
     for model in copies:
@@ -91,9 +92,29 @@ def lengths_vary(eager, compiled, where: str) -> None:
     assert more <= allowed, f"{where}: {more} graphs compiled for 2 more lengths (each length compiled anew)"
 
 
+def moe_under_plain_dp() -> None:
+    """A MoE's blocks compiled and recomputing under dp (plain experts): `follows`, and the expert loads counted
+    outside the graphs equal the eager ones (once per forward, though backward runs each graph again)."""
+    torch._dynamo.reset()
+    reference, eager, compiled = triple("qwen3_moe")
+    strategy = {"dp": 2, "recompute": True}
+    mesh, plan = hp.strategy_mesh(strategy), plan_for(reference.config)
+    hp.apply_strategy(eager, mesh, strategy, plan)
+    hp.apply_strategy(compiled, mesh, {**strategy, "recompute": False}, plan)
+    blocks = compiled.get_submodule(plan.blocks)
+    hp.compile_blocks(blocks, backend="aot_eager")
+    count_outside_graphs(blocks)
+    recompute_blocks(blocks)
+    hp.compile_loss(compiled, backend="aot_eager")
+    follows(reference, eager, compiled, "qwen3_moe dp=2 recompute")
+    for want, got in zip(expert_loads(eager), expert_loads(compiled)):
+        assert torch.equal(want, got), f"qwen3_moe compiled: expert loads {got.tolist()} vs eager {want.tolist()}"
+
+
 def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
     if world == 2:
+        moe_under_plain_dp()
         for strategy in STRATEGIES_2:
             # each strategy compiles as its own job would: dynamo's limit on graphs per code object
             # (the decoder layer's forward) counts a job's graphs, not this run's

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, Shard
 from transformers import AutoModelForCausalLM
 
 import hp
+from hp.ops.expert_parallel import expert_loads
 from hp.parallel import plain_dp
 from hp.models import FAMILIES, MOE_FAMILIES, plan_for, tiny_config
 
@@ -151,6 +152,10 @@ def check_plain_dp(family: str, rank: int, fsdp: bool = False, **overrides) -> N
             o.step()
             o.zero_grad()
     assert all(len(shape) == 1 for shape in heads), f"rank {rank}: the head saw {heads[:2]}, not supervised rows"
+    loads = torch.cat(expert_loads(model)) if plan_for(model.config).experts else torch.zeros(1)
+    every = [torch.zeros_like(loads) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, loads)
+    assert all(torch.equal(other, loads) for other in every), f"rank {rank}: expert loads differ over dp"
 
 
 def check_lora(rank: int) -> None:
