@@ -87,14 +87,14 @@ def test_vision_tp_is_refused_for_a_model_without_a_vision_tower():
 
 
 @pytest.mark.parametrize("family, words", [
-    ("qwen2_5_vl", "compile = True: Qwen2_5_VLForConditionalGeneration's blocks are not checked under torch.compile"),
+    ("qwen3_vl_moe", "compile = True: the blocks of Qwen3VLMoeForConditionalGeneration route tokens to experts"),
     ("qwen3_moe", "compile = True: the blocks of Qwen3MoeForCausalLM route tokens to experts"),
 ])
 def test_compile_is_refused_by_name_for_plans_it_does_not_cover(family, words):
-    """(A MoE compiles where only the batch splits: tests/workers/compile_gloo.py.)"""
+    """(A MoE compiles where only the batch splits, a dense VL model everywhere: tests/workers/compile_gloo.py.)"""
     from transformers import AutoModelForCausalLM
 
-    auto = AutoModelForImageTextToText if family.endswith("_vl") else AutoModelForCausalLM
+    auto = AutoModelForImageTextToText if "_vl" in family else AutoModelForCausalLM
     with torch.device("meta"):
         model = auto.from_config(tiny_config(family, layers=1))
     with pytest.raises(StrategyError, match=words.replace("(", r"\(").replace(")", r"\)")):

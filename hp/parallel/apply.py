@@ -233,9 +233,6 @@ def _check_compile(model: nn.Module, plan: ModelPlan, plain: bool) -> None:
                             "out as DTensors by counts known only while the step runs, which one graph cannot hold "
                             "yet; compile runs them where only the batch splits (dp, FSDP over dp, plain experts), "
                             "else leave compile off")
-    if plan.vision is not None:
-        raise StrategyError("compile", True, f": {type(model).__name__}'s blocks are not checked under torch.compile "
-                            "yet (a vision tower's features enter the decoder); leave compile off")
 
 
 def _check_heads(model: nn.Module, strategy: Strategy) -> None:
