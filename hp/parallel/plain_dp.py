@@ -29,7 +29,8 @@ Gradients are summed over dp in buckets as backward produces them, DDP's
 scheme: each parameter's post-accumulate hook counts it into its bucket, and
 the all-reduce of the first buckets whose gradients are all in flies while
 backward goes on; `finish` (called by `hp.reduce_gradients`) sends the rest
-and waits. The gradients are views of the buckets' buffers. Buckets go out
+and waits. The gradients are views of the buckets' buffers, so they are
+read after `hp.reduce_gradients` (until then a sum may be in flight). Buckets go out
 in one order on every rank, on a process group of their own, so a rank
 whose bucket waits for a parameter the batch left unused there (an expert
 nobody routed to) cannot cross another collective. `accumulating(model)`

@@ -59,6 +59,7 @@ def follows(reference, eager, compiled, where: str, batch: int = 4) -> None:
         for model in (eager, compiled):
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
+            hp.reduce_gradients(model)  # plain data parallel's sums may still be in flight until then
             losses.append(whole(loss).item())
         if step == 0:
             want = reference(input_ids=ids, labels=ids).loss.item()
