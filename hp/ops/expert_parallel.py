@@ -93,7 +93,7 @@ def experts_forward(module: nn.Module, forward: Callable, hidden, expert_ids, we
     local = {name: local_block(p, [m for m in split if m != axis]) for name, p in params.items()}
     run = functools.partial(_run_local, module, forward, tuple(local), args, kwargs)
     x, ids, w = hidden.to_local(), expert_ids.to_local(), weights.to_local()
-    counts = torch.bincount(ids.detach().reshape(-1), minlength=experts)
+    counts = _histogram(ids, experts)
     pending = [Partial() if m in split else Replicate() for m in range(mesh.ndim)]  # each rank counted its tokens
     _count(module, DTensor.from_local(counts, mesh, pending, run_check=False))
     if axis is None:

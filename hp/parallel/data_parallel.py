@@ -59,9 +59,7 @@ def fully_shard_model(model: nn.Module, mesh, blocks: list[nn.Module], strategy:
         for before, after in zip(in_order, in_order[1:]):
             before.set_modules_to_forward_prefetch([after])
             after.set_modules_to_backward_prefetch([before])
-    for unit in [*units, _shard(model, mesh, strategy.fsdp_axes, ignored_params=ignored, **common)]:
-        unit.set_gradient_divide_factor(1.0)  # a sum: the gradients are pending sums, not per-rank means
-        unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-scaled one)
+    _summing([*units, _shard(model, mesh, strategy.fsdp_axes, ignored_params=ignored, **common)])
 
 
 def fully_shard_plain(model: nn.Module, mesh, blocks: list[nn.Module], strategy: Strategy) -> None:
@@ -77,9 +75,15 @@ def fully_shard_plain(model: nn.Module, mesh, blocks: list[nn.Module], strategy:
     precision = MixedPrecisionPolicy(_dtype(strategy.param_dtype), _dtype(strategy.reduce_dtype))
     units = [fully_shard(block, mesh=dp, mp_policy=precision, reshard_after_forward=strategy.reshard_after_forward)
              for block in blocks]
-    for unit in [*units, fully_shard(model, mesh=dp, mp_policy=precision)]:
+    _summing([*units, fully_shard(model, mesh=dp, mp_policy=precision)])
+
+
+def _summing(units: list) -> None:
+    """FSDP units whose reduce-scatter sums: each rank's gradient is its part of a sum (its tokens over the
+    global count, or a pending sum), not a per-rank mean."""
+    for unit in units:
         unit.set_gradient_divide_factor(1.0)
-        unit.set_force_sum_reduction_for_comms(True)
+        unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-scaled one)
 
 
 def _shard(module: nn.Module, mesh, axes: tuple[str, ...], *, ignored_params: set = frozenset(), **options):

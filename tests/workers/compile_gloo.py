@@ -113,13 +113,15 @@ def moe_under_plain_dp() -> None:
 
 
 def vision_language_under_tp() -> None:
-    """Qwen2.5-VL's decoder blocks compiled and recomputing under tp, fed images: 3 steps' losses and every
-    gradient (the vision tower's included) equal the eager layout's; no graph after the first step, no break."""
+    """Qwen2.5-VL's decoder blocks compiled and recomputing under tp, fed images: the first loss is HF's
+    unsharded model's, 3 steps' losses and every gradient (the vision tower's included) equal the eager
+    layout's; no graph after the first step, no break."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     config = tiny_config("qwen2_5_vl", layers=2)
-    eager, compiled = (AutoModelForImageTextToText.from_config(config) for _ in range(2))
-    compiled.load_state_dict(eager.state_dict())
+    reference, eager, compiled = (AutoModelForImageTextToText.from_config(config) for _ in range(3))
+    for model in (eager, compiled):
+        model.load_state_dict(reference.state_dict())
     strategy, plan = {"tp": 2}, plan_for(config)
     mesh = hp.strategy_mesh(strategy)
     hp.apply_strategy(eager, mesh, {**strategy, "recompute": True}, plan)
@@ -135,6 +137,9 @@ def vision_language_under_tp() -> None:
         got.backward()
         rel = abs(whole(got).item() - whole(want).item()) / whole(want).item()
         assert rel < 1e-5, f"qwen2_5_vl tp=2 step {step}: loss off by {rel:.1e}"
+        if step == 0:
+            hf = reference(**batch).loss.item()
+            assert abs(whole(got).item() - hf) / hf < 1e-5, f"qwen2_5_vl tp=2: first loss vs HF's {hf}"
         for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
             err = ((whole(p.grad) - whole(q.grad)).norm() / whole(q.grad).norm().clamp_min(1e-12)).item()
             assert err < 1e-5, f"qwen2_5_vl tp=2 step {step}: gradient of {name} off by {err:.1e}"
