@@ -56,6 +56,28 @@ def test_offloaded_llama_steps_are_bit_identical_and_stay_under_the_budget(budge
     assert list(tmp_path.rglob("*.bin")) == []  # every file was read back and removed
 
 
+def test_compiled_blocks_offload_what_their_graphs_save_and_steps_stay_bit_identical(tmp_path):
+    """The recording runs the compiled graphs (its allocation tracker is an infra mode, which dynamo runs
+    compiled code under), so every later call saves what it recorded: the plan settles, nothing recompiles."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    reference, model = tiny_pair("llama", layers=2)
+    for m in (reference, model):
+        hp.compile_blocks(m.model.layers, backend="aot_eager")
+    plain, offloaded = _training(reference), hp.offload(_training(model), budget=0.5, modules=[model],
+                                                         directory=str(tmp_path))
+    for i, ids in enumerate(_batches(3)):
+        want_loss, want_grads = plain(ids)
+        got_loss, got_grads = offloaded(ids)
+        assert torch.equal(got_loss, want_loss) and all(torch.equal(got_grads[n], g) for n, g in want_grads.items())
+        if i > 0:
+            run = offloaded.last_run
+            assert offloaded.settled and run.bytes_offloaded == offloaded.plan().offloaded_bytes > 0
+    assert counters["stats"]["unique_graphs"] - graphs == 1 and sum(counters["graph_break"].values()) == breaks
+
+
 def test_optimizer_states_wait_in_the_tier_between_updates_and_steps_stay_bit_identical():
     reference, model = tiny_pair("llama", layers=1)
     ref_opt, opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (reference, model))

@@ -86,24 +86,32 @@ def test_vision_tp_is_refused_for_a_model_without_a_vision_tower():
         hp.check_strategy(model, {"tp": 2, "vision_tp": True}, plan_for(model.config))
 
 
-@pytest.mark.parametrize("family, words", [
-    ("qwen3_vl_moe", "compile = True: the blocks of Qwen3VLMoeForConditionalGeneration route tokens to experts"),
-    ("qwen3_moe", "compile = True: the blocks of Qwen3MoeForCausalLM route tokens to experts"),
-])
-def test_compile_is_refused_by_name_for_plans_it_does_not_cover(family, words):
-    """(A MoE compiles where only the batch splits, a dense VL model everywhere: tests/workers/compile_gloo.py.)"""
+@pytest.mark.parametrize("family, strategy", [("qwen3_vl_moe", {"tp": 2}), ("qwen3_moe", {"dp": 2, "ep": 2}),
+                                              ("qwen3_moe", {"dp": 2})])
+def test_compile_takes_every_plan(family, strategy):
     from transformers import AutoModelForCausalLM
 
     auto = AutoModelForImageTextToText if "_vl" in family else AutoModelForCausalLM
     with torch.device("meta"):
         model = auto.from_config(tiny_config(family, layers=1))
-    with pytest.raises(StrategyError, match=words.replace("(", r"\(").replace(")", r"\)")):
-        hp.check_strategy(model, {"tp": 2, "compile": True}, plan_for(model.config))
+    hp.check_strategy(model, {**strategy, "compile": True, "recompute": True}, plan_for(model.config))
 
 
-def test_compile_takes_a_moe_where_only_the_batch_splits():
-    from transformers import AutoModelForCausalLM
+def test_blocks_with_routed_experts_compile_around_them_and_recompute_under_checkpoint():
+    """Experts laid out as DTensors stay eager (their exchanges are sized while the step runs), and so does the
+    router; every other child of the block is a graph; run against eager in tests/workers/compile_gloo.py."""
+    from hp.ops.expert_parallel import routes_tokens
+    from hp.parallel.compiled import is_compiled
+    from hp.parallel.recompute import is_recomputed
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe", layers=1))
-    hp.check_strategy(model, {"dp": 2, "compile": True, "recompute": True}, plan_for(model.config))
+    model = AutoModelForImageTextToText.from_config(tiny_config("qwen3_vl_moe", layers=1))
+    plan = plan_for(model.config)
+    hp.apply_strategy(model, hp.strategy_mesh({"tp": 2}, simulate=True),
+                      {"tp": 2, "compile": True, "recompute": True}, plan)
+    block = model.get_submodule(plan.blocks)[0]
+    experts = [m for m in block.modules() if routes_tokens(m)]
+    assert experts and not any(is_compiled(m) for m in experts)
+    assert not is_compiled(block) and is_recomputed(block)
+    assert is_compiled(block.self_attn) and is_compiled(block.input_layernorm)
+    assert not is_compiled(block.mlp.gate)  # the router beside them: the block drops its logits
+    assert not any(is_compiled(m) for m in model.get_submodule(plan.vision).modules())

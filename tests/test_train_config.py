@@ -122,12 +122,17 @@ def test_activation_recompute_as_llamafactory_sets_it(raw, recompute):
 
 @pytest.mark.parametrize("raw", [{"torch_compile": True}, {"parallel": {"compile": True}},
                                  {"torch_compile": True, "parallel": {"compile": True}}])
-@pytest.mark.parametrize("split", [{}, {"tp": 2}, {"dp": 2, "fsdp": True}])
+@pytest.mark.parametrize("split", [{}, {"tp": 2}, {"dp": 2, "fsdp": True}, {"dp": 2, "ep": 2}])
 def test_compiled_blocks_as_llamafactorys_torch_compile_or_parallel_compile_ask(raw, split):
     """Compiled blocks recompute by LlamaFactory's default under every strategy."""
-    raw = {**raw, "parallel": {**raw.get("parallel", {}), **split}}
+    raw = {**raw, "parallel": {**raw.get("parallel", {}), **split}, "nproc_per_node": 2}
     strategy = validate({**MINIMAL, **raw}).parallel
     assert strategy.compile and strategy.recompute
+
+
+def test_compiled_blocks_offload():
+    parallel = validate({**MINIMAL, "parallel": {"compile": True, "offload": "disk"}}).parallel
+    assert parallel.compile and parallel.offload == "disk" and not parallel.recompute
 
 
 @pytest.mark.parametrize("offload", ["disk", {"budget": 0.3, "tiers": ["device", "disk"]}, {"budget": 0.3}])
@@ -421,9 +426,6 @@ BAD = [
     ({"parallel": {"offload_budget": 0.3}}, "offload_budget = 0.3: only offload has a budget"),
     ({"disable_gradient_checkpointing": True, "parallel": {"activation_mode": "recompute"}},
      "disable_gradient_checkpointing = True conflicts with the parallel settings, which ask for recompute"),
-    ({"parallel": {"compile": True, "offload": "disk"}}, "parallel.compile = True: compiled blocks cannot offload yet"),
-    ({"torch_compile": True, "parallel": {"ep": 2}, "nproc_per_node": 2},
-     "torch_compile = True: expert parallel sizes its all-to-alls by routing counts known only while the step runs"),
     ({"torch_compile": True, "parallel": {"compile": False}}, "parallel.compile = False conflicts with torch_compile = True"),
     ({"parallel": {"compile": "yes"}}, "parallel.compile = 'yes': expected true or false"),
     # LlamaFactory's HyperParallel keys

@@ -130,7 +130,17 @@ def storage_key(t: torch.Tensor) -> tuple:
 
 
 class _Allocations(TorchDispatchMode):
-    """Bytes of the storages ops create that are still alive, and the most since the last look."""
+    """Bytes of the storages ops create that are still alive, and the most since the last look.
+
+    An infra mode, as torch's own tracing modes are: dynamo runs compiled code under it (under a
+    user's dispatch mode it would skip every compiled frame, and `fullgraph=True` would fail), so
+    a recorded step saves what its compiled blocks save on every later call. The buffers a
+    compiled graph allocates inside its own kernels pass unseen; what it returns is seen.
+    """
+
+    @classmethod
+    def is_infra_mode(cls) -> bool:
+        return True
 
     def __init__(self) -> None:
         super().__init__()

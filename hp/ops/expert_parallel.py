@@ -105,6 +105,17 @@ def experts_forward(module: nn.Module, forward: Callable, hidden, expert_ids, we
     return to_dtensor(out, mesh, hidden.placements, hidden.shape)
 
 
+def routes_tokens(module: nn.Module) -> bool:
+    """Whether `module` is an experts module laid out as DTensors: its exchanges are sized while the step runs.
+
+    >>> import torch
+    >>> routes_tokens(torch.nn.Linear(2, 2))
+    False
+    """
+    return getattr(module, "_hp_expert_parallel", False) and any(
+        isinstance(p, DTensor) for p in module.parameters(recurse=False))
+
+
 LOADS_GROUP = "_hp_loads_group"  # set on a model whose plain experts count their rank's rows: sum over it
 
 

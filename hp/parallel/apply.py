@@ -37,9 +37,9 @@ from hp.parallel.hf_attention import (own_mask_attention, paired_heads_attention
 from hp.mesh import mesh as make_mesh
 from hp.parallel.model_plan import ModelPlan
 from hp.ops.context_parallel import context_parallel
-from hp.ops.expert_parallel import count_outside_graphs, expert_parallel
+from hp.ops.expert_parallel import count_outside_graphs, expert_parallel, routes_tokens
 from hp.parallel.parallelize import check_plan, forward_inside, parallelize
-from hp.parallel.plain_dp import plain_data_parallel, plain_dp_layout, takes_plain_dp
+from hp.parallel.plain_dp import plain_data_parallel, takes_plain_dp
 from hp.parallel.recompute import recompute_blocks
 from hp.parallel.replicated import run_replicated
 from hp.parallel.rowwise import run_rowwise
@@ -160,20 +160,31 @@ def _plain_dp(model: nn.Module, mesh, strategy: Strategy, plan: ModelPlan) -> nn
     expert_parallel(model, plan.experts)  # plain experts run as they are; their loads are still counted
     if strategy.expert_bias_rate:
         biased_routing(model, plan.routers)
-    return _blocks_as_asked(model, strategy, plan, plain=True)
+    return _blocks_as_asked(model, strategy, plan)
 
 
-def _blocks_as_asked(model: nn.Module, strategy: Strategy, plan: ModelPlan, *, plain: bool = False) -> nn.Module:
-    """The plan's blocks compiled and / or recomputing, as `strategy` asks. Compiled first: the recompute's
-    checkpoint then stays eager around each block's graph (the only order torch runs with HF's layers)."""
+def _blocks_as_asked(model: nn.Module, strategy: Strategy, plan: ModelPlan) -> nn.Module:
+    """The plan's blocks compiled and / or recomputing, as `strategy` asks. Compiled, a block recomputes
+    inside its graph, or around routed experts it compiles around (`hp.compile_blocks`); eager, under
+    checkpoint (`hp.parallel.recompute`)."""
+    blocks = model.get_submodule(plan.blocks)
     if strategy.compile:
-        _check_compile(model, plan, plain)
-        compile_blocks(model.get_submodule(plan.blocks))
+        compile_blocks(blocks, recompute=strategy.recompute, eager=_stays_eager(model, plan))
         compile_loss(model)
-        count_outside_graphs(model.get_submodule(plan.blocks))
-    if strategy.recompute:
-        recompute_blocks(model.get_submodule(plan.blocks))
+        count_outside_graphs(blocks)
+    elif strategy.recompute:
+        recompute_blocks(blocks)
     return model
+
+
+def _stays_eager(model: nn.Module, plan: ModelPlan):
+    """What no compiled graph may hold, if anything: experts laid out as DTensors (their exchanges are
+    sized while the step runs) and, beside them, the routers, whose logits the block drops (kept for an
+    auxiliary loss): a graph of a router's own would be handed no gradient for them."""
+    if not any(routes_tokens(m) for m in model.modules()):
+        return None
+    routers = {id(m) for n, m in model.named_modules() if any(fnmatch.fnmatchcase(n, g) for g in plan.routers)}
+    return lambda module: routes_tokens(module) or id(module) in routers
 
 
 def check_strategy(model: nn.Module, strategy: Strategy | Mapping[str, Any], plan: ModelPlan) -> None:
@@ -197,8 +208,6 @@ def check_strategy(model: nn.Module, strategy: Strategy | Mapping[str, Any], pla
     params = {**params, **adapter_layouts(params)}
     check_plan(model, strategy.mesh_axes, _present(params, model.named_parameters(remove_duplicate=False)))
     _check_attention(model, strategy)
-    if strategy.compile:
-        _check_compile(model, plan, plain_dp_layout(model, strategy))
     if strategy.vision_tp and plan.vision is None:
         raise StrategyError("vision_tp", True, f": the plan of {type(model).__name__} has no vision tower to split; "
                             "leave it out")
@@ -225,14 +234,6 @@ def _check_unsplit(model: nn.Module, strategy: Strategy, plan: ModelPlan) -> Non
         if plan.unsplit is not None and getattr(strategy, key) > 1:
             raise StrategyError(key, getattr(strategy, key), f": {type(model).__name__} has {plan.unsplit} layers, "
                                 f"which hp cannot split over {key} yet; dp and FSDP run any family")
-
-
-def _check_compile(model: nn.Module, plan: ModelPlan, plain: bool) -> None:
-    if plan.experts and not plain:
-        raise StrategyError("compile", True, f": the blocks of {type(model).__name__} route tokens to experts laid "
-                            "out as DTensors by counts known only while the step runs, which one graph cannot hold "
-                            "yet; compile runs them where only the batch splits (dp, FSDP over dp, plain experts), "
-                            "else leave compile off")
 
 
 def _check_heads(model: nn.Module, strategy: Strategy) -> None:

@@ -13,8 +13,22 @@ Choices, as torchtitan makes them:
   does not grow with depth.
 - The block's `forward` is compiled, not its `__call__`: module hooks stay
   eager around it (FSDP2's gathers and reshards, hp's layouts at the block's
-  boundary, `hp.parallel.recompute`'s checkpoint around the compiled forward), while
-  the layouts of the modules inside are traced with it.
+  boundary), while the layouts of the modules inside are traced with it.
+- A block holding expert-parallel experts compiles around them, piecewise
+  (torchtitan's choice for MoE blocks): the experts' all-to-alls are sized by
+  routing counts known only while the step runs, so the experts stay eager
+  (and the router beside them, `hp.apply_strategy` decides), and every other
+  child of the block (attention, norms, shared experts) is a graph of its own.
+- Recompute happens inside the graph (`recompute=True`): AOTAutograd's
+  min-cut partitioner, given an activation memory budget of 0, keeps only
+  what it cannot recompute (the block's inputs, and random ops' outputs)
+  and recomputes the rest in the backward graph. That is torchtitan's
+  checkpoint-inside-compile, reached without tracing `torch.utils.checkpoint`
+  (whose traced body refuses the context variables HF's kernel hub sets
+  inside attention), and it recomputes only what backward reads: the block's
+  last projection, whose output nothing in backward needs, runs once. On a
+  512-hidden Llama block that is 7% less step time than an eager checkpoint
+  around the compiled forward, with the same tensors kept.
 - `fullgraph=True`: a graph break inside a block is an error naming the line,
   not a silent fall back to eager.
 - The loss is compiled too (torchtitan's "model" and "loss" components): a
@@ -33,17 +47,25 @@ and the active rules are module globals that dynamo guards on.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from torch._dynamo import lookup_backend
+
+from hp.parallel.recompute import recompute as recompute_block
 
 
-def compile_blocks(blocks: Iterable[nn.Module], *, backend: str = "inductor") -> None:
+def compile_blocks(blocks: Iterable[nn.Module], *, backend: str = "inductor", recompute: bool = False,
+                   eager: Callable[[nn.Module], bool] | None = None) -> None:
     """Compile each of `blocks` (a model's decoder layers, say) in place, `fullgraph=True`.
 
     `backend` is `torch.compile`'s ("inductor" generates kernels; "aot_eager" traces forward
     and backward the same way and runs them eagerly, which is quicker to compile).
+    `recompute`: each block's graph keeps only its inputs for backward and recomputes the rest
+    there (a backend whose partitioner recomputes: inductor or aot_eager_decomp_partition).
+    `eager(module)` names modules no graph may hold: a block with one compiles piecewise around
+    it, and recomputes under an eager checkpoint (`hp.parallel.recompute`).
 
     >>> import torch
     >>> layers = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
@@ -52,10 +74,30 @@ def compile_blocks(blocks: Iterable[nn.Module], *, backend: str = "inductor") ->
     torch.Size([1, 2])
     >>> is_compiled(layers[1])
     True
+    >>> compile_blocks(layers, backend="eager", recompute=True)
+    Traceback (most recent call last):
+    ...
+    ValueError: compile_blocks(recompute=True) needs a backend whose partitioner recomputes, one of inductor, aot_eager_decomp_partition; got 'eager'
     """
+    whole = _recomputing(backend) if recompute else backend
     for block in blocks:
-        # the instance's forward as it is now (hp.parallel.recompute may have replaced it)
-        block.forward = _compiled(block.forward, backend)
+        if eager is None or not any(eager(m) for m in block.modules()):
+            block.forward = _compiled(block.forward, whole)
+            continue
+        _compile_around(block, eager, backend)
+        if recompute:
+            recompute_block(block)
+
+
+def _compile_around(module: nn.Module, eager: Callable[[nn.Module], bool], backend: str) -> None:
+    """Each child of `module` that holds no `eager` module compiled; the ones that do, entered."""
+    for child in module.children():
+        if eager(child):
+            continue
+        if any(eager(m) for m in child.modules()):
+            _compile_around(child, eager, backend)
+        else:
+            child.forward = _compiled(child.forward, backend)
 
 
 def compile_loss(model: nn.Module, *, backend: str = "inductor") -> bool:
@@ -84,7 +126,25 @@ def compile_loss(model: nn.Module, *, backend: str = "inductor") -> bool:
     return True
 
 
-def _compiled(fn, backend: str):
+# Backends whose AOTAutograd partition is the min-cut one, which can recompute; aot_eager's saves all.
+RECOMPUTING_BACKENDS = ("inductor", "aot_eager_decomp_partition")
+
+
+def _recomputing(backend: str) -> Callable:
+    """`backend`, partitioning each graph with an activation memory budget of 0: recompute all it can."""
+    if backend not in RECOMPUTING_BACKENDS:
+        raise ValueError(f"compile_blocks(recompute=True) needs a backend whose partitioner recomputes, one of "
+                         f"{', '.join(RECOMPUTING_BACKENDS)}; got {backend!r}")
+    compiler = lookup_backend(backend)
+
+    def recomputing(graph, example_inputs):
+        with torch._functorch.config.patch(activation_memory_budget=0.0):
+            return compiler(graph, example_inputs)
+
+    return recomputing
+
+
+def _compiled(fn, backend: str | Callable):
     """`fn` under `torch.compile(fullgraph=True)`, or `fn` itself when it already is."""
     return fn if _is_compiled_fn(fn) else torch.compile(fn, fullgraph=True, backend=backend)
 

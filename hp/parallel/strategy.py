@@ -127,7 +127,6 @@ class Strategy:
                                 "choose one")
         self._refuse_fsdp_options_without_fsdp()
         self._refuse_what_is_not_built()
-        self._refuse_what_does_not_compile()
 
     def _refuse_fsdp_options_without_fsdp(self) -> None:
         """FSDP's own options given where FSDP does not run would silently change nothing."""
@@ -146,17 +145,6 @@ class Strategy:
         if self.offload == "host":
             raise StrategyError("offload", "host", ": the host tier (pinned memory and a copy stream on an "
                                 "accelerator) is not available yet; use offload: disk")
-
-    def _refuse_what_does_not_compile(self) -> None:
-        """Combinations whose blocks cannot be one graph yet: refused here, not as a graph break."""
-        if not self.compile:
-            return
-        if self.offload is not None:
-            raise StrategyError("compile", True, ": compiled blocks cannot offload yet (hp.offload moves tensors "
-                                "from saved-tensor hooks, which compiled graphs do not run); choose one")
-        if self.ep > 1:
-            raise StrategyError("compile", True, ": expert parallel sizes its all-to-alls by routing counts known "
-                                "only while the step runs, which one graph cannot hold; leave compile off with ep")
 
     @classmethod
     def of(cls, spec: Strategy | Mapping[str, Any] | None) -> Strategy:

@@ -1,14 +1,16 @@
 """Worker for test_gloo.py: hp-laid-out Llama blocks and loss under `torch.compile(fullgraph=True)` on gloo ranks.
 
-On 2 ranks, each strategy's compiled model (three of them also recomputing each block's graph in
-backward) against the same layout run eagerly without recompute: the loss and
+On 2 ranks, each strategy's compiled model (three of them also recomputing inside each block's
+graph) against the same layout run eagerly without recompute: the loss and
 every gradient of 3 AdamW steps (fp32, relative 1e-5), and the first loss against HF's
-unsharded model; no graph compiled after the first step and no graph break; under tp+sp, two
+unsharded model; no graph compiled after the first step and no graph break; a recomputing
+graph keeps no more activations than the eager checkpoint does; under tp+sp, two
 more sequence lengths compile one graph more for the blocks and one for the loss, with the
-length symbolic. Every strategy goes through `hp.compile_blocks(..., backend="aot_eager")` and
-`hp.compile_loss(..., backend="aot_eager")`, which traces forward and backward as
-inductor does (dynamo, AOTAutograd, DTensor's subclass desugaring) and runs the traced graphs
-eagerly, so compiling costs seconds; `hp.Strategy(compile=True)` with inductor's generated
+length symbolic. Every strategy goes through `hp.compile_blocks(..., backend=BACKEND)` and
+`hp.compile_loss(..., backend=BACKEND)`, which traces forward and backward as
+inductor does (dynamo, AOTAutograd, DTensor's subclass desugaring, inductor's decompositions
+and its min-cut partition, which recomputes) and runs the traced graphs eagerly, so compiling
+costs seconds; `hp.Strategy(compile=True)` with inductor's generated
 kernels is checked by `hp train`'s compiled tp+sp run (tests/test_train_launch.py), which
 saves the suite minutes of compiling the same block again here. On 4 ranks,
 the 2D and SUMMA layouts of `hp.tp_plan` the same way. Every check raises on failure.
@@ -27,9 +29,12 @@ from hp.parallel import tp_plan
 from hp.compat.backports import torch_version
 from hp.models import plan_for, tiny_config, tiny_vl_batch
 from hp.models.llama import choice_layouts
-from hp.ops.expert_parallel import count_outside_graphs, expert_loads
-from hp.parallel.recompute import recompute_blocks
+from hp.ops.expert_parallel import count_outside_graphs, expert_loads, routes_tokens
+from hp.parallel.compiled import is_compiled
+from hp.parallel.recompute import is_recomputed
 
+# traced and partitioned as inductor does, run eagerly
+BACKEND = "aot_eager_decomp_partition"
 STRATEGIES_2 = [{"tp": 2, "sp": True, "recompute": True}, {"tp": 2}, {"cp": 2, "cp_algorithm": "ring", "recompute": True},
                 {"cp": 2}, {"dp": 2, "fsdp": True, "recompute": True}]
 SCHEMES_4 = ["2d", "summa"]
@@ -79,6 +84,36 @@ def follows(reference, eager, compiled, where: str, batch: int = 4) -> None:
     assert not counters["graph_break"], f"{where}: graph breaks {dict(counters['graph_break'])}"
 
 
+def keeps_as_little(compiled, strategy: dict, plan, mesh, where: str) -> None:
+    """A block recomputing inside its graph keeps what the eager checkpoint keeps (its inputs), give or
+    take the rotary tables the eager block holds through its keyword arguments."""
+    eager = AutoModelForCausalLM.from_config(compiled.config)
+    hp.apply_strategy(eager, mesh, strategy, plan)
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    kept = {}
+    for name, model in (("eager", eager), ("compiled", compiled)):
+        sizes = []
+
+        def pack(t, sizes=sizes, model=model):
+            # read now: FSDP puts the gathered parameters in place for the forward
+            if _storage(t) not in {_storage(p) for p in model.parameters()}:
+                sizes.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, labels=ids).loss.backward()
+        kept[name] = sum(sizes)
+    assert kept["compiled"] <= 1.1 * kept["eager"], f"{where}: the compiled recompute keeps {kept} bytes"
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    t = t.to_local() if isinstance(t, torch.distributed.tensor.DTensor) else t
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:  # a storage FSDP has freed
+        return None
+
+
 def lengths_vary(eager, compiled, where: str) -> None:
     """Another sequence length compiles the block and the loss once more, with the length symbolic;
     a third reuses those graphs."""
@@ -103,13 +138,31 @@ def moe_under_plain_dp() -> None:
     hp.apply_strategy(eager, mesh, strategy, plan)
     hp.apply_strategy(compiled, mesh, {**strategy, "recompute": False}, plan)
     blocks = compiled.get_submodule(plan.blocks)
-    hp.compile_blocks(blocks, backend="aot_eager")
+    hp.compile_blocks(blocks, backend=BACKEND, recompute=True)
     count_outside_graphs(blocks)
-    recompute_blocks(blocks)
-    hp.compile_loss(compiled, backend="aot_eager")
+    hp.compile_loss(compiled, backend=BACKEND)
     follows(reference, eager, compiled, "qwen3_moe dp=2 recompute")
     for want, got in zip(expert_loads(eager), expert_loads(compiled)):
         assert torch.equal(want, got), f"qwen3_moe compiled: expert loads {got.tolist()} vs eager {want.tolist()}"
+
+
+def moe_with_routed_experts(strategy: dict) -> None:
+    """A MoE's blocks whose experts are DTensors (under ep, or split over tp), compiled around the experts
+    and the router and recomputing under checkpoint: `follows`, and the expert loads equal the eager ones."""
+    torch._dynamo.reset()
+    reference, eager, compiled = triple("qwen3_moe")
+    mesh, plan = hp.strategy_mesh(strategy), plan_for(reference.config)
+    hp.apply_strategy(eager, mesh, strategy, plan)
+    hp.apply_strategy(compiled, mesh, strategy, plan)
+    blocks = compiled.get_submodule(plan.blocks)
+    routers = [block.mlp.gate for block in blocks]  # as hp.apply_strategy keeps the plan's routers eager
+    hp.compile_blocks(blocks, backend=BACKEND, recompute=True, eager=lambda m: routes_tokens(m) or m in routers)
+    hp.compile_loss(compiled, backend=BACKEND)
+    assert not any(is_compiled(m) for m in blocks.modules() if routes_tokens(m))
+    assert is_compiled(blocks[0].self_attn) and is_recomputed(blocks[0])
+    follows(reference, eager, compiled, f"qwen3_moe {strategy} recompute")
+    for want, got in zip(expert_loads(eager), expert_loads(compiled)):
+        assert torch.equal(want, got), f"qwen3_moe {strategy} compiled: expert loads {got.tolist()} vs {want.tolist()}"
 
 
 def vision_language_under_tp() -> None:
@@ -126,9 +179,8 @@ def vision_language_under_tp() -> None:
     mesh = hp.strategy_mesh(strategy)
     hp.apply_strategy(eager, mesh, {**strategy, "recompute": True}, plan)
     hp.apply_strategy(compiled, mesh, strategy, plan)
-    hp.compile_blocks(compiled.get_submodule(plan.blocks), backend="aot_eager")
-    recompute_blocks(compiled.get_submodule(plan.blocks))
-    hp.compile_loss(compiled, backend="aot_eager")
+    hp.compile_blocks(compiled.get_submodule(plan.blocks), backend=BACKEND, recompute=True)
+    hp.compile_loss(compiled, backend=BACKEND)
     for step in range(3):
         batch = tiny_vl_batch(eager, seq=32, seed=step)
         del batch["position_ids"]  # HF computes them from mm_token_type_ids, as in training
@@ -155,6 +207,8 @@ def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
     if world == 2:
         moe_under_plain_dp()
+        moe_with_routed_experts({"dp": 2, "ep": 2})
+        moe_with_routed_experts({"tp": 2})
         vision_language_under_tp()
         for strategy in STRATEGIES_2:
             # each strategy compiles as its own job would: dynamo's limit on graphs per code object
@@ -164,11 +218,11 @@ def main() -> None:
             mesh, plan = hp.strategy_mesh(strategy), plan_for(reference.config)
             hp.apply_strategy(eager, mesh, {**strategy, "recompute": False}, plan)
             hp.apply_strategy(compiled, mesh, {**strategy, "recompute": False}, plan)
-            hp.compile_blocks(compiled.model.layers, backend="aot_eager")
-            if strategy.get("recompute"):  # as hp.Strategy(compile=True, recompute=True) orders them
-                recompute_blocks(compiled.model.layers)
-            assert hp.compile_loss(compiled, backend="aot_eager")
+            hp.compile_blocks(compiled.model.layers, backend=BACKEND, recompute=bool(strategy.get("recompute")))
+            assert hp.compile_loss(compiled, backend=BACKEND)
             follows(reference, eager, compiled, f"{strategy}")
+            if strategy.get("recompute"):
+                keeps_as_little(compiled, strategy, plan, mesh, f"{strategy}")
             if strategy.get("sp"):
                 lengths_vary(eager, compiled, f"{strategy}")
     else:
@@ -179,8 +233,8 @@ def main() -> None:
             reference, eager, compiled = triple()
             for model in (eager, compiled):
                 hp.parallelize(model, mesh, plan, outputs=outputs)
-            hp.compile_blocks(compiled.model.layers, backend="aot_eager")
-            hp.compile_loss(compiled, backend="aot_eager")
+            hp.compile_blocks(compiled.model.layers, backend=BACKEND)
+            hp.compile_loss(compiled, backend=BACKEND)
             follows(reference, eager, compiled, f"{scheme} {axes}", batch=8)
     print(f"rank {os.environ['RANK']}: compiled blocks follow the reference", flush=True)
 

@@ -141,7 +141,7 @@ def _derive_dp(fold: Fold, values: Mapping[str, Any]) -> None:
 def with_recompute(strategy: Strategy, given: dict[str, Any], hyper: dict[str, Any] | None,
                    elsewhere: list[Translation], disable: bool) -> Strategy:
     """Activation recompute as LlamaFactory has it: on unless disable_gradient_checkpointing, or as parallel says
-    (compiled blocks recompute too: an eager checkpoint runs each block's graph again in backward)."""
+    (compiled blocks recompute too, inside each block's graph)."""
     explicit = ("recompute" in given or "offload" in given or "activation_mode" in given
                 or "activation_mode" in (hyper or {})
                 or any("recompute" in t.fields for t in elsewhere))
