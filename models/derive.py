@@ -80,7 +80,7 @@ def derive(config: Any) -> ModelPlan:
     ('out/tp in', 'vocab/tp h', ('*.self_attn.o_proj', '*.mlp.down_proj'))
     """
     model = meta_model(config)
-    blocks, embedding = _pipeline_stages(model)
+    blocks, embedding, norm, head = _pipeline_stages(model)
     head = _head_name(model)
     modules = dict(model.named_modules())
     parameters = dict(model.named_parameters(remove_duplicate=False))
@@ -110,6 +110,8 @@ def derive(config: Any) -> ModelPlan:
         residual=tuple(dict.fromkeys(_glob(r, blocks) for r in residual)),
         blocks=blocks,
         embedding=embedding,
+        norm=norm,
+        head=head,
         rotary=_rotary(modules, blocks),
         experts=tuple(dict.fromkeys(_glob(e, blocks) for e in experts)),
         expert_params={_glob(k, blocks): v for k, v in expert_params.items()},
@@ -128,11 +130,13 @@ def meta_model(config: Any):
         return AutoModelForCausalLM.from_config(config)
 
 
-def _pipeline_stages(model) -> tuple[str, str]:
-    """(decoder blocks, token embedding) from the pp plan: the ModuleList, and what takes `input_ids`.
+def _pipeline_stages(model) -> tuple[str, str, str | None, str | None]:
+    """(decoder blocks, token embedding, final norm, head) from the pp plan: the ModuleList, what takes
+    `input_ids`, what follows the blocks, and what makes the logits.
 
-    A model whose pp plan names neither (OLMoE, PhiMoE, ...: only its head) has them where
-    transformers' decoders keep them: `{base model}.layers` and the module `get_input_embeddings` returns.
+    A model whose pp plan names neither blocks nor embedding (OLMoE, PhiMoE, ...: only its head) has
+    them where transformers' decoders keep them: `{base model}.layers` and the module
+    `get_input_embeddings` returns; the norm and head are found the same way.
     """
     from torch import nn
 
@@ -146,7 +150,15 @@ def _pipeline_stages(model) -> tuple[str, str]:
     if blocks is None or embedding is None:
         raise ValueError(f"{type(model).__name__} has no pipeline plan naming its decoder blocks and embedding, "
                          "and no `layers` list beside its input embeddings")
-    return blocks, embedding
+    names = list(plan)
+    after = names[names.index(blocks) + 1:] if blocks in names else []
+    norm = next((k for k in after if "logits" not in plan[k][1]), None)
+    if norm is None and blocks.rpartition(".")[0] + ".norm" in dict(model.named_modules()):
+        norm = blocks.rpartition(".")[0] + ".norm"
+    head = next((k for k, (_, outputs) in plan.items() if "logits" in outputs), None)
+    if head is None:
+        head = next((n for n, m in model.named_modules() if m is model.get_output_embeddings()), None)
+    return blocks, embedding, norm, head
 
 
 def _styles(model, modules: dict, parameters: dict) -> dict[str, str]:

@@ -46,7 +46,7 @@ VISION_TP_PLAN = {
 }
 VISION_RESIDUAL = (f"{_BLOCKS}.attn.proj", f"{_BLOCKS}.mlp.down_proj", f"{_BLOCKS}.mlp.linear_fc2")
 _NAMES = dict(vision_params=VISION_TP_PLAN, vision_residual=VISION_RESIDUAL,
-              projector=("model.visual.merger", "model.visual.deepstack_merger_list"), blocks=f"{DECODER}.layers", embedding=f"{DECODER}.embed_tokens", rotary=f"{DECODER}.rotary_emb",
+              projector=("model.visual.merger", "model.visual.deepstack_merger_list"), blocks=f"{DECODER}.layers", embedding=f"{DECODER}.embed_tokens", norm=f"{DECODER}.norm", rotary=f"{DECODER}.rotary_emb",
               vision="model.visual", decoder=DECODER)
 
 PLAN = ModelPlan(params=TP_PLAN, residual=(f"{_LAYERS}.self_attn.o_proj", f"{_LAYERS}.mlp.down_proj"), **_NAMES)

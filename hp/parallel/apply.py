@@ -35,7 +35,7 @@ from hp.parallel.lora import adapter_layouts
 from hp.parallel.hf_attention import (own_mask_attention, paired_heads_attention, ring_around_attention, takes_ring,
                                       ulysses_around_attention, uses_sdpa)
 from hp.mesh import mesh as make_mesh
-from hp.parallel.model_plan import ModelPlan
+from hp.parallel.model_plan import ModelPlan, held_blocks
 from hp.ops.context_parallel import context_parallel
 from hp.ops.expert_parallel import count_outside_graphs, expert_parallel, routes_tokens
 from hp.parallel.parallelize import check_plan, forward_inside, parallelize
@@ -141,7 +141,7 @@ def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any
     if strategy.expert_bias_rate:
         biased_routing(model, plan.routers)
     if strategy.fsdp_axes:
-        units = [*model.get_submodule(plan.blocks), *([model.get_submodule(plan.vision)] if plan.vision else [])]
+        units = [*held_blocks(model, plan), *([model.get_submodule(plan.vision)] if plan.vision else [])]
         fully_shard_model(model, mesh, units, strategy, experts=experts)
     if strategy.cp > 1:
         # A vision tower attends within each image, on every rank in full: only the decoder's attention splits.
@@ -155,7 +155,7 @@ def _plain_dp(model: nn.Module, mesh, strategy: Strategy, plan: ModelPlan) -> nn
     """Only the batch splits: plain parameters, each rank its rows (`hp.parallel.plain_dp`), FSDP2 over dp
     around them when asked."""
     if strategy.fsdp:
-        fully_shard_plain(model, mesh, list(model.get_submodule(plan.blocks)), strategy)
+        fully_shard_plain(model, mesh, held_blocks(model, plan), strategy)
     plain_data_parallel(model, mesh, sums=not strategy.fsdp)
     expert_parallel(model, plan.experts)  # plain experts run as they are; their loads are still counted
     if strategy.expert_bias_rate:
@@ -167,7 +167,7 @@ def _blocks_as_asked(model: nn.Module, strategy: Strategy, plan: ModelPlan) -> n
     """The plan's blocks compiled and / or recomputing, as `strategy` asks. Compiled, a block recomputes
     inside its graph, or around routed experts it compiles around (`hp.compile_blocks`); eager, under
     checkpoint (`hp.parallel.recompute`)."""
-    blocks = model.get_submodule(plan.blocks)
+    blocks = held_blocks(model, plan)
     if strategy.compile:
         compile_blocks(blocks, recompute=strategy.recompute, eager=_stays_eager(model, plan))
         compile_loss(model)

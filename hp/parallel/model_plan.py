@@ -15,6 +15,7 @@ reduction, batch slicing) is the same for every family and lives in
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -28,7 +29,9 @@ class ModelPlan:
     model, such as optional biases, are skipped). `residual` lists globs of
     modules whose output joins the residual stream (the row-parallel
     projections). `blocks` is the `nn.ModuleList` of decoder layers (one FSDP
-    unit each), `embedding` the token embedding, `rotary` the module that
+    unit each), `embedding` the token embedding, `norm` the norm after the
+    blocks and `head` the module that makes the logits (pipeline parallel
+    cuts the model between them), `rotary` the module that
     returns RoPE's `(cos, sin)` (permuted with the tokens under ring
     attention; None when the family has none). `experts` lists globs of the
     experts modules (called `experts(tokens, expert_ids, weights)`, as HF's
@@ -64,6 +67,8 @@ class ModelPlan:
     residual: tuple[str, ...] = ()
     blocks: str = "model.layers"
     embedding: str = "model.embed_tokens"
+    norm: str | None = "model.norm"
+    head: str | None = "lm_head"
     rotary: str | None = "model.rotary_emb"
     experts: tuple[str, ...] = ()
     expert_params: Mapping[str, str] = field(default_factory=dict)
@@ -94,3 +99,16 @@ class ModelPlan:
                      self.experts, tuple(self.expert_params.items()), self.routers, self.vision, self.decoder,
                      tuple(self.vision_params.items()), self.vision_residual, self.projector, self.rowwise,
                      self.rowwise_functions, self.unsplit))
+
+
+def held_blocks(model: Any, plan: ModelPlan) -> list:
+    """The plan's decoder blocks that `model` holds: a pipeline stage keeps the others' places with
+    parameter-less stand-ins, which no layout, FSDP unit or compiled graph needs.
+
+    >>> import torch
+    >>> model = torch.nn.Module()
+    >>> model.layers = torch.nn.ModuleList([torch.nn.Identity(), torch.nn.Linear(2, 2)])
+    >>> held_blocks(model, ModelPlan(params={}, blocks="layers"))
+    [Linear(in_features=2, out_features=2, bias=True)]
+    """
+    return [b for b in model.get_submodule(plan.blocks) if next(b.parameters(), None) is not None]

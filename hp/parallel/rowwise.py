@@ -19,7 +19,7 @@ import types
 
 from torch import nn
 
-from hp.parallel.model_plan import ModelPlan
+from hp.parallel.model_plan import ModelPlan, held_blocks
 from hp.ops.blockwise import blockwise
 
 
@@ -38,8 +38,8 @@ def run_rowwise(model: nn.Module, plan: ModelPlan) -> None:
         if any(fnmatch.fnmatchcase(name, g) for g in plan.rowwise) and not hasattr(module.forward, "hp_blockwise"):
             # bound to the module (a deep copy rebinds it); the input is the argument after self
             module.forward = types.MethodType(blockwise(type(module).forward, like=(1,)), module)
-    blocks = model.get_submodule(plan.blocks)
-    modeling = sys.modules[type(blocks[0]).__module__] if len(blocks) else None
+    blocks = held_blocks(model, plan)
+    modeling = sys.modules[type(blocks[0]).__module__] if blocks else None
     for name in plan.rowwise_functions if modeling is not None else ():
         function = getattr(modeling, name, None)
         if callable(function) and not hasattr(function, "hp_blockwise"):

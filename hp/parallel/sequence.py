@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from hp.parallel.model_plan import ModelPlan
+from hp.parallel.model_plan import ModelPlan, held_blocks
 from hp.parallel.parallelize import forward_inside
 from hp.ops.ring_attention import head_tail_order
 from hp.parallel.strategy import Strategy
@@ -153,8 +153,8 @@ def _position_functions_in_token_order(model: nn.Module, plan: ModelPlan) -> Non
     """Replace, once per process, each function of the blocks' modeling module whose first parameter is
     `position_ids` by one that, inside a ring-ordered forward, passes it the positions of the tokens as
     they lie (head-tail order); elsewhere it is the function itself."""
-    blocks = model.get_submodule(plan.blocks)
-    modeling = sys.modules[type(blocks[0]).__module__] if len(blocks) else None
+    blocks = held_blocks(model, plan)
+    modeling = sys.modules[type(blocks[0]).__module__] if blocks else None
     for name, function in inspect.getmembers(modeling, inspect.isfunction) if modeling is not None else ():
         if function.__module__ != modeling.__name__ or hasattr(function, "hp_token_order"):
             continue

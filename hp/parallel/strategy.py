@@ -32,7 +32,12 @@ from dataclasses import dataclass
 from typing import Any
 
 CP_ALGORITHMS = ("ulysses", "ring")  # how attention runs on a sequence split over cp (hp.ops.context_parallel)
-MESH_AXES = ("dp", "ep", "cp", "tp")  # mesh order: data outermost, tensor innermost (neighbouring ranks)
+MESH_AXES = ("pp", "dp", "ep", "cp", "tp")  # mesh order: stages outermost, tensor innermost (neighbouring ranks)
+# torch.distributed.pipelining's schedules, by the names its get_schedule_class takes: one stage per rank,
+# several in a loop, or two in a V (the first and the last stage on rank 0)
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")  # backward split: input, then weight gradients
+PP_SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": None, "LoopedBFS": None, "InterleavedZeroBubble": None,
+                "ZBVZeroBubble": 2, "DualPipeV": 2}
 OFFLOAD_TIERS = ("host", "disk")
 DEFAULT_OFFLOAD_BUDGET = 0.5
 DTYPES = ("float32", "bfloat16", "float16")  # what FSDP may gather parameters and reduce gradients in
@@ -90,9 +95,14 @@ class Strategy:
     recompute: bool = False  # each decoder block recomputes its activations in backward instead of keeping them
     compile: bool = False  # each decoder block and the loss under torch.compile(fullgraph=True) (hp.parallel.compiled)
     mpmd: int | str | None = None  # hp.mpmd's chunks: a count, "auto" (planned), or None (the step as it is)
+    pp: int = 1  # pipeline parallel: the blocks cut into stages over pp ranks (hp.parallel.pipeline)
+    pp_schedule: str = "1F1B"  # one of PP_SCHEDULES
+    pp_microbatches: int | None = None  # micro-batches a step's batch is cut into (None: one per stage)
+    pp_stages_per_rank: int | None = None  # stages each pp rank runs (None: what the schedule takes, 1 or 2)
+    pp_split: tuple[int, ...] | None = None  # blocks per stage, overriding the cost-balanced split
 
     def __post_init__(self) -> None:
-        for key in ("dp", "cp", "tp", "ep"):
+        for key in ("dp", "cp", "tp", "ep", "pp"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise StrategyError(key, value, ": expected an integer >= 1")
@@ -127,6 +137,77 @@ class Strategy:
                                 "choose one")
         self._refuse_fsdp_options_without_fsdp()
         self._refuse_what_is_not_built()
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise StrategyError("pp_schedule", self.pp_schedule, f": expected {_one_of(tuple(PP_SCHEDULES))}")
+        for key in ("pp_microbatches", "pp_stages_per_rank"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise StrategyError(key, value, ": expected an integer >= 1, or null")
+        takes = PP_SCHEDULES[self.pp_schedule]
+        if takes is not None and self.pp_stages_per_rank not in (None, takes):
+            raise StrategyError("pp_stages_per_rank", self.pp_stages_per_rank, f": the {self.pp_schedule} schedule "
+                                f"runs {takes} stage{'s' if takes > 1 else ''} per rank")
+        if self.pp > 1:
+            for key in ("cp", "ep"):
+                if getattr(self, key) > 1:
+                    raise StrategyError(key, getattr(self, key), " with pp: pipeline stages run tp, sp, dp and FSDP so "
+                                        f"far; {key} inside a stage is not available yet")
+            for key in ("offload", "mpmd"):
+                if getattr(self, key) is not None:
+                    raise StrategyError(key, getattr(self, key), " with pp: not available yet (the pipeline's "
+                                        "schedule runs the step); leave it out with pp")
+        if self.pp > 1 and self.fsdp and self.pp_schedule in ZERO_BUBBLE:
+            raise StrategyError("pp_schedule", self.pp_schedule, ": a zero-bubble schedule computes weight gradients "
+                                "apart from input gradients, which FSDP's gathered parameters do not allow; use "
+                                "1F1B or Interleaved1F1B with fsdp")
+        if self.pp_microbatches is not None and self.pp_microbatches < self.pp:
+            raise StrategyError("pp_microbatches", self.pp_microbatches, f": fewer micro-batches than pp = {self.pp} "
+                                "stages leaves stages idle all step; expected at least pp")
+        if self.pp_split is not None:
+            split = tuple(self.pp_split)
+            if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in split):
+                raise StrategyError("pp_split", self.pp_split, ": expected a count of blocks per stage, each >= 1")
+            if len(split) != self.pp_stages:
+                raise StrategyError("pp_split", self.pp_split, f": {len(split)} stages given, but pp = {self.pp} x "
+                                    f"{self.stages_per_rank} per rank makes {self.pp_stages}")
+            object.__setattr__(self, "pp_split", split)
+        if self.pp == 1 and any(getattr(self, k) != DEFAULTS[k] for k in PP_OPTIONS):
+            key = next(k for k in PP_OPTIONS if getattr(self, k) != DEFAULTS[k])
+            raise StrategyError(key, getattr(self, key), ": only pipeline parallel has this option; set pp > 1, "
+                                "or leave it out")
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages each pp rank runs: as asked, else what the schedule takes (1; 2 for the looped
+        and V schedules)."""
+        takes = PP_SCHEDULES[self.pp_schedule]
+        return self.pp_stages_per_rank or takes or 2
+
+    @property
+    def pp_stages(self) -> int:
+        """Pipeline stages in all: pp x stages per rank (1 without pp).
+
+        >>> Strategy(pp=2, pp_schedule="ZBVZeroBubble").pp_stages, Strategy().pp_stages
+        (4, 1)
+        """
+        return self.pp * self.stages_per_rank if self.pp > 1 else 1
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per step: as asked, else one per stage."""
+        return self.pp_microbatches or self.pp_stages
+
+    @property
+    def within_stage(self) -> Strategy:
+        """The strategy each pipeline stage is laid out by: this one without pp.
+
+        >>> Strategy(pp=2, tp=2, pp_schedule="GPipe").within_stage == Strategy(tp=2)
+        True
+        """
+        return dataclasses.replace(self, pp=1, **{k: DEFAULTS[k] for k in PP_OPTIONS})
 
     def _refuse_fsdp_options_without_fsdp(self) -> None:
         """FSDP's own options given where FSDP does not run would silently change nothing."""
@@ -152,10 +233,10 @@ class Strategy:
 
         >>> Strategy.of({"tp": 2, "sp": True}) == Strategy(tp=2, sp=True)
         True
-        >>> Strategy.of({"pp": 2})
+        >>> Strategy.of({"zp": 2})
         Traceback (most recent call last):
         ...
-        hp.parallel.strategy.StrategyError: pp = 2: unknown strategy key; expected one of dp, cp, tp, sp, cp_algorithm, fsdp, reshard_after_forward, param_dtype, reduce_dtype, ep, expert_bias_rate, tp2d, offload, offload_budget, vision_tp, recompute, compile, mpmd
+        hp.parallel.strategy.StrategyError: zp = 2: unknown strategy key; expected one of dp, cp, tp, sp, cp_algorithm, fsdp, reshard_after_forward, param_dtype, reduce_dtype, ep, expert_bias_rate, tp2d, offload, offload_budget, vision_tp, recompute, compile, mpmd, pp, pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split
         """
         if spec is None:
             return cls()
@@ -172,8 +253,8 @@ class Strategy:
 
     @property
     def world_size(self) -> int:
-        """Ranks the layout needs: dp * cp * tp."""
-        return self.dp * self.cp * self.tp
+        """Ranks the layout needs: pp * dp * cp * tp."""
+        return self.pp * self.dp * self.cp * self.tp
 
     @property
     def mesh_axes(self) -> dict[str, int]:
@@ -183,7 +264,8 @@ class Strategy:
         slows down sharply with idle size-1 axes.
         """
         degrees = {"dp": self.dp // self.ep, "ep": self.ep, "cp": self.cp, "tp": self.tp}
-        return {name: n for name, n in degrees.items() if n > 1} or {"tp": 1}
+        within = {name: n for name, n in degrees.items() if n > 1} or {"tp": 1}
+        return {"pp": self.pp, **within} if self.pp > 1 else within
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -257,8 +339,12 @@ class Strategy:
         ...
         hp.parallel.strategy.StrategyError: tp = 3 does not divide num_attention_heads = 4 of the model
         """
+        if self.pp > 1 and getattr(config, "vision_config", None) is not None:
+            raise StrategyError("pp", self.pp, f": {getattr(config, 'model_type', '?')} is a vision-language model, "
+                                "whose vision tower pipeline parallel does not place yet; use tp, dp or FSDP")
         config = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VL model's decoder
         self._check_experts(config)
+        self._check_stages(config)
         sizes = _split_sizes(config)
         for name, size in sizes.items():
             if size % self.tp:
@@ -272,6 +358,20 @@ class Strategy:
             raise StrategyError("cp_algorithm", "ring", f" cannot soft-cap attention logits (attn_logit_softcapping = "
                                 f"{config.attn_logit_softcapping}): ring attention merges blocks of SDPA; use ulysses")
 
+
+    def _check_stages(self, config: Any) -> None:
+        if self.pp == 1:
+            return
+        layers = config.num_hidden_layers
+        if self.pp_stages > layers:
+            raise StrategyError("pp", self.pp, f" x {self.stages_per_rank} stages per rank makes {self.pp_stages} "
+                                f"stages for num_hidden_layers = {layers}: each stage needs a block; lower pp")
+        if self.pp_split is not None and sum(self.pp_split) != layers:
+            raise StrategyError("pp_split", self.pp_split, f": {sum(self.pp_split)} blocks given, the model has "
+                                f"num_hidden_layers = {layers}")
+        if getattr(config, "output_router_logits", False):
+            raise StrategyError("pp", self.pp, ": the model adds a router auxiliary loss (output_router_logits), "
+                                "which pipeline stages do not carry to the loss yet; turn it off, or leave pp out")
 
     def _check_experts(self, config: Any) -> None:
         experts = num_experts(config)
@@ -299,6 +399,7 @@ def num_experts(config: Any) -> int:
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Strategy))
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(Strategy)}
+PP_OPTIONS = ("pp_schedule", "pp_microbatches", "pp_stages_per_rank", "pp_split")  # pipeline's own: refused without it
 
 
 def _split_sizes(config: Any) -> dict[str, int]:
