@@ -55,15 +55,16 @@ from hp.parallel.model_plan import ModelPlan
 from hp.parallel.apply import apply_strategy, check_strategy, strategy_mesh
 from hp.parallel.compiled import compile_blocks, compile_loss
 from hp.parallel.data_parallel import reduce_gradients
+from hp.parallel.pipeline import Pipeline, PipelineError, pipeline
 from hp.offload import OffloadError, offload
 from hp.mpmd import MpmdError, mpmd
 from hp.parallel.finetune import Lora, LoraError
 from hp.parallel.lora import add_lora
 
 __all__ = [
-    "Layout", "LayoutError", "Lora", "LoraError", "MeshError", "ModelPlan", "MpmdError", "OffloadError", "PlanError", "RuleError", "Rules", "Strategy", "StrategyError",
+    "Layout", "LayoutError", "Lora", "LoraError", "MeshError", "ModelPlan", "MpmdError", "OffloadError", "Pipeline", "PipelineError", "PlanError", "RuleError", "Rules", "Strategy", "StrategyError",
     "StrictError", "add_lora", "apply_strategy", "check_strategy", "comm", "compile_blocks", "compile_loss", "constrain", "context_parallel", "describe", "explain", "from_local",
-    "layout", "layout_of", "mesh", "mpmd", "offload", "parallelize", "reduce_gradients", "region", "rule", "rules", "run_replicated", "shard", "simulated",
+    "layout", "layout_of", "mesh", "mpmd", "offload", "parallelize", "pipeline", "reduce_gradients", "region", "rule", "rules", "run_replicated", "shard", "simulated",
     "strategy_mesh", "strict",
 ]
 

@@ -233,7 +233,19 @@ def pipeline(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any], pla
              seq: int = 4096) -> Pipeline:
     """`model` cut into this rank's stages over `mesh`'s `pp` axis, each laid out by `strategy` without pp.
 
-    `seq` is the sequence length the split balances the blocks' costs for.
+    `mesh` is `hp.strategy_mesh(strategy)` (pp outermost); `seq` is the sequence length the split
+    balances the blocks' costs for. Run with `Pipeline.step(input_ids, labels)` on every rank (the
+    whole batch; each stage takes what it needs), then reduce and step as usual
+    (docs/pipeline.md; tests/workers/pipeline_gloo.py runs it on gloo ranks).
+
+    >>> import hp
+    >>> from transformers import AutoModelForCausalLM
+    >>> from hp.models import plan_for, tiny_config
+    >>> model = AutoModelForCausalLM.from_config(tiny_config("llama", layers=2))
+    >>> hp.pipeline(model, None, {"pp": 2, "cp": 2}, plan_for(model.config))
+    Traceback (most recent call last):
+    ...
+    hp.parallel.strategy.StrategyError: cp = 2 with pp: pipeline stages run tp, sp, dp and FSDP so far; cp inside a stage is not available yet
     """
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
