@@ -87,7 +87,8 @@ def _optimizer_states(checkpoint: Path) -> list:
     return [(path, v.tolist() if isinstance(v, torch.Tensor) else v) for path, v in leaves]
 
 
-@pytest.mark.parametrize("strategy", [["parallel.tp=1"], ["parallel.tp=1", "parallel.dp=2", "per_device_train_batch_size=4"]])
+@pytest.mark.parametrize("strategy", [["parallel.tp=1"], ["parallel.tp=1", "parallel.dp=2", "per_device_train_batch_size=4"],
+                                      ["parallel.tp=1", "parallel.pp=2"]])
 def test_checkpoint_resumes_under_another_strategy(uninterrupted, tmp_path, strategy):
     resumed = summary(hp_train(*SHORT, *strategy, f"output_dir={tmp_path}",
                                f"resume_from_checkpoint={uninterrupted / 'checkpoint-3'}"))
@@ -95,6 +96,46 @@ def test_checkpoint_resumes_under_another_strategy(uninterrupted, tmp_path, stra
     want, got = losses(uninterrupted), losses(tmp_path)
     for step in (4, 5, 6):
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
+
+
+def test_a_pipelined_run_has_the_tp_runs_losses_and_resumes_at_tp(uninterrupted, tmp_path):
+    """pp=2 (1F1B, two micro-batches of each accumulated batch) against tp=2: the same losses step by step;
+    its checkpoint, each rank holding half the model's weights and optimizer states, resumes at tp=2."""
+    pipelined = tmp_path / "pp"
+    summary(hp_train(*SHORT, "parallel.tp=1", "parallel.pp=2", f"output_dir={pipelined}"))
+    want, got = losses(uninterrupted), losses(pipelined)
+    assert got.keys() == want.keys() and all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), (got, want)
+    resumed = tmp_path / "tp"
+    summary(hp_train(*SHORT, f"output_dir={resumed}", f"resume_from_checkpoint={pipelined / 'checkpoint-3'}"))
+    got = losses(resumed)
+    assert all(got[s] == pytest.approx(want[s], rel=1e-5) for s in (4, 5, 6)), (got, want)
+
+
+def test_a_checkpoint_with_the_optimizer_groups_in_one_list_still_loads(tmp_path, monkeypatch):
+    """Before the optimizer's settings were keyed by parameter name, a checkpoint held them as one list."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from hp.train import checkpoint
+
+    def trained(seed: int):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        model.config = type("Config", (), {"to_json_file": lambda self, path: None})()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        model(torch.ones(3, 4)).sum().backward()
+        optimizer.step()
+        return model, optimizer
+
+    model, optimizer = trained(0)
+    monkeypatch.setattr(checkpoint, "_FLAT", StateDictOptions())  # as checkpoints were written before
+    path = checkpoint.save(str(tmp_path), 1, model, optimizer, {"scheduler": {}, "data": {}})
+    monkeypatch.undo()
+    assert not checkpoint._flat_optimizer(path)
+    fresh, fresh_optimizer = trained(1)
+    checkpoint.load(path, fresh, fresh_optimizer)
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(p, q)
+        assert torch.equal(optimizer.state[p]["exp_avg"], fresh_optimizer.state[q]["exp_avg"])
 
 
 def test_export_gives_hf_safetensors_with_the_same_logits_and_hp_train_continues_from_it(uninterrupted, tmp_path):

@@ -160,7 +160,7 @@ class Pipeline:
     group: Any
     inner_mesh: Any
     plan: ModelPlan
-    _items: int = 0
+    _items: float = 0.0
     _tied_shape: tuple[int, ...] | None = None
 
     def parameters(self):
@@ -174,13 +174,15 @@ class Pipeline:
     def describe(self) -> str:
         return f"pipeline ({self.strategy.pp_schedule}, {self.strategy.microbatches} micro-batches): {self.split}"
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        """Forward and backward of the batch's micro-batches; the batch's mean loss (times `scale`, which
+        also scales the gradients: 1 / the accumulated batches, say) on every rank."""
         n = self.strategy.microbatches
         if input_ids.shape[0] % n:
             raise PipelineError(f"a batch of {input_ids.shape[0]} rows cannot be cut into pp_microbatches = {n}; "
                                 "make the batch a multiple of it")
         shifted = labels[..., 1:]
-        self._items = int((shifted != IGNORE_INDEX).sum())
+        self._items = int((shifted != IGNORE_INDEX).sum()) / scale
         if self._items == 0:
             raise PipelineError("the batch has no supervised token (every label is -100)")
         losses: list[torch.Tensor] = []
@@ -230,11 +232,11 @@ class Pipeline:
 
 
 def pipeline(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any], plan: ModelPlan, *,
-             seq: int = 4096) -> Pipeline:
+             seq: int = 4096, device: torch.device | None = None) -> Pipeline:
     """`model` cut into this rank's stages over `mesh`'s `pp` axis, each laid out by `strategy` without pp.
 
     `mesh` is `hp.strategy_mesh(strategy)` (pp outermost); `seq` is the sequence length the split
-    balances the blocks' costs for. Run with `Pipeline.step(input_ids, labels)` on every rank (the
+    balances the blocks' costs for; `device` the stages' (their parameters', unless on meta). Run with `Pipeline.step(input_ids, labels)` on every rank (the
     whole batch; each stage takes what it needs), then reduce and step as usual
     (docs/pipeline.md; tests/workers/pipeline_gloo.py runs it on gloo ranks).
 
@@ -267,17 +269,27 @@ def pipeline(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any], pla
         if inner_mesh is not None:
             apply_strategy(own, inner_mesh, inner, plan)
         run = _StageRun(own, stage == 0, stage == split.stages - 1, stream, inner_mesh)
-        device = next(own.parameters()).device
+        on = device or next(own.parameters()).device
         models.append(own)
         runs.append(run)
-        stages.append(PipelineStage(run, stage, split.stages, device, group=group))
+        stages.append(PipelineStage(run, stage, split.stages, on, group=group))
     order = sorted(range(len(ids)), key=lambda i: ids[i])
     models, runs, stages = [models[i] for i in order], [runs[i] for i in order], [stages[i] for i in order]
     result = Pipeline(models, split, strategy, None, runs, group, inner_mesh, plan)
     schedule_class = get_schedule_class(strategy.pp_schedule)
     on = stages[0] if issubclass(schedule_class, PipelineScheduleSingle) else stages
     result.schedule = schedule_class(on, strategy.microbatches, loss_fn=result.loss, scale_grads=False)
+    for own in models:
+        setattr(own, PIPELINE, result)
     return result
+
+
+PIPELINE = "_hp_pipeline"  # set on each stage model: the pipeline that runs it
+
+
+def pipeline_of(model: nn.Module) -> Pipeline | None:
+    """The pipeline `model` is a stage of (None for a model that is not cut into stages)."""
+    return getattr(model, PIPELINE, None)
 
 
 def _ties_head(model: nn.Module, plan: ModelPlan) -> bool:

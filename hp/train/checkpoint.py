@@ -36,12 +36,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from hp.parallel.lora import has_lora, peft_config
 from hp.parallel.storable import from_storable, to_storable
 
 _NAME = re.compile(r"checkpoint-(\d+)\Z")
+# The optimizer's state and settings keyed by parameter name, not by position in its groups: a rank that holds
+# some of the parameters (a pipeline stage) saves and loads just theirs, under any other split.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+_GROUP_LIST = re.compile(r"optim\.param_groups\.\d+\.params")  # how a list of groups was stored
 TRAINER_STATE = "trainer_state.pt"
 ADAPTER_CONFIG = "adapter_config.json"  # PEFT's, beside the weights of a LoRA run
 _METADATA = ".metadata"  # DCP's index of the blocks, a pickle
@@ -82,7 +86,7 @@ def save(output_dir: str, step: int, model: nn.Module, optimizer, extra: dict[st
         shutil.rmtree(partial, ignore_errors=True)  # debris of a crashed save of this step
         os.makedirs(partial)
     _barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_FLAT)
     state = {"model": model_state} if model_only else {"model": model_state, "optim": optim_state}
     dcp.save(to_storable(state), checkpoint_id=partial, no_dist=not distributed())
     if rank() == 0:
@@ -107,12 +111,13 @@ def save(output_dir: str, step: int, model: nn.Module, optimizer, extra: dict[st
 def load(path: str, model: nn.Module, optimizer) -> dict[str, Any]:
     """Restore model, optimizer and RNG from checkpoint `path` into this run's layout; returns trainer state."""
     trainer = trainer_state(path)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    options = _FLAT if _flat_optimizer(path) else StateDictOptions()
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
     wanted = {"model": model_state, "optim": optim_state}
     state = to_storable(wanted)
     dcp.load(state, checkpoint_id=path, no_dist=not distributed())
     state = from_storable(state, wanted)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     _set_rng_state(trainer.pop("rng"))
     return trainer
 
@@ -176,6 +181,13 @@ def _check_metadata(path: str) -> None:
                               "(DCP metadata holds only its own records, sizes and dtypes)") from None
     except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
         raise CheckpointError(f"{file} cannot be read as DCP metadata: {e}") from None
+
+
+def _flat_optimizer(path: str) -> bool:
+    """Whether checkpoint `path` keeps the optimizer's settings per parameter name (`_FLAT`), as hp writes
+    now; older checkpoints kept one list of parameter groups, and still load."""
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return not any(_GROUP_LIST.fullmatch(key) for key in keys)
 
 
 def holds(path: str, weight: str) -> bool:

@@ -63,6 +63,7 @@ from torch import nn
 import hp
 from hp.device import bind_local_device, detect
 from hp.parallel.expert_balance import ExpertLoad, measure, nudge_routing_bias
+from hp.parallel.pipeline import pipeline_of
 from hp.parallel.plain_dp import accumulating
 from hp.mpmd.transform import Mpmd
 from hp.models import plan_for
@@ -74,6 +75,7 @@ from hp.train.errors import TrainingError
 from hp.train.loader import loader
 from hp.train.finetuning import Finetuning
 from hp.train.model import build_model, freeze_parts
+from hp.train.pipelined import pipelined_step
 from hp.train.objectives import Dpo, Kto, LanguageModeling, Reference, Reward
 from hp.train.preflight import resume_path
 from hp.train.report import METRICS, TENSORBOARD_DIR, Reporter
@@ -138,6 +140,10 @@ def train(config: TrainConfig) -> dict:
     bar = _progress_bar(total, step) if rank0 else None
     device, first = mesh.device_type, step
     forward_backward = functools.partial(_step, objective, stream, config, device)
+    pipe = pipeline_of(model)
+    if pipe is not None:  # the schedule runs forward and backward, micro-batch by micro-batch
+        forward_backward = functools.partial(pipelined_step, pipe, stream, config.gradient_accumulation_steps,
+                                             config.bf16, device)
     if strategy.offload is not None:  # saved activations under a budget, AdamW's states away between updates
         blocks = tuple(model.get_submodule(plan_for(model.config).blocks))  # the planner may recompute these
         forward_backward = hp.offload(forward_backward, budget=strategy.offload_budget, modules=[model],
@@ -152,7 +158,8 @@ def train(config: TrainConfig) -> dict:
             with _traced() if step == first else nullcontext() as trace:  # every step moves the same bytes
                 loss, tokens, rewards = forward_backward()
                 hp.reduce_gradients(model)
-                norm = clip_gradients(model.parameters(), config.max_grad_norm or math.inf)
+                norm = clip_gradients(model.parameters(), config.max_grad_norm or math.inf,
+                                      group=pipe.group if pipe is not None else None)
                 _require_finite(config, step + 1, loss, norm)
                 optimizer.step()
                 scheduler.step()
@@ -352,11 +359,12 @@ def _step(objective, batches, config: TrainConfig, device: str) -> tuple[float, 
     return total, tokens, rewards
 
 
-def clip_gradients(params, max_norm: float) -> float:
+def clip_gradients(params, max_norm: float, *, group=None) -> float:
     """Scale gradients so that their global norm is at most `max_norm`; returns the norm before.
 
     Like `torch.nn.utils.clip_grad_norm_`, for any mix of plain and DTensor gradients on any
-    meshes (each norm is reduced over its own mesh first).
+    meshes (each norm is reduced over its own mesh first); `group` is one over whose ranks the
+    parameters differ (pipeline stages), where the squared norms add up.
 
     >>> p = torch.nn.Parameter(torch.ones(4)); p.grad = torch.full((4,), 3.0)
     >>> clip_gradients([p], 1.0), p.grad.norm().item()
@@ -367,8 +375,12 @@ def clip_gradients(params, max_norm: float) -> float:
         if p.grad is not None:
             layout = (id(p.grad.device_mesh), p.grad.placements) if hasattr(p.grad, "device_mesh") else ()
             groups.setdefault((layout, p.grad.dtype), []).append(p.grad.detach())
-    total = sum(_value(torch.nn.utils.get_total_norm([g.float() for g in grads])) ** 2
-                for grads in groups.values()) ** 0.5
+    squared = sum(_value(torch.nn.utils.get_total_norm([g.float() for g in grads])) ** 2 for grads in groups.values())
+    if group is not None:
+        summed = torch.tensor([float(squared)], dtype=torch.float64)
+        dist.all_reduce(summed, group=group)
+        squared = summed.item()
+    total = squared ** 0.5
     if total > max_norm:
         for grads in groups.values():
             torch._foreach_mul_(grads, max_norm / total)

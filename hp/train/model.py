@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from hp.parallel.apply import apply_strategy, check_strategy
+from hp.parallel.pipeline import pipeline
 from hp.parallel.expert_balance import BIAS as ROUTING_BIAS
 from hp.parallel.lora import LoraError, is_adapter, start_adapters
 from hp.ops.local import copy_whole
@@ -261,7 +262,7 @@ def build_model(name_or_path: str, vocab_size: int, mesh, strategy: Strategy, *,
         apply_finetuning(model, finetuning, plan.blocks)
         if value_head:
             add_value_head(model, seed)
-        return apply_strategy(model, mesh, strategy, plan).to(mesh.device_type)
+        return _lay_out(model, mesh, strategy, plan).to(mesh.device_type)
     with _parameters_on_meta():
         model = model_class(config).from_config(config)
         apply_finetuning(model, finetuning, plan.blocks)
@@ -269,7 +270,7 @@ def build_model(name_or_path: str, vocab_size: int, mesh, strategy: Strategy, *,
     drawn = {f"{VALUE_HEAD}.{n}": p.detach().clone() for n, p in add_value_head(model, seed).named_parameters()
              } if value_head else {}
     computed = _non_persistent_buffers(model)  # RoPE's frequencies, Gemma's embedding scale: not in the files
-    apply_strategy(model, mesh, strategy, plan)
+    _lay_out(model, mesh, strategy, plan)
     model.to_empty(device=mesh.device_type)
     for name, value in computed.items():
         model.get_buffer(name).copy_(value)
@@ -278,6 +279,15 @@ def build_model(name_or_path: str, vocab_size: int, mesh, strategy: Strategy, *,
     for name, whole in drawn.items():
         copy_whole(model.get_parameter(name), whole)
     return model
+
+
+def _lay_out(model: nn.Module, mesh, strategy: Strategy, plan) -> nn.Module:
+    """`model` laid out by `strategy`; under pipeline parallel, cut to this rank's stage first (one stage per
+    rank in `hp train`: the pipeline is `hp.parallel.pipeline.pipeline_of(model)`)."""
+    if strategy.pp > 1:
+        pipeline(model, mesh, strategy, plan, device=torch.device(mesh.device_type))
+        return model
+    return apply_strategy(model, mesh, strategy, plan)
 
 
 def add_value_head(model: nn.Module, seed: int) -> nn.Module:

@@ -122,11 +122,11 @@ def _derive_dp(fold: Fold, values: Mapping[str, Any]) -> None:
     world = launched_ranks(values)
     if "dp" in fold.values or world is None:
         return
-    inner = fold.get("cp") * fold.get("tp")
+    inner = fold.get("pp") * fold.get("cp") * fold.get("tp")
     launched = f"nproc_per_node = {values['nproc_per_node']} (x nnodes = {values.get('nnodes', 1)})"
     if world % inner:
-        raise ConfigError(f"{launched}: {world} ranks do not split into groups of cp * tp = {inner}; expected a "
-                          f"multiple of {inner}")
+        raise ConfigError(f"{launched}: {world} ranks do not split into groups of pp * cp * tp = {inner}; expected "
+                          f"a multiple of {inner}")
     dp, ep = world // inner, fold.get("ep")
     if dp % ep:
         ep_label = fold.source.get("ep", f"parallel.ep = {ep}")

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hp.parallel.strategy import CP_ALGORITHMS, DTYPES
+from hp.parallel.strategy import CP_ALGORITHMS, DTYPES, PP_SCHEDULES
 
 from hp.train.config.schema import (
     ACTIVATION_MODES, DEVICES, EVAL_STRATEGIES, FINETUNING_TYPES, PREF_LOSSES, RESUME_LAST, SCHEDULERS, STAGES,
@@ -150,6 +150,9 @@ PARALLEL_RULES: dict[str, Rule] = {
     "reduce_dtype": Rule("str", choices=DTYPES, optional=True),
     "mpmd": Rule("chunks", lambda v: v == "auto" or v >= 1, "a number of chunks >= 1, 'auto', {chunks: N}, or null "
                  "(hp.mpmd pipelines the step's collectives over that many chunks)", optional=True),
+    "pp": Rule("int", lambda v: v >= 1, "an integer >= 1"),
+    "pp_schedule": Rule("str", choices=tuple(PP_SCHEDULES)),
+    "pp_microbatches": Rule("int", lambda v: v >= 1, "an integer >= 1, or null (one per stage)", optional=True),
 }
 
 # LlamaFactory's HyperParallel keys that name a parallel degree, and that degree.

@@ -154,6 +154,29 @@ def _check_training(config: TrainConfig) -> None:
         raise ConfigError(f"val_size = {config.val_size:g} with eval_dataset = {config.eval_dataset!r}: expected one "
                           "of them (a held-out split, or datasets of its own)")
     _check_preference(config)
+    _check_pipeline(config)
+
+
+def _check_pipeline(config: TrainConfig) -> None:
+    """What `hp train` runs under pipeline parallel: language modelling, one stage per rank, whole micro-batches."""
+    p = config.parallel
+    if p.pp == 1:
+        return
+    if config.stage not in ("pt", "sft"):
+        raise ConfigError(f"parallel.pp = {p.pp} with stage = {config.stage!r}: hp train pipelines the pt and sft "
+                          "stages so far; leave pp out for the preference stages")
+    if p.stages_per_rank > 1:
+        raise ConfigError(f"parallel.pp_schedule = {p.pp_schedule!r} runs {p.stages_per_rank} stages per rank; hp "
+                          "train runs one stage per rank so far: expected GPipe or 1F1B")
+    if config.evaluates:
+        raise ConfigError(f"parallel.pp = {p.pp} with evaluation (eval_strategy = {config.eval_strategy!r}, do_eval = "
+                          f"{config.do_eval}): evaluating through the pipeline is not available yet; expected "
+                          "eval_strategy: 'no', do_eval: false")
+    rows = config.per_device_train_batch_size * p.dp
+    if rows % p.microbatches:
+        raise ConfigError(f"parallel.pp_microbatches = {p.microbatches}: a step's batch of per_device_train_batch_size "
+                          f"* dp = {config.per_device_train_batch_size} * {p.dp} = {rows} rows does not cut into "
+                          "that many micro-batches; expected a divisor of it")
 
 
 def _check_preference(config: TrainConfig) -> None:
@@ -185,7 +208,8 @@ _PREFERENCE_KEYS = ("pref_beta", "pref_ftx", "pref_loss", "dpo_label_smoothing",
 def _workers_per_node(config: TrainConfig) -> int:
     """nproc_per_node, derived from the parallel degrees when not given; they must agree."""
     p = config.parallel
-    ranks = f"dp*cp*tp = {p.dp}*{p.cp}*{p.tp} = {p.world_size}"
+    ranks = (f"pp*dp*cp*tp = {p.pp}*{p.dp}*{p.cp}*{p.tp} = {p.world_size}" if p.pp > 1
+             else f"dp*cp*tp = {p.dp}*{p.cp}*{p.tp} = {p.world_size}")
     if config.nproc_per_node is None:
         if p.world_size % config.nnodes:
             raise ConfigError(f"nnodes = {config.nnodes}: the {ranks} ranks do not split evenly over the nodes; "
