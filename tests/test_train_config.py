@@ -130,6 +130,12 @@ def test_compiled_blocks_as_llamafactorys_torch_compile_or_parallel_compile_ask(
     assert strategy.compile and strategy.recompute
 
 
+def test_pipeline_keys_and_the_ranks_they_take():
+    cfg = validate({**MINIMAL, "parallel": {"pp": 2, "tp": 2, "pp_schedule": "GPipe"}, "nproc_per_node": 8})
+    assert cfg.parallel == Strategy(pp=2, tp=2, dp=2, pp_schedule="GPipe", recompute=True)
+    assert cfg.parallel.mesh_axes == {"pp": 2, "dp": 2, "tp": 2}
+
+
 def test_compiled_blocks_offload():
     parallel = validate({**MINIMAL, "parallel": {"compile": True, "offload": "disk"}}).parallel
     assert parallel.compile and parallel.offload == "disk" and not parallel.recompute
@@ -428,6 +434,14 @@ BAD = [
      "disable_gradient_checkpointing = True conflicts with the parallel settings, which ask for recompute"),
     ({"torch_compile": True, "parallel": {"compile": False}}, "parallel.compile = False conflicts with torch_compile = True"),
     ({"parallel": {"compile": "yes"}}, "parallel.compile = 'yes': expected true or false"),
+    ({"parallel": {"pp": 2, "pp_schedule": "zigzag"}}, "parallel.pp_schedule = 'zigzag': expected one of"),
+    ({"parallel": {"pp": 2, "pp_microbatches": 3}, "per_device_train_batch_size": 4},
+     "parallel.pp_microbatches = 3: a step's batch of per_device_train_batch_size * dp = 4 * 1 = 4 rows"),
+    ({"parallel": {"pp": 2, "pp_schedule": "ZBVZeroBubble"}}, "runs 2 stages per rank; hp train runs one stage per rank"),
+    ({"parallel": {"pp": 2}, "stage": "dpo", "dataset": "dpo_en_demo"}, "hp train pipelines the pt and sft stages"),
+    ({"parallel": {"pp": 2}, "do_eval": True, "val_size": 0.1}, "evaluating through the pipeline is not available"),
+    ({"parallel": {"pp": 2, "tp": 2}, "nproc_per_node": 6},
+     "nproc_per_node = 6 (x nnodes = 1): 6 ranks do not split into groups of pp * cp * tp = 4"),
     # LlamaFactory's HyperParallel keys
     ({"hyper_parallel_args": {"tp_size": 2}}, "hyper_parallel_args = {'tp_size': 2} is given but use_hyper_parallel is not true"),
     ({"use_hyper_parallel": True, "hyper_parallel_args": 4}, "hyper_parallel_args = 4: expected a mapping of tp_size"),

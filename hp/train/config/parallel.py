@@ -125,7 +125,8 @@ def _derive_dp(fold: Fold, values: Mapping[str, Any]) -> None:
     inner = fold.get("pp") * fold.get("cp") * fold.get("tp")
     launched = f"nproc_per_node = {values['nproc_per_node']} (x nnodes = {values.get('nnodes', 1)})"
     if world % inner:
-        raise ConfigError(f"{launched}: {world} ranks do not split into groups of pp * cp * tp = {inner}; expected "
+        degrees = "pp * cp * tp" if fold.get("pp") > 1 else "cp * tp"
+        raise ConfigError(f"{launched}: {world} ranks do not split into groups of {degrees} = {inner}; expected "
                           f"a multiple of {inner}")
     dp, ep = world // inner, fold.get("ep")
     if dp % ep:

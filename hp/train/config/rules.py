@@ -153,12 +153,16 @@ PARALLEL_RULES: dict[str, Rule] = {
     "pp": Rule("int", lambda v: v >= 1, "an integer >= 1"),
     "pp_schedule": Rule("str", choices=tuple(PP_SCHEDULES)),
     "pp_microbatches": Rule("int", lambda v: v >= 1, "an integer >= 1, or null (one per stage)", optional=True),
+    "pp_stages_per_rank": Rule("int", lambda v: v >= 1, "an integer >= 1, or null (what the schedule takes)",
+                               optional=True),
+    "pp_split": Rule("ints", lambda v: all(n >= 1 for n in v), "a list of blocks per stage, each >= 1, or null "
+                     "(balanced by cost)", optional=True),
 }
 
 # LlamaFactory's HyperParallel keys that name a parallel degree, and that degree.
 HYPER_TO_PARALLEL = {"tp_size": "tp", "cp_size": "cp", "ep_size": "ep"}
 
-_KINDS = {"str": "a string", "text": "a string", "int": "an integer", "chunks": "a number of chunks, or 'auto'",
+_KINDS = {"str": "a string", "text": "a string", "int": "an integer", "ints": "a list of integers", "chunks": "a number of chunks, or 'auto'",
           "float": "a finite number (1e-4 and 0.0001 both work)", "bool": "true or false"}
 _WRONG = object()  # what _convert returns for a value of the wrong type
 
@@ -192,6 +196,9 @@ def _convert(value: Any, kind: str) -> Any:
         return value if isinstance(value, bool) else _WRONG
     if kind == "int":
         return value if isinstance(value, int) and not isinstance(value, bool) else _WRONG
+    if kind == "ints":  # a list of counts, as written in YAML
+        ok = isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        return tuple(value) if ok else _WRONG
     if kind in ("str", "text"):  # text: as written (a system prompt's spaces and newlines are tokens)
         return (value.strip() if kind == "str" else value) if isinstance(value, str) else _WRONG
     # float: YAML 1.1 reads 1e-4 (no dot) as a string, so numeric strings count
