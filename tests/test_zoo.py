@@ -112,7 +112,7 @@ def test_cp_refuses_masks_and_positions_it_cannot_honour(kwargs, message):
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ({"tp": 2, "pp": 2}, r"pp = 2: unknown strategy key; expected one of dp, cp, tp, sp"),
+        ({"tp": 2, "zp": 2}, r"zp = 2: unknown strategy key; expected one of dp, cp, tp, sp"),
         ({"cp": 2, "cp_algorithm": "star"}, r"cp_algorithm = 'star': expected one of 'ulysses', 'ring'"),
         ({"dp": 2, "fsdp": True, "param_dtype": "fp8"}, r"param_dtype = 'fp8': expected one of 'float32', 'bfloat16', "
                                                         r"'float16' or null"),
