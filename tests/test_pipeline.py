@@ -72,7 +72,7 @@ def test_a_cut_stage_keeps_only_its_blocks_under_their_own_names():
     ({"pp": 2, "pp_split": (3, 1, 1)}, "pp_split = (3, 1, 1): 3 stages given, but pp = 2 x 1 per rank makes 2"),
     ({"pp": 2, "pp_split": (4, 0)}, "each >= 1"),
     ({"pp": 2, "dp": 2, "fsdp": True, "pp_schedule": "ZBVZeroBubble"}, "use 1F1B or Interleaved1F1B with fsdp"),
-    ({"pp": 2, "cp": 2}, "cp = 2 with pp: pipeline stages run tp, sp, dp and FSDP so far"),
+    ({"pp": 2, "cp": 2, "cp_algorithm": "ring"}, "cp_algorithm = 'ring' with pp: ring attention's token order"),
 ])
 def test_bad_pipeline_strategies_are_refused_by_name(spec, words):
     with pytest.raises(StrategyError, match=re.escape(words)):
@@ -97,7 +97,7 @@ def test_every_schedule_and_family_gives_the_unsharded_loss_and_gradients_on_two
     assert len(re.findall(r"pipelines follow the unsharded model", run.stdout)) == 2
 
 
-def test_stages_laid_out_with_tp_sp_dp_and_fsdp_give_the_unsharded_step_on_four_gloo_processes():
+def test_stages_laid_out_with_tp_sp_dp_fsdp_cp_and_ep_give_the_unsharded_step_on_four_gloo_processes():
     run = rank_pool.run(str(HERE / "workers" / "pipeline_gloo.py"), 4, timeout=300)
     assert_finished(run)
     assert len(re.findall(r"pipelines follow the unsharded model", run.stdout)) == 4

@@ -17,8 +17,8 @@ InterleavedZeroBubble, ZBVZeroBubble, DualPipeV), named by the strategy.
   but in the last. A rank with several stages (looped and V schedules) holds
   a copy cut for each.
 - **Each stage is laid out** by `hp.apply_strategy` with the strategy
-  without pp, on the mesh without the `pp` axis: tp, sp, dp and FSDP as
-  anywhere else (the DTensor path: the stage's loss runs outside its
+  without pp, on the mesh without the `pp` axis: tp, sp, dp, FSDP, cp
+  (Ulysses) and ep as anywhere else (the DTensor path: the stage's loss runs outside its
   forward, which plain data parallel's row slicing does not follow).
 - **Between stages** each rank sends its own block of the residual stream,
   a plain tensor, to the rank at the same coordinates of the next stage,
@@ -244,10 +244,10 @@ def pipeline(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any], pla
     >>> from transformers import AutoModelForCausalLM
     >>> from hp.models import plan_for, tiny_config
     >>> model = AutoModelForCausalLM.from_config(tiny_config("llama", layers=2))
-    >>> hp.pipeline(model, None, {"pp": 2, "cp": 2}, plan_for(model.config))
+    >>> hp.pipeline(model, None, {"pp": 2, "cp": 2, "cp_algorithm": "ring"}, plan_for(model.config))
     Traceback (most recent call last):
     ...
-    hp.parallel.strategy.StrategyError: cp = 2 with pp: pipeline stages run tp, sp, dp and FSDP so far; cp inside a stage is not available yet
+    hp.parallel.strategy.StrategyError: cp_algorithm = 'ring' with pp: ring attention's token order inside pipeline stages is not available yet; use cp_algorithm: ulysses
     """
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class

@@ -59,8 +59,8 @@ def check(strategy: dict, where: str, family: str = "llama") -> None:
     assert seen, f"{where}: this rank holds no parameters"
 
 
-# pp with the other axes on 4 ranks: each stage laid out on a 2-rank mesh
-COMPOSED = [{"tp": 2}, {"tp": 2, "sp": True}, {"dp": 2}, {"dp": 2, "fsdp": True}]
+# pp with the other axes on 4 ranks: each stage laid out on a 2-rank mesh (cp: Ulysses)
+COMPOSED = [{"tp": 2}, {"tp": 2, "sp": True}, {"dp": 2}, {"dp": 2, "fsdp": True}, {"cp": 2}]
 
 
 def main() -> None:
@@ -75,6 +75,7 @@ def main() -> None:
             for schedule in ("1F1B", "Interleaved1F1B" if inner.get("fsdp") else "ZBVZeroBubble"):
                 strategy = {"pp": 2, "pp_schedule": schedule, "pp_microbatches": 4, **inner}
                 check(strategy, f"{strategy}")
+        check({"pp": 2, "dp": 2, "ep": 2, "pp_microbatches": 4}, "qwen3_moe pp=2 ep=2", "qwen3_moe")
     print(f"rank {os.environ['RANK']}: pipelines follow the unsharded model", flush=True)
 
 
