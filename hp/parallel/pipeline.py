@@ -202,18 +202,19 @@ class Pipeline:
         if not _ties_head(self.stages[0], self.plan):
             return
         held = [w for w in (_tied_weight(m, self.plan) for m in self.stages) if w is not None]
-        grads = [_local(w.grad) for w in held]
-        if any(g is None for g in grads):
-            return
         if self._tied_shape is None:  # the ranks holding neither learn the local shape once
-            shape = torch.tensor(list(grads[0].shape) if grads else [0, 0])
+            shape = torch.tensor(list(_local(held[0]).shape) if held else [0, 0])
             dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.group)
             self._tied_shape = tuple(shape.tolist())
         dtype = next(self.parameters()).dtype
-        total = torch.stack(grads).sum(0) if grads else torch.zeros(self._tied_shape, dtype=dtype)
+        total = torch.zeros(self._tied_shape, dtype=dtype)  # a frozen copy (no gradient) adds nothing
+        for w in held:
+            if w.grad is not None:
+                total += _local(w.grad)
         dist.all_reduce(total, group=self.group)
-        for g in grads:
-            g.copy_(total)
+        for w in held:
+            if w.grad is not None:
+                _local(w.grad).copy_(total)
 
     def loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One micro-batch's summed token losses over the whole batch's supervised tokens."""
@@ -236,8 +237,9 @@ def pipeline(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any], pla
     """`model` cut into this rank's stages over `mesh`'s `pp` axis, each laid out by `strategy` without pp.
 
     `mesh` is `hp.strategy_mesh(strategy)` (pp outermost); `seq` is the sequence length the split
-    balances the blocks' costs for; `device` the stages' (their parameters', unless on meta). Run with `Pipeline.step(input_ids, labels)` on every rank (the
-    whole batch; each stage takes what it needs), then reduce and step as usual
+    balances the blocks' costs for; `device` the stages' (their parameters', unless on meta). Run
+    with `Pipeline.step(input_ids, labels)` on every rank (the whole batch; each stage takes what it
+    needs), then reduce and step as usual
     (docs/pipeline.md; tests/workers/pipeline_gloo.py runs it on gloo ranks).
 
     >>> import hp
