@@ -18,11 +18,13 @@ InterleavedZeroBubble, ZBVZeroBubble, DualPipeV), named by the strategy.
   a copy cut for each.
 - **Each stage is laid out** by `hp.apply_strategy` with the strategy
   without pp, on the mesh without the `pp` axis: tp, sp, dp, FSDP, cp
-  (Ulysses) and ep as anywhere else (the DTensor path: the stage's loss runs outside its
+  (Ulysses and ring) and ep as anywhere else (the DTensor path: the stage's loss runs outside its
   forward, which plain data parallel's row slicing does not follow).
 - **Between stages** each rank sends its own block of the residual stream,
   a plain tensor, to the rank at the same coordinates of the next stage,
-  which assembles it in the stream's layout (`hp.from_local`).
+  which assembles it in the stream's layout (`hp.from_local`); the stream is
+  already padded and, under ring attention, in head-tail order, so later
+  stages arrange only what they compute themselves (the rotary tables).
 - **The loss is exact**: the head's logits of each micro-batch meet their
   labels in the last stage, and each micro-batch's summed token losses are
   divided by the supervised tokens of the whole batch, so the micro-batches'
@@ -48,9 +50,9 @@ from hp.parallel.apply import apply_strategy, token_layout
 from hp.parallel.model_plan import ModelPlan
 from hp.parallel.pipeline_split import BlockCosts, StageSplit, balanced_split
 from hp.parallel.plain_dp import USED_OUTSIDE_FORWARD
+from hp.parallel.sequence import ARRANGED_STREAM, IGNORE_INDEX, arrange, shift
 from hp.parallel.strategy import Strategy
 
-IGNORE_INDEX = -100
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # a rank holds stage r and stage 2 pp - 1 - r
 
 
@@ -224,12 +226,16 @@ class Pipeline:
         if run.logits_spec is not None:
             mesh, placements, shape, stride = run.logits_spec
             logits = DTensor.from_local(output, mesh, placements, run_check=False, shape=shape, stride=stride)
-        tokens = token_layout(self.strategy)
+        inner = self.strategy.within_stage
+        # what each position of the logits predicts, padded and ordered as the sequence (sequence preparation's)
+        targets = arrange(shift(labels), inner, IGNORE_INDEX)
+        tokens = token_layout(inner)
         if isinstance(logits, DTensor) and tokens != "b s":
-            labels = shard(labels, tokens, self.inner_mesh)
+            targets = shard(targets, tokens, self.inner_mesh)
         vocab = model.config.get_text_config().vocab_size
         with region():
-            return model.loss_function(logits=logits, labels=labels, vocab_size=vocab, num_items_in_batch=self._items)
+            return model.loss_function(logits=logits, labels=None, shift_labels=targets, vocab_size=vocab,
+                                       num_items_in_batch=self._items)
 
 
 def pipeline(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any], plan: ModelPlan, *,
@@ -246,10 +252,10 @@ def pipeline(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any], pla
     >>> from transformers import AutoModelForCausalLM
     >>> from hp.models import plan_for, tiny_config
     >>> model = AutoModelForCausalLM.from_config(tiny_config("llama", layers=2))
-    >>> hp.pipeline(model, None, {"pp": 2, "cp": 2, "cp_algorithm": "ring"}, plan_for(model.config))
+    >>> hp.pipeline(model, None, {"pp": 4}, plan_for(model.config))
     Traceback (most recent call last):
     ...
-    hp.parallel.strategy.StrategyError: cp_algorithm = 'ring' with pp: ring attention's token order inside pipeline stages is not available yet; use cp_algorithm: ulysses
+    hp.parallel.strategy.StrategyError: pp = 4 x 1 stages per rank makes 4 stages for num_hidden_layers = 2: each stage needs a block; lower pp
     """
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
@@ -268,6 +274,7 @@ def pipeline(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any], pla
         own = model if k == len(ids) - 1 else copy.deepcopy(model)
         cut(own, plan, split, stage)
         setattr(own, USED_OUTSIDE_FORWARD, True)  # a stage's loss runs outside its forward
+        setattr(own, ARRANGED_STREAM, stage > 0)  # later stages get the stream padded and ordered
         if inner_mesh is not None:
             apply_strategy(own, inner_mesh, inner, plan)
         run = _StageRun(own, stage == 0, stage == split.stages - 1, stream, inner_mesh)

@@ -48,6 +48,9 @@ from hp.ops.ring_attention import head_tail_order
 from hp.parallel.strategy import Strategy
 
 IGNORE_INDEX = -100
+# Set on a model whose `inputs_embeds` arrive already padded and ordered (a later pipeline stage's: the
+# stream as the stage before handed it on): only the labels are arranged.
+ARRANGED_STREAM = "_hp_arranged_stream"
 # The cp size of the ring-ordered forwards running now, innermost last. A plain stack, not a ContextVar:
 # `torch.compile` traces (and guards on) a module global's read, not ContextVar.get.
 _RING_CP: list[int] = []
@@ -67,7 +70,8 @@ def prepare_sequences(model: nn.Module, strategy: Strategy, plan: ModelPlan) -> 
     signature = inspect.signature(model.forward)
 
     def before(mod, args, kwargs):
-        return (), prepare(as_keywords(signature, args, kwargs), strategy, pad_id, order_tokens=plan.decoder is None)
+        order = plan.decoder is None and not getattr(mod, ARRANGED_STREAM, False)
+        return (), prepare(as_keywords(signature, args, kwargs), strategy, pad_id, order_tokens=order)
 
     model.register_forward_pre_hook(before, with_kwargs=True, prepend=True)
     if strategy.ring and plan.decoder is not None:

@@ -151,9 +151,6 @@ class Strategy:
             raise StrategyError("pp_stages_per_rank", self.pp_stages_per_rank, f": the {self.pp_schedule} schedule "
                                 f"runs {takes} stage{'s' if takes > 1 else ''} per rank")
         if self.pp > 1:
-            if self.ring:
-                raise StrategyError("cp_algorithm", "ring", " with pp: ring attention's token order inside pipeline "
-                                    "stages is not available yet; use cp_algorithm: ulysses")
             for key in ("offload", "mpmd"):
                 if getattr(self, key) is not None:
                     raise StrategyError(key, getattr(self, key), " with pp: not available yet (the pipeline's "
