@@ -79,9 +79,10 @@ def compile_blocks(blocks: Iterable[nn.Module], *, backend: str = "inductor", re
     ...
     ValueError: compile_blocks(recompute=True) needs a backend whose partitioner recomputes, one of inductor, aot_eager_decomp_partition; got 'eager'
     """
-    whole = _recomputing(backend) if recompute else backend
+    whole = None  # one backend for every whole block: dynamo shares their graph
     for block in blocks:
         if eager is None or not any(eager(m) for m in block.modules()):
+            whole = whole or (_recomputing(backend) if recompute else backend)
             block.forward = _compiled(block.forward, whole)
             continue
         _compile_around(block, eager, backend)
