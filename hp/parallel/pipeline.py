@@ -119,12 +119,13 @@ class _StageRun(nn.Module):
     """What `PipelineStage` runs for one stage: the stage's model from ids or from the received stream,
     handing on its own block of the stream (or, last, of the logits)."""
 
-    def __init__(self, model: nn.Module, first: bool, last: bool, stream: str, mesh) -> None:
+    def __init__(self, model: nn.Module, index: int, stages: int, stream: str, mesh) -> None:
         super().__init__()
-        self.model, self.first, self.last, self.stream, self.mesh = model, first, last, stream, mesh
+        self.model, self.index, self.stages, self.stream, self.mesh = model, index, stages, stream, mesh
+        self.first, self.last = index == 0, index == stages - 1
         self.logits_spec = None  # the last stage's logits layout, to assemble them again for the loss
         self.hidden: list[torch.Tensor] = []
-        if not last:  # the stream as the base model hands it on (what follows it, a logit soft-cap, is the head's)
+        if not self.last:  # the stream as the base model hands it on (what follows it, a logit soft-cap, is the head's)
             model.base_model.register_forward_hook(lambda mod, args, out: self.hidden.append(out[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,13 +158,27 @@ class Pipeline:
     stages: list[nn.Module]  # this rank's stage models, in stage order
     split: StageSplit
     strategy: Strategy
-    schedule: Any
     runs: list[_StageRun]
     group: Any
     inner_mesh: Any
     plan: ModelPlan
+    device: torch.device
     _items: float = 0.0
     _tied_shape: tuple[int, ...] | None = None
+    _schedules: dict = dataclasses.field(default_factory=dict)  # batch shape -> its schedule
+
+    def schedule(self, shape: tuple[int, ...]):
+        """The schedule for batches of `shape`: torch's stages size their receive buffers by the first
+        batch they see, so each shape (a sequence length, say) gets its own, built when first met."""
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+        if shape not in self._schedules:
+            stages = [PipelineStage(run, run.index, run.stages, self.device, group=self.group) for run in self.runs]
+            kind = get_schedule_class(self.strategy.pp_schedule)
+            on = stages[0] if issubclass(kind, PipelineScheduleSingle) else stages
+            self._schedules[shape] = kind(on, self.strategy.microbatches, loss_fn=self.loss, scale_grads=False)
+        return self._schedules[shape]
 
     def parameters(self):
         for model in self.stages:
@@ -191,7 +206,8 @@ class Pipeline:
         first = any(run.first for run in self.runs)
         args = (input_ids,) if first else ()
         last = any(run.last for run in self.runs)
-        self.schedule.step(*args, target=labels if last else None, losses=losses, return_outputs=False)
+        schedule = self.schedule(tuple(input_ids.shape))
+        schedule.step(*args, target=labels if last else None, losses=losses, return_outputs=False)
         local = torch.stack([_whole(l).detach() for l in losses]).sum() if last else torch.zeros(())
         total = local.to(torch.float32).clone()
         dist.all_reduce(total, group=self.group)  # only the last stage's ranks hold it
@@ -257,9 +273,6 @@ def pipeline(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any], pla
     ...
     hp.parallel.strategy.StrategyError: pp = 4 x 1 stages per rank makes 4 stages for num_hidden_layers = 2: each stage needs a block; lower pp
     """
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
-
     strategy = Strategy.of(strategy)
     strategy.check_fits(model.config)
     split = stage_split(model, strategy, plan, seq=seq)
@@ -269,7 +282,7 @@ def pipeline(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any], pla
     inner_mesh = mesh[tuple(names)] if names else None
     stream = f"{token_layout(inner)}/tp h" if inner.sequence_parallel else f"{token_layout(inner)} h"
     ids = stages_of_rank(strategy, pp_rank)
-    models, runs, stages = [], [], []
+    runs = []
     for k, stage in enumerate(ids):
         own = model if k == len(ids) - 1 else copy.deepcopy(model)
         cut(own, plan, split, stage)
@@ -277,19 +290,12 @@ def pipeline(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any], pla
         setattr(own, ARRANGED_STREAM, stage > 0)  # later stages get the stream padded and ordered
         if inner_mesh is not None:
             apply_strategy(own, inner_mesh, inner, plan)
-        run = _StageRun(own, stage == 0, stage == split.stages - 1, stream, inner_mesh)
-        on = device or next(own.parameters()).device
-        models.append(own)
-        runs.append(run)
-        stages.append(PipelineStage(run, stage, split.stages, on, group=group))
-    order = sorted(range(len(ids)), key=lambda i: ids[i])
-    models, runs, stages = [models[i] for i in order], [runs[i] for i in order], [stages[i] for i in order]
-    result = Pipeline(models, split, strategy, None, runs, group, inner_mesh, plan)
-    schedule_class = get_schedule_class(strategy.pp_schedule)
-    on = stages[0] if issubclass(schedule_class, PipelineScheduleSingle) else stages
-    result.schedule = schedule_class(on, strategy.microbatches, loss_fn=result.loss, scale_grads=False)
-    for own in models:
-        setattr(own, PIPELINE, result)
+        runs.append(_StageRun(own, stage, split.stages, stream, inner_mesh))
+    runs.sort(key=lambda run: run.index)
+    device = device or next(runs[0].model.parameters()).device
+    result = Pipeline([run.model for run in runs], split, strategy, runs, group, inner_mesh, plan, device)
+    for run in runs:
+        setattr(run.model, PIPELINE, result)
     return result
 
 

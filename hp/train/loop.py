@@ -75,7 +75,7 @@ from hp.train.errors import TrainingError
 from hp.train.loader import loader
 from hp.train.finetuning import Finetuning
 from hp.train.model import build_model, freeze_parts
-from hp.train.pipelined import pipelined_step
+from hp.train.pipelined import LENGTH_STEP, pipelined_step
 from hp.train.objectives import Dpo, Kto, LanguageModeling, Reference, Reward
 from hp.train.preflight import resume_path
 from hp.train.report import METRICS, TENSORBOARD_DIR, Reporter
@@ -117,7 +117,7 @@ def train(config: TrainConfig) -> dict:
     examples, held_out = load_splits(config, tokenizer)
     dp = config.parallel.dp
     batches = TokenBatches(examples, config.per_device_train_batch_size * dp, config.seed, tokenizer.pad_token_id,
-                           vision=examples.vision)
+                           vision=examples.vision, pad_to_multiple_of=LENGTH_STEP if strategy.pp > 1 else 1)
     evaluation = (eval_batches(held_out, config.per_device_eval_batch_size * dp, tokenizer.pad_token_id)
                   if config.evaluates else [])
     model = build_model(config.model_name_or_path, tokenizer.vocab_size, mesh, strategy, seed=config.seed,

@@ -14,6 +14,10 @@ import torch
 
 from hp.parallel.pipeline import Pipeline
 
+# Under pp a batch's tokens are padded to a multiple of this: each length the pipeline meets builds a
+# schedule of its own (torch's stages size their buffers by the first batch), so few lengths, few schedules.
+LENGTH_STEP = 64
+
 
 def pipelined_step(pipe: Pipeline, batches, accumulate: int, bf16: bool, device: str) -> tuple[float, int, dict]:
     """One optimizer step's forward and backward over `accumulate` batches; (loss, tokens, no rewards)."""
