@@ -111,6 +111,13 @@ def test_a_pipelined_run_has_the_tp_runs_losses_and_resumes_at_tp(uninterrupted,
     assert all(got[s] == pytest.approx(want[s], rel=1e-5) for s in (4, 5, 6)), (got, want)
 
 
+def test_a_pipelined_run_evaluates_as_the_tp_run(tmp_path):
+    evaluated = ["max_steps=2", "val_size=0.1", "eval_strategy=steps", "eval_steps=2", "logging_steps=1"]
+    want = summary(hp_train(*evaluated, f"output_dir={tmp_path / 'tp'}"))["eval_loss"]
+    got = summary(hp_train(*evaluated, "parallel.tp=1", "parallel.pp=2", f"output_dir={tmp_path / 'pp'}"))["eval_loss"]
+    assert got == pytest.approx(want, rel=1e-5)
+
+
 def test_a_checkpoint_with_the_optimizer_groups_in_one_list_still_loads(tmp_path, monkeypatch):
     """Before the optimizer's settings were keyed by parameter name, a checkpoint held them as one list."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions

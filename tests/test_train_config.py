@@ -439,7 +439,6 @@ BAD = [
      "parallel.pp_microbatches = 3: a step's batch of per_device_train_batch_size * dp = 4 * 1 = 4 rows"),
     ({"parallel": {"pp": 2, "pp_schedule": "ZBVZeroBubble"}}, "runs 2 stages per rank; hp train runs one stage per rank"),
     ({"parallel": {"pp": 2}, "stage": "dpo", "dataset": "dpo_en_demo"}, "hp train pipelines the pt and sft stages"),
-    ({"parallel": {"pp": 2}, "do_eval": True, "val_size": 0.1}, "evaluating through the pipeline is not available"),
     ({"parallel": {"pp": 2, "tp": 2}, "nproc_per_node": 6},
      "nproc_per_node = 6 (x nnodes = 1): 6 ranks do not split into groups of pp * cp * tp = 4"),
     # LlamaFactory's HyperParallel keys

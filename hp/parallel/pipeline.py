@@ -167,18 +167,19 @@ class Pipeline:
     _tied_shape: tuple[int, ...] | None = None
     _schedules: dict = dataclasses.field(default_factory=dict)  # batch shape -> its schedule
 
-    def schedule(self, shape: tuple[int, ...]):
-        """The schedule for batches of `shape`: torch's stages size their receive buffers by the first
-        batch they see, so each shape (a sequence length, say) gets its own, built when first met."""
+    def schedule(self, shape: tuple[int, ...], train: bool = True):
+        """The schedule for batches of `shape`, training or evaluating: torch's stages size their receive
+        buffers by the first batch they see, so each shape (a sequence length, say) gets its own, built
+        when first met."""
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-        if shape not in self._schedules:
+        if (shape, train) not in self._schedules:
             stages = [PipelineStage(run, run.index, run.stages, self.device, group=self.group) for run in self.runs]
             kind = get_schedule_class(self.strategy.pp_schedule)
             on = stages[0] if issubclass(kind, PipelineScheduleSingle) else stages
-            self._schedules[shape] = kind(on, self.strategy.microbatches, loss_fn=self.loss, scale_grads=False)
-        return self._schedules[shape]
+            self._schedules[shape, train] = kind(on, self.strategy.microbatches, loss_fn=self.loss, scale_grads=False)
+        return self._schedules[shape, train]
 
     def parameters(self):
         for model in self.stages:
@@ -194,24 +195,33 @@ class Pipeline:
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
         """Forward and backward of the batch's micro-batches; the batch's mean loss (times `scale`, which
         also scales the gradients: 1 / the accumulated batches, say) on every rank."""
-        n = self.strategy.microbatches
-        if input_ids.shape[0] % n:
-            raise PipelineError(f"a batch of {input_ids.shape[0]} rows cannot be cut into pp_microbatches = {n}; "
-                                "make the batch a multiple of it")
-        shifted = labels[..., 1:]
-        self._items = int((shifted != IGNORE_INDEX).sum()) / scale
+        loss = self._run(input_ids, labels, scale, train=True)
+        self._sum_tied_gradients()
+        return loss
+
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The batch's mean loss, forward only (no gradients), on every rank."""
+        if self.strategy.pp_schedule in V_SCHEDULES:
+            raise PipelineError(f"evaluating under {self.strategy.pp_schedule} is not available: torch's V schedules "
+                                "run forward and backward together; evaluate with GPipe, 1F1B or a looped schedule")
+        with torch.no_grad():
+            return self._run(input_ids, labels, 1.0, train=False)
+
+    def _run(self, input_ids: torch.Tensor, labels: torch.Tensor, scale: float, train: bool) -> torch.Tensor:
+        input_ids, labels = _whole_microbatches(input_ids, labels, self.strategy.microbatches)
+        self._items = int((labels[..., 1:] != IGNORE_INDEX).sum()) / scale
         if self._items == 0:
             raise PipelineError("the batch has no supervised token (every label is -100)")
         losses: list[torch.Tensor] = []
-        first = any(run.first for run in self.runs)
+        first, last = any(run.first for run in self.runs), any(run.last for run in self.runs)
         args = (input_ids,) if first else ()
-        last = any(run.last for run in self.runs)
-        schedule = self.schedule(tuple(input_ids.shape))
-        schedule.step(*args, target=labels if last else None, losses=losses, return_outputs=False)
+        schedule = self.schedule(tuple(input_ids.shape), train)
+        run = schedule.step if train else schedule.eval
+        run(*args, target=labels if last else None, losses=losses,
+            **({"return_outputs": False} if train else {}))
         local = torch.stack([_whole(l).detach() for l in losses]).sum() if last else torch.zeros(())
         total = local.to(torch.float32).clone()
         dist.all_reduce(total, group=self.group)  # only the last stage's ranks hold it
-        self._sum_tied_gradients()
         return total
 
     def _sum_tied_gradients(self) -> None:
@@ -305,6 +315,21 @@ PIPELINE = "_hp_pipeline"  # set on each stage model: the pipeline that runs it
 def pipeline_of(model: nn.Module) -> Pipeline | None:
     """The pipeline `model` is a stage of (None for a model that is not cut into stages)."""
     return getattr(model, PIPELINE, None)
+
+
+def _whole_microbatches(input_ids: torch.Tensor, labels: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch with rows of padding added (token 0, nothing supervised) until `n` micro-batches split it
+    evenly: they add nothing to the loss.
+
+    >>> ids, labels = _whole_microbatches(torch.ones(3, 2, dtype=torch.long), torch.ones(3, 2, dtype=torch.long), 2)
+    >>> ids.shape, labels[-1].tolist()
+    (torch.Size([4, 2]), [-100, -100])
+    """
+    extra = -input_ids.shape[0] % n
+    if not extra:
+        return input_ids, labels
+    pad = input_ids.new_zeros((extra, *input_ids.shape[1:]))
+    return torch.cat([input_ids, pad]), torch.cat([labels, torch.full_like(pad, IGNORE_INDEX)])
 
 
 def _ties_head(model: nn.Module, plan: ModelPlan) -> bool:

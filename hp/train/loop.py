@@ -268,7 +268,9 @@ def evaluate(model: nn.Module, batches, config: TrainConfig, device: str) -> flo
         for batch in batches:
             supervised = int((batch.labels[:, 1:] != IGNORE_INDEX).sum())  # HF shifts labels by one
             if supervised:
-                loss = model(**batch.inputs(device)).loss
+                pipe = pipeline_of(model)  # under pp the schedule runs the stages' forwards
+                inputs = batch.inputs(device)
+                loss = pipe.evaluate(inputs["input_ids"], inputs["labels"]) if pipe else model(**inputs).loss
                 total += _value(loss) * supervised
                 tokens += supervised
     model.train()

@@ -168,10 +168,6 @@ def _check_pipeline(config: TrainConfig) -> None:
     if p.stages_per_rank > 1:
         raise ConfigError(f"parallel.pp_schedule = {p.pp_schedule!r} runs {p.stages_per_rank} stages per rank; hp "
                           "train runs one stage per rank so far: expected GPipe or 1F1B")
-    if config.evaluates:
-        raise ConfigError(f"parallel.pp = {p.pp} with evaluation (eval_strategy = {config.eval_strategy!r}, do_eval = "
-                          f"{config.do_eval}): evaluating through the pipeline is not available yet; expected "
-                          "eval_strategy: 'no', do_eval: false")
     rows = config.per_device_train_batch_size * p.dp
     if rows % p.microbatches:
         raise ConfigError(f"parallel.pp_microbatches = {p.microbatches}: a step's batch of per_device_train_batch_size "
