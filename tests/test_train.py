@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from gloo_launch import clean_env
-from train_runs import DATA, QUICKSTART, WORKERS, first_batch, hp_train, losses, summary
+from train_runs import DATA, QUICKSTART, WORKERS, first_batch, hp_train, local_hf_model, losses, summary
 
 # six optimizer steps of 4 accumulated micro-batches: long enough to kill a run between two saves
 SHORT = ["max_steps=6", "save_steps=3", "logging_steps=1", "gradient_accumulation_steps=4",
@@ -109,6 +109,17 @@ def test_a_pipelined_run_has_the_tp_runs_losses_and_resumes_at_tp(uninterrupted,
     summary(hp_train(*SHORT, f"output_dir={resumed}", f"resume_from_checkpoint={pipelined / 'checkpoint-3'}"))
     got = losses(resumed)
     assert all(got[s] == pytest.approx(want[s], rel=1e-5) for s in (4, 5, 6)), (got, want)
+
+
+def test_a_local_gemma3_directory_trains_pipelined_as_at_tp(tmp_path):
+    """Read from files, cut into stages: Gemma3's embedding scale (a buffer, not in the files) and its head
+    tied to the embedding across the two stages; the losses are the tp=2 run's."""
+    local_hf_model(tmp_path / "model", "gemma3_text")
+    run = ["max_steps=3", "logging_steps=1", f"model_name_or_path={tmp_path / 'model'}"]
+    summary(hp_train(*run, f"output_dir={tmp_path / 'tp'}"))
+    summary(hp_train(*run, "parallel.tp=1", "parallel.pp=2", f"output_dir={tmp_path / 'pp'}"))
+    want, got = losses(tmp_path / "tp"), losses(tmp_path / "pp")
+    assert got.keys() == want.keys() and all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), (got, want)
 
 
 def test_a_pipelined_run_evaluates_as_the_tp_run(tmp_path):

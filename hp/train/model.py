@@ -227,9 +227,17 @@ def _loaded_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     state = {k: v for k, v in model.state_dict().items()
              if not k.endswith(f".{ROUTING_BIAS}") and not is_adapter(k) and not k.startswith(f"{VALUE_HEAD}.")}
-    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
+    for tied, source in _tied_weights(model).items():
+        if source in state:  # loading the source fills both; a pipeline's last stage holds the tied one alone
+            state.pop(tied, None)
     return state
+
+
+def _tied_weights(model: nn.Module) -> dict[str, str]:
+    """{tied weight: the weight it shares, as the files store it} (HF's head tied to its embedding)."""
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return {}
+    return dict(getattr(model, "all_tied_weights_keys", None) or {"lm_head.weight": "model.embed_tokens.weight"})
 
 
 def _given(strategy: Strategy) -> str:
@@ -272,8 +280,10 @@ def build_model(name_or_path: str, vocab_size: int, mesh, strategy: Strategy, *,
     computed = _non_persistent_buffers(model)  # RoPE's frequencies, Gemma's embedding scale: not in the files
     _lay_out(model, mesh, strategy, plan)
     model.to_empty(device=mesh.device_type)
+    buffers = dict(model.named_buffers())
     for name, value in computed.items():
-        model.get_buffer(name).copy_(value)
+        if name in buffers:  # a pipeline stage holds only its own modules' buffers
+            buffers[name].copy_(value)
     load_safetensors(model, name_or_path)
     start_adapters(model, seed)
     for name, whole in drawn.items():
@@ -349,6 +359,9 @@ def load_safetensors(model: nn.Module, directory: str) -> None:
 
     wanted = _loaded_state(model)
     stored = _model_names(model, _stored_shapes(directory))
+    for tied, source in _tied_weights(model).items():  # stored once, under the weight it shares
+        if tied in wanted and tied not in stored and source in stored:
+            stored[tied] = stored[source]
     parts = expert_weights.parts_of(model)
     for name, param in list(wanted.items()):
         keys = expert_weights.one_by_one(name, tuple(param.shape), stored, parts)
