@@ -122,6 +122,19 @@ def test_a_local_gemma3_directory_trains_pipelined_as_at_tp(tmp_path):
     assert got.keys() == want.keys() and all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), (got, want)
 
 
+def test_a_pipelined_checkpoint_resumes_over_more_stages(tmp_path):
+    """pp=2 -> pp=4 on a 4-layer model: each of the four ranks loads its block's weights and optimizer
+    states from what two ranks saved; the losses after the switch are the uninterrupted run's."""
+    local_hf_model(tmp_path / "model", "llama", layers=4)
+    run = ["max_steps=4", "save_steps=2", "logging_steps=1", f"model_name_or_path={tmp_path / 'model'}",
+           "parallel.tp=1"]
+    summary(hp_train(*run, "parallel.pp=2", f"output_dir={tmp_path / 'two'}"))
+    summary(hp_train(*run, "parallel.pp=4", f"output_dir={tmp_path / 'four'}",
+                     f"resume_from_checkpoint={tmp_path / 'two' / 'checkpoint-2'}"))
+    want, got = losses(tmp_path / "two"), losses(tmp_path / "four")
+    assert all(got[s] == pytest.approx(want[s], rel=1e-5) for s in (3, 4)), (got, want)
+
+
 def test_a_pipelined_run_evaluates_as_the_tp_run(tmp_path):
     evaluated = ["max_steps=2", "val_size=0.1", "eval_strategy=steps", "eval_steps=2", "logging_steps=1"]
     want = summary(hp_train(*evaluated, f"output_dir={tmp_path / 'tp'}"))["eval_loss"]
