@@ -42,7 +42,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from ranks import DONE, bind_to_cores, emitter, run_ranks
+from ranks import DONE, bind_to_cores, emitter, gathered, run_ranks
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 FORMULA = {"GPipe", "1F1B", "Interleaved1F1B"}  # bubble (p - 1) / (v m + p - 1)
@@ -178,7 +178,7 @@ def emulated_worker(rounds: int) -> None:
                 busy[arm].append(compute_s / step_s)
     for (part, name), seconds in times.items():
         step = statistics.median(seconds)
-        bubbles = [1 - b for b in _gathered(statistics.median(busy[(part, name)]))]
+        bubbles = [1 - b for b in gathered(statistics.median(busy[(part, name)]))]
         emit({"bench": f"pipeline_{part}", "arm": name, "step_s": round(step, 4),
               "bubble_per_rank": [round(b, 3) for b in bubbles], "bubble": round(statistics.mean(bubbles), 4),
               **({"formula": round(formula(name), 4)} if part == "bubble" and name in FORMULA else {})})
@@ -240,12 +240,6 @@ def _slowest(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
-
-
-def _gathered(value: float) -> list[float]:
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 def summarize(records: list[dict]) -> dict:
