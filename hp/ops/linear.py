@@ -184,17 +184,20 @@ def linear_summa(input, weight, bias=None):
     b = next(m for m, p in split.items() if p.dim == 1)
     if x[a] != Shard(last) or not isinstance(x[b], Shard) or x[b].dim == last:
         return NotImplemented
-    if any(not isinstance(p, Replicate) for m, p in enumerate(x) if m not in (a, b)):
+    # tokens may be split over further axes (the batch over dp, the sequence over cp): the weight is
+    # replicated there, and its gradient a pending sum
+    rows = [m for m, p in enumerate(x) if m not in (a, b) and isinstance(p, Shard) and p.dim != last]
+    if any(not isinstance(p, Replicate) for m, p in enumerate(x) if m not in (a, b, *rows)):
         return NotImplemented
     if bias is not None and (not isinstance(bias, DTensor) or bias.placements[a] != Shard(0)):
         return NotImplemented
     full_in = _shared(
         input, "features", a, lambda: _Gather.apply(local_block(input), last, mesh.get_group(a))
     )
-    full_w = _Gather.apply(local_block(weight), 1, mesh.get_group(b))
+    full_w = _Gather.apply(local_block(weight, rows), 1, mesh.get_group(b))
     # tokens are split over b: the bias gradient is a pending sum over b
-    out = F.linear(full_in, full_w, local_block(bias, [b]) if bias is not None else None)
-    placements = [Replicate()] * mesh.ndim
+    out = F.linear(full_in, full_w, local_block(bias, [b, *rows]) if bias is not None else None)
+    placements = list(x)
     placements[a], placements[b] = Shard(last), Shard(x[b].dim)
     return to_dtensor(out, mesh, placements, (*input.shape[:-1], weight.shape[0]))
 
@@ -365,13 +368,13 @@ def linear_2d(input, weight, bias=None):
     )
     placements = [Replicate()] * mesh.ndim
     for z in z_axes:
-        placements[z] = Shard(token_dim)
+        placements[z] = input.placements[z]
     placements[i], placements[o] = Shard(token_dim), Shard(input.ndim - 1)
     return to_dtensor(out, mesh, placements, (*input.shape[:-1], weight.shape[0]))
 
 
 def _plan(input, weight, bias):
-    """(mesh, o, i, token dim, token-only axes) for the 2D pattern, else None."""
+    """(mesh, o, i, token dim, the axes that split only tokens) for the 2D pattern, else None."""
     if not (isinstance(input, DTensor) and isinstance(weight, DTensor)) or weight.ndim != 2:
         return None
     mesh = weight.device_mesh
@@ -388,19 +391,23 @@ def _plan(input, weight, bias):
         return None
     token_dim = x[o].dim
     z_axes = [m for m, p in enumerate(x) if m not in (o, i) and p == Shard(token_dim)]
-    if any(not isinstance(p, Replicate) for m, p in enumerate(x) if m not in (o, i, *z_axes)):
+    # other token dims may be split too (the sequence over cp): each rank's block goes through as it is
+    carried = [m for m, p in enumerate(x) if m not in (o, i) and isinstance(p, Shard) and p.dim not in (token_dim, last)]
+    if any(not isinstance(p, Replicate) for m, p in enumerate(x) if m not in (o, i, *z_axes, *carried)):
         return None
     if any(z > min(o, i) for z in z_axes):  # tokens/z/o needs z before o and i in the mesh
         return None
-    splits = mesh.size(o) * mesh.size(i) * math.prod([mesh.size(z) for z in z_axes])  # a list: dynamo traces no generator into C
-    if input.shape[token_dim] % splits or weight.shape[0] % mesh.size(o):
+    # the rows split over z and o before the product, over z and i after it
+    rows = input.shape[token_dim] // math.prod([mesh.size(z) for z in z_axes])  # a list: dynamo traces no generator into C
+    if rows * math.prod([mesh.size(z) for z in z_axes]) != input.shape[token_dim] or rows % mesh.size(o) \
+            or rows % mesh.size(i) or weight.shape[0] % mesh.size(o):
         return None
     if bias is not None and (
         not isinstance(bias, DTensor) or bias.placements[o] != Shard(0)
         or any(not isinstance(p, Replicate) for m, p in enumerate(bias.placements) if m != o)
     ):
         return None
-    return mesh, o, i, token_dim, z_axes
+    return mesh, o, i, token_dim, sorted(z_axes + carried)
 
 
 _KERNELS = (linear_2d, linear_summa, column_parallel, blockwise_linear)  # in `linear`'s order of preference

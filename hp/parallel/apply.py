@@ -21,6 +21,7 @@ a model family.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from collections.abc import Mapping
 from typing import Any
@@ -81,7 +82,10 @@ def layouts(strategy: Strategy, plan: ModelPlan) -> tuple[dict[str, str], dict, 
     """
     tokens = token_layout(strategy)
     split = tokens != "b s"
-    residual = f"{tokens}/tp h" if strategy.sequence_parallel else f"{tokens} h"
+    if strategy.tp2d is not None:
+        residual = strategy.tp2d.stream(*tokens.split())
+    else:
+        residual = f"{tokens}/tp h" if strategy.sequence_parallel else f"{tokens} h"
     labels = {"labels": tokens, "shift_labels": tokens}
     experts = dict(plan.expert_params) if strategy.ep > 1 else {}
     if plan.decoder is None:
@@ -93,9 +97,11 @@ def layouts(strategy: Strategy, plan: ModelPlan) -> tuple[dict[str, str], dict, 
         if split or strategy.tp > 1:
             inputs[plan.decoder] = {"inputs_embeds": residual}
         starts = {}
-    if strategy.tp == 1:
+    if strategy.tp == 1 and strategy.tp2d is None:
         return experts, inputs, {}
     outputs = {name: residual for name in (*starts, *plan.residual)}
+    if strategy.tp2d is not None:  # each Megatron layout over x and y (hp.parallel.tp2d)
+        return {k: strategy.tp2d.param_layout(v) for k, v in plan.params.items()}, inputs, outputs
     params = {**experts, **plan.params}
     if strategy.vision_tp:  # the tower's stream is its patches, whole on every rank: "p h"
         outputs.update({name: "p h" for name in plan.vision_residual})
@@ -124,6 +130,7 @@ def apply_strategy(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any
     strategy = Strategy.of(strategy)
     _check_unsplit(model, strategy, plan)
     _check_heads(model, strategy)
+    _check_tp2d(model, strategy, plan)
     if takes_plain_dp(model, mesh, strategy) and plan.vision is None:
         return _plain_dp(model, mesh, strategy, plan)
     params, inputs, outputs = layouts(strategy, plan)
@@ -203,6 +210,7 @@ def check_strategy(model: nn.Module, strategy: Strategy | Mapping[str, Any], pla
     strategy = Strategy.of(strategy)
     _check_unsplit(model, strategy, plan)
     _check_heads(model, strategy)
+    _check_tp2d(model, strategy, plan)
     strategy.check_fits(model.config)
     params, _, _ = layouts(strategy, plan)
     params = {**params, **adapter_layouts(params)}
@@ -242,6 +250,19 @@ def _check_heads(model: nn.Module, strategy: Strategy) -> None:
         raise StrategyError("tp", strategy.tp, f": {paired} is differential attention, which pairs head h with head "
                             "h + heads/2 and the halves of its values across the heads that tp splits in order, so "
                             "every layer would gather its heads over tp; dp, FSDP and cp (ulysses or ring) run it")
+
+
+def _check_tp2d(model: nn.Module, strategy: Strategy, plan: ModelPlan) -> None:
+    if strategy.tp2d is None:
+        return
+    if strategy.tp2d.scheme == "auto":
+        raise StrategyError("tp2d.scheme", "auto", ": decide it for the model first, with "
+                            "strategy.resolved(model.config, tokens) (hp train does)")
+    if plan.experts or plan.vision is not None or plan.unsplit is not None:
+        kind = "experts" if plan.experts else "a vision tower" if plan.vision else f"{plan.unsplit} layers"
+        raise StrategyError("tp2d", strategy.tp2d, f": {type(model).__name__} has {kind}; 2D tensor parallel runs "
+                            "the dense decoder families; use tp")
+    _check_heads(model, dataclasses.replace(strategy, tp2d=None, tp=strategy.tp2d.ranks))
 
 
 def _check_attention(model: nn.Module, strategy: Strategy) -> None:

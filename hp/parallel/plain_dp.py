@@ -78,7 +78,7 @@ def plain_dp_layout(model: nn.Module, strategy) -> bool:
     # A router's auxiliary loss balances the load over the whole batch: the DTensor path computes it over all rows.
     batch_wide = getattr(getattr(model, "config", None), "output_router_logits", False)
     only_rows = strategy.only_batch or (strategy.fsdp_axes == ("dp",) and strategy.tp == strategy.cp == 1
-                                        and not strategy.tp2d)
+                                        and strategy.tp2d is None)
     outside = getattr(model, USED_OUTSIDE_FORWARD, False)
     return only_rows and not transformed and not batch_wide and not outside and _takes_loss_kwargs(model)
 

@@ -31,6 +31,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hp.parallel.tp2d import TP2D, TP2DError
+
 CP_ALGORITHMS = ("ulysses", "ring")  # how attention runs on a sequence split over cp (hp.ops.context_parallel)
 MESH_AXES = ("pp", "dp", "ep", "cp", "tp")  # mesh order: stages outermost, tensor innermost (neighbouring ranks)
 # torch.distributed.pipelining's schedules, by the names its get_schedule_class takes: one stage per rank,
@@ -88,7 +90,7 @@ class Strategy:
     reduce_dtype: str | None = None  # FSDP reduces gradients in this dtype (None: the gradients' own)
     ep: int = 1  # expert parallel: the experts are split over ep of the dp ranks (ep divides dp)
     expert_bias_rate: float = 0.0  # aux-loss-free balancing: routing bias step toward the mean load (0: off)
-    tp2d: bool = False  # 2D tensor parallel
+    tp2d: TP2D | None = None  # 2D tensor parallel over mesh axes x, y (z), replacing tp (hp.parallel.tp2d)
     offload: str | None = None  # hp.offload's slow tier for saved activations (None: nothing offloaded)
     offload_budget: float = DEFAULT_OFFLOAD_BUDGET  # hp.offload's budget: this fraction of the step's recorded peak
     vision_tp: bool = False  # a vision-language model's vision tower splits over tp too (else replicated)
@@ -106,7 +108,7 @@ class Strategy:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise StrategyError(key, value, ": expected an integer >= 1")
-        for key in ("sp", "fsdp", "reshard_after_forward", "tp2d", "recompute", "vision_tp", "compile"):
+        for key in ("sp", "fsdp", "reshard_after_forward", "recompute", "vision_tp", "compile"):
             if not isinstance(getattr(self, key), bool):
                 raise StrategyError(key, getattr(self, key), ": expected true or false")
         for key in ("param_dtype", "reduce_dtype"):
@@ -137,7 +139,23 @@ class Strategy:
                                 "choose one")
         self._refuse_fsdp_options_without_fsdp()
         self._refuse_what_is_not_built()
+        self._check_tp2d()
         self._check_pipeline()
+
+    def _check_tp2d(self) -> None:
+        if self.tp2d is None:
+            return
+        try:
+            object.__setattr__(self, "tp2d", TP2D.of(self.tp2d))
+        except TP2DError as e:
+            raise StrategyError(f"tp2d.{e.key}", e.value, e.problem) from None
+        for key, problem in (("tp", "2D tensor parallel replaces 1D: its ranks are x * y (* z); set tp to 1"),
+                             ("sp", "the 2D layouts already split the residual stream's tokens; leave sp out"),
+                             ("ep", "2D tensor parallel runs the dense families; leave ep out"),
+                             ("vision_tp", "2D tensor parallel runs the dense families; leave vision_tp out"),
+                             ("mpmd", "hp.mpmd pipelines 1D tensor parallel's collectives; leave it out with tp2d")):
+            if getattr(self, key) != DEFAULTS[key]:
+                raise StrategyError(key, getattr(self, key), f" with tp2d: {problem}")
 
     def _check_pipeline(self) -> None:
         if self.pp_schedule not in PP_SCHEDULES:
@@ -216,9 +234,6 @@ class Strategy:
                                     "run; raise dp or cp, or leave it out")
 
     def _refuse_what_is_not_built(self) -> None:
-        if self.tp2d:
-            raise StrategyError("tp2d", True, ": 2D tensor parallel is not available as a strategy yet "
-                                "(lay models out with hp.tp_plan and hp.parallelize); expected false")
         if self.offload == "host":
             raise StrategyError("offload", "host", ": the host tier (pinned memory and a copy stream on an "
                                 "accelerator) is not available yet; use offload: disk")
@@ -249,8 +264,8 @@ class Strategy:
 
     @property
     def world_size(self) -> int:
-        """Ranks the layout needs: pp * dp * cp * tp."""
-        return self.pp * self.dp * self.cp * self.tp
+        """Ranks the layout needs: pp * dp * cp * tp (x * y * z for tp2d)."""
+        return self.pp * self.dp * self.cp * self.tp * (self.tp2d.ranks if self.tp2d else 1)
 
     @property
     def mesh_axes(self) -> dict[str, int]:
@@ -259,7 +274,8 @@ class Strategy:
         Only axes that split something exist: DTensor's redistribution planner
         slows down sharply with idle size-1 axes.
         """
-        degrees = {"dp": self.dp // self.ep, "ep": self.ep, "cp": self.cp, "tp": self.tp}
+        degrees = {"dp": self.dp // self.ep, "ep": self.ep, "cp": self.cp,
+                   **(self.tp2d.mesh_axes if self.tp2d else {"tp": self.tp})}
         within = {name: n for name, n in degrees.items() if n > 1} or {"tp": 1}
         return {"pp": self.pp, **within} if self.pp > 1 else within
 
@@ -304,7 +320,7 @@ class Strategy:
     @property
     def only_batch(self) -> bool:
         """Whether only the batch splits (dp, no tp, cp, ep or FSDP): what plain data parallel runs."""
-        return self.tp == self.cp == self.ep == 1 and not (self.fsdp or self.tp2d)
+        return self.tp == self.cp == self.ep == 1 and not self.fsdp and self.tp2d is None
 
     @property
     def sequence_parallel(self) -> bool:
@@ -342,6 +358,10 @@ class Strategy:
         self._check_experts(config)
         self._check_stages(config)
         sizes = _split_sizes(config)
+        if self.tp2d is not None:  # heads split over y, each whole on its rank
+            for name in ("num_attention_heads", "num_key_value_heads"):
+                if sizes[name] % self.tp2d.y:
+                    raise StrategyError("tp2d.y", self.tp2d.y, f" does not divide {name} = {sizes[name]} of the model")
         for name, size in sizes.items():
             if size % self.tp:
                 raise StrategyError("tp", self.tp, f" does not divide {name} = {size} of the model")
@@ -354,6 +374,24 @@ class Strategy:
             raise StrategyError("cp_algorithm", "ring", f" cannot soft-cap attention logits (attn_logit_softcapping = "
                                 f"{config.attn_logit_softcapping}): ring attention merges blocks of SDPA; use ulysses")
 
+
+    def resolved(self, config: Any, tokens: int) -> Strategy:
+        """This strategy with `tp2d.scheme: auto` decided for an HF config and the `tokens` of a step per
+        data-parallel group (`hp.parallel.tp2d.TP2D.resolved`): the cheapest 2D scheme, or 1D tp.
+
+        >>> from transformers import LlamaConfig
+        >>> config = LlamaConfig(hidden_size=512, num_attention_heads=8, intermediate_size=1024)
+        >>> Strategy(tp2d={"x": 2, "y": 2, "scheme": "auto"}).resolved(config, tokens=4096).tp2d
+        TP2D(x=2, y=2, z=1, scheme='summa')
+        >>> Strategy(tp2d={"x": 2, "y": 2, "scheme": "auto"}).resolved(config, tokens=256).tp
+        4
+        """
+        if self.tp2d is None or self.tp2d.scheme != "auto":
+            return self
+        chosen = self.tp2d.resolved(config.get_text_config() if hasattr(config, "get_text_config") else config, tokens)
+        if chosen is None:
+            return dataclasses.replace(self, tp2d=None, tp=self.tp2d.ranks)
+        return dataclasses.replace(self, tp2d=chosen)
 
     def _check_stages(self, config: Any) -> None:
         if self.pp == 1:
