@@ -67,9 +67,9 @@ def test_rms_norm_on_blocks_gives_the_unsharded_values_and_gradients(case):
     torch.testing.assert_close(out, plain(x).detach())
     torch.testing.assert_close(grads[0], x_plain.grad)
     torch.testing.assert_close(grads[1], plain.weight.grad)
-    whole_rows = axes[2] is None
-    batch_only = axes[0] is not None and axes[1] is None  # FSDP's gathered weights stay with DTensor
-    assert _ran_blockwise(report, "LlamaRMSNorm.forward") == (whole_rows and not batch_only), layout
+    # FSDP's gathered weights stay with DTensor; split features run blockwise too, their sums all-reduced
+    batch_only = axes[0] is not None and axes[1] is None and axes[2] is None
+    assert _ran_blockwise(report, "LlamaRMSNorm.forward") == (not batch_only), layout
 
 
 @st.composite

@@ -29,6 +29,14 @@ function that read no DTensor besides its arguments when planned (RoPE) runs
 with no mode at all, each op a plain one (and anew on the DTensors should a
 later call read one).
 
+The last dim may be split too, over one mesh axis (2D tensor parallel
+splits the residual stream's features): then `fn` may only run elementwise
+ops and take means or sums over that dim, which become each rank's partial
+sums all-reduced over the axis (forward and backward: one number per row
+each way, where DTensor would move whole activations in backward). A
+parameter it reads is cut to the rank's slice of that dim. Any other op
+(a layer norm's fused kernel, a softmax) leaves the function to DTensor.
+
 Otherwise, and under `torch.compile` (which traces DTensor ops into one
 graph anyway), `fn` runs on the DTensors as before.
 """
@@ -40,10 +48,12 @@ import inspect
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_global_tensor_info
 from torch.overrides import TorchFunctionMode
 
+from hp.ops.collectives import all_reduce
 from hp.ops.local import local_block, to_dtensor
 from hp.watch import run_kernel
 
@@ -66,9 +76,9 @@ def blockwise(fn: Callable, like: Sequence[int] = (0,)) -> Callable:
     plans: dict = {}
 
     def on_blocks(args, kwargs, plan):
-        (mesh, pending, batch_only, reads), wraps = plan
+        (mesh, pending, batch_only, reads, features), wraps = plan
         try:
-            out = _results(_run(fn, _Blocks(mesh, pending, batch_only), args, kwargs) if reads
+            out = _results(_run(fn, _Blocks(mesh, pending, batch_only, features), args, kwargs) if reads
                            else _run_plain(fn, args, kwargs))
         except _NotBlockwise:  # a parameter unlike those of the call that made the plan
             return fn(*args, **kwargs)
@@ -105,8 +115,9 @@ _PLANS_PER_FUNCTION = 1024
 def _plan(fn, like: Sequence[int], args: tuple, kwargs: dict):
     """How results of this signature are laid out, or False where running on blocks is not exact.
 
-    A plan is ((mesh, pending axes, batch-only, reads parameters), ((placements, shape, stride) per
-    result)). A function that reads no DTensor besides its arguments (RoPE) runs with no mode at all.
+    A plan is ((mesh, pending axes, batch-only, reads parameters, the axis splitting the last dim or
+    None), ((placements, shape, stride) per result)). A function that reads no DTensor besides its
+    arguments (RoPE) runs with no mode at all.
     """
     tensors = [a for a in args if isinstance(a, DTensor)]
     if max(like) >= len(args) or not all(isinstance(args[i], DTensor) for i in like):
@@ -123,16 +134,18 @@ def _plan(fn, like: Sequence[int], args: tuple, kwargs: dict):
                 return False
             if isinstance(p, Shard):
                 splits.setdefault(p.dim - t.ndim, []).append(m)
-        if -1 in splits:
-            return False
         for dim, axes in splits.items():
             if by_dim.setdefault(dim, tuple(axes)) != tuple(axes):
                 return False
             if any(by_axis.setdefault(m, dim) != dim for m in axes):
                 return False
-    pending = tuple(sorted(m for axes in by_dim.values() for m in axes))
+    features = by_dim.get(-1, ())
+    if len(features) > 1:
+        return False
+    features = features[0] if features else None
+    pending = tuple(sorted(m for dim, axes in by_dim.items() for m in axes if dim != -1))
     batch_only = all(dim == -args[like[0]].ndim for dim in by_dim)
-    blocks = _Blocks(mesh, pending, batch_only)
+    blocks = _Blocks(mesh, pending, batch_only, features, trial=True)
     try:  # the trial run: does each result's block have its argument's block's shape?
         with torch.no_grad():
             out = _results(_run(fn, blocks, args, kwargs))
@@ -147,7 +160,7 @@ def _plan(fn, like: Sequence[int], args: tuple, kwargs: dict):
         wraps.append((placements, tuple(args[i].shape), tuple(stride)))
     if len(out) != len(like):
         return False
-    return (mesh, pending, batch_only, blocks.read), tuple(wraps)
+    return (mesh, pending, batch_only, blocks.read or features is not None, features), tuple(wraps)
 
 
 def _run(fn, blocks: _Blocks, args: tuple, kwargs: dict):
@@ -203,19 +216,38 @@ class _NotBlockwise(Exception):
 
 
 class _Blocks(TorchFunctionMode):
-    """Inside `fn`: the DTensors it reads besides its arguments (parameters) as their blocks."""
+    """Inside `fn`: the DTensors it reads besides its arguments (parameters) as their blocks; with the
+    last dim split over mesh axis `features`, that dim's means and sums over the whole of it."""
 
-    def __init__(self, mesh, pending: tuple[int, ...], batch_only: bool):
+    def __init__(self, mesh, pending: tuple[int, ...], batch_only: bool, features: int | None = None,
+                 trial: bool = False):
         super().__init__()
-        self.mesh, self.pending, self.batch_only = mesh, pending, batch_only
+        self.mesh, self.pending, self.batch_only, self.features = mesh, pending, batch_only, features
+        self.trial = trial  # a trial run learns shapes: its sums need not move
         self.read = False  # whether `fn` read a DTensor besides its arguments
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", None) != "__get__":
+        name = getattr(func, "__name__", None)
+        if name != "__get__":
             args = tuple(self._block(a) for a in args)
             kwargs = {k: self._block(v) for k, v in kwargs.items()}
+        if self.features is not None and name != "__get__":
+            return self._over_split_features(func, name, args, kwargs)
         with torch._C.DisableTorchFunction():  # all plain now: the region has nothing to convert
+            return func(*args, **kwargs)
+
+    def _over_split_features(self, func, name: str, args: tuple, kwargs: dict):
+        """`func` on a block whose last dim is split over `features`: elementwise as it is; a mean or sum
+        over that dim from the partial sums, all-reduced; anything else is not blockwise."""
+        with torch._C.DisableTorchFunction():
+            if name in ("mean", "sum") and _last_dim_only(args, kwargs):
+                x, keep = args[0], kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+                total = x.sum(-1, keepdim=keep)
+                total = total if self.trial else _SumOver.apply(total, self.mesh.get_group(self.features))
+                return total / (x.shape[-1] * self.mesh.size(self.features)) if name == "mean" else total
+            if name not in _ELEMENTWISE:
+                raise _NotBlockwise
             return func(*args, **kwargs)
 
     def _block(self, value):
@@ -226,7 +258,45 @@ class _Blocks(TorchFunctionMode):
         if self.batch_only and self.pending and value.requires_grad:
             raise _NotBlockwise
         self.read = True
-        return local_block(value, self.pending)
+        if self.features is None:
+            return local_block(value, self.pending)
+        # the rank's slice of the last dim: its gradient, zero elsewhere, is summed over the axis
+        whole = local_block(value, (*self.pending, self.features))
+        size = whole.shape[-1] // self.mesh.size(self.features)
+        return whole.index_select(-1, _slice(self.mesh.get_local_rank(self.features), size, whole.device))
+
+
+# What a function may run on a block whose last dim is split: ops of one element at a time.
+_ELEMENTWISE = frozenset({
+    "to", "float", "type_as", "contiguous", "pow", "__pow__", "rsqrt", "sqrt", "exp", "neg", "__neg__", "mul",
+    "__mul__", "__rmul__", "add", "__add__", "__radd__", "sub", "__sub__", "__rsub__", "div", "__truediv__",
+    "__rtruediv__", "clamp", "clamp_min",
+})
+
+
+def _last_dim_only(args: tuple, kwargs: dict) -> bool:
+    """Whether a mean / sum call reduces the last dim alone."""
+    x, dim = args[0], kwargs.get("dim", args[1] if len(args) > 1 else None)
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    return dim is not None and len(dims) == 1 and dims[0] in (-1, x.ndim - 1) and "dtype" not in kwargs
+
+
+class _SumOver(torch.autograd.Function):
+    """Partial sums all-reduced over a mesh axis; their gradients too (each rank's share is partial)."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return all_reduce(partial, "sum", group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_reduce(grad, "sum", ctx.group), None
+
+
+@maybe_run_for_local_tensor  # rank-dependent: one slice per simulated rank
+def _slice(coordinate: int, size: int, device) -> torch.Tensor:
+    return torch.arange(coordinate * size, (coordinate + 1) * size, device=device)
 
 
 def function_name(fn: Callable) -> str:

@@ -33,6 +33,7 @@ The value is plain Python (no torch), like the strategy that holds it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -104,6 +105,18 @@ class TP2D:
     @property
     def ranks(self) -> int:
         return self.x * self.y * self.z
+
+    @property
+    def rows(self) -> int:
+        """What a batch's rows (per data-parallel rank) must be a multiple of: the stream splits them over y
+        (and z), a 2D block's middle over x (and z); SUMMA over x alone.
+
+        >>> TP2D(x=2, y=4).rows, TP2D(x=2, y=2, z=2, scheme="3d").rows, TP2D(x=4, y=2, scheme="summa").rows
+        (4, 4, 4)
+        """
+        if self.scheme == "summa":
+            return self.x
+        return self.z * math.lcm(self.x, self.y)
 
     @property
     def mesh_axes(self) -> dict[str, int]:

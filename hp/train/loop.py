@@ -53,7 +53,7 @@ import resource
 import shutil
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
@@ -71,10 +71,11 @@ from hp.plot import pyplot
 from hp.train import checkpoint
 from hp.train.config import PREFERENCE_STAGES, TrainConfig, to_dict
 from hp.train.data import IGNORE_INDEX, TokenBatches, eval_batches, load_splits, load_tokenizer
+from hp.train.data.embedded import model_config
 from hp.train.errors import TrainingError
 from hp.train.loader import loader
 from hp.train.finetuning import Finetuning
-from hp.train.model import build_model, freeze_parts
+from hp.train.model import build_model, freeze_parts, resolved_strategy
 from hp.train.pipelined import LENGTH_STEP, pipelined_step
 from hp.train.objectives import Dpo, Kto, LanguageModeling, Reference, Reward
 from hp.train.preflight import resume_path
@@ -110,10 +111,11 @@ def train(config: TrainConfig) -> dict:
 
     >>> # see `hp train examples/quickstart.yaml`; tests/test_train.py runs short configs
     """
-    strategy = config.parallel
     _join_workers(config.ddp_timeout)
-    mesh = hp.strategy_mesh(strategy)
     tokenizer = load_tokenizer(config.model_name_or_path)
+    strategy = resolved_strategy(config, model_config(config.model_name_or_path, tokenizer.vocab_size))
+    config = replace(config, parallel=strategy)
+    mesh = hp.strategy_mesh(strategy)
     examples, held_out = load_splits(config, tokenizer)
     dp = config.parallel.dp
     batches = TokenBatches(examples, config.per_device_train_batch_size * dp, config.seed, tokenizer.pad_token_id,

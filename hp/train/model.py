@@ -41,7 +41,7 @@ from hp.parallel.plain_dp import USED_OUTSIDE_FORWARD
 from hp.parallel.storable import from_storable, to_storable
 from hp.parallel.strategy import Strategy, StrategyError, num_experts
 from hp.train import expert_weights
-from hp.train.config import ConfigError
+from hp.train.config import ConfigError, TrainConfig
 from hp.train.data.embedded import EMBEDDED, TINY_QWEN3_MOE, model_config
 from hp.train.finetuning import Finetuning, FreezeError, apply_finetuning
 
@@ -238,6 +238,23 @@ def _tied_weights(model: nn.Module) -> dict[str, str]:
     if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         return {}
     return dict(getattr(model, "all_tied_weights_keys", None) or {"lm_head.weight": "model.embed_tokens.weight"})
+
+
+def resolved_strategy(config: TrainConfig, hf_config) -> Strategy:
+    """The config's strategy, with `parallel.tp2d`'s `scheme: auto` decided for the model's shapes
+    (`hp.Strategy.resolved`) over the tokens of one data-parallel rank's micro-batch at its longest
+    (per_device_train_batch_size * cutoff_len): the launcher and every worker decide alike.
+
+    >>> from hp.train.config import validate
+    >>> from hp.train.data.embedded import tiny_llama_config
+    >>> config = validate({"model_name_or_path": "hp/tiny-llama", "dataset": "d", "output_dir": "o",
+    ...                    "parallel": {"tp2d": {"x": 2, "y": 2, "scheme": "auto"}}, "cutoff_len": 64,
+    ...                    "per_device_train_batch_size": 32})
+    >>> resolved_strategy(config, tiny_llama_config(259)).tp2d
+    TP2D(x=2, y=2, z=1, scheme='summa')
+    """
+    tokens = config.per_device_train_batch_size * config.cutoff_len
+    return config.parallel.resolved(hf_config, tokens)
 
 
 def _given(strategy: Strategy) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -137,14 +138,23 @@ def _trainer_state(config: TrainConfig) -> dict[str, Any] | None:
 def _check_model(config: TrainConfig, vocab_size: int) -> None:
     """The model's config and weights, and the strategy against them (expert parallel needs experts, ...)."""
     from hp.train.data.embedded import EMBEDDED, model_config
-    from hp.train.model import check_fits
+    from hp.train.config.validation import check_tp2d_rows
+    from hp.train.model import check_fits, resolved_strategy
 
     try:
         hf_config = model_config(config.model_name_or_path, vocab_size)
     except (OSError, ValueError) as e:
         raise ConfigError(_model_words(config, e)) from None
     weights = None if config.model_name_or_path in EMBEDDED else config.model_name_or_path
-    check_fits(hf_config, config.parallel, weights=weights, name=config.model_name_or_path,
+    strategy = resolved_strategy(config, hf_config)
+    if strategy != config.parallel:
+        t2 = strategy.tp2d
+        chosen = f"{t2.scheme} on {' x '.join(f'{a}={n}' for a, n in t2.mesh_axes.items())}" if t2 else \
+            f"1D tensor parallel, tp = {strategy.tp}"
+        print(f"hp train: note: parallel.tp2d: auto chose {chosen}, the fewest bytes for this model's shapes "
+              f"(hp.tp_plan.choose)", file=sys.stderr)
+    check_tp2d_rows(config, strategy)
+    check_fits(hf_config, strategy, weights=weights, name=config.model_name_or_path,
                labels=strategy_labels(config),
                expert_module_cls=(config.hyper_parallel_args or {}).get("expert_module_cls"),
                finetuning=config.finetuning)

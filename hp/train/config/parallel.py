@@ -14,6 +14,7 @@ translation leaves the note the launcher prints.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -122,10 +123,11 @@ def _derive_dp(fold: Fold, values: Mapping[str, Any]) -> None:
     world = launched_ranks(values)
     if "dp" in fold.values or world is None:
         return
-    inner = fold.get("pp") * fold.get("cp") * fold.get("tp")
+    tensor = tp2d_ranks(fold.get("tp2d")) or fold.get("tp")
+    inner = fold.get("pp") * fold.get("cp") * tensor
     launched = f"nproc_per_node = {values['nproc_per_node']} (x nnodes = {values.get('nnodes', 1)})"
     if world % inner:
-        degrees = "pp * cp * tp" if fold.get("pp") > 1 else "cp * tp"
+        degrees = ("pp * cp * " if fold.get("pp") > 1 else "cp * ") + ("tp2d's x * y * z" if fold.get("tp2d") else "tp")
         raise ConfigError(f"{launched}: {world} ranks do not split into groups of {degrees} = {inner}; expected "
                           f"a multiple of {inner}")
     dp, ep = world // inner, fold.get("ep")
@@ -137,6 +139,18 @@ def _derive_dp(fold: Fold, values: Mapping[str, Any]) -> None:
                           f"nproc_per_node * nnodes a multiple of ep * cp * tp = {ep * inner}")
     if dp > 1:
         fold.add(f"nproc_per_node = {values['nproc_per_node']}", {"dp": dp})
+
+
+def tp2d_ranks(section: Mapping[str, Any] | None) -> int | None:
+    """The ranks of a `tp2d:` section (x * y * z, what it gives of them), None without one.
+
+    >>> tp2d_ranks({"x": 2, "y": 4, "scheme": "auto"}), tp2d_ranks(None)
+    (8, None)
+    """
+    if not section:
+        return None
+    sizes = [section.get(k, 1) for k in ("x", "y", "z")]
+    return math.prod(n for n in sizes if isinstance(n, int) and not isinstance(n, bool) and n >= 1)
 
 
 def with_recompute(strategy: Strategy, given: dict[str, Any], hyper: dict[str, Any] | None,
@@ -159,8 +173,6 @@ def _strategy_fields(key: str, value: Any) -> dict[str, Any]:
     """The strategy fields that one parallel or hyper_parallel_args key sets."""
     if key == "activation_mode":
         return _ACTIVATION_FIELDS[value]
-    if key == "tp2d":
-        return {"tp2d": bool(value)}
     return {HYPER_TO_PARALLEL.get(key, key): value}
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,7 @@ from hp.train.config.schema import (
 class Rule:
     """What one key takes: its type, and a test with the words that say what the test allows."""
 
-    kind: str  # "str", "int", "float" or "bool"; "text": a string kept as written, not stripped
+    kind: str  # "str", "int", "float", "bool" or "mapping"; "text": a string kept as written, not stripped
     test: Callable[[Any], bool] | None = None
     allowed: str = ""
     optional: bool = False  # null is a value
@@ -137,7 +137,8 @@ PARALLEL_RULES: dict[str, Rule] = {
     "ep": Rule("int", lambda v: v >= 1, "an integer >= 1"),
     "expert_bias_rate": Rule("float", lambda v: v >= 0, "a number >= 0 (the routing bias's step per optimizer step; "
                              "0: none)"),
-    "tp2d": Rule("bool", optional=True),
+    "tp2d": Rule("mapping", allowed="{x: N, y: N, z: N (3d only), scheme: 2d | summa | 3d | auto}, or null",
+                 optional=True),
     "fsdp": Rule("bool"),
     "offload": Rule("str", optional=True),
     "offload_budget": Rule("float", lambda v: 0 < v <= 1, "a fraction of the step's recorded peak memory, in (0, 1]"),
@@ -162,7 +163,7 @@ PARALLEL_RULES: dict[str, Rule] = {
 # LlamaFactory's HyperParallel keys that name a parallel degree, and that degree.
 HYPER_TO_PARALLEL = {"tp_size": "tp", "cp_size": "cp", "ep_size": "ep"}
 
-_KINDS = {"str": "a string", "text": "a string", "int": "an integer", "ints": "a list of integers", "chunks": "a number of chunks, or 'auto'",
+_KINDS = {"mapping": "a mapping", "str": "a string", "text": "a string", "int": "an integer", "ints": "a list of integers", "chunks": "a number of chunks, or 'auto'",
           "float": "a finite number (1e-4 and 0.0001 both work)", "bool": "true or false"}
 _WRONG = object()  # what _convert returns for a value of the wrong type
 
@@ -194,6 +195,8 @@ def _convert(value: Any, kind: str) -> Any:
         return value if value == "auto" or (isinstance(value, int) and not isinstance(value, bool)) else _WRONG
     if kind == "bool":
         return value if isinstance(value, bool) else _WRONG
+    if kind == "mapping":  # its keys are checked by the value it becomes
+        return dict(value) if isinstance(value, Mapping) else _WRONG
     if kind == "int":
         return value if isinstance(value, int) and not isinstance(value, bool) else _WRONG
     if kind == "ints":  # a list of counts, as written in YAML

@@ -24,6 +24,7 @@ from hp.train.config.parallel import (
     ELSEWHERE_KEYS, check_agreement, fold_strategy, parallel_section, sharding_elsewhere, with_recompute,
 )
 from hp.train.config.rules import RULES, check_value, one_of, unknown_key
+from hp.parallel.strategy import Strategy
 from hp.train.config.schema import PREFERENCE_STAGES, ConfigError, TrainConfig
 
 _REQUIRED = ("model_name_or_path", "dataset", "output_dir")
@@ -155,6 +156,26 @@ def _check_training(config: TrainConfig) -> None:
                           "of them (a held-out split, or datasets of its own)")
     _check_preference(config)
     _check_pipeline(config)
+    check_tp2d_rows(config, config.parallel)
+
+
+def check_tp2d_rows(config: TrainConfig, strategy: Strategy) -> None:
+    """Under 2D tensor parallel a batch's rows split over the tp2d axes (`hp.parallel.tp2d`): each rank's
+    rows, of a training micro-batch and of an evaluation batch, must be a multiple of what they need.
+    `strategy` is the config's, or the one its `scheme: auto` became for the model."""
+    t2 = strategy.tp2d
+    if t2 is None or t2.scheme == "auto":
+        return
+    rows = {"per_device_train_batch_size": config.per_device_train_batch_size // strategy.microbatches}
+    if config.evaluates:
+        rows["per_device_eval_batch_size"] = config.per_device_eval_batch_size
+    for key, n in rows.items():
+        if n % t2.rows:
+            per = f" per micro-batch (/ pp_microbatches = {strategy.microbatches})" if strategy.pp > 1 and \
+                key.endswith("train_batch_size") else ""
+            raise ConfigError(f"{key} = {getattr(config, key)}: parallel.tp2d ({t2.scheme} on "
+                              f"{' x '.join(f'{a}={n}' for a, n in t2.mesh_axes.items())}) splits each rank's "
+                              f"{n} rows{per} over its axes; expected a multiple of {t2.rows}")
 
 
 def _check_pipeline(config: TrainConfig) -> None:
@@ -204,8 +225,9 @@ _PREFERENCE_KEYS = ("pref_beta", "pref_ftx", "pref_loss", "dpo_label_smoothing",
 def _workers_per_node(config: TrainConfig) -> int:
     """nproc_per_node, derived from the parallel degrees when not given; they must agree."""
     p = config.parallel
-    ranks = (f"pp*dp*cp*tp = {p.pp}*{p.dp}*{p.cp}*{p.tp} = {p.world_size}" if p.pp > 1
-             else f"dp*cp*tp = {p.dp}*{p.cp}*{p.tp} = {p.world_size}")
+    degrees = {"pp": p.pp, "dp": p.dp, "cp": p.cp, **(p.tp2d.mesh_axes if p.tp2d else {"tp": p.tp})}
+    shown = {k: n for k, n in degrees.items() if k != "pp" or n > 1}
+    ranks = f"{'*'.join(shown)} = {'*'.join(map(str, shown.values()))} = {p.world_size}"
     if config.nproc_per_node is None:
         if p.world_size % config.nnodes:
             raise ConfigError(f"nnodes = {config.nnodes}: the {ranks} ranks do not split evenly over the nodes; "
