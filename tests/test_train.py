@@ -88,7 +88,7 @@ def _optimizer_states(checkpoint: Path) -> list:
 
 
 @pytest.mark.parametrize("strategy", [["parallel.tp=1"], ["parallel.tp=1", "parallel.dp=2", "per_device_train_batch_size=4"],
-                                      ["parallel.tp=1", "parallel.pp=2"]])
+                                      ["parallel.tp=1", "parallel.pp=2"], ["parallel.tp=1", "parallel.tp2d={x: 2, y: 2}"]])
 def test_checkpoint_resumes_under_another_strategy(uninterrupted, tmp_path, strategy):
     resumed = summary(hp_train(*SHORT, *strategy, f"output_dir={tmp_path}",
                                f"resume_from_checkpoint={uninterrupted / 'checkpoint-3'}"))
@@ -107,6 +107,20 @@ def test_a_pipelined_run_has_the_tp_runs_losses_and_resumes_at_tp(uninterrupted,
     assert got.keys() == want.keys() and all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), (got, want)
     resumed = tmp_path / "tp"
     summary(hp_train(*SHORT, f"output_dir={resumed}", f"resume_from_checkpoint={pipelined / 'checkpoint-3'}"))
+    got = losses(resumed)
+    assert all(got[s] == pytest.approx(want[s], rel=1e-5) for s in (4, 5, 6)), (got, want)
+
+
+def test_a_2d_run_has_the_tp_runs_losses_and_resumes_at_tp(uninterrupted, tmp_path):
+    """tp2d on 2 x 2 ranks against tp=2: the same losses step by step, the bytes on both axes; its checkpoint,
+    each weight split over x and y, resumes at tp=2."""
+    two_d = tmp_path / "tp2d"
+    result = summary(hp_train(*SHORT, "parallel.tp=1", "parallel.tp2d={x: 2, y: 2}", f"output_dir={two_d}"))
+    assert result["comm_bytes_per_step"].keys() == {"x", "y"}
+    want, got = losses(uninterrupted), losses(two_d)
+    assert got.keys() == want.keys() and all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), (got, want)
+    resumed = tmp_path / "tp"
+    summary(hp_train(*SHORT, f"output_dir={resumed}", f"resume_from_checkpoint={two_d / 'checkpoint-3'}"))
     got = losses(resumed)
     assert all(got[s] == pytest.approx(want[s], rel=1e-5) for s in (4, 5, 6)), (got, want)
 

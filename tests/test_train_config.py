@@ -13,6 +13,7 @@ import yaml
 
 from hp.train import config as config_module
 from hp.parallel.strategy import Strategy
+from hp.parallel.tp2d import TP2D
 from hp.train.config import ConfigError, TrainConfig, apply_overrides, load_config, to_dict, validate
 
 MINIMAL = {"model_name_or_path": "hp/tiny-llama", "dataset": "alpaca_en_demo", "output_dir": "saves/tiny"}
@@ -134,6 +135,14 @@ def test_pipeline_keys_and_the_ranks_they_take():
     cfg = validate({**MINIMAL, "parallel": {"pp": 2, "tp": 2, "pp_schedule": "GPipe"}, "nproc_per_node": 8})
     assert cfg.parallel == Strategy(pp=2, tp=2, dp=2, pp_schedule="GPipe", recompute=True)
     assert cfg.parallel.mesh_axes == {"pp": 2, "dp": 2, "tp": 2}
+
+
+def test_2d_keys_and_the_ranks_they_take():
+    cfg = validate({**MINIMAL, "parallel": {"tp2d": {"x": 2, "y": 2, "z": 2, "scheme": "3d"}}, "nproc_per_node": 16,
+                    "per_device_train_batch_size": 4})
+    assert cfg.parallel.tp2d == TP2D(x=2, y=2, z=2, scheme="3d") and cfg.parallel.dp == 2
+    assert cfg.parallel.mesh_axes == {"dp": 2, "z": 2, "x": 2, "y": 2}
+    assert validate(to_dict(cfg)) == cfg  # the checkpoint's copy of the config reads back
 
 
 def test_compiled_blocks_offload():
@@ -423,7 +432,15 @@ BAD = [
      "tp = 2 leaves dp = 6 / (cp * tp) = 3"),
     ({"parallel": {"expert_bias_rate": -0.1}}, "parallel.expert_bias_rate = -0.1: expected a number >= 0"),
     ({"parallel": {"expert_bias_rate": "fast"}}, "parallel.expert_bias_rate = 'fast': expected a finite number"),
-    ({"parallel": {"tp2d": True}}, "parallel.tp2d = True: 2D tensor parallel is not available as a strategy yet"),
+    ({"parallel": {"tp2d": True}}, "parallel.tp2d = True: expected {x: N, y: N, z: N (3d only), scheme: 2d | summa"),
+    ({"parallel": {"tp2d": {"x": 2, "y": 2}, "tp": 2}}, "parallel.tp = 2 with tp2d: 2D tensor parallel replaces 1D"),
+    ({"parallel": {"tp2d": {"x": 2, "y": 0}}}, "parallel.tp2d.y = 0: expected an integer >= 1"),
+    ({"parallel": {"tp2d": {"x": 2, "y": 2, "scheme": "2.5d"}}}, "parallel.tp2d.scheme = '2.5d': expected one of"),
+    ({"parallel": {"tp2d": {"x": 2, "y": 4}}, "per_device_train_batch_size": 6},
+     "per_device_train_batch_size = 6: parallel.tp2d (2d on x=2, y=4) splits each rank's 6 rows over its axes; "
+     "expected a multiple of 4"),
+    ({"parallel": {"tp2d": {"x": 2, "y": 2}}, "nproc_per_node": 6},
+     "nproc_per_node = 6 (x nnodes = 1): 6 ranks do not split into groups of cp * tp2d's x * y * z = 4"),
     ({"parallel": {"offload": "host"}}, "parallel.offload = 'host': the host tier (pinned memory and a copy stream on an accelerator) is not available yet; use offload: disk"),
     ({"parallel": {"offload": "disk", "recompute": True}}, "parallel.offload = 'disk': offload and recompute both cut saved activations; choose one"),
     ({"parallel": {"offload": {"budget": 0.5, "tiers": ["device", "disk"], "when": 1}}}, "unknown key 'when'"),
@@ -536,11 +553,15 @@ def test_the_config_and_its_strategy_import_no_torch():
     """Checked before any worker starts: these modules do no tensor or distributed work."""
     import hp.parallel.finetune
     import hp.parallel.strategy
+    import hp.parallel.tp2d
 
     package = sorted(Path(config_module.__file__).parent.glob("*.py"))  # every module of hp.train.config
     own = {"hp.train.config", *(f"hp.train.config.{path.stem}" for path in package)}
-    allowed = {"hp.parallel.strategy", "hp.parallel.finetune", *own}
-    for path in (*package, Path(hp.parallel.strategy.__file__), Path(hp.parallel.finetune.__file__)):
+    # tp2d's layouts and planner are imported when a model is laid out, not with the value
+    allowed = {"hp.parallel.strategy", "hp.parallel.finetune", "hp.parallel.tp2d", "hp.parallel.tp_plan", "hp.layouts",
+               *own}
+    modules = (hp.parallel.strategy, hp.parallel.finetune, hp.parallel.tp2d)
+    for path in (*package, *(Path(m.__file__) for m in modules)):
         tree = ast.parse(path.read_text())
         imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}

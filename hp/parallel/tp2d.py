@@ -175,9 +175,9 @@ class TP2D:
         """
         if self.scheme != "auto":
             return self
-        from hp.parallel import tp_plan
+        from hp.parallel.tp_plan import choose
 
-        choice = tp_plan.choose(layer_blocks(config), tokens, self.ranks)
+        choice = choose(layer_blocks(config), tokens, self.ranks)
         if choice.scheme == "1d":
             return None
         return TP2D(scheme=choice.scheme, **choice.mesh)
@@ -185,9 +185,9 @@ class TP2D:
 
 def layer_blocks(config: Any) -> list:
     """`hp.tp_plan`'s blocks of one decoder layer of an HF config (its attention and MLP shapes)."""
-    from hp.parallel import tp_plan
+    from hp.parallel.tp_plan import layer
 
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv = getattr(config, "num_key_value_heads", None) or heads
-    return tp_plan.layer(config.hidden_size, heads, kv, config.intermediate_size, head_dim)
+    return layer(config.hidden_size, heads, kv, config.intermediate_size, head_dim)

@@ -149,7 +149,7 @@ def _check_model(config: TrainConfig, vocab_size: int) -> None:
     strategy = resolved_strategy(config, hf_config)
     if strategy != config.parallel:
         t2 = strategy.tp2d
-        chosen = f"{t2.scheme} on {' x '.join(f'{a}={n}' for a, n in t2.mesh_axes.items())}" if t2 else \
+        chosen = f"{t2.scheme} on {', '.join(f'{a}={n}' for a, n in t2.mesh_axes.items())}" if t2 else \
             f"1D tensor parallel, tp = {strategy.tp}"
         print(f"hp train: note: parallel.tp2d: auto chose {chosen}, the fewest bytes for this model's shapes "
               f"(hp.tp_plan.choose)", file=sys.stderr)

@@ -181,6 +181,8 @@ def check_value(key: str, value: Any, rule: Rule) -> Any:
     converted = _convert(value, rule.kind)
     if converted is _WRONG:
         kind = _KINDS[rule.kind] + (", or null" if rule.optional else "")
+        if rule.kind == "mapping" and rule.allowed:  # its shape says more than "a mapping"
+            kind = rule.allowed
         raise refuse(key, value, one_of(rule.choices) if rule.choices else kind)
     if rule.choices and converted not in rule.choices:
         note = f" {rule.allowed}" if rule.allowed else ""

@@ -174,7 +174,7 @@ def check_tp2d_rows(config: TrainConfig, strategy: Strategy) -> None:
             per = f" per micro-batch (/ pp_microbatches = {strategy.microbatches})" if strategy.pp > 1 and \
                 key.endswith("train_batch_size") else ""
             raise ConfigError(f"{key} = {getattr(config, key)}: parallel.tp2d ({t2.scheme} on "
-                              f"{' x '.join(f'{a}={n}' for a, n in t2.mesh_axes.items())}) splits each rank's "
+                              f"{', '.join(f'{a}={size}' for a, size in t2.mesh_axes.items())}) splits each rank's "
                               f"{n} rows{per} over its axes; expected a multiple of {t2.rows}")
 
 
