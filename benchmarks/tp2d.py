@@ -8,7 +8,9 @@ group, fake tensors: no data, exact shapes), counts the bytes each rank sends
 with `hp.comm.trace()`, and compares them with `hp.tp_plan`'s formulas.
 One JSON line per (block, p); then the 2D activation memory of the MLP; then a
 whole small HF Llama run at each p with real values on simulated ranks (the
-planner's choice, per-layer bytes against the formula); the last line is a
+planner's choice, per-layer bytes against the formula); then `hp train`'s
+first step under `parallel.tp2d` (2 x 2), simulated and for real on 4 gloo
+processes, against `hp.tp_plan.step_bytes_2d`; the last line is a
 summary whose `targets_met` says whether 2D saves what it should over 1D (at
 least 42% of the bytes for the square block at p=8, 31% and 60% for a layer
 at p=16 and p=64). Runs in about half a minute on a CPU.
@@ -174,6 +176,70 @@ def llama_at_scale(p: int, batch: int = 64, seq: int = 16) -> dict:
     }
 
 
+SCALAR = 256  # payload bytes at most: a collective of scalars (the loss's sum, the gradient norm's parts)
+TRAIN = ["examples/quickstart.yaml", "parallel.tp=1", "parallel.tp2d={x: 2, y: 2}", "dataset_dir=examples/data"]
+
+
+def train_step(real: bool = True) -> dict:
+    """`hp train`'s first step under tp2d (2d on x=2, y=2: the quickstart's tiny Llama and first batch).
+
+    The step (forward, backward, gradient sums, clipping) runs on 4 simulated ranks with hp train's own
+    model building and clipping; the bytes of its tensor collectives, per mesh axis, equal
+    `hp.tp_plan.step_bytes_2d`. With `real`, `hp train` itself then runs one step on 4 gloo processes,
+    and the bytes it reports per axis (`comm_bytes_per_step`, scalars included) equal the simulated step's.
+    """
+    from hp.train.config import load_config
+    from hp.train.data import TokenBatches, load_examples, load_tokenizer
+    from hp.train.loop import clip_gradients
+    from hp.train.model import build_model
+    from hp.parallel.tp2d import layer_blocks
+
+    config = load_config(TRAIN[0], TRAIN[1:])
+    tokenizer = load_tokenizer(config.model_name_or_path)
+    batch = next(TokenBatches(load_examples(config, tokenizer), config.per_device_train_batch_size, config.seed,
+                              tokenizer.pad_token_id))
+    strategy = config.parallel
+    mesh = hp.strategy_mesh(strategy, simulate=True)
+    with hp.simulated(mesh):
+        model = build_model(config.model_name_or_path, tokenizer.vocab_size, mesh, strategy, seed=config.seed)
+        with hp.comm.trace() as trace:
+            loss = model(input_ids=batch.input_ids, labels=batch.labels).loss
+            loss.backward()
+            loss.full_tensor()
+            hp.reduce_gradients(model)
+            clip_gradients(model.parameters(), config.max_grad_norm)
+    measured, scalars = {}, {}
+    for r in trace.records:
+        into = scalars if r.payload_bytes <= SCALAR else measured
+        into[r.axis] = into.get(r.axis, 0) + r.bytes
+    c = model.config
+    decoder = tp_plan.Decoder(tuple(layer_blocks(c)), c.num_hidden_layers, c.vocab_size)
+    formula = {}
+    for (_, axis), n in tp_plan.step_bytes_2d(decoder, batch.input_ids.numel(), 2, 2).by.items():
+        formula[axis] = formula.get(axis, 0) + n
+    line = {"train_step": "tp2d 2d x=2 y=2", "tokens": batch.input_ids.numel(), "bytes_per_step": measured,
+            "formula": formula, "scalar_bytes": scalars, "formula_match": measured == formula}
+    if real:
+        simulated = {a: measured.get(a, 0) + scalars.get(a, 0) for a in {*measured, *scalars}}
+        line["hp_train_comm_bytes_per_step"] = _hp_train_bytes()
+        line["hp_train_matches_simulated"] = line["hp_train_comm_bytes_per_step"] == simulated
+    return line
+
+
+def _hp_train_bytes() -> dict:
+    """`hp train TRAIN max_steps=1`'s reported bytes per step per axis (4 gloo workers)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out:
+        run = subprocess.run([sys.executable, "-m", "hp.cli", "train", *TRAIN, "max_steps=1", "save_steps=10",
+                              f"output_dir={out}"], capture_output=True, text=True, timeout=600)
+    if run.returncode:
+        raise RuntimeError(f"hp train failed:\n{run.stderr[-3000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])["comm_bytes_per_step"]
+
+
 def best(blocks, tokens: int, p: int, scheme: str) -> tuple[dict[str, int], int] | None:
     """(mesh, formula bytes) of the cheapest factorisation of `scheme`, or None."""
     parts = {"2d": 2, "summa": 2, "3d": 3}[scheme]
@@ -196,6 +262,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--ranks", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     parser.add_argument("--plot", default="benchmarks/tp2d.png", help="PNG path (needs the plot extra)")
+    parser.add_argument("--no-hp-train", action="store_true", help="skip the real 4-process hp train step")
     args = parser.parse_args()
 
     rows = []
@@ -228,6 +295,9 @@ def main() -> None:
     for line in at_scale:
         print(json.dumps(line), flush=True)
 
+    train = train_step(real=not args.no_hp_train)
+    print(json.dumps(train), flush=True)
+
     def get(block, p, key):
         return next(r[key] for r in rows if r["block"] == block and r["p"] == p)
 
@@ -244,6 +314,7 @@ def main() -> None:
         "formula_match": all(r["formula_match"] for r in rows + memory + at_scale),
         "mlp_act_mem_ratio_4x4": memory[-1]["ratio"],
         "planner_never_above_1d": all(r["planner_bytes"] <= r["bytes_1d"] for r in rows),
+        "hp_train_bytes_match_formula": train["formula_match"] and train.get("hp_train_matches_simulated", True),
     }
     summary["targets_met"] = (
         summary["square_p8_reduction"] >= 0.42

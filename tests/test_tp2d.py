@@ -146,3 +146,9 @@ def test_activation_memory_follows_its_formula():
 def test_a_whole_llama_runs_at_scale_in_one_process(p):
     line = tp2d.llama_at_scale(p)
     assert line["formula_match"], line
+
+
+def test_an_hp_train_step_under_tp2d_moves_the_formulas_bytes():
+    line = tp2d.train_step(real=False)  # the real 4-process run is the benchmark's (and test_train's) part
+    assert line["formula_match"], line
+    assert 0 < sum(line["scalar_bytes"].values()) < 200  # the loss's and the gradient norm's scalars

@@ -101,6 +101,48 @@ def bytes_summa(blocks: list[Block], tokens: int, x: int, y: int, elem: int = 4)
     return cost
 
 
+@dataclass(frozen=True)
+class Decoder:
+    """The shapes of a dense decoder that a training step's bytes depend on (RMSNorms, untied head)."""
+
+    layer: tuple[Block, ...]
+    layers: int
+    vocab: int
+
+    @property
+    def h(self) -> int:
+        return self.layer[0].h
+
+
+def step_bytes_2d(model: Decoder, tokens: int, x: int, y: int, elem: int = 4) -> Bytes:
+    """Bytes per rank of a 2D training step (forward, backward, gradient sums) of `model` on `tokens`.
+
+    On top of each layer's projections (`bytes_2d`): every RMSNorm (two a layer and the final one)
+    all-reduces one number per local row over x, forward and backward; the head (`vocab/y h/x`)
+    is a 2D linear whose output is the logits; the vocab-parallel loss all-reduces three numbers per
+    row over y; the embedding's output gradient is gathered over y, then x (the table's gradient is
+    then whole on every rank); the norms' weights, replicated, sum their gradients over x and y.
+    The loss's and the gradient norm's scalars are not counted (tens of bytes).
+
+    >>> step_bytes_2d(Decoder(tuple(layer(64, 4, 4, 128)), 1, 256), tokens=64, x=2, y=2).total
+    170624
+    """
+    h, e = model.h, elem
+    cost = Bytes()
+    for _ in range(model.layers):
+        cost = cost + bytes_2d(list(model.layer), tokens, x, y, 1, e)
+    for _ in range(2 * model.layers + 1):  # each norm's sum of squares, forward and backward
+        cost.add("all_reduce", "x", tokens // y * e, x).add("all_reduce", "x", tokens // y * e, x)
+    stream, logits = tokens * h // x * e, tokens * model.vocab // y * e
+    cost.add("all_gather", "y", stream, y).add("reduce_scatter", "x", logits, x)  # the head, forward
+    cost.add("all_gather", "x", logits, x).add("reduce_scatter", "y", stream, y)  # and backward
+    for _ in range(3):  # row max, sum of exponentials, target logit
+        cost.add("all_reduce", "y", tokens // x * e, y)
+    cost.add("all_gather", "y", stream, y).add("all_gather", "x", tokens * h * e, x)  # the embedding's gradient
+    norms = (2 * model.layers + 1) * h * e
+    return cost.add("all_reduce", "x", norms, x).add("all_reduce", "y", norms, y)
+
+
 def factorisations(p: int, parts: int) -> list[tuple[int, ...]]:
     """Ordered factorisations of p into `parts` factors, each > 1."""
     if parts == 1:
