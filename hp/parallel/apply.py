@@ -68,6 +68,19 @@ def token_layout(strategy: Strategy) -> str:
     return " ".join(("/".join(("b", *strategy.batch_axes)), "s/cp" if strategy.cp > 1 else "s"))
 
 
+def stream_layout(strategy: Strategy) -> str:
+    """The residual stream's layout: the tokens', features whole (tokens over tp too under sequence parallel;
+    2D tensor parallel's own under tp2d).
+
+    >>> stream_layout(Strategy(dp=2, tp=2, sp=True)), stream_layout(Strategy(cp=2, tp2d={"x": 2, "y": 2}))
+    ('b/dp s/tp h', 'b/y s/cp h/x')
+    """
+    tokens = token_layout(strategy)
+    if strategy.tp2d is not None:
+        return strategy.tp2d.stream(*tokens.split())
+    return f"{tokens}/tp h" if strategy.sequence_parallel else f"{tokens} h"
+
+
 def layouts(strategy: Strategy, plan: ModelPlan) -> tuple[dict[str, str], dict, dict]:
     """(parameter layouts, input layouts, output layouts) that `hp.parallelize` applies.
 
@@ -82,10 +95,7 @@ def layouts(strategy: Strategy, plan: ModelPlan) -> tuple[dict[str, str], dict, 
     """
     tokens = token_layout(strategy)
     split = tokens != "b s"
-    if strategy.tp2d is not None:
-        residual = strategy.tp2d.stream(*tokens.split())
-    else:
-        residual = f"{tokens}/tp h" if strategy.sequence_parallel else f"{tokens} h"
+    residual = stream_layout(strategy)
     labels = {"labels": tokens, "shift_labels": tokens}
     experts = dict(plan.expert_params) if strategy.ep > 1 else {}
     if plan.decoder is None:

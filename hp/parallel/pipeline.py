@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from hp.layouts import from_local, shard
 from hp.ops.region import region
-from hp.parallel.apply import apply_strategy, token_layout
+from hp.parallel.apply import apply_strategy, stream_layout, token_layout
 from hp.parallel.model_plan import ModelPlan
 from hp.parallel.pipeline_split import BlockCosts, StageSplit, balanced_split
 from hp.parallel.plain_dp import USED_OUTSIDE_FORWARD
@@ -290,7 +290,7 @@ def pipeline(model: nn.Module, mesh, strategy: Strategy | Mapping[str, Any], pla
     inner = strategy.within_stage
     names = [n for n in mesh.mesh_dim_names if n != "pp"]
     inner_mesh = mesh[tuple(names)] if names else None
-    stream = f"{token_layout(inner)}/tp h" if inner.sequence_parallel else f"{token_layout(inner)} h"
+    stream = stream_layout(inner)
     ids = stages_of_rank(strategy, pp_rank)
     runs = []
     for k, stage in enumerate(ids):
