@@ -214,6 +214,25 @@ def _reset(environ: dict[str, str], cwd: str, path: list[str]) -> None:
     os.chdir(cwd)
     sys.path[:] = path
     torch._dynamo.reset()  # compile counts are per job
+    _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """Drop DTensor's caches of sharding decisions: they key on meshes by shape and names, so a later job's
+    equal mesh would be handed the redistributions planned on this job's, with this world's process groups
+    (a job then fails to resolve a group name that its own world never made)."""
+    import torch
+    import torch.distributed.tensor._redistribute as redistribute
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cached in (propagator.propagate_op_sharding, getattr(propagator, "_propagate_tensor_meta_cached", None)):
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    for clear in (getattr(redistribute, "clear_redistribute_planner_cache", None),
+                  getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)):  # the native one
+        if clear is not None:
+            clear()
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ LLAMA = [
     {"tp2d": {**TWO_D, "scheme": "summa"}}, {"tp2d": {**TWO_D, "z": 2, "scheme": "3d"}},
     {"tp2d": TWO_D, "dp": 2}, {"tp2d": {**TWO_D, "scheme": "summa"}, "dp": 2}, {"tp2d": TWO_D, "cp": 2},
     {"tp2d": TWO_D, "cp": 2, "cp_algorithm": "ring"}, {"tp2d": TWO_D, "recompute": True},
+    {"tp2d": {"x": 4, "y": 2}},
 ]
 CASES = [(f, {"tp2d": TWO_D}) for f in FAMILIES] + [("llama", s) for s in LLAMA] + [("gemma2", {"tp2d": TWO_D, "cp": 2})]
 
@@ -65,9 +66,9 @@ def test_family_matches_hf_and_moves_the_formula_bytes(family, strategy):
         assert [t.bytes(phase="forward") for t in layers] == [layer_forward_bytes(strategy, model.config)]
 
 
-def test_five_adamw_steps_of_two_layers_give_hf_losses():
-    reference, model = tiny_pair("qwen3", layers=2)
-    batches = [dict(zip(("input_ids", "labels"), batch(seed=s))) for s in range(5)]
+def test_three_adamw_steps_give_hf_losses():
+    reference, model = tiny_pair("qwen3", layers=1)
+    batches = [dict(zip(("input_ids", "labels"), batch(seed=s))) for s in range(3)]
     adamw_steps_follow(reference, model, batches, {"tp2d": TWO_D, "dp": 2})
 
 

@@ -125,17 +125,6 @@ def test_a_2d_run_has_the_tp_runs_losses_and_resumes_at_tp(uninterrupted, tmp_pa
     assert all(got[s] == pytest.approx(want[s], rel=1e-5) for s in (4, 5, 6)), (got, want)
 
 
-@pytest.mark.parametrize("strategy", [["parallel.dp=2", "parallel.fsdp=true", "per_device_train_batch_size=4"],
-                                      ["parallel.pp=2"]], ids=["fsdp", "pp"])
-def test_2d_under_fsdp_and_pipeline_stages_has_the_tp_runs_losses(uninterrupted, tmp_path, strategy):
-    """8 ranks (more than the pool holds: the real command): 2 x 2 tensor parallel within FSDP over dp = 2, or
-    within each of 2 pipeline stages."""
-    summary(hp_train(*SHORT, "parallel.tp=1", "parallel.tp2d={x: 2, y: 2}", *strategy, "max_steps=2",
-                     f"output_dir={tmp_path}", launcher=True))
-    want, got = losses(uninterrupted), losses(tmp_path)
-    assert all(got[s] == pytest.approx(want[s], rel=1e-5) for s in (1, 2)), (got, want)
-
-
 def test_a_local_gemma3_directory_trains_pipelined_as_at_tp(tmp_path):
     """Read from files, cut into stages: Gemma3's embedding scale (a buffer, not in the files) and its head
     tied to the embedding across the two stages; the losses are the tp=2 run's."""

@@ -1,4 +1,5 @@
-"""Worker for test_pipeline.py: pipeline parallel on gloo ranks against the unsharded model.
+"""Worker for test_pipeline.py: pipeline parallel on gloo ranks against the unsharded model (on 8 ranks, 2D
+tensor parallel within pipeline stages and within FSDP too).
 
 For every schedule of `torch.distributed.pipelining` that hp names, a tiny Llama cut into stages over
 `pp`: the step's loss and every gradient equal the unsharded step's over the same tokens (fp32,
@@ -85,9 +86,36 @@ def lengths_vary(schedule: str) -> None:
     assert abs(got - want) / want < 1e-5, f"{schedule} evaluating 7 rows: loss {got} vs unsharded {want}"
 
 
+def check_laid_out(strategy: dict, where: str) -> None:
+    """A step of the whole model laid out by `strategy` (no pipeline) against the unsharded one."""
+    torch.manual_seed(0)
+    config = tiny_config("llama", layers=2)
+    reference = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(reference.state_dict())
+    ids, labels = batch()
+    want = reference(input_ids=ids, labels=labels).loss
+    want.backward()
+    mesh = hp.strategy_mesh(strategy)
+    hp.apply_strategy(model, mesh, strategy, plan_for(config))
+    got = model(input_ids=ids, labels=labels).loss
+    got.backward()
+    hp.reduce_gradients(model)
+    got = got.full_tensor() if hasattr(got, "full_tensor") else got
+    assert abs(got.item() - want.item()) / want.item() < 1e-5, f"{where}: loss {got.item()} vs {want.item()}"
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        err = ((g - r.grad).norm() / r.grad.norm()).item()
+        assert err < 1e-5, f"{where}: gradient of {name} off by {err:.1e}"
+
+
 def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
-    if world == 2:
+    if world == 8:  # 2D tensor parallel (2 x 2) within pipeline stages, and within FSDP over dp
+        two_d = {"tp2d": {"x": 2, "y": 2}}
+        check({"pp": 2, "pp_microbatches": 2, **two_d}, "pp=2 x tp2d 2x2")
+        check_laid_out({"dp": 2, "fsdp": True, **two_d}, "fsdp dp=2 x tp2d 2x2")
+    elif world == 2:
         for schedule in SCHEDULES:
             check({"pp": 2, "pp_schedule": schedule, "pp_microbatches": 4}, f"pp=2 {schedule}")
         for schedule in ("1F1B", "ZBVZeroBubble"):
