@@ -26,7 +26,7 @@ import pytest
 from gloo_launch import clean_env
 from train_runs import DATA, QUICKSTART, ROOT, hp_train, local_hf_model, summary
 
-from hp.train import checkpoint
+from hp.train import checkpoint, manifest
 
 FAST = ["max_steps=2", "save_steps=1", "per_device_train_batch_size=4"]  # two checkpoints to leave alone
 PWNED = "hp-test-pwned"  # a file the planted pickles would create if they ran
@@ -348,6 +348,7 @@ def test_a_checkpoint_holding_code_is_refused_unrun(planted, finished_run, tmp_p
 
         state = torch.load(target, weights_only=True)
         torch.save({**state, "hook": _Payload(marker)}, target)
+    manifest.write(str(target.parent))  # as whoever planted it would: the manifest proves no intent
     code, err = run_here(f"output_dir={out}", "resume_from_checkpoint=last")
     assert_one_message(code, err, "which loading would have to run as code; refusing it")
     assert "posix.system" in err or "os.system" in err

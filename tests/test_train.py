@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -227,6 +228,24 @@ def test_the_evaluation_loss_is_the_held_out_loss_of_the_saved_weights(tmp_path)
     assert result["eval_loss"] == pytest.approx(want, rel=1e-5)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert {"step": 2, "eval_loss": result["eval_loss"], "eval_perplexity": result["eval_perplexity"]} in records
+
+
+def test_a_damaged_newest_checkpoint_is_passed_over_and_the_run_resumes_from_the_one_before(uninterrupted, tmp_path):
+    """checkpoint-6's trainer state cut short (as a full disk leaves it): `last` resumes from checkpoint-3 with
+    the uninterrupted losses and says which one it passed over and why; named explicitly, it is refused."""
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    state = out / "checkpoint-6" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    run = hp_train(*SHORT, "max_steps=6", f"output_dir={out}", "resume_from_checkpoint=last")
+    resumed = summary(run)
+    assert resumed["steps_this_run"] == 3
+    assert f"passes over {out / 'checkpoint-6'}: {state} is cut short: 100 bytes" in run.stderr
+    want, got = losses(uninterrupted), losses(out)
+    assert all(got[s] == pytest.approx(want[s], rel=1e-5) for s in (4, 5, 6)), (got, want)
+    state.write_bytes(state.read_bytes()[:100])  # the resumed run wrote checkpoint-6 anew: damage it again
+    refused = hp_train(*SHORT, f"output_dir={out}", f"resume_from_checkpoint={out / 'checkpoint-6'}")
+    assert refused.returncode != 0 and f"checkpoint-6 is damaged: {state} is cut short" in refused.stderr
 
 
 def test_a_crash_during_a_save_leaves_the_previous_checkpoint_usable(uninterrupted, tmp_path):

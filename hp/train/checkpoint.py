@@ -7,8 +7,10 @@ scheduler, data position, RNG states), the model's `config.json` and the
 tokenizer's files, so that a checkpoint exports to a complete HF model.
 
 Atomicity: everything is written into `checkpoint-N.partial/`, and only when
-every rank has finished does rank 0 rename it to `checkpoint-N` (one rename,
-atomic on POSIX). A crash during a save leaves a `.partial` directory that
+every rank has finished does rank 0 write its manifest (`hp.train.manifest`:
+each file's size and checksum) and rename it to `checkpoint-N` (one rename,
+atomic on POSIX). `latest` takes the newest checkpoint whose files match
+their manifest, passing over damaged ones. A crash during a save leaves a `.partial` directory that
 `latest` ignores, and never touches the previous checkpoint. On several nodes
 `output_dir` must be a shared filesystem.
 
@@ -40,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from hp.parallel.lora import has_lora, peft_config
 from hp.parallel.storable import from_storable, to_storable
+from hp.train import manifest
 
 _NAME = re.compile(r"checkpoint-(\d+)\Z")
 # The optimizer's state and settings keyed by parameter name, not by position in its groups: a rank that holds
@@ -58,8 +61,9 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed or exported: incomplete, unreadable, or holding unsafe objects."""
 
 
-def latest(output_dir: str) -> str | None:
-    """The complete checkpoint with the highest step in `output_dir` (None when there is none).
+def latest(output_dir: str, skipped: list[tuple[str, str]] | None = None) -> str | None:
+    """The complete checkpoint with the highest step in `output_dir` whose files match its manifest (None
+    when there is none); each newer one passed over is added to `skipped` as (path, why).
 
     >>> latest("/nonexistent") is None
     True
@@ -67,8 +71,16 @@ def latest(output_dir: str) -> str | None:
     if not os.path.isdir(output_dir):
         return None
     steps = [int(m.group(1)) for n in os.listdir(output_dir) if (m := _NAME.match(n))]
-    steps = [s for s in steps if os.path.isfile(os.path.join(output_dir, f"checkpoint-{s}", TRAINER_STATE))]
-    return os.path.join(output_dir, f"checkpoint-{max(steps)}") if steps else None
+    for step in sorted(steps, reverse=True):
+        path = os.path.join(output_dir, f"checkpoint-{step}")
+        if not os.path.isfile(os.path.join(path, TRAINER_STATE)):
+            continue  # a save that never finished (the rename publishes only finished ones)
+        damage = manifest.verify(path)
+        if damage is None:
+            return path
+        if skipped is not None:
+            skipped.append((path, damage))
+    return None
 
 
 def save(output_dir: str, step: int, model: nn.Module, optimizer, extra: dict[str, Any], *, tokenizer=None,
@@ -100,6 +112,7 @@ def save(output_dir: str, step: int, model: nn.Module, optimizer, extra: dict[st
             tokenizer.save_pretrained(partial)
     _barrier()
     if rank() == 0:
+        manifest.write(partial)  # last: every file is in place
         if os.path.exists(final):  # a stale checkpoint of this step (an earlier, diverged run)
             shutil.rmtree(final)
         os.rename(partial, final)
@@ -244,9 +257,13 @@ def rank() -> int:
 
 
 def require_complete(path: str) -> None:
-    """Refuse a directory that is not a finished checkpoint (a `.partial` one, or no checkpoint at all)."""
+    """Refuse a directory that is not a finished checkpoint (a `.partial` one, or no checkpoint at all), or
+    whose files differ from its manifest (naming the damaged file)."""
     if not os.path.isfile(os.path.join(path, TRAINER_STATE)):
         raise CheckpointError(f"{path} is not a complete hp checkpoint (no {TRAINER_STATE})")
+    damage = manifest.verify(path)
+    if damage is not None:
+        raise CheckpointError(f"{path} is damaged: {damage}")
 
 
 def _barrier() -> None:

@@ -100,8 +100,9 @@ def _check_output_dir(config: TrainConfig) -> None:
         )
 
 
-def resume_path(config: TrainConfig) -> str | None:
+def resume_path(config: TrainConfig, skipped: list[tuple[str, str]] | None = None) -> str | None:
     """The checkpoint `config` resumes from (None for a fresh run); refuses 'last' when there is none.
+    Under 'last', newer checkpoints whose files are damaged are passed over and added to `skipped`.
 
     >>> from hp.train.config import validate
     >>> resume_path(validate({"model_name_or_path": "m", "dataset": "d", "output_dir": "/nonexistent",
@@ -115,10 +116,14 @@ def resume_path(config: TrainConfig) -> str | None:
     resume = config.resume_from_checkpoint
     if resume != RESUME_LAST:
         return resume
-    found = latest(config.output_dir)
+    passed: list[tuple[str, str]] = []
+    found = latest(config.output_dir, passed)
+    if skipped is not None:
+        skipped += passed
     if found is None:
+        damaged = f" ({len(passed)} damaged: {passed[0][1]})" if passed else ""
         raise ConfigError(f"resume_from_checkpoint = {RESUME_LAST!r}: output_dir = {config.output_dir!r} holds no "
-                          "complete checkpoint; leave resume_from_checkpoint out to start a fresh run")
+                          f"complete checkpoint{damaged}; leave resume_from_checkpoint out to start a fresh run")
     return found
 
 
@@ -126,7 +131,10 @@ def _trainer_state(config: TrainConfig) -> dict[str, Any] | None:
     """The trainer state of the checkpoint to resume from, read safely; None for a fresh run."""
     from hp.train.checkpoint import CheckpointError, trainer_state
 
-    path = resume_path(config)
+    skipped: list[tuple[str, str]] = []
+    path = resume_path(config, skipped)
+    for damaged, why in skipped:
+        print(f"hp train: note: resume_from_checkpoint = 'last' passes over {damaged}: {why}", file=sys.stderr)
     if path is None:
         return None
     try:
