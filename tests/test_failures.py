@@ -427,6 +427,38 @@ def test_stopping_the_launcher_stops_every_worker(stop, tmp_path):
         assert checkpoint.trainer_state(str(saved))["step"] == int(saved.name.split("-")[1])
 
 
+def _worker_of_rank(marker: str, rank: int) -> int:
+    """The pid of the worker of `rank` among the processes whose command line holds `marker`."""
+    for pid in _workers(marker):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"hp.train.worker" in Path(f"/proc/{pid}/cmdline").read_bytes() and f"RANK={rank}".encode() in env:
+            return pid
+    raise AssertionError(f"no worker of rank {rank} found")
+
+
+def test_a_killed_worker_is_named_with_its_signal_the_last_checkpoint_and_the_command_that_resumes(tmp_path):
+    """SIGKILL to rank 1 (as the out-of-memory killer sends it): the one message names rank 1 and the signal,
+    not rank 0's symptom (a connection closed by its peer), on its own line, then how to resume."""
+    out = tmp_path / "run"
+    run = hp_train("max_steps=500", "save_steps=2", "logging_steps=1", f"output_dir={out}", wait=False)
+    deadline = time.time() + 300
+    while not (out / "checkpoint-2").is_dir():
+        assert run.poll() is None and time.time() < deadline, run.communicate()
+        time.sleep(0.05)
+    os.kill(_worker_of_rank(str(out), 1), signal.SIGKILL)
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 1, err[-3000:]
+    message = _lines(err)[-1]
+    assert message.startswith("hp train: worker rank 1 was killed by SIGKILL (what the kernel's out-of-memory "
+                              "killer or a cluster scheduler does); its peak memory when step "), message
+    assert "the other ranks stopped when it left (0)" in message and "Connection closed" not in message
+    assert f"the last complete checkpoint is {out}/checkpoint-" in message
+    assert message.endswith(f"resume_from_checkpoint=last") and f"output_dir={out}" in message
+
+
 def test_two_runs_on_one_machine_both_finish(tmp_path):
     command = [sys.executable, "-m", "hp.cli", "train", QUICKSTART, f"dataset_dir={DATA}", *FAST, "max_steps=1"]
     runs = [subprocess.Popen([*command, f"output_dir={tmp_path / str(i)}", "run_name=twin"], cwd=ROOT,

@@ -89,18 +89,19 @@ def record(error: BaseException, rank: int) -> int:
     directory = os.environ.get(ERRORS_ENV)
     if directory:
         path = Path(directory, f"{rank}.json")
-        path.write_text(json.dumps({"rank": rank, "exit_code": status, "message": message(error)}))
+        path.write_text(json.dumps({"rank": rank, "exit_code": status, "message": message(error),
+                                    "kind": type(error).__name__}))
     elif not debugging():
         print(f"hp train: rank {rank}: {message(error)}", file=sys.stderr, flush=True)
     return status
 
 
-def first_recorded(directory: str | os.PathLike) -> dict | None:
-    """Rank 0's recorded failure, else the lowest failed rank's; None when no worker recorded one.
+def all_recorded(directory: str | os.PathLike) -> list[dict]:
+    """Every failure the workers recorded in `directory` (rank, exit_code, message), by rank.
 
     >>> import tempfile
-    >>> first_recorded(tempfile.mkdtemp()) is None
-    True
+    >>> all_recorded(tempfile.mkdtemp())
+    []
     """
     found = []
     for path in Path(directory).glob("*.json"):
@@ -108,4 +109,4 @@ def first_recorded(directory: str | os.PathLike) -> dict | None:
             found.append(json.loads(path.read_text()))
         except (OSError, ValueError):
             continue  # a worker killed while writing: the others still say what happened
-    return min(found, key=lambda r: r["rank"]) if found else None
+    return sorted(found, key=lambda r: r["rank"])

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import tempfile
 import uuid
 from collections.abc import Sequence
 
-from hp.train import errors, preflight
+from hp.train import errors, post_mortem, preflight
 from hp.train.config import DEFAULT_MASTER_PORT, TrainConfig, load_config
 
 
@@ -52,7 +51,8 @@ def launch(config_path: str, overrides: Sequence[str] = ()) -> int:
 
             train(config)
             return errors.FINISHED
-        return _start_workers(config, ["-m", "hp.train.worker", str(config_path), *overrides], private)
+        command = post_mortem.resume_command(str(config_path), list(overrides))
+        return _start_workers(config, ["-m", "hp.train.worker", str(config_path), *overrides], private, command)
 
 
 def checked(config_path: str, overrides: Sequence[str] = ()) -> TrainConfig:
@@ -69,7 +69,7 @@ def _checked(config: TrainConfig) -> tuple:
     return splits
 
 
-def _start_workers(config: TrainConfig, command: list[str], private: str) -> int:
+def _start_workers(config: TrainConfig, command: list[str], private: str, resume: str) -> int:
     """Run the elastic agent here over `python COMMAND` workers; their outcome as an exit code."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -92,7 +92,7 @@ def _start_workers(config: TrainConfig, command: list[str], private: str) -> int
     except SignalException:
         raise KeyboardInterrupt from None
     except ChildFailedError as failed:
-        return _report_workers(recorded, failed)
+        return _report_workers(recorded, failed, config, resume)
     return errors.FINISHED
 
 
@@ -109,18 +109,13 @@ def launch_config(config: TrainConfig):
                         rdzv_configs={"rank": config.node_rank}, run_id="hp-train")
 
 
-def _report_workers(recorded: str, failed) -> int:
-    """Print the failure rank 0 (or the lowest failed rank) recorded, else how the first worker died."""
-    first = errors.first_recorded(recorded)
-    if first is not None:
-        print(f"hp train: {first['message']}", file=sys.stderr, flush=True)
-        return int(first["exit_code"])
-    rank, failure = failed.get_first_failure()
-    how = (f"was killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
-           else f"exited with code {failure.exitcode}")
-    print(f"hp train: worker rank {rank} {how} without saying why (out of memory?); hp train --debug shows more",
-          file=sys.stderr, flush=True)
-    return errors.FAILED
+def _report_workers(recorded: str, failed, config: TrainConfig, command: str) -> int:
+    """Print how the run ended (`hp.train.post_mortem`): the rank that died and of what, else the first rank's
+    own error; how to resume."""
+    codes = {int(rank): failure.exitcode for rank, failure in failed.failures.items()}
+    text, status = post_mortem.ending(errors.all_recorded(recorded), codes, config.output_dir, command)
+    print(f"hp train: {text}", file=sys.stderr, flush=True)
+    return status
 
 
 def _cheap_event_names() -> None:

@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         train(load_config(argv[0], argv[1:]))
     except BaseException as error:  # noqa: BLE001 - every way a worker ends is recorded for the launcher
+        _end_progress_line()
         _leave(errors.record(error, int(os.environ.get("RANK", "0"))))
     if dist.is_initialized():
         dist.barrier()
@@ -62,9 +63,14 @@ def die_with(parent: int) -> None:
 
 
 def _interrupted(signum, frame) -> None:
-    if os.environ.get("RANK", "0") == "0":
-        sys.stderr.write("\n")  # end rank 0's progress bar line: the launcher's message follows
+    _end_progress_line()
     _leave(errors.INTERRUPTED)
+
+
+def _end_progress_line() -> None:
+    """End rank 0's progress bar line: the launcher's message follows on a line of its own."""
+    if os.environ.get("RANK", "0") == "0":
+        sys.stderr.write("\n")
 
 
 def _leave(status: int) -> None:

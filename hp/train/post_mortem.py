@@ -1,0 +1,117 @@
+"""How a run of several workers ended, told in one message: which rank, of what, and how to go on.
+
+When one worker dies, its peers fail too, each with a symptom of the death
+("Connection closed by peer"), and the first message to reach the user is
+usually a peer's. The cause is elsewhere: a rank that ended without
+recording a Python error was killed (SIGKILL: the kernel's out-of-memory
+killer or a cluster scheduler), crashed in native code (SIGSEGV), or exited
+on its own. So the launcher hands everything it knows here: the failures
+the workers recorded (`hp.train.errors.record`) and each failed rank's
+exit code (negative: the signal that ended it). The message names
+
+- the rank that died of a signal or an exit without a word, with the likely
+  cause and the peak memory the run last reported, before any peer's symptom;
+- else the lowest rank whose own error is not a symptom of a peer's death;
+- and, for a failure during training, the last complete checkpoint and the
+  command that resumes from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+from collections.abc import Mapping, Sequence
+
+from hp.train import errors
+
+# What a rank's error says when it is a peer's death it saw, not a failure of its own (gloo, nccl, hccl).
+PEER_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing", "Broken pipe",
+                 "ECONNRESET", "NCCL communicator was aborted", "peer process has exited")
+_CAUSES = {
+    "SIGKILL": "what the kernel's out-of-memory killer or a cluster scheduler does",
+    "SIGSEGV": "a segmentation fault in native code (a kernel or a library)",
+    "SIGBUS": "a bus error, often a shared-memory segment (/dev/shm) that ran full",
+    "SIGABRT": "an abort in native code (a failed check in torch or a collective library)",
+}
+
+
+def ending(records: Sequence[Mapping], exit_codes: Mapping[int, int], output_dir: str, command: str) -> tuple[str, int]:
+    """(the one message, the exit status) of a run whose workers failed.
+
+    `records` are the failures the workers recorded (rank, exit_code, message); `exit_codes` each failed
+    rank's process exit code (negative: killed by that signal); `command` resumes the run.
+
+    >>> message, status = ending([{"rank": 0, "exit_code": 1, "message": "RuntimeError: Connection closed by peer"}],
+    ...                          {0: 1, 1: -9}, "/nonexistent", "hp train run.yaml")
+    >>> status, message.split(";")[0]
+    (1, "worker rank 1 was killed by SIGKILL (what the kernel's out-of-memory killer or a cluster scheduler does)")
+    """
+    recorded = {int(r["rank"]): r for r in records}
+    silent = {rank: code for rank, code in exit_codes.items() if rank not in recorded}
+    if silent:
+        rank = min(silent)
+        return f"worker rank {rank} {_death(silent[rank])}{_memory(output_dir)}; " + _others(exit_codes, rank) + \
+            _resume(output_dir, command), errors.FAILED
+    if not recorded:
+        return "the workers failed without saying why; hp train --debug shows more", errors.FAILED
+    own = [r for r in recorded.values() if not any(s in r["message"] for s in PEER_SYMPTOMS)]
+    first = min(own or recorded.values(), key=lambda r: r["rank"])
+    status = int(first["exit_code"])
+    where = f"rank {first['rank']}: " if len(exit_codes) > 1 and first["rank"] != 0 else ""
+    # a crash, not bad input; a diverged run's own message names its last good checkpoint
+    after = "; " + _resume(output_dir, command) if status == errors.FAILED and first.get("kind") != "TrainingError" \
+        else ""
+    return f"{where}{first['message']}{after}", status
+
+
+def _death(code: int) -> str:
+    if code >= 0:
+        return f"exited with code {code} without saying why"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    cause = _CAUSES.get(name)
+    return f"was killed by {name}" + (f" ({cause})" if cause else "")
+
+
+def _memory(output_dir: str) -> str:
+    """The peak memory and step the run last logged (metrics.jsonl), as words; empty when it logged none."""
+    last = None
+    try:
+        with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+            for line in f:
+                record = json.loads(line)
+                if "peak_memory_bytes" in record:
+                    last = record
+    except (OSError, ValueError):
+        return ""
+    if last is None:
+        return ""
+    return f"; its peak memory when step {last['step']} was logged: {last['peak_memory_bytes'] / 2**20:.0f} MiB"
+
+
+def _others(exit_codes: Mapping[int, int], dead: int) -> str:
+    peers = sorted(r for r in exit_codes if r != dead)
+    return f"the other ranks stopped when it left ({', '.join(map(str, peers))}); " if peers else ""
+
+
+def _resume(output_dir: str, command: str) -> str:
+    from hp.train.checkpoint import latest
+
+    last = latest(output_dir)
+    if last is None:
+        return "no checkpoint was saved before it: run the same command to start again"
+    return f"the last complete checkpoint is {last}; resume with: {command} resume_from_checkpoint=last"
+
+
+def resume_command(config_path: str, overrides: Sequence[str]) -> str:
+    """The `hp train` command of this run, without any resume_from_checkpoint it had.
+
+    >>> resume_command("run.yaml", ["max_steps=10", "resume_from_checkpoint=outputs/x/checkpoint-5"])
+    'hp train run.yaml max_steps=10'
+    """
+    kept = [o for o in overrides if not o.startswith("resume_from_checkpoint=")]
+    return shlex.join(["hp", "train", config_path, *kept])
