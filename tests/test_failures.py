@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 from gloo_launch import clean_env
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from train_runs import DATA, QUICKSTART, ROOT, hp_train, local_hf_model, summary
 
 from hp.train import checkpoint, manifest
@@ -457,6 +459,37 @@ def test_a_killed_worker_is_named_with_its_signal_the_last_checkpoint_and_the_co
     assert "the other ranks stopped when it left (0)" in message and "Connection closed" not in message
     assert f"the last complete checkpoint is {out}/checkpoint-" in message
     assert message.endswith(f"resume_from_checkpoint=last") and f"output_dir={out}" in message
+
+
+@settings(max_examples=1, deadline=None)  # one kill point a run (about 25 s); benchmarks/faults.py tries many
+@given(after=st.sampled_from([2, 4, 6]))
+def test_a_worker_killed_mid_run_restarts_from_the_last_checkpoint_with_the_uninterrupted_losses(after):
+    """max_restarts: 1 and rank 1 SIGKILLed once checkpoint-`after` is written: the group restarts from the last
+    complete checkpoint, finishes with the uninterrupted run's loss at every step, and the summary lists it."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run = ["max_steps=8", "save_steps=2", "logging_steps=1", "per_device_train_batch_size=8"]
+        summary(hp_train(*run, f"output_dir={tmp}/plain"))
+        out = Path(tmp) / "killed"
+        killed = hp_train(*run, "max_restarts=1", f"output_dir={out}", wait=False)
+        deadline = time.time() + 300
+        while not (out / f"checkpoint-{after}").is_dir():
+            assert killed.poll() is None and time.time() < deadline, killed.communicate()
+            time.sleep(0.05)
+        os.kill(_worker_of_rank(str(out), 1), signal.SIGKILL)
+        stdout, stderr = killed.communicate(timeout=300)
+        assert killed.returncode == 0, stderr[-3000:]
+        result = json.loads(stdout.strip().splitlines()[-1])
+        [restart] = result["restarts"]
+        assert restart["rank"] == 1 and "killed by SIGKILL" in restart["cause"] and restart["step"] >= after
+        assert "restarting the workers from the last complete checkpoint (restart 1 of 1)" in stderr
+        assert _losses(out) == _losses(Path(tmp) / "plain")
+
+
+def _losses(output_dir: Path) -> dict[int, float]:
+    with open(output_dir / "metrics.jsonl") as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
 def test_two_runs_on_one_machine_both_finish(tmp_path):

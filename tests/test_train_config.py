@@ -106,7 +106,7 @@ def test_defaults_are_llamafactorys():
         "use_hyper_parallel": False, "hyper_parallel_args": None, "hyper_parallel_cp_size": None,
         "deepspeed": None, "fsdp": None, "fsdp_config": None,
         "nproc_per_node": 1, "nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": None,
-        "ddp_timeout": 1800, "device": "auto",
+        "ddp_timeout": 1800, "max_restarts": 0, "device": "auto",
     }
 
 
@@ -415,6 +415,7 @@ BAD = [
      "lr_scheduler_type = 'polynomial': expected one of 'linear', 'cosine', 'constant', 'constant_with_warmup'"),
     ({"template": "llama30"}, "template = 'llama30': expected one of 'default', 'empty', 'alpaca', 'chatml', 'qwen'"),
     ({"device": "tpu"}, "device = 'tpu': expected one of 'auto', 'cpu', 'cuda', 'npu'"),
+    ({"max_restarts": -1}, "max_restarts = -1: expected an integer >= 0 (restarts from the last complete checkpoint)"),
     ({"parallel": {"cp_algorithm": "zigzag"}}, "parallel.cp_algorithm = 'zigzag': expected one of 'ulysses', 'ring'"),
     ({"do_train": False}, "do_train = False: expected true (only training is available yet)"),
     # rules between keys

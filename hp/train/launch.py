@@ -28,7 +28,7 @@ import tempfile
 import uuid
 from collections.abc import Sequence
 
-from hp.train import errors, post_mortem, preflight
+from hp.train import errors, post_mortem, preflight, restarts
 from hp.train.config import DEFAULT_MASTER_PORT, TrainConfig, load_config
 
 
@@ -88,7 +88,8 @@ def _start_workers(config: TrainConfig, command: list[str], private: str, resume
     os.mkdir(recorded)
     os.environ[errors.ERRORS_ENV] = recorded
     try:
-        elastic_launch(launch_config(config), sys.executable)(*command)
+        with restarts.told(recorded, config.output_dir, os.path.join(private, "restarts.json")):
+            elastic_launch(launch_config(config), sys.executable)(*command)
     except SignalException:
         raise KeyboardInterrupt from None
     except ChildFailedError as failed:
@@ -101,7 +102,7 @@ def launch_config(config: TrainConfig):
     from torch.distributed.launcher.api import LaunchConfig
 
     shared = {"min_nodes": config.nnodes, "max_nodes": config.nnodes, "nproc_per_node": config.nproc_per_node,
-              "max_restarts": 0, "start_method": "spawn"}
+              "max_restarts": config.max_restarts, "start_method": "spawn"}
     if config.nnodes == 1 and config.master_port is None:
         return LaunchConfig(**shared, rdzv_backend="c10d", rdzv_endpoint="localhost:0", run_id=str(uuid.uuid4()))
     port = config.master_port or DEFAULT_MASTER_PORT

@@ -68,7 +68,7 @@ from hp.parallel.plain_dp import accumulating
 from hp.mpmd.transform import Mpmd
 from hp.models import plan_for
 from hp.plot import pyplot
-from hp.train import checkpoint
+from hp.train import checkpoint, restarts
 from hp.train.config import PREFERENCE_STAGES, TrainConfig, to_dict
 from hp.train.data import IGNORE_INDEX, TokenBatches, eval_batches, load_splits, load_tokenizer
 from hp.train.data.embedded import model_config
@@ -295,7 +295,7 @@ def _join_workers(timeout_s: int) -> None:
         return  # a one-rank run: hp.strategy_mesh makes its own one-rank world
     device = detect()
     bind_local_device(device)
-    dist.init_process_group(device.pg_backend, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(device.pg_backend, timeout=timedelta(seconds=timeout_s), **restarts.fresh_store())
 
 
 def _require_finite(config: TrainConfig, step: int, loss: float, grad_norm: float) -> None:
@@ -445,8 +445,7 @@ def _summary(config: TrainConfig, progress: Progress, step: int, device: str) ->
     moe = {} if progress.expert_load is None else {"expert_imbalance": progress.expert_load.imbalance}
     offload = {} if progress.offload_bytes is None else {"offload_bytes_per_step": progress.offload_bytes}
     mpmd = {} if progress.mpmd is None else {"mpmd": _mpmd_summary(progress.mpmd)}
-    window = progress.rewards_window()
-    rewards = {"rewards": window, "first_rewards": progress.first_rewards} if window else {}
+    rewards = {"rewards": w, "first_rewards": progress.first_rewards} if (w := progress.rewards_window()) else {}
     return {
         "first_loss": progress.losses[0] if progress.losses else None,
         "last_loss": progress.losses[-1] if progress.losses else None,
@@ -461,6 +460,7 @@ def _summary(config: TrainConfig, progress: Progress, step: int, device: str) ->
         **offload,  # under hp.offload: what its latest planned step moved
         **mpmd,  # under parallel.mpmd: the chunks, the last step's masking ratio, and why when not pipelined
         **rewards,  # a preference stage's (LlamaFactory's rewards/... names): the last window's and the first step's
+        **restarts.so_far(),  # max_restarts: each restart's step, rank and cause
         "output_dir": config.output_dir,
     }
 

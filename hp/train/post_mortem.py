@@ -23,6 +23,7 @@ import os
 import shlex
 import signal
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from hp.train import errors
 
@@ -48,22 +49,50 @@ def ending(records: Sequence[Mapping], exit_codes: Mapping[int, int], output_dir
     >>> status, message.split(";")[0]
     (1, "worker rank 1 was killed by SIGKILL (what the kernel's out-of-memory killer or a cluster scheduler does)")
     """
+    found = cause(records, exit_codes, output_dir)
+    # a crash, not bad input; a diverged run's own message names its last good checkpoint
+    if found.status == errors.FAILED and found.kind != "TrainingError":
+        return f"{found.text}; {_resume(output_dir, command)}", found.status
+    return found.text, found.status
+
+
+@dataclass(frozen=True)
+class Cause:
+    """Why a round of workers failed: the rank at fault (None: unknown), in words, its exit status and kind."""
+
+    rank: int | None
+    text: str
+    status: int
+    kind: str = ""
+
+
+def cause(records: Sequence[Mapping], exit_codes: Mapping[int, int], output_dir: str) -> Cause:
+    """The rank at fault and why, without how to go on (`ending`'s rules)."""
     recorded = {int(r["rank"]): r for r in records}
     silent = {rank: code for rank, code in exit_codes.items() if rank not in recorded}
+    # the agent stops the survivors of a failure (SIGTERM; a worker leaves on it with 130): effects, not causes
+    stopped = {rank for rank, code in silent.items() if code in (-signal.SIGTERM, -signal.SIGINT, errors.INTERRUPTED)}
+    own = [r for r in recorded.values() if not any(s in r["message"] for s in PEER_SYMPTOMS)]
+    killed = sorted(rank for rank, code in silent.items() if code < 0 and rank not in stopped)
+    exited = sorted(rank for rank in silent if rank not in stopped and rank not in killed)
+    if killed or (exited and not own):
+        rank = (killed or exited)[0]
+        return _silent(rank, silent[rank], exit_codes, output_dir)
+    if own or recorded:
+        first = min(own or recorded.values(), key=lambda r: r["rank"])
+        where = f"rank {first['rank']}: " if len(exit_codes) > 1 and first["rank"] != 0 else ""
+        return Cause(int(first["rank"]), f"{where}{first['message']}", int(first["exit_code"]), first.get("kind", ""))
     if silent:
         rank = min(silent)
-        return f"worker rank {rank} {_death(silent[rank])}{_memory(output_dir)}; " + _others(exit_codes, rank) + \
-            _resume(output_dir, command), errors.FAILED
-    if not recorded:
-        return "the workers failed without saying why; hp train --debug shows more", errors.FAILED
-    own = [r for r in recorded.values() if not any(s in r["message"] for s in PEER_SYMPTOMS)]
-    first = min(own or recorded.values(), key=lambda r: r["rank"])
-    status = int(first["exit_code"])
-    where = f"rank {first['rank']}: " if len(exit_codes) > 1 and first["rank"] != 0 else ""
-    # a crash, not bad input; a diverged run's own message names its last good checkpoint
-    after = "; " + _resume(output_dir, command) if status == errors.FAILED and first.get("kind") != "TrainingError" \
-        else ""
-    return f"{where}{first['message']}{after}", status
+        return _silent(rank, silent[rank], exit_codes, output_dir)
+    return Cause(None, "the workers failed without saying why; hp train --debug shows more", errors.FAILED)
+
+
+def _silent(rank: int, code: int, exit_codes: Mapping[int, int], output_dir: str) -> Cause:
+    """A rank that ended without recording an error: of a signal, or an exit code of its own."""
+    others = _others(exit_codes, rank)
+    text = f"worker rank {rank} {_death(code)}{_memory(output_dir)}" + (f"; {others}" if others else "")
+    return Cause(rank, text, errors.FAILED, "signal" if code < 0 else "exit")
 
 
 def _death(code: int) -> str:
@@ -95,7 +124,7 @@ def _memory(output_dir: str) -> str:
 
 def _others(exit_codes: Mapping[int, int], dead: int) -> str:
     peers = sorted(r for r in exit_codes if r != dead)
-    return f"the other ranks stopped when it left ({', '.join(map(str, peers))}); " if peers else ""
+    return f"the other ranks stopped when it left ({', '.join(map(str, peers))})" if peers else ""
 
 
 def _resume(output_dir: str, command: str) -> str:

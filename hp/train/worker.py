@@ -27,7 +27,7 @@ import sys
 
 import torch.distributed as dist
 
-from hp.train import errors
+from hp.train import errors, restarts
 
 LAUNCHER_ENV = "HP_LAUNCHER_PID"  # the process whose death must end this worker
 _PR_SET_PDEATHSIG = 1
@@ -42,7 +42,10 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(stop, _interrupted)
     argv = sys.argv[1:] if argv is None else argv
     try:
-        train(load_config(argv[0], argv[1:]))
+        config = load_config(argv[0], argv[1:])
+        if restarts.restarted():  # the group restarted after a worker died: go on from the last checkpoint
+            config = load_config(argv[0], [*argv[1:], *restarts.resume_overrides(config.output_dir)])
+        train(config)
     except BaseException as error:  # noqa: BLE001 - every way a worker ends is recorded for the launcher
         _end_progress_line()
         _leave(errors.record(error, int(os.environ.get("RANK", "0"))))

@@ -121,6 +121,7 @@ RULES: dict[str, Rule] = {
                                    optional=True),
     "nproc_per_node": Rule("int", lambda v: v >= 1, "an integer >= 1, or null for dp*cp*tp / nnodes", optional=True),
     "nnodes": Rule("int", lambda v: v >= 1, "an integer >= 1"),
+    "max_restarts": Rule("int", lambda v: v >= 0, "an integer >= 0 (restarts from the last complete checkpoint)"),
     "node_rank": Rule("int", lambda v: v >= 0, "an integer >= 0"),
     "master_addr": Rule("str", nonempty, "a host name or address"),
     "master_port": Rule("int", lambda v: 1 <= v <= 65535, "a port in [1, 65535], or null for a free one",

@@ -166,6 +166,7 @@ class TrainConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port on one node, DEFAULT_MASTER_PORT over several
     ddp_timeout: int = 1800  # seconds a collective may wait for the other ranks
+    max_restarts: int = 0  # times the workers restart from the last complete checkpoint after one dies
     device: str = "auto"  # one of DEVICES
     # LlamaFactory keys that change nothing here, as given (hp.train.config.llamafactory_keys; the launcher prints why)
     no_effect: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
