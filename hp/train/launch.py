@@ -13,10 +13,14 @@ with `master_port`, or over several nodes, `master_addr:master_port`
 (DEFAULT_MASTER_PORT when unset) with this node's `node_rank`.
 
 How the run ends is `hp.train.errors`' business: workers record their
-failures there and the launcher prints one of them; SIGINT and SIGTERM stop
-the workers (exit 130), and the workers die with the launcher even when it
-is SIGKILLed (`hp.train.worker.die_with`). The agent's own log is shown only
-when debugging.
+failures there, and the launcher prints one message of what happened
+(`hp.train.post_mortem`: the rank that died and of what, before its
+peers' symptoms, and how to resume); with `max_restarts` the agent
+restarts the group from the last complete checkpoint instead
+(`hp.train.restarts`). SIGINT and SIGTERM stop the workers (exit 130), and
+the workers die with the launcher even when it is SIGKILLed
+(`hp.train.worker.die_with`). The agent's own log is shown only when
+debugging.
 """
 
 from __future__ import annotations
