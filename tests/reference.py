@@ -50,18 +50,23 @@ def explained_loss(family: str, strategy: dict, layers: int = 1) -> tuple[float,
 
 
 @contextmanager
-def laid_out_step(model, strategy: dict | Strategy, ids: torch.Tensor, labels: torch.Tensor) -> Iterator:
+def laid_out_step(model, strategy: dict | Strategy, ids: torch.Tensor, labels: torch.Tensor,
+                  traces: list | None = None) -> Iterator:
     """Lay `model` out by `strategy` on simulated ranks, run forward and backward; yields the output there.
 
-    The gradients' pending sums are resolved (`hp.reduce_gradients`), as a training step would.
+    The gradients' pending sums are resolved (`hp.reduce_gradients`), as a training step would. Given
+    `traces`, each decoder layer's collectives are traced into it (`hp.comm.trace_each`).
     """
     strategy = hp.Strategy.of(strategy)
     mesh = hp.strategy_mesh(strategy, simulate=True)
     with hp.simulated(mesh):
         hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
+        layers = hp.comm.trace_each(model.model.layers) if traces is not None else []
         out = model(input_ids=ids, labels=labels)
         out.loss.backward()
         hp.reduce_gradients(model)
+        if traces is not None:
+            traces += layers  # filled as the layers ran
         yield out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import BATCH, SEQ, adamw_steps_follow, assert_same_loss_and_grads, batch, tiny_pair
+from reference import BATCH, SEQ, adamw_steps_follow, assert_same_loss_and_grads, batch, laid_out_step, tiny_pair
 
 import hp
 from hp.models import FAMILIES, plan_for, tiny_config
@@ -53,15 +53,9 @@ def test_family_matches_hf_and_moves_the_formula_bytes(family, strategy):
     ids, labels = batch()
     want = reference(input_ids=ids, labels=labels).loss
     want.backward()
-    strategy = hp.Strategy.of(strategy)
-    mesh = hp.strategy_mesh(strategy, simulate=True)
-    with hp.simulated(mesh):
-        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
-        layers = hp.comm.trace_each(model.model.layers)
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        hp.reduce_gradients(model)
-        assert_same_loss_and_grads(loss, want, model, reference)
+    strategy, layers = hp.Strategy.of(strategy), []
+    with laid_out_step(model, strategy, ids, labels, layers) as out:
+        assert_same_loss_and_grads(out.loss, want, model, reference)
     if family in ("llama", "mistral", "qwen2") and strategy.cp == 1:  # two RMSNorms a layer, no q/k norms
         assert [t.bytes(phase="forward") for t in layers] == [layer_forward_bytes(strategy, model.config)]
 
