@@ -24,9 +24,7 @@ from pathlib import Path
 
 import pytest
 from gloo_launch import clean_env
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from train_runs import DATA, QUICKSTART, ROOT, hp_train, local_hf_model, summary
+from train_runs import DATA, QUICKSTART, ROOT, hp_train, local_hf_model, summary, worker_of_rank, workers
 
 from hp.train import checkpoint, manifest
 
@@ -389,19 +387,6 @@ def test_a_diverging_run_stops_at_the_step_and_keeps_the_last_good_checkpoint(tm
     assert [r["step"] for r in records] == list(range(1, step))
 
 
-def _workers(marker: str) -> list[int]:
-    """Live processes (other than this one) whose command line holds `marker` (Linux's /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue  # not a process, or one that just ended
-        if entry.name.isdigit() and int(entry.name) != os.getpid() and marker in command:
-            found.append(int(entry.name))
-    return found
-
-
 @pytest.mark.parametrize("stop", ["SIGINT to the process group", "SIGTERM", "SIGKILL"])
 def test_stopping_the_launcher_stops_every_worker(stop, tmp_path):
     out = tmp_path / "run"
@@ -410,16 +395,16 @@ def test_stopping_the_launcher_stops_every_worker(stop, tmp_path):
     while not (out / "checkpoint-1").is_dir():
         assert run.poll() is None and time.time() < deadline, run.communicate()
         time.sleep(0.05)
-    assert len(_workers(str(out))) == 3  # the launcher and its two workers, found by their command lines
+    assert len(workers(str(out))) == 3  # the launcher and its two workers, found by their command lines
     if stop.startswith("SIGINT"):
         os.killpg(run.pid, signal.SIGINT)  # Ctrl-C in a terminal
     else:
         run.send_signal(getattr(signal, stop))
     _, err = run.communicate(timeout=120)
     deadline = time.time() + 30
-    while _workers(str(out)) and time.time() < deadline:
+    while workers(str(out)) and time.time() < deadline:
         time.sleep(0.2)
-    assert _workers(str(out)) == [], f"workers outlived the launcher after {stop}"
+    assert workers(str(out)) == [], f"workers outlived the launcher after {stop}"
     if stop != "SIGKILL":
         assert run.returncode == 130, err[-3000:]
         assert "Traceback" not in err and len(_lines(err)) < 15, err
@@ -427,18 +412,6 @@ def test_stopping_the_launcher_stops_every_worker(stop, tmp_path):
     steps = [p for p in out.iterdir() if p.name.startswith("checkpoint-") and not p.name.endswith(".partial")]
     for saved in steps:  # stopped mid-save or not, every checkpoint is whole
         assert checkpoint.trainer_state(str(saved))["step"] == int(saved.name.split("-")[1])
-
-
-def _worker_of_rank(marker: str, rank: int) -> int:
-    """The pid of the worker of `rank` among the processes whose command line holds `marker`."""
-    for pid in _workers(marker):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"hp.train.worker" in Path(f"/proc/{pid}/cmdline").read_bytes() and f"RANK={rank}".encode() in env:
-            return pid
-    raise AssertionError(f"no worker of rank {rank} found")
 
 
 def test_a_killed_worker_is_named_with_its_signal_the_last_checkpoint_and_the_command_that_resumes(tmp_path):
@@ -450,7 +423,7 @@ def test_a_killed_worker_is_named_with_its_signal_the_last_checkpoint_and_the_co
     while not (out / "checkpoint-2").is_dir():
         assert run.poll() is None and time.time() < deadline, run.communicate()
         time.sleep(0.05)
-    os.kill(_worker_of_rank(str(out), 1), signal.SIGKILL)
+    os.kill(worker_of_rank(str(out), 1), signal.SIGKILL)
     _, err = run.communicate(timeout=120)
     assert run.returncode == 1, err[-3000:]
     message = _lines(err)[-1]
@@ -459,37 +432,6 @@ def test_a_killed_worker_is_named_with_its_signal_the_last_checkpoint_and_the_co
     assert "the other ranks stopped when it left (0)" in message and "Connection closed" not in message
     assert f"the last complete checkpoint is {out}/checkpoint-" in message
     assert message.endswith(f"resume_from_checkpoint=last") and f"output_dir={out}" in message
-
-
-@settings(max_examples=1, deadline=None)  # one kill point a run (about 25 s); benchmarks/faults.py tries many
-@given(after=st.sampled_from([2, 4, 6]))
-def test_a_worker_killed_mid_run_restarts_from_the_last_checkpoint_with_the_uninterrupted_losses(after):
-    """max_restarts: 1 and rank 1 SIGKILLed once checkpoint-`after` is written: the group restarts from the last
-    complete checkpoint, finishes with the uninterrupted run's loss at every step, and the summary lists it."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        run = ["max_steps=8", "save_steps=2", "logging_steps=1", "per_device_train_batch_size=8"]
-        summary(hp_train(*run, f"output_dir={tmp}/plain"))
-        out = Path(tmp) / "killed"
-        killed = hp_train(*run, "max_restarts=1", f"output_dir={out}", wait=False)
-        deadline = time.time() + 300
-        while not (out / f"checkpoint-{after}").is_dir():
-            assert killed.poll() is None and time.time() < deadline, killed.communicate()
-            time.sleep(0.05)
-        os.kill(_worker_of_rank(str(out), 1), signal.SIGKILL)
-        stdout, stderr = killed.communicate(timeout=300)
-        assert killed.returncode == 0, stderr[-3000:]
-        result = json.loads(stdout.strip().splitlines()[-1])
-        [restart] = result["restarts"]
-        assert restart["rank"] == 1 and "killed by SIGKILL" in restart["cause"] and restart["step"] >= after
-        assert "restarting the workers from the last complete checkpoint (restart 1 of 1)" in stderr
-        assert _losses(out) == _losses(Path(tmp) / "plain")
-
-
-def _losses(output_dir: Path) -> dict[int, float]:
-    with open(output_dir / "metrics.jsonl") as f:
-        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
 def test_two_runs_on_one_machine_both_finish(tmp_path):

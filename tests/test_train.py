@@ -19,7 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 from gloo_launch import clean_env
-from train_runs import DATA, QUICKSTART, WORKERS, first_batch, hp_train, local_hf_model, losses, summary
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from train_runs import (DATA, QUICKSTART, WORKERS, first_batch, hp_train, local_hf_model, losses, summary,
+                        worker_of_rank)
 
 # six optimizer steps of 4 accumulated micro-batches: long enough to kill a run between two saves
 SHORT = ["max_steps=6", "save_steps=3", "logging_steps=1", "gradient_accumulation_steps=4",
@@ -246,6 +249,27 @@ def test_a_damaged_newest_checkpoint_is_passed_over_and_the_run_resumes_from_the
     state.write_bytes(state.read_bytes()[:100])  # the resumed run wrote checkpoint-6 anew: damage it again
     refused = hp_train(*SHORT, f"output_dir={out}", f"resume_from_checkpoint={out / 'checkpoint-6'}")
     assert refused.returncode != 0 and f"checkpoint-6 is damaged: {state} is cut short" in refused.stderr
+
+
+@settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(after=st.sampled_from([1, 2, 4, 5]))  # one kill point a run (benchmarks/faults.py tries ten)
+def test_a_worker_killed_mid_run_restarts_with_the_uninterrupted_losses(uninterrupted, tmp_path_factory, after):
+    """max_restarts: 1 and rank 1 SIGKILLed once step `after` is logged: the group restarts from the last
+    complete checkpoint (from the start before checkpoint-3), finishes with the uninterrupted run's loss at
+    every step, and the summary lists the restart."""
+    out = tmp_path_factory.mktemp("killed")
+    killed = hp_train(*SHORT, "max_restarts=1", f"output_dir={out}", wait=False)
+    deadline = time.time() + 300
+    while max([0, *losses(out)] if (out / "metrics.jsonl").exists() else [0]) < after:
+        assert killed.poll() is None and time.time() < deadline, killed.communicate()
+        time.sleep(0.02)
+    os.kill(worker_of_rank(str(out), 1), signal.SIGKILL)
+    stdout, stderr = killed.communicate(timeout=300)
+    assert killed.returncode == 0, stderr[-3000:]
+    [restart] = json.loads(stdout.strip().splitlines()[-1])["restarts"]
+    assert restart["rank"] == 1 and "killed by SIGKILL" in restart["cause"] and restart["step"] >= after
+    assert "restarting the workers from the last complete checkpoint (restart 1 of 1)" in stderr
+    assert losses(out) == losses(uninterrupted)
 
 
 def test_a_crash_during_a_save_leaves_the_previous_checkpoint_usable(uninterrupted, tmp_path):

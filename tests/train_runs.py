@@ -12,6 +12,7 @@ than one rank.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -118,3 +119,26 @@ def local_vl_model(directory: Path, family: str = "qwen3_vl", processor: dict | 
     (directory / "preprocessor_config.json").write_text(json.dumps(processor or TINY_QWEN3_VL_PROCESSOR))
 
 
+def workers(marker: str) -> list[int]:
+    """Live processes (other than this one) whose command line holds `marker` (Linux's /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # not a process, or one that just ended
+        if entry.name.isdigit() and int(entry.name) != os.getpid() and marker in command:
+            found.append(int(entry.name))
+    return found
+
+
+def worker_of_rank(marker: str, rank: int) -> int:
+    """The pid of the worker of `rank` among the processes whose command line holds `marker`."""
+    for pid in workers(marker):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"hp.train.worker" in Path(f"/proc/{pid}/cmdline").read_bytes() and f"RANK={rank}".encode() in env:
+            return pid
+    raise AssertionError(f"no worker of rank {rank} found")
