@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import rank_pool
-import torch
 from gloo_launch import assert_finished, torchrun
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -102,29 +102,20 @@ def test_checkpoint_resumes_under_another_strategy(uninterrupted, tmp_path, stra
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
 
 
-def test_a_pipelined_run_has_the_tp_runs_losses_and_resumes_at_tp(uninterrupted, tmp_path):
-    """pp=2 (1F1B, two micro-batches of each accumulated batch) against tp=2: the same losses step by step;
-    its checkpoint, each rank holding half the model's weights and optimizer states, resumes at tp=2."""
-    pipelined = tmp_path / "pp"
-    summary(hp_train(*SHORT, "parallel.tp=1", "parallel.pp=2", f"output_dir={pipelined}"))
-    want, got = losses(uninterrupted), losses(pipelined)
+@pytest.mark.parametrize("other, axes", [
+    (["parallel.pp=2"], {"pp"}),  # 1F1B, two micro-batches of each accumulated batch; each rank half the model
+    (["parallel.tp2d={x: 2, y: 2}"], {"x", "y"}),  # each weight split over x and y
+], ids=["pp", "tp2d"])
+def test_another_split_has_the_tp_runs_losses_and_its_checkpoint_resumes_at_tp(uninterrupted, tmp_path, other, axes):
+    """pp=2, or 2D tensor parallel on 2 x 2 ranks, against tp=2: the same losses step by step, bytes on the
+    split's own axes; its checkpoint, its weights and optimizer states split its way, resumes at tp=2."""
+    split = tmp_path / "split"
+    result = summary(hp_train(*SHORT, "parallel.tp=1", *other, f"output_dir={split}"))
+    assert result["comm_bytes_per_step"].keys() == axes
+    want, got = losses(uninterrupted), losses(split)
     assert got.keys() == want.keys() and all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), (got, want)
     resumed = tmp_path / "tp"
-    summary(hp_train(*SHORT, f"output_dir={resumed}", f"resume_from_checkpoint={pipelined / 'checkpoint-3'}"))
-    got = losses(resumed)
-    assert all(got[s] == pytest.approx(want[s], rel=1e-5) for s in (4, 5, 6)), (got, want)
-
-
-def test_a_2d_run_has_the_tp_runs_losses_and_resumes_at_tp(uninterrupted, tmp_path):
-    """tp2d on 2 x 2 ranks against tp=2: the same losses step by step, the bytes on both axes; its checkpoint,
-    each weight split over x and y, resumes at tp=2."""
-    two_d = tmp_path / "tp2d"
-    result = summary(hp_train(*SHORT, "parallel.tp=1", "parallel.tp2d={x: 2, y: 2}", f"output_dir={two_d}"))
-    assert result["comm_bytes_per_step"].keys() == {"x", "y"}
-    want, got = losses(uninterrupted), losses(two_d)
-    assert got.keys() == want.keys() and all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), (got, want)
-    resumed = tmp_path / "tp"
-    summary(hp_train(*SHORT, f"output_dir={resumed}", f"resume_from_checkpoint={two_d / 'checkpoint-3'}"))
+    summary(hp_train(*SHORT, f"output_dir={resumed}", f"resume_from_checkpoint={split / 'checkpoint-3'}"))
     got = losses(resumed)
     assert all(got[s] == pytest.approx(want[s], rel=1e-5) for s in (4, 5, 6)), (got, want)
 

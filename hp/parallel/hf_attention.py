@@ -37,7 +37,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed._local_tensor import maybe_run_for_local_tensor
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from hp.ops.context_parallel import local_heads, sequence_parallel_attention, swap_heads_and_sequence
 from hp.ops.local import to_dtensor

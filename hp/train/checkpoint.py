@@ -32,6 +32,7 @@ import pickle
 import random
 import re
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,19 +69,48 @@ def latest(output_dir: str, skipped: list[tuple[str, str]] | None = None) -> str
     >>> latest("/nonexistent") is None
     True
     """
-    if not os.path.isdir(output_dir):
-        return None
-    steps = [int(m.group(1)) for n in os.listdir(output_dir) if (m := _NAME.match(n))]
-    for step in sorted(steps, reverse=True):
-        path = os.path.join(output_dir, f"checkpoint-{step}")
-        if not os.path.isfile(os.path.join(path, TRAINER_STATE)):
-            continue  # a save that never finished (the rename publishes only finished ones)
+    for path in finished(output_dir):
         damage = manifest.verify(path)
         if damage is None:
             return path
         if skipped is not None:
             skipped.append((path, damage))
     return None
+
+
+def finished(output_dir: str) -> list[str]:
+    """The checkpoints in `output_dir` whose save finished, newest first (their files not read: see `latest`).
+
+    >>> finished("/nonexistent")
+    []
+    """
+    if not os.path.isdir(output_dir):
+        return []
+    steps = sorted((int(m.group(1)) for n in os.listdir(output_dir) if (m := _NAME.match(n))), reverse=True)
+    paths = [os.path.join(output_dir, f"checkpoint-{step}") for step in steps]
+    return [p for p in paths if os.path.isfile(os.path.join(p, TRAINER_STATE))]  # the rename publishes finished ones
+
+
+def on_rank_zero(choose: Callable[[], Any]) -> Any:
+    """`choose()` run by rank 0 alone, and its result (or its error) handed to every rank: choosing a
+    checkpoint reads its files back against the manifest, once per run rather than once per rank.
+
+    >>> on_rank_zero(lambda: "checkpoint-3")
+    'checkpoint-3'
+    """
+    if not distributed():
+        return choose()
+    box: list[Any] = [None]
+    if rank() == 0:
+        try:
+            box[0] = (True, choose())
+        except Exception as error:  # noqa: BLE001 - every rank raises it, not rank 0 alone
+            box[0] = (False, error)
+    dist.broadcast_object_list(box, src=0)
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
 
 
 def save(output_dir: str, step: int, model: nn.Module, optimizer, extra: dict[str, Any], *, tokenizer=None,
@@ -122,8 +152,11 @@ def save(output_dir: str, step: int, model: nn.Module, optimizer, extra: dict[st
 
 
 def load(path: str, model: nn.Module, optimizer) -> dict[str, Any]:
-    """Restore model, optimizer and RNG from checkpoint `path` into this run's layout; returns trainer state."""
-    trainer = trainer_state(path)
+    """Restore model, optimizer and RNG from checkpoint `path` into this run's layout; returns trainer state.
+
+    `path` was checked against its manifest where it was chosen (the launcher, or `on_rank_zero`); every
+    rank reading it all back again would cost the run a reading per rank."""
+    trainer = trainer_state(path, check_files=False)
     options = _FLAT if _flat_optimizer(path) else StateDictOptions()
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
     wanted = {"model": model_state, "optim": optim_state}
@@ -135,15 +168,16 @@ def load(path: str, model: nn.Module, optimizer) -> dict[str, Any]:
     return trainer
 
 
-def trainer_state(path: str) -> dict[str, Any]:
-    """The trainer state of complete checkpoint `path`, after checking that nothing in it runs code on loading.
+def trainer_state(path: str, *, check_files: bool = True) -> dict[str, Any]:
+    """The trainer state of complete checkpoint `path`, after checking that nothing in it runs code on loading
+    (and, with `check_files`, that its files match its manifest).
 
     >>> trainer_state("/nonexistent")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     hp.train.checkpoint.CheckpointError: /nonexistent is not a complete hp checkpoint (no trainer_state.pt)
     """
-    require_complete(path)
+    require_complete(path, check_files=check_files)
     _check_metadata(path)
     file = os.path.join(path, TRAINER_STATE)
     try:
@@ -256,12 +290,12 @@ def rank() -> int:
     return dist.get_rank() if distributed() else 0
 
 
-def require_complete(path: str) -> None:
+def require_complete(path: str, *, check_files: bool = True) -> None:
     """Refuse a directory that is not a finished checkpoint (a `.partial` one, or no checkpoint at all), or
-    whose files differ from its manifest (naming the damaged file)."""
+    (with `check_files`) whose files differ from its manifest, naming the damaged file."""
     if not os.path.isfile(os.path.join(path, TRAINER_STATE)):
         raise CheckpointError(f"{path} is not a complete hp checkpoint (no {TRAINER_STATE})")
-    damage = manifest.verify(path)
+    damage = manifest.verify(path) if check_files else None
     if damage is not None:
         raise CheckpointError(f"{path} is damaged: {damage}")
 

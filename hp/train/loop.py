@@ -311,7 +311,7 @@ def _require_finite(config: TrainConfig, step: int, loss: float, grad_norm: floa
 
 def _restore(config: TrainConfig, model, optimizer, scheduler, batches: TokenBatches) -> int:
     """Load the checkpoint to resume from, if any; returns the step it reached (0 for a fresh run)."""
-    resume = resume_path(config)
+    resume = checkpoint.on_rank_zero(lambda: resume_path(config))
     if resume is None:
         return 0
     state = checkpoint.load(resume, model, optimizer)

@@ -18,14 +18,13 @@ exit code (negative: the signal that ended it). The message names
 
 from __future__ import annotations
 
-import json
-import os
 import shlex
 import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hp.train import errors
+from hp.train.report import logged
 
 # What a rank's error says when it is a peer's death it saw, not a failure of its own (gloo, nccl, hccl).
 PEER_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing", "Broken pipe",
@@ -108,15 +107,7 @@ def _death(code: int) -> str:
 
 def _memory(output_dir: str) -> str:
     """The peak memory and step the run last logged (metrics.jsonl), as words; empty when it logged none."""
-    last = None
-    try:
-        with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-            for line in f:
-                record = json.loads(line)
-                if "peak_memory_bytes" in record:
-                    last = record
-    except (OSError, ValueError):
-        return ""
+    last = next((r for r in reversed(logged(output_dir)) if "peak_memory_bytes" in r), None)
     if last is None:
         return ""
     return f"; its peak memory when step {last['step']} was logged: {last['peak_memory_bytes'] / 2**20:.0f} MiB"

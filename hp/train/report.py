@@ -60,6 +60,26 @@ class Reporter:
         self.close()
 
 
+def logged(output_dir: str) -> list[dict[str, Any]]:
+    """The records a run wrote to its metrics.jsonl, in order ([] when there are none; a line being written
+    when the run died is left out).
+
+    >>> logged("/nonexistent")
+    []
+    """
+    records = []
+    try:
+        with open(os.path.join(output_dir, METRICS)) as f:
+            for line in f:
+                try:
+                    records.append(json.loads(line))
+                except ValueError:
+                    continue
+    except OSError:
+        return []
+    return records
+
+
 def _tag(key: str) -> str:
     """HF Trainer's tags: eval_loss -> eval/loss, loss -> train/loss."""
     return f"eval/{key.removeprefix('eval_')}" if key.startswith("eval_") else f"train/{key}"

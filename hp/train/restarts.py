@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from hp.train import errors, post_mortem
+from hp.train.report import logged
 
 RESTARTS_ENV = "HP_RESTARTS"  # the file listing this run's restarts so far
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torch's elastic agent in each worker
@@ -60,9 +61,9 @@ def resume_overrides(output_dir: str) -> list[str]:
     >>> resume_overrides("/nonexistent")
     ['resume_from_checkpoint=null', 'overwrite_output_dir=true']
     """
-    from hp.train.checkpoint import latest
+    from hp.train.checkpoint import finished
 
-    if latest(output_dir) is not None:
+    if finished(output_dir):  # which one verifies, rank 0 finds out once the group is formed
         return ["resume_from_checkpoint=last"]
     return ["resume_from_checkpoint=null", "overwrite_output_dir=true"]
 
@@ -113,11 +114,4 @@ def told(recorded: str, output_dir: str, listing: str) -> Iterator[None]:
 
 def _last_step(output_dir: str) -> int:
     """The last step the run logged in metrics.jsonl (0 when none)."""
-    step = 0
-    try:
-        with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-            for line in f:
-                step = max(step, int(json.loads(line).get("step", 0)))
-    except (OSError, ValueError):
-        pass
-    return step
+    return max([0, *(int(r.get("step", 0)) for r in logged(output_dir))])

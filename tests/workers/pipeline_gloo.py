@@ -11,7 +11,6 @@ failure.
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 from transformers import AutoModelForCausalLM

@@ -31,7 +31,7 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 from transformers import AutoModelForCausalLM
 
 import hp
