@@ -434,6 +434,51 @@ def test_a_killed_worker_is_named_with_its_signal_the_last_checkpoint_and_the_co
     assert message.endswith(f"resume_from_checkpoint=last") and f"output_dir={out}" in message
 
 
+def test_a_collective_timeout_names_the_collective_and_the_rank_that_never_joined(tmp_path):
+    """Rank 1 frozen (SIGSTOP) mid-run with ddp_timeout 4 s: rank 0 waits out the timeout in its next
+    collective, and the message names rank 0, the collective and where it was called, rank 1 as the one that
+    never joined and where it was (read when the launcher stopped it), and the hint on ddp_timeout."""
+    out = tmp_path / "run"
+    run = hp_train("max_steps=500", "logging_steps=1", "ddp_timeout=4", f"output_dir={out}", wait=False)
+    deadline = time.time() + 300
+    while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 2):
+        assert run.poll() is None and time.time() < deadline, run.communicate()
+        time.sleep(0.05)
+    first, frozen = worker_of_rank(str(out), 0), worker_of_rank(str(out), 1)
+    os.kill(frozen, signal.SIGSTOP)
+    while first in workers(str(out)) and time.time() < deadline:
+        time.sleep(0.1)  # rank 0 times out and leaves; then rank 1 wakes to the launcher's SIGTERM
+    os.kill(frozen, signal.SIGCONT)
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 1, err[-3000:]
+    message = _lines(err)[-1]
+    assert message.startswith("hp train: rank 0 waited out ddp_timeout in "), message
+    assert " called at " in message and "; rank 1 (it was " in message and ") never joined it" in message, message
+    assert "needs a larger ddp_timeout" in message and "Connection closed" not in message, message
+
+
+@pytest.mark.parametrize("records, exit_codes, nodes, expected", [
+    ([{"rank": 0, "kind": "timeout", "message": "m", "exit_code": 1, "collective": "all_reduce", "where": "a.py:1 in f"},
+      {"rank": 1, "kind": "timeout", "message": "m", "exit_code": 1, "collective": "broadcast", "where": "b.py:2 in g"}],
+     {0: 1, 1: 1}, 1, "every rank waited out ddp_timeout, in different collectives (rank 0 in all_reduce called at "
+                       "a.py:1 in f; rank 1 in broadcast called at b.py:2 in g): the ranks called collectives in "
+                       "different orders"),
+    ([{"rank": 2, "kind": "timeout", "message": "m", "exit_code": 1, "collective": "all_gather"}],
+     {2: 1}, 2, "rank 2 waited out ddp_timeout in all_gather; the ranks that never joined it are on another node"),
+    ([{"rank": 0, "kind": "timeout", "message": "m", "exit_code": 1}], {0: 1, 1: -9}, 1,
+     "rank 0 waited out ddp_timeout in a collective; rank 1 never joined it"),
+    ([{"rank": 2, "kind": "RuntimeError", "message": "RuntimeError: Connection closed by peer", "exit_code": 1}],
+     {2: 1, 3: 130}, 2, "rank 2 lost a peer (RuntimeError: Connection closed by peer): a worker on another node "
+                        "ended first, and that node's hp train says which and why"),
+])
+def test_how_a_failed_round_is_told(records, exit_codes, nodes, expected):
+    """Collectives that timed out (in different orders, across nodes, a stuck rank SIGKILLed after ignoring
+    SIGTERM), and a node that saw only its peers' symptoms."""
+    from hp.train.post_mortem import cause
+
+    assert cause(records, exit_codes, "/nonexistent", nodes=nodes).text.split("; a rank that is slow")[0] == expected
+
+
 def test_two_runs_on_one_machine_both_finish(tmp_path):
     command = [sys.executable, "-m", "hp.cli", "train", QUICKSTART, f"dataset_dir={DATA}", *FAST, "max_steps=1"]
     runs = [subprocess.Popen([*command, f"output_dir={tmp_path / str(i)}", "run_name=twin"], cwd=ROOT,

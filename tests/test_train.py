@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gloo_launch import clean_env
+from gloo_launch import _free_port, clean_env
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from train_runs import (DATA, QUICKSTART, WORKERS, first_batch, hp_train, local_hf_model, losses, summary,
@@ -242,24 +242,47 @@ def test_a_damaged_newest_checkpoint_is_passed_over_and_the_run_resumes_from_the
     assert refused.returncode != 0 and f"checkpoint-6 is damaged: {state} is cut short" in refused.stderr
 
 
+def test_background_and_synchronous_saves_write_the_same_checkpoints(uninterrupted, tmp_path):
+    """The uninterrupted run saved in the background (the default); a run saving synchronously writes the
+    same tensors, bit for bit: the background copy is taken before the next update changes them."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    summary(hp_train(*SHORT, "async_save=false", f"output_dir={tmp_path / 'sync'}"))
+    for step in (3, 6):
+        states = []
+        for run in (uninterrupted, tmp_path / "sync"):
+            dcp_to_torch_save(run / f"checkpoint-{step}", tmp_path / "state.pt")
+            states.append(torch.load(tmp_path / "state.pt"))
+        leaves = [torch.utils._pytree.tree_flatten(state) for state in states]
+        assert leaves[0][1] == leaves[1][1]  # the same keys, model and optimizer
+        assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(leaves[0][0], leaves[1][0]))
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
 @settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(after=st.sampled_from([1, 2, 4, 5]))  # one kill point a run (benchmarks/faults.py tries ten)
-def test_a_worker_killed_mid_run_restarts_with_the_uninterrupted_losses(uninterrupted, tmp_path_factory, after):
+def test_a_worker_killed_mid_run_restarts_with_the_uninterrupted_losses(uninterrupted, tmp_path_factory, nodes, after):
     """max_restarts: 1 and rank 1 SIGKILLed once step `after` is logged: the group restarts from the last
     complete checkpoint (from the start before checkpoint-3), finishes with the uninterrupted run's loss at
-    every step, and the summary lists the restart."""
+    every step, and the summary lists the restart. On two nodes (two launchers here, one worker each, over
+    the c10d rendezvous) both restart, and the node that lost its worker names it."""
     out = tmp_path_factory.mktemp("killed")
-    killed = hp_train(*SHORT, "max_restarts=1", f"output_dir={out}", wait=False)
+    port = f"master_port={_free_port()}"
+    per_node = [f"nnodes={nodes}", f"nproc_per_node={2 // nodes}"]
+    launchers = [hp_train(*SHORT, "max_restarts=1", f"output_dir={out}", *per_node, f"node_rank={node}", port,
+                          wait=False) for node in range(nodes)]
     deadline = time.time() + 300
     while max([0, *losses(out)] if (out / "metrics.jsonl").exists() else [0]) < after:
-        assert killed.poll() is None and time.time() < deadline, killed.communicate()
+        assert all(run.poll() is None for run in launchers) and time.time() < deadline, launchers[0].communicate()
         time.sleep(0.02)
     os.kill(worker_of_rank(str(out), 1), signal.SIGKILL)
-    stdout, stderr = killed.communicate(timeout=300)
-    assert killed.returncode == 0, stderr[-3000:]
-    [restart] = json.loads(stdout.strip().splitlines()[-1])["restarts"]
-    assert restart["rank"] == 1 and "killed by SIGKILL" in restart["cause"] and restart["step"] >= after
-    assert "restarting the workers from the last complete checkpoint (restart 1 of 1)" in stderr
+    ended = [run.communicate(timeout=300) for run in launchers]
+    assert [run.returncode for run in launchers] == [0] * nodes, [err[-3000:] for _, err in ended]
+    stdout = next(out_ for out_, _ in ended if out_.strip())  # global rank 0's node prints the summary
+    assert len(json.loads(stdout.strip().splitlines()[-1])["restarts"]) == 1
+    stderr = "".join(err for _, err in ended)
+    assert "worker rank 1 was killed by SIGKILL" in stderr
+    assert stderr.count("restarting the workers from the last complete checkpoint (restart 1 of 1)") == nodes
     assert losses(out) == losses(uninterrupted)
 
 

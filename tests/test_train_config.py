@@ -97,7 +97,7 @@ def test_defaults_are_llamafactorys():
         "val_size": 0.0, "eval_dataset": None, "do_eval": False, "eval_strategy": "no", "eval_steps": None,
         "per_device_eval_batch_size": 8,
         "overwrite_output_dir": False, "logging_steps": 500, "save_steps": 500, "save_total_limit": None,
-        "save_only_model": False,
+        "save_only_model": False, "async_save": True,
         "plot_loss": False, "resume_from_checkpoint": None, "per_device_train_batch_size": 1,
         "gradient_accumulation_steps": 1, "learning_rate": 5e-5, "num_train_epochs": 3.0, "max_steps": -1,
         "lr_scheduler_type": "linear", "warmup_ratio": 0.0, "bf16": False, "seed": 42,

@@ -115,40 +115,103 @@ def on_rank_zero(choose: Callable[[], Any]) -> Any:
 
 def save(output_dir: str, step: int, model: nn.Module, optimizer, extra: dict[str, Any], *, tokenizer=None,
          keep: int | None = None, model_only: bool = False, base_model: str | None = None) -> str:
-    """Write checkpoint-`step` atomically; `extra` (scheduler, data position, ...) goes into trainer_state.pt.
+    """Write checkpoint-`step` atomically and wait for it (see `Saver` for the options); returns its path."""
+    return Saver(output_dir, keep=keep).save(step, model, optimizer, extra, tokenizer=tokenizer,
+                                             model_only=model_only, base_model=base_model)
 
-    `model_only` leaves the optimizer state out (LlamaFactory's `save_only_model`): such a
-    checkpoint exports, but does not resume. A model with LoRA adapters also gets PEFT's
-    `adapter_config.json` (`base_model`: the model the adapters were trained on), which
-    `hp export` reads.
+
+class Saver:
+    """A run's checkpoints, written atomically; with `background`, while training goes on.
+
+    `extra` (scheduler, data position, ...) goes into trainer_state.pt. `model_only` leaves the optimizer
+    state out (LlamaFactory's `save_only_model`): such a checkpoint exports, but does not resume. A model
+    with LoRA adapters also gets PEFT's `adapter_config.json` (`base_model`: the model the adapters were
+    trained on), which `hp export` reads.
+
+    A background save (DCP's `async_save`) copies the model's and optimizer's blocks to host memory before
+    `save` returns, so the next update cannot change what is written, and writes them on a thread of DCP's.
+    That thread coordinates the ranks over a gloo group of its own: collectives on the training's group
+    from a second thread would interleave with the training's. The checkpoint is published (manifest,
+    rename) by `finish`, at the next save or at the end of the run; a run that dies before that has the
+    previous checkpoint as its last complete one, exactly as when a synchronous save is cut short.
+
+    >>> Saver("/tmp/run", background=True).finish() is None  # nothing pending
+    True
     """
-    final = os.path.join(output_dir, f"checkpoint-{step}")
-    partial = final + ".partial"
-    if rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # debris of a crashed save of this step
-        os.makedirs(partial)
-    _barrier()
-    model_state, optim_state = get_state_dict(model, optimizer, options=_FLAT)
-    state = {"model": model_state} if model_only else {"model": model_state, "optim": optim_state}
-    dcp.save(to_storable(state), checkpoint_id=partial, no_dist=not distributed())
-    if rank() == 0:
-        state = {"step": step, "rng": _rng_state(), "model_only": model_only, **extra}
-        torch.save(state, os.path.join(partial, TRAINER_STATE))
-        model.config.to_json_file(os.path.join(partial, "config.json"))
-        if has_lora(model):
-            with open(os.path.join(partial, ADAPTER_CONFIG), "w") as f:
-                json.dump(peft_config(model, base_model), f, indent=2)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(partial)
-    _barrier()
-    if rank() == 0:
-        manifest.write(partial)  # last: every file is in place
-        if os.path.exists(final):  # a stale checkpoint of this step (an earlier, diverged run)
-            shutil.rmtree(final)
-        os.rename(partial, final)
-        _prune(output_dir, keep)
-    _barrier()
-    return final
+
+    def __init__(self, output_dir: str, *, keep: int | None = None, background: bool = False) -> None:
+        self.output_dir, self.keep, self.background = output_dir, keep, background
+        self._pending: tuple[str, Any] | None = None  # (the checkpoint's final path, DCP's future or None)
+        self._group = None
+
+    def save(self, step: int, model: nn.Module, optimizer, extra: dict[str, Any], *, tokenizer=None,
+             model_only: bool = False, base_model: str | None = None) -> str:
+        """Begin checkpoint-`step` (finishing the one before); its path. With `background` it is published by
+        `finish`, else before this returns."""
+        self.finish()
+        final = os.path.join(self.output_dir, f"checkpoint-{step}")
+        partial = final + ".partial"
+        if rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # debris of a crashed save of this step
+            os.makedirs(partial)
+        _barrier()
+        model_state, optim_state = get_state_dict(model, optimizer, options=_FLAT)
+        state = to_storable({"model": model_state} if model_only else {"model": model_state, "optim": optim_state})
+        if rank() == 0:
+            _write_beside(partial, model, {"step": step, "rng": _rng_state(), "model_only": model_only, **extra},
+                          tokenizer, base_model)
+        if self.background:
+            future = dcp.async_save(state, checkpoint_id=partial, process_group=self._saving_group(),
+                                    no_dist=not distributed())
+            self._pending = (final, future)
+        else:
+            dcp.save(state, checkpoint_id=partial, no_dist=not distributed())
+            self._pending = (final, None)
+            self.finish()
+        return final
+
+    def finish(self) -> str | None:
+        """Wait for the checkpoint being written and publish it; its path (None when none was pending)."""
+        if self._pending is None:
+            return None
+        final, future = self._pending
+        self._pending = None
+        if future is not None:
+            future.result()  # raises what the writing thread raised
+        _barrier()
+        if rank() == 0:
+            partial = final + ".partial"
+            manifest.write(partial)  # last: every file is in place
+            if os.path.exists(final):  # a stale checkpoint of this step (an earlier, diverged run)
+                shutil.rmtree(final)
+            os.rename(partial, final)
+            _prune(self.output_dir, self.keep)
+        _barrier()
+        return final
+
+    def close(self) -> str | None:
+        """`finish`, then let the saving group go; the last checkpoint's path (None when none was pending)."""
+        final = self.finish()
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None
+        return final
+
+    def _saving_group(self):
+        if self._group is None and distributed():
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+
+def _write_beside(partial: str, model: nn.Module, trainer: dict[str, Any], tokenizer, base_model: str | None) -> None:
+    """Rank 0's files beside the blocks: the trainer state, the model's config, LoRA's and the tokenizer's."""
+    torch.save(trainer, os.path.join(partial, TRAINER_STATE))
+    model.config.to_json_file(os.path.join(partial, "config.json"))
+    if has_lora(model):
+        with open(os.path.join(partial, ADAPTER_CONFIG), "w") as f:
+            json.dump(peft_config(model, base_model), f, indent=2)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(partial)
 
 
 def load(path: str, model: nn.Module, optimizer) -> dict[str, Any]:

@@ -7,10 +7,14 @@ otherwise torch's elastic agent runs here and starts `nproc_per_node`
 workers on this node (`python -m hp.train.worker`), or joins a multi-node
 rendezvous, and each worker re-reads the same config and overrides.
 
-The run's rendezvous: on one node without `master_port`, a free port (as
+The run's rendezvous is torch's c10d one, which forms again after a restart
+on every node: on one node without `master_port`, on a free port (as
 `torchrun --standalone` picks), so two runs on one machine do not collide;
-with `master_port`, or over several nodes, `master_addr:master_port`
-(DEFAULT_MASTER_PORT when unset) with this node's `node_rank`.
+with `master_port`, or over several nodes, at `master_addr:master_port`
+(DEFAULT_MASTER_PORT when unset), whose store `node_rank` 0 hosts. The
+nodes' places in the world are given in the order they join, so global rank
+0 may live on any node; a node's ranks stay consecutive (tensor-parallel
+groups within a node).
 
 How the run ends is `hp.train.errors`' business: workers record their
 failures there, and the launcher prints one message of what happened
@@ -92,7 +96,7 @@ def _start_workers(config: TrainConfig, command: list[str], private: str, resume
     os.mkdir(recorded)
     os.environ[errors.ERRORS_ENV] = recorded
     try:
-        with restarts.told(recorded, config.output_dir, os.path.join(private, "restarts.json")):
+        with restarts.told(recorded, config, os.path.join(private, "restarts.json")):
             elastic_launch(launch_config(config), sys.executable)(*command)
     except SignalException:
         raise KeyboardInterrupt from None
@@ -110,15 +114,17 @@ def launch_config(config: TrainConfig):
     if config.nnodes == 1 and config.master_port is None:
         return LaunchConfig(**shared, rdzv_backend="c10d", rdzv_endpoint="localhost:0", run_id=str(uuid.uuid4()))
     port = config.master_port or DEFAULT_MASTER_PORT
-    return LaunchConfig(**shared, rdzv_backend="static", rdzv_endpoint=f"{config.master_addr}:{port}",
-                        rdzv_configs={"rank": config.node_rank}, run_id="hp-train")
+    # node_rank 0 hosts the rendezvous's store (its address may not be this host's name: a container, NAT)
+    return LaunchConfig(**shared, rdzv_backend="c10d", rdzv_endpoint=f"{config.master_addr}:{port}",
+                        rdzv_configs={"is_host": config.node_rank == 0}, run_id=f"hp-train-{port}")
 
 
 def _report_workers(recorded: str, failed, config: TrainConfig, command: str) -> int:
     """Print how the run ended (`hp.train.post_mortem`): the rank that died and of what, else the first rank's
     own error; how to resume."""
     codes = {int(rank): failure.exitcode for rank, failure in failed.failures.items()}
-    text, status = post_mortem.ending(errors.all_recorded(recorded), codes, config.output_dir, command)
+    text, status = post_mortem.ending(errors.all_recorded(recorded), codes, config.output_dir, command,
+                                      nodes=config.nnodes)
     print(f"hp train: {text}", file=sys.stderr, flush=True)
     return status
 

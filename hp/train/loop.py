@@ -24,11 +24,12 @@ routing bias toward balance (`nudge_routing_bias`). Evaluation (HF Trainer's `ev
 `eval_steps`, `do_eval`) runs the held-out examples through the laid-out
 model without gradients; its loss is the mean over supervised tokens, as if
 all examples were one batch (its expert loads are dropped: they are not the
-next step's). Metrics and
-summary are strict JSON: a loss or gradient norm that stops being finite
-ends the run with `TrainingError` naming the step, before that step's
-update is saved, so the last checkpoint stays the last good one. A resumed
-run first drops the metrics lines past its checkpoint (they would repeat).
+next step's). Metrics and summary are strict JSON: a loss or gradient norm
+that stops being finite ends the run with `TrainingError` naming the step,
+before that step's update is saved, so the last checkpoint stays the last
+good one. Checkpoints are written in the background (`async_save`) and
+published at the next save or the end. A resumed run first drops the
+metrics lines past its checkpoint (they would repeat).
 
 The stage decides what a micro-batch's loss is (`hp.train.objectives`): the
 model's own loss for pt and sft; for dpo and kto the preference loss
@@ -153,6 +154,7 @@ def train(config: TrainConfig) -> dict:
     offloaded = forward_backward
     if strategy.mpmd is not None:  # collectives in flight while other chunks compute
         forward_backward = progress.mpmd = hp.mpmd(forward_backward, chunks=strategy.mpmd)
+    saver = checkpoint.Saver(config.output_dir, keep=config.save_total_limit, background=config.async_save)
     try:
         while step < total:
             epoch = batches.epoch
@@ -162,7 +164,7 @@ def train(config: TrainConfig) -> dict:
                 hp.reduce_gradients(model)
                 norm = clip_gradients(model.parameters(), config.max_grad_norm or math.inf,
                                       group=pipe.group if pipe is not None else None)
-                _require_finite(config, step + 1, loss, norm)
+                _require_finite(config, step + 1, loss, norm, saver)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -189,9 +191,9 @@ def train(config: TrainConfig) -> dict:
                 if strategy.offload is not None:
                     offloaded.restore_optimizer_states()  # the checkpoint holds their bytes
                 extra = {"scheduler": scheduler.state_dict(), "data": batches.state_dict()}
-                checkpoint.save(config.output_dir, step, model, optimizer, extra, tokenizer=tokenizer,
-                                keep=config.save_total_limit, model_only=config.save_only_model,
-                                base_model=config.model_name_or_path)
+                saver.save(step, model, optimizer, extra, tokenizer=tokenizer, model_only=config.save_only_model,
+                           base_model=config.model_name_or_path)
+        saver.close()  # the last checkpoint published before the summary
     finally:
         if bar is not None:
             bar.close()  # ends its line, also before a failure's message
@@ -254,11 +256,8 @@ def balance_experts(model: nn.Module, rate: float) -> ExpertLoad | None:
 
 def _evaluates_now(config: TrainConfig, step: int, epoch_ended: bool, last: bool) -> bool:
     """HF Trainer's rule: every eval_steps (logging_steps when unset), or at each epoch's end; do_eval: at the end."""
-    if config.eval_strategy == "steps" and step % (config.eval_steps or config.logging_steps) == 0:
-        return True
-    if config.eval_strategy == "epoch" and epoch_ended:
-        return True
-    return last and config.do_eval
+    every = config.eval_strategy == "steps" and step % (config.eval_steps or config.logging_steps) == 0
+    return every or (config.eval_strategy == "epoch" and epoch_ended) or (last and config.do_eval)
 
 
 def evaluate(model: nn.Module, batches, config: TrainConfig, device: str) -> float:
@@ -298,11 +297,13 @@ def _join_workers(timeout_s: int) -> None:
     dist.init_process_group(device.pg_backend, timeout=timedelta(seconds=timeout_s), **restarts.fresh_store())
 
 
-def _require_finite(config: TrainConfig, step: int, loss: float, grad_norm: float) -> None:
-    """Stop before a non-finite loss or gradient reaches the weights (and a checkpoint)."""
+def _require_finite(config: TrainConfig, step: int, loss: float, grad_norm: float, saver: checkpoint.Saver) -> None:
+    """Stop before a non-finite loss or gradient reaches the weights (and a checkpoint), once the checkpoint
+    being saved is published (every rank sees the same reduced loss and norm, so every rank stops here)."""
     if math.isfinite(loss) and math.isfinite(grad_norm):
         return
     what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {grad_norm}"
+    saver.finish()
     last = checkpoint.latest(config.output_dir)
     kept = f"the last good checkpoint is {last}" if last else "no checkpoint was saved before it"
     raise TrainingError(f"step {step}: {what}, so training diverged and stopped; {kept}. Lower learning_rate "

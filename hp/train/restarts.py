@@ -5,10 +5,10 @@ the agent restarts every worker of the group (on every node: the c10d
 rendezvous forms again) up to N times. hp adds the two things the agent
 does not know:
 
-- **Where to go on from.** A restarted worker (`TORCHELASTIC_RESTART_COUNT`
-  > 0) resumes from the last complete checkpoint of `output_dir`, the data
-  position included, so its losses are an uninterrupted run's step for step;
-  with no checkpoint yet, it starts over.
+- **Where to go on from.** A restarted worker (`attempt` > 0) resumes from
+  the last complete checkpoint of `output_dir`, the data position included,
+  so its losses are an uninterrupted run's step for step; with no
+  checkpoint yet, it starts over.
 - **What happened.** Before the agent restarts a failed round, the launcher
   works out which rank failed and why (`hp.train.post_mortem.cause`),
   prints it as a note and lists it, with the step the run had logged, in a
@@ -18,6 +18,7 @@ does not know:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -26,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from hp.train import errors, post_mortem
+from hp.train.config import TrainConfig
 from hp.train.report import logged
 
 RESTARTS_ENV = "HP_RESTARTS"  # the file listing this run's restarts so far
@@ -33,26 +35,58 @@ RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torch's elastic agent
 
 
 def restarted() -> bool:
-    """Whether this worker belongs to a restarted group."""
-    return int(os.environ.get(RESTART_COUNT_ENV, "0")) > 0
+    """Whether this worker belongs to a restarted group.
+
+    >>> restarted()
+    False
+    """
+    return attempt() > 0
+
+
+@functools.cache
+def attempt() -> int:
+    """Which start of the group this worker's is (0: the first).
+
+    Counted in the agents' store, one counter per global rank: every start of the group starts each rank
+    once, on whatever node, so every rank counts alike. The agent's own restart count is not enough over
+    several nodes: a node whose workers were healthy when another node's died restarts them without
+    counting it (a membership change), and its workers would start afresh while the others resume.
+
+    >>> attempt()  # not launched by the agent
+    0
+    """
+    store = _agent_store()
+    if store is None:
+        return int(os.environ.get(RESTART_COUNT_ENV, "0"))
+    return store.add(f"hp/starts/rank_{os.environ['RANK']}", 1) - 1
 
 
 def fresh_store() -> dict:
-    """`init_process_group`'s keywords for a restarted worker: the agent's store under a prefix of this
-    attempt's. The agent keeps one store across restarts, and a rank that read the address a dead rank of
-    the previous attempt left there (gloo's full-mesh connect) was refused; empty otherwise (env://).
+    """`init_process_group`'s keywords for a restarted worker: the agents' store under a prefix of this
+    attempt's. The store lives across restarts, and a rank that read the address a dead rank of the previous
+    attempt left there (gloo's full-mesh connect) was refused; empty otherwise (env://).
 
     >>> fresh_store()
     {}
     """
-    if not restarted() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    store = _agent_store() if restarted() else None
+    if store is None:
         return {}
     import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
-    attempt = os.environ[RESTART_COUNT_ENV]
-    return {"store": dist.PrefixStore(f"hp/attempt_{attempt}", store), "rank": rank, "world_size": world}
+    return {"store": dist.PrefixStore(f"hp/attempt_{attempt()}", store), "rank": rank, "world_size": world}
+
+
+@functools.cache
+def _agent_store():
+    """The elastic agents' store, when the workers share it (c10d rendezvous); None otherwise."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import torch.distributed as dist
+
+    world = int(os.environ["WORLD_SIZE"])
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
 
 
 def resume_overrides(output_dir: str) -> list[str]:
@@ -81,7 +115,7 @@ def so_far() -> dict:
 
 
 @contextmanager
-def told(recorded: str, output_dir: str, listing: str) -> Iterator[None]:
+def told(recorded: str, config: TrainConfig, listing: str) -> Iterator[None]:
     """While the elastic agent runs here: each failed round it is about to restart is noted on stderr and
     listed in `listing` (the workers' `HP_RESTARTS`), and its recorded failures cleared for the next round."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -93,8 +127,8 @@ def told(recorded: str, output_dir: str, listing: str) -> Iterator[None]:
         result = original(agent, group)
         if result.is_failed() and agent._remaining_restarts > 0:
             codes = {int(rank): failure.exitcode for rank, failure in result.failures.items()}
-            found = post_mortem.cause(errors.all_recorded(recorded), codes, output_dir)
-            step = _last_step(output_dir)
+            found = post_mortem.cause(errors.all_recorded(recorded), codes, config.output_dir, nodes=config.nnodes)
+            step = _last_step(config.output_dir)
             rounds.append({"step": step, "rank": found.rank, "cause": found.text})
             Path(listing).write_text(json.dumps(rounds))
             for path in Path(recorded).glob("*.json"):

@@ -67,6 +67,7 @@ def die_with(parent: int) -> None:
 
 def _interrupted(signum, frame) -> None:
     _end_progress_line()
+    errors.stopped(int(os.environ.get("RANK", "0")), frame)  # where it was: the rank its peers waited for?
     _leave(errors.INTERRUPTED)
 
 

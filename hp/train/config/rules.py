@@ -101,6 +101,7 @@ RULES: dict[str, Rule] = {
     "save_steps": Rule("int", lambda v: v >= 1, "an integer >= 1"),
     "save_total_limit": Rule("int", lambda v: v >= 1, "an integer >= 1, or null to keep every checkpoint", optional=True),
     "save_only_model": Rule("bool"),
+    "async_save": Rule("bool"),
     "ddp_timeout": Rule("int", lambda v: v >= 1, "a number of seconds >= 1"),
     "plot_loss": Rule("bool"),
     "logging_dir": Rule("str", nonempty, "a directory, or null for output_dir/runs", optional=True),

@@ -131,6 +131,7 @@ class TrainConfig:
     save_steps: int = 500
     save_total_limit: int | None = None  # None: keep every checkpoint
     save_only_model: bool = False  # checkpoints without optimizer state: smaller, but they cannot be resumed
+    async_save: bool = True  # checkpoints written in the background while training goes on
     plot_loss: bool = False
     report_to: tuple[str, ...] = ()  # experiment trackers (HF's names); hp writes "tensorboard", notes the others
     logging_dir: str | None = None  # where TensorBoard events go; None: output_dir/runs
