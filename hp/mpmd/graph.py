@@ -1,0 +1,178 @@
+"""The programs of an MPMD step and what flows between them: the data that `hp.mpmd` schedules and runs.
+
+A step of levels 2 and 3 is a small graph. A **program** is one model, or
+one sub-model (a vision tower, a language model, a frozen reference), cut
+into stages, each stage placed on one rank and run once per micro-batch. A
+**flow** carries one micro-batch's tensor from a stage of one program to a
+stage of another (a vision tower's features to the language model's first
+stage; a reference's log-probabilities to the policy's last); between the
+stages of one program the stream flows in order. A program that trains
+sends the gradients of what it received back along the same flows. A
+program may run **ahead**: its micro-batches belong to the next batch (a
+frozen reference depends on nothing the policy computes, so its forward
+for batch t + 1 can run during step t).
+
+The graph's actions are each stage's forward `F` and (when it trains)
+backward `B` per micro-batch; `dependencies` says what each waits for.
+Scheduling them is `hp.mpmd.schedule`'s business, running them
+`hp.mpmd.runtime`'s, replaying them against a cost table
+`hp.mpmd.simulate`'s.
+
+>>> g = Graph((Program("vision", (0,)), Program("language", (0, 1))), (Flow(("vision", 0), ("language", 0)),), 2)
+>>> [str(a) for a in g.dependencies(Action("F", "language", 0, 1))]
+['vision0.F1']
+>>> [str(a) for a in g.dependencies(Action("B", "vision", 0, 1))]
+['vision0.F1', 'language0.B1']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+Node = tuple[str, int]  # (program, stage)
+
+
+class GraphError(ValueError):
+    """A graph of programs that cannot run: an unknown program or stage, a cycle, a rank out of range."""
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One stage's forward (`F`) or backward (`B`) of one micro-batch."""
+
+    kind: str
+    program: str
+    stage: int
+    micro: int
+
+    @property
+    def node(self) -> Node:
+        return self.program, self.stage
+
+    def __str__(self) -> str:
+        return f"{self.program}{self.stage}.{self.kind}{self.micro}"
+
+
+@dataclass(frozen=True)
+class Program:
+    """A model (or sub-model) cut into stages: stage i runs on rank `ranks[i]`.
+
+    `trains`: it has a backward (a frozen reference does not). `ahead`: how many batches ahead its
+    micro-batches run (0: this step's batch). `spread`: one stage whose micro-batches each run on one of
+    `ranks`, chosen by the scheduler (the program held whole on each of them, its gradients summed over
+    them, as data parallel's): a small sub-model's work placed where the others leave gaps.
+    """
+
+    name: str
+    ranks: tuple[int, ...]
+    trains: bool = True
+    ahead: int = 0
+    spread: bool = False
+
+    @property
+    def stages(self) -> int:
+        return 1 if self.spread else len(self.ranks)
+
+
+@dataclass(frozen=True)
+class Flow:
+    """A micro-batch's tensor from stage `src` of one program to stage `dst` of another (its gradient back
+    when both train)."""
+
+    src: Node
+    dst: Node
+
+
+@dataclass(frozen=True)
+class Graph:
+    """Programs, the flows between them, and the step's micro-batch count."""
+
+    programs: tuple[Program, ...]
+    flows: tuple[Flow, ...]
+    microbatches: int
+
+    def __post_init__(self) -> None:
+        names = [p.name for p in self.programs]
+        if len(set(names)) != len(names):
+            raise GraphError(f"program names repeat: {names}")
+        for flow in self.flows:
+            for end in (flow.src, flow.dst):
+                if end[0] not in self.program or not 0 <= end[1] < self.program[end[0]].stages:
+                    raise GraphError(f"flow {flow.src} -> {flow.dst}: {end} is no stage of the graph")
+            if self.program[flow.src[0]].ahead < self.program[flow.dst[0]].ahead:
+                raise GraphError(f"flow {flow.src} -> {flow.dst}: a program cannot feed one that runs further ahead")
+        if self.microbatches < 1:
+            raise GraphError(f"microbatches = {self.microbatches}: expected at least 1")
+        self.order  # noqa: B018 - refuses a cycle now
+
+    @cached_property
+    def program(self) -> dict[str, Program]:
+        return {p.name: p for p in self.programs}
+
+    @property
+    def world(self) -> int:
+        """How many ranks the graph's stages use (the highest rank + 1)."""
+        return 1 + max(r for p in self.programs for r in p.ranks)
+
+    def ranks_of(self, node: Node) -> tuple[int, ...]:
+        """The ranks stage `node` may run on: its own, or any of a spread program's."""
+        program = self.program[node[0]]
+        return program.ranks if program.spread else (program.ranks[node[1]],)
+
+    def nodes(self) -> list[Node]:
+        return [(p.name, s) for p in self.programs for s in range(p.stages)]
+
+    def inputs(self, node: Node) -> list[Node]:
+        """What stage `node` receives each micro-batch: the stage before it, then its flows' sources."""
+        before = [(node[0], node[1] - 1)] if node[1] > 0 else []
+        return before + [f.src for f in self.flows if f.dst == node and self._same_batch(f)]
+
+    def outputs(self, node: Node) -> list[Node]:
+        """Where stage `node` sends each micro-batch: the stage after it, then its flows' destinations."""
+        after = [(node[0], node[1] + 1)] if node[1] + 1 < self.program[node[0]].stages else []
+        return after + [f.dst for f in self.flows if f.src == node and self._same_batch(f)]
+
+    def trains(self, node: Node) -> bool:
+        return self.program[node[0]].trains
+
+    def actions(self) -> list[Action]:
+        """Every action of the step, in an order that respects its dependencies."""
+        found = []
+        for node in self.order:
+            found += [Action("F", *node, m) for m in range(self.microbatches)]
+        for node in reversed(self.order):
+            if self.trains(node):
+                found += [Action("B", *node, m) for m in range(self.microbatches)]
+        return found
+
+    def dependencies(self, action: Action) -> list[Action]:
+        """The actions `action` waits for (on its own rank or another)."""
+        node, m = action.node, action.micro
+        if action.kind == "F":
+            return [Action("F", *src, m) for src in self.inputs(node)]
+        grads = [Action("B", *dst, m) for dst in self.outputs(node) if self.trains(dst)]
+        return [Action("F", *node, m), *grads]
+
+    @cached_property
+    def order(self) -> tuple[Node, ...]:
+        """The stages in an order where each comes after every stage it receives from."""
+        placed: list[Node] = []
+        waiting = self.nodes()
+        while waiting:
+            ready = [n for n in waiting if all(src in placed for src in self.inputs(n))]
+            if not ready:
+                raise GraphError(f"the flows make a cycle among {waiting}")
+            placed += ready
+            waiting = [n for n in waiting if n not in ready]
+        return tuple(placed)
+
+    def in_flight_limit(self, node: Node) -> int:
+        """How many micro-batches stage `node` may hold between forward and backward (1F1B's bound: the
+        trained stages from it to the end of the longest path it feeds)."""
+        downstream = [self.in_flight_limit(dst) for dst in self.outputs(node) if self.trains(dst)]
+        return 1 + max(downstream, default=0)
+
+    def _same_batch(self, flow: Flow) -> bool:
+        """Whether `flow` joins micro-batches of one batch (a program running ahead feeds the next step)."""
+        return self.program[flow.src[0]].ahead == self.program[flow.dst[0]].ahead

@@ -1,0 +1,171 @@
+"""The order of each rank's actions in an MPMD step, chosen from a cost table.
+
+Two passes, as a cluster's batch scheduler fills a machine:
+
+1. **The step's own programs** (those not running ahead) by list
+   scheduling: repeatedly, of every action whose inputs are scheduled, the
+   one that can start earliest on its rank runs next there (a backward
+   before a forward, an earlier micro-batch first, then the longest path
+   to the step's end). A stage holds at most `Graph.in_flight_limit`
+   micro-batches between forward and backward, so a pipeline keeps 1F1B's
+   memory, and a stage placed before it (a vision tower) runs ahead of it
+   only that far.
+2. **Programs running ahead** (a frozen reference's forward of the next
+   batch) backfill: each of their actions goes into the earliest idle gap
+   of its rank that it fits, after its inputs arrive, so it never delays
+   the step's own work under the table's costs; what fits nowhere runs
+   after the rank's last action.
+
+Every start time follows from the costs alone, so `hp.mpmd.simulate`
+replaying the plan with the same table gives the same times.
+
+>>> from hp.mpmd.graph import Graph, Program
+>>> plan = schedule(Graph((Program("lm", (0, 1)),), (), 2), Costs.unit(Graph((Program("lm", (0, 1)),), (), 2)))
+>>> [str(a) for a in plan.actions[1]]
+['lm1.F0', 'lm1.B0', 'lm1.F1', 'lm1.B1']
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hp.mpmd.costs import Costs
+from hp.mpmd.graph import Action, Graph, GraphError
+from hp.mpmd.plan import Plan, ready_at, replay
+
+
+def schedule(graph: Graph, costs: Costs) -> Plan:
+    """The plan of `graph`'s step under `costs` (see the module's docstring): of the candidate plans, the one
+    whose replay under `costs` is shortest."""
+    level = _longest_path(graph, costs)
+    spread = {p.name for p in graph.programs if p.spread and not p.ahead}
+    candidates = [_plan(graph, costs, level, fill=frozenset())]
+    if spread:
+        candidates.append(_plan(graph, costs, level, fill=frozenset(spread)))
+    return min(candidates, key=lambda plan: max(s.end for s in replay(plan, costs)))
+
+
+def _plan(graph: Graph, costs: Costs, level: dict[Action, float], fill: frozenset[str]) -> Plan:
+    """List-schedule the step's own programs but those in `fill`, then backfill `fill`'s and those running
+    ahead; each rank's actions in the order of their starts."""
+    later = [a for a in graph.actions() if graph.program[a.program].ahead or a.program in fill]
+    first = [a for a in graph.actions() if a not in set(later)]
+    placed = _list_schedule(graph, costs, first, level, fill)
+    _backfill(graph, costs, later, placed)
+    return _in_order(graph, costs, placed)
+
+
+def _in_order(graph: Graph, costs: Costs, placed: dict[Action, tuple[int, float]]) -> Plan:
+    """Each rank's actions in the order of their planned starts, as far as the inputs allow: a backfilled
+    action whose inputs come later than planned must not hold up a rank whose next action waits on it, so
+    each rank takes next, of its actions whose inputs are scheduled, the one planned earliest."""
+    ends: dict[Action, float] = {}
+    where = {a: rank for a, (rank, _) in placed.items()}
+    free = Counter()
+    by_rank: dict[int, list[Action]] = {r: [] for r in range(graph.world)}
+    todo = sorted(placed, key=lambda a: placed[a][1])
+    while todo:
+        best = None
+        for rank in by_rank:
+            action = next((a for a in todo if where[a] == rank and all(d in ends for d in graph.dependencies(a))),
+                          None)
+            if action is not None:
+                start = max(free[rank], ready_at(graph, costs, action, rank, ends, where))
+                if best is None or (start, placed[action][1]) < best[0]:
+                    best = ((start, placed[action][1]), action, rank, start)
+        if best is None:
+            raise GraphError(f"no action of {sorted(map(str, todo))} has its inputs: the graph has a cycle")
+        _, action, rank, start = best
+        todo.remove(action)
+        by_rank[rank].append(action)
+        ends[action] = free[rank] = start + costs.seconds(action)
+    return Plan(graph, {r: tuple(acts) for r, acts in by_rank.items()})
+
+
+def _candidates(graph: Graph, action: Action, where: dict[Action, int]) -> tuple[int, ...]:
+    """The ranks `action` may run on: a backward runs where its forward ran (its activations are there)."""
+    if action.kind == "B":
+        return (where[Action("F", *action.node, action.micro)],)
+    return graph.ranks_of(action.node)
+
+
+def _list_schedule(graph: Graph, costs: Costs, actions: list[Action], level: dict[Action, float],
+                   later: frozenset[str]) -> dict:
+    """{action: (rank, start)} for `actions` by list scheduling (see the module), as if the programs in
+    `later` (placed afterwards into the gaps) took no time."""
+    placed: dict[Action, tuple[int, float]] = {}
+    ends: dict[Action, float] = {}
+    where: dict[Action, int] = {}
+    free = Counter()
+    held = Counter()  # micro-batches between forward and backward, per stage
+    limit = {node: graph.in_flight_limit(node) for node in graph.nodes()}
+    todo = set(actions)
+    while todo:
+        best = None
+        for action in todo:
+            if any(d not in ends for d in _waits(graph, action, later)):
+                continue
+            node = action.node
+            if action.kind == "F" and graph.trains(node) and held[node] >= limit[node]:
+                continue
+            for rank in _candidates(graph, action, where):
+                start = max(free[rank], ready_at(graph, costs, action, rank, ends, where, _waits(graph, action, later)))
+                key = (start, action.kind != "B", action.micro, -level[action], str(action), rank)
+                if best is None or key < best[0]:
+                    best = (key, action, rank, start)
+        if best is None:
+            raise GraphError(f"no action of {sorted(map(str, todo))} can run: a stage's in-flight limit blocks them")
+        _, action, rank, start = best
+        todo.remove(action)
+        placed[action], where[action] = (rank, start), rank
+        ends[action] = free[rank] = start + costs.seconds(action)
+        if graph.trains(action.node):
+            held[action.node] += 1 if action.kind == "F" else -1
+    return placed
+
+
+def _waits(graph: Graph, action: Action, later: frozenset[str]) -> list[Action]:
+    return [d for d in graph.dependencies(action) if d.program not in later]
+
+
+def _backfill(graph: Graph, costs: Costs, actions: list[Action], placed: dict) -> None:
+    """Put each of `actions` (in dependency order) into the earliest gap of a rank it may run on that fits it."""
+    busy: dict[int, list[tuple[float, float]]] = {r: [] for r in range(graph.world)}
+    for action, (rank, start) in placed.items():
+        busy[rank].append((start, start + costs.seconds(action)))
+    ends = {a: start + costs.seconds(a) for a, (_, start) in placed.items()}
+    where = {a: rank for a, (rank, _) in placed.items()}
+    for action in actions:
+        length = costs.seconds(action)
+        rank, start = min(((r, _first_gap(sorted(busy[r]), ready_at(graph, costs, action, r, ends, where), length))
+                           for r in _candidates(graph, action, where)), key=lambda found: (found[1], found[0]))
+        placed[action], where[action] = (rank, start), rank
+        ends[action] = start + length
+        busy[rank].append((start, start + length))
+
+
+def _first_gap(intervals: list[tuple[float, float]], earliest: float, length: float) -> float:
+    """The earliest time >= `earliest` where `length` seconds fit between the sorted busy `intervals`.
+
+    >>> _first_gap([(0, 2), (3, 5), (6, 9)], 1.0, 1.0), _first_gap([(0, 2), (3, 5)], 0.0, 1.5)
+    (2, 5)
+    """
+    t = earliest
+    for begin, end in intervals:
+        if t + length <= begin:
+            return t
+        t = max(t, end)
+    return t
+
+
+def _longest_path(graph: Graph, costs: Costs) -> dict[Action, float]:
+    """Each action's cost plus the longest chain of actions (and transfers) that waits on it."""
+    after: dict[Action, list[Action]] = {a: [] for a in graph.actions()}
+    for action in after:
+        for dep in graph.dependencies(action):
+            after[dep].append(action)
+    level: dict[Action, float] = {}
+    for action in reversed(graph.actions()):
+        tail = [level[n] + costs.moving(action.node, n.node) for n in after[action]]
+        level[action] = costs.seconds(action) + max(tail, default=0.0)
+    return level
