@@ -52,13 +52,13 @@ def _plan(graph: Graph, costs: Costs, level: dict[Action, float], fill: frozense
     first = [a for a in graph.actions() if a not in set(later)]
     placed = _list_schedule(graph, costs, first, level, fill)
     _backfill(graph, costs, later, placed)
-    return _in_order(graph, costs, placed)
+    return _in_order(graph, costs, placed, set(later))
 
 
-def _in_order(graph: Graph, costs: Costs, placed: dict[Action, tuple[int, float]]) -> Plan:
-    """Each rank's actions in the order of their planned starts, as far as the inputs allow: a backfilled
-    action whose inputs come later than planned must not hold up a rank whose next action waits on it, so
-    each rank takes next, of its actions whose inputs are scheduled, the one planned earliest."""
+def _in_order(graph: Graph, costs: Costs, placed: dict[Action, tuple[int, float]], movable: set[Action]) -> Plan:
+    """Each rank's actions in the order of their planned starts, but a backfilled (`movable`) action runs
+    as soon as its inputs are in: its inputs may come later than planned, and a rank whose next action
+    waits on it must not wait behind it. The others keep the list schedule's order (its 1F1B bound)."""
     ends: dict[Action, float] = {}
     where = {a: rank for a, (rank, _) in placed.items()}
     free = Counter()
@@ -67,8 +67,10 @@ def _in_order(graph: Graph, costs: Costs, placed: dict[Action, tuple[int, float]
     while todo:
         best = None
         for rank in by_rank:
-            action = next((a for a in todo if where[a] == rank and all(d in ends for d in graph.dependencies(a))),
-                          None)
+            mine = [a for a in todo if where[a] == rank]
+            fixed = next((a for a in mine if a not in movable), None)
+            action = next((a for a in mine if (a in movable or a is fixed)
+                           and all(d in ends for d in graph.dependencies(a))), None)  # the earliest planned
             if action is not None:
                 start = max(free[rank], ready_at(graph, costs, action, rank, ends, where))
                 if best is None or (start, placed[action][1]) < best[0]:

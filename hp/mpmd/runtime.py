@@ -1,0 +1,210 @@
+"""Run a plan of an MPMD step: each rank its own actions, the tensors between them point to point.
+
+Each rank runs its list of actions in order (`hp.mpmd.plan.Plan`):
+
+- **F** of a stage: its inputs are what the stages it receives from handed
+  on for this micro-batch, taken from this rank or received (a header with
+  the shape and dtype, then the tensor); each becomes a leaf that records
+  its gradient when both ends train. The stage's function computes its
+  output (the last stage of a trained program: the micro-batch's loss),
+  which is sent at once (non-blocking) to every rank that consumes it.
+- **B** of a stage: the gradient of its output is the sum of what its
+  trained consumers sent back (the last stage starts from its loss);
+  autograd runs the stage's backward, and each input's gradient goes back to
+  the stage it came from.
+
+Sends never block and each receive names its sender and a tag unique to
+the flow, direction, micro-batch and step, so a plan whose replay
+completes (`hp.mpmd.plan.replay`) cannot deadlock here. Programs running
+ahead work on the next batch: their outputs are sent in one step and
+received in the next; `step` runs the ahead programs' actions for the
+first batch before the first step (the prologue).
+
+Every action is timed (its function or its backward, not the waits), and
+every transfer's bytes counted: the first steps' samples make the cost
+table (`samples`, `transfers`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hp.mpmd.graph import Action, Graph, Node
+from hp.mpmd.plan import Plan
+
+# What a stage runs: (the batch, the micro-batch index, its inputs in `Graph.inputs` order) -> its output.
+StageFn = Callable[[Any, int, list[torch.Tensor]], torch.Tensor]
+_HEADER = 8  # int64s: dtype code, ndim, then the shape
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
+
+
+class Runtime:
+    """This rank's part of `plan`: `stages[node]` for each stage it runs, over process group `group`.
+
+    `step(batch, upcoming)` runs this rank's actions of one step (`upcoming`: the batch after this
+    one, for the programs running ahead) and returns the losses this rank computed, by micro-batch.
+    """
+
+    def __init__(self, plan: Plan, stages: Mapping[Node, StageFn], *, group: Any = None) -> None:
+        self.plan, self.graph, self.stages, self.group = plan, plan.graph, dict(stages), group
+        self.rank = dist.get_rank(group)
+        self.samples: list[tuple[Action, float]] = []  # (action, seconds) measured here
+        self.transfers: list[tuple[Node, Node, int]] = []  # (src, dst, bytes) sent from here
+        self.steps = 0
+        self._tags = {pair: i for i, pair in enumerate((s, d) for s in self.graph.nodes()
+                                                      for d in self.graph.outputs(s) + _ahead_outputs(self.graph, s))}
+        self._held: dict = {}  # (node, micro, "out") -> output; (node, micro) -> inputs; grads by (src, dst, micro)
+        self._carried: dict = {}  # outputs of programs running ahead, kept for the next step on this rank
+        self._sends: list = []
+
+    def step(self, batch: Any, upcoming: Any = None) -> dict[int, torch.Tensor]:
+        """Run this rank's actions of one step; the losses it computed, by micro-batch."""
+        if self.steps == 0 and any(p.ahead for p in self.graph.programs):
+            self._run([a for a in self.plan.actions[self.rank] if self.graph.program[a.program].ahead], batch,
+                      prologue=True)
+        losses = self._run(list(self.plan.actions[self.rank]), batch, upcoming=upcoming)
+        for work in self._sends:
+            work.wait()
+        self._sends.clear()
+        self.steps += 1
+        return losses
+
+    def _run(self, actions: list[Action], batch: Any, *, upcoming: Any = None, prologue: bool = False) -> dict:
+        losses: dict[int, torch.Tensor] = {}
+        for action in actions:
+            ahead = self.graph.program[action.program].ahead
+            data = batch if prologue or not ahead else upcoming
+            start = time.perf_counter()
+            if action.kind == "F":
+                out = self._forward(action, data, step=self.steps + (ahead and not prologue))
+                if not self.graph.outputs(action.node) and not _ahead_outputs(self.graph, action.node):
+                    losses[action.micro] = out.detach()
+            else:
+                self._backward(action)
+            if not prologue:
+                self.samples.append((action, time.perf_counter() - start - self._waited))
+        return losses
+
+    # ---- forward and backward ----------------------------------------------------------------------------
+
+    _waited = 0.0  # seconds of the current action spent receiving (not the action's cost)
+
+    def _forward(self, action: Action, batch: Any, step: int) -> torch.Tensor:
+        node, m = action.node, action.micro
+        self._waited = 0.0
+        inputs = [self._input(src, node, m, step) for src in self.graph.inputs(node)]
+        inputs += [self._carried_input(src, node, m) for src in _ahead_inputs(self.graph, node)]
+        trains = self.graph.trains(node)
+        with torch.enable_grad() if trains else torch.no_grad():
+            out = self.stages[node](batch, m, inputs)
+        if trains:
+            self._held[node, m] = inputs
+            self._held[node, m, "out"] = out
+        for dst in self.graph.outputs(node):
+            self._hand_on(out.detach(), node, dst, m, step)
+        for dst in _ahead_outputs(self.graph, node):
+            self._hand_on(out.detach(), node, dst, m, step)
+        return out
+
+    def _backward(self, action: Action) -> None:
+        node, m = action.node, action.micro
+        self._waited = 0.0
+        inputs, out = self._held.pop((node, m)), self._held.pop((node, m, "out"))
+        consumers = [dst for dst in self.graph.outputs(node) if self.graph.trains(dst)]
+        if consumers:
+            grad = sum(self._gradient(node, dst, m) for dst in consumers)
+            torch.autograd.backward(out, grad)
+        else:
+            torch.autograd.backward(out)
+        for src, x in zip(self.graph.inputs(node), inputs):
+            if x.requires_grad:
+                grad = x.grad if x.grad is not None else torch.zeros_like(x)
+                self._send_back(grad, src, node, m)
+
+    # ---- moving tensors ------------------------------------------------------------------------------------
+
+    def _where(self, kind: str, node: Node, m: int) -> int:
+        return self.plan.where[Action(kind, *node, m)]
+
+    def _hand_on(self, out: torch.Tensor, src: Node, dst: Node, m: int, step: int) -> None:
+        to = self._where("F", dst, m)
+        if to == self.rank:
+            self._held[src, dst, m, "fwd", step] = out
+        else:
+            self._send(out, to, self._tag(src, dst, m, 0, step))
+            self.transfers.append((src, dst, out.numel() * out.element_size()))
+
+    def _input(self, src: Node, dst: Node, m: int, step: int) -> torch.Tensor:
+        frm = self._where("F", src, m)
+        x = self._held.pop((src, dst, m, "fwd", step)) if frm == self.rank else self._recv(frm, self._tag(src, dst, m, 0, step))
+        wants_grad = self.graph.trains(src) and self.graph.trains(dst) and x.is_floating_point()
+        return x.detach().requires_grad_(wants_grad)
+
+    def _carried_input(self, src: Node, dst: Node, m: int) -> torch.Tensor:
+        return self._input(src, dst, m, self.steps).detach()
+
+    def _send_back(self, grad: torch.Tensor, src: Node, dst: Node, m: int) -> None:
+        to = self._where("B", src, m)
+        if to == self.rank:
+            self._held[src, dst, m, "bwd"] = grad
+        else:
+            self._send(grad, to, self._tag(src, dst, m, 1, self.steps))
+            self.transfers.append((dst, src, grad.numel() * grad.element_size()))
+
+    def _gradient(self, src: Node, dst: Node, m: int) -> torch.Tensor:
+        frm = self._where("B", dst, m)
+        if frm == self.rank:
+            return self._held.pop((src, dst, m, "bwd"))
+        return self._recv(frm, self._tag(src, dst, m, 1, self.steps))
+
+    def _tag(self, src: Node, dst: Node, m: int, backward: int, step: int) -> int:
+        """A tag unique to the flow, its direction, the micro-batch and the step's parity (a program running
+        ahead sends in one step what is received in the next); even for the header, odd for the data."""
+        pair = self._tags[src, dst]
+        return 2 * (((pair * 2 + backward) * self.graph.microbatches + m) * 2 + step % 2)
+
+    def _send(self, tensor: torch.Tensor, to: int, tag: int) -> None:
+        tensor = tensor.contiguous()
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
+        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        peer = dist.get_global_rank(self.group, to) if self.group is not None else to
+        self._sends += [dist.isend(header, peer, group=self.group, tag=tag),
+                        dist.isend(tensor, peer, group=self.group, tag=tag + 1)]
+        self._sends.append(_Keep(header, tensor))
+
+    def _recv(self, frm: int, tag: int) -> torch.Tensor:
+        start = time.perf_counter()
+        peer = dist.get_global_rank(self.group, frm) if self.group is not None else frm
+        header = torch.empty(_HEADER, dtype=torch.int64)
+        dist.recv(header, peer, group=self.group, tag=tag)
+        shape = header[2:2 + int(header[1])].tolist()
+        out = torch.empty(shape, dtype=_DTYPES[int(header[0])])
+        dist.recv(out, peer, group=self.group, tag=tag + 1)
+        self._waited += time.perf_counter() - start
+        return out
+
+
+class _Keep:
+    """Holds a sent tensor until the step's sends are waited for (`isend` does not keep it alive)."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self.tensors = tensors
+
+    def wait(self) -> None:
+        self.tensors = ()
+
+
+def _ahead_outputs(graph: Graph, node: Node) -> list[Node]:
+    """Where `node` (of a program running ahead) sends what the next step consumes."""
+    return [f.dst for f in graph.flows if f.src == node and not graph._same_batch(f)]
+
+
+def _ahead_inputs(graph: Graph, node: Node) -> list[Node]:
+    """What `node` receives from a program that ran ahead (produced in the step before)."""
+    return [f.src for f in graph.flows if f.dst == node and not graph._same_batch(f)]

@@ -1,0 +1,152 @@
+"""`hp.mpmd` levels 2 and 3: graphs of programs, the cost-aware planner, its simulator and the runtime.
+
+The planner and the simulator are pure: hypothesis draws graphs (pipelines, spread sub-models,
+programs running ahead), micro-batch counts and costs, and every plan must run every action once, on a
+rank it may run on, without deadlock, with a single pipeline's step equal to 1F1B's formula. The
+runtime runs drawn plans on gloo ranks (`workers/mpmd_gloo.py`) against the plain step.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import rank_pool
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hp.mpmd.costs import Costs
+from hp.mpmd.graph import Action, Flow, Graph, GraphError, Program
+from hp.mpmd.plan import replay
+from hp.mpmd.schedule import schedule
+from hp.mpmd.simulate import project, simulate
+
+HERE = Path(__file__).resolve().parent
+seconds = st.floats(min_value=0.1, max_value=3.0, allow_nan=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=st.integers(1, 5), m=st.integers(1, 10), f=seconds, b=seconds)
+def test_a_single_pipeline_is_planned_as_1f1b(p, m, f, b):
+    """(m + p - 1)(F + B): the step of 1F1B with uniform stages; at most p - s micro-batches held by stage s."""
+    graph = Graph((Program("lm", tuple(range(p))),), (), m)
+    costs = Costs({(k, n): (f if k == "F" else b) for n in graph.nodes() for k in "FB"})
+    plan = schedule(graph, costs)
+    assert simulate(plan, costs).step_seconds == pytest.approx((m + p - 1) * (f + b))
+    for rank, actions in plan.actions.items():
+        held = 0
+        for action in actions:
+            held += 1 if action.kind == "F" else -1
+            assert held <= p - rank, plan
+
+
+@st.composite
+def graphs(draw):
+    world = draw(st.integers(1, 4))
+    ranks = st.integers(0, world - 1)
+    m = draw(st.integers(1, 6))
+    lm = Program("lm", tuple(draw(st.lists(ranks, min_size=1, max_size=4))))
+    enc = Program("enc", tuple(draw(st.lists(ranks, min_size=1, max_size=world, unique=True))), spread=draw(st.booleans()))
+    ref = Program("ref", tuple(draw(st.lists(ranks, min_size=1, max_size=3))), trains=False,
+                  ahead=draw(st.integers(0, 1)))
+    flows = (Flow(("enc", 0 if enc.spread else enc.stages - 1), ("lm", 0)), Flow(("ref", ref.stages - 1), ("lm", lm.stages - 1)))
+    graph = Graph((enc, lm, ref), flows, m)
+    costs = Costs({(k, n): draw(seconds) for n in graph.nodes() for k in "FB"},
+                  {(f.src, f.dst): draw(seconds) for f in flows})
+    return graph, costs
+
+
+@settings(max_examples=80, deadline=None)
+@given(drawn=graphs())
+def test_every_plan_runs_every_action_once_where_it_may_without_deadlock(drawn):
+    graph, costs = drawn
+    plan = schedule(graph, costs)
+    planned = [a for actions in plan.actions.values() for a in actions]
+    assert sorted(planned) == sorted(graph.actions())
+    for action, rank in plan.where.items():
+        assert rank in graph.ranks_of(action.node)
+        if action.kind == "B":
+            assert plan.where[Action("F", *action.node, action.micro)] == rank  # the activations are there
+    slots = {s.action: s for s in replay(plan, costs)}
+    for action, slot in slots.items():
+        for dep in graph.dependencies(action):
+            assert slots[dep].end <= slot.start + 1e-9
+    busiest = max(sum(costs.seconds(a) for a in acts) for acts in plan.actions.values())
+    assert simulate(plan, costs).step_seconds >= busiest - 1e-9
+
+
+def test_a_reference_running_ahead_fills_the_policys_bubbles():
+    """DPO under pp=4 with 8 micro-batches (forward 1, backward 2, the reference's forward 1): run a batch
+    ahead, the reference's 32 forwards fit the policy's 1F1B bubbles but for 4 units; run before the
+    policy's step, they add its whole pipeline (11 units)."""
+    policy = Program("policy", (0, 1, 2, 3))
+    unit = {"F": 1.0, "B": 2.0}
+    steps = {}
+    for ahead in (0, 1):
+        ref = Program("reference", (0, 1, 2, 3), trains=False, ahead=ahead)
+        graph = Graph((policy, ref), (Flow(("reference", 3), ("policy", 3)),), 8)
+        costs = Costs({(k, n): unit[k] for n in graph.nodes() for k in "FB"})
+        steps[ahead] = simulate(schedule(graph, costs), costs).step_seconds
+    assert steps == {0: 41.0, 1: 37.0}  # the policy alone: 33
+
+
+def test_a_vision_tower_spread_over_the_ranks_beats_the_best_static_split():
+    """An encoder worth 2 of an 8-block language model's blocks (20% of a sample's work), 4 ranks, 8
+    micro-batches: spread over the ranks and planned by cost it takes 72 units; the best split of the
+    same ranks with the encoder in stage 0 (every split searched) takes 93."""
+    lm = Program("lm", (0, 1, 2, 3))
+    enc = Program("enc", (0, 1, 2, 3), spread=True)
+    graph = Graph((enc, lm), (Flow(("enc", 0), ("lm", 0)),), 8)
+    per = {("enc", 0): 2.0, **{("lm", s): 2.0 for s in range(4)}}
+    costs = Costs({(k, n): per[n] * (1 if k == "F" else 2) for n in graph.nodes() for k in "FB"})
+    spread = simulate(schedule(graph, costs), costs).step_seconds
+    static = []
+    for a in range(9):
+        for b in range(1, 9 - a):
+            for c in range(1, 9 - a - b):
+                d = 8 - a - b - c
+                if d >= 1:
+                    only = Graph((lm,), (), 8)
+                    split = {("lm", 0): a + 2.0, ("lm", 1): b, ("lm", 2): c, ("lm", 3): d}
+                    cost = Costs({(k, n): split[n] * (1 if k == "F" else 2) for n in only.nodes() for k in "FB"})
+                    static.append(simulate(schedule(only, cost), cost).step_seconds)
+    assert (spread, min(static)) == (72.0, 93.0)
+
+
+def test_projection_adds_the_gradients_ring_all_reduce():
+    graph = Graph((Program("lm", (0, 1)),), (), 4)
+    costs = Costs(Costs.unit(graph).compute, param_bytes={("lm", 0): 1e9, ("lm", 1): 3e9})
+    plan = schedule(graph, costs)
+    sim = simulate(plan, costs)
+    at = project(sim, plan, costs, 1024, 10e9)
+    assert at.step_seconds == pytest.approx(10.0 + 2 * 511 / 512 * 0.3)
+    assert at.idle_share[0] == pytest.approx(1 - 8 / at.step_seconds)
+
+
+@pytest.mark.parametrize("build, words", [
+    (lambda: Graph((Program("a", (0,)),), (Flow(("a", 0), ("b", 0)),), 1), "('b', 0) is no stage of the graph"),
+    (lambda: Graph((Program("a", (0,)), Program("b", (1,))), (Flow(("a", 0), ("b", 0)), Flow(("b", 0), ("a", 0))), 1),
+     "the flows make a cycle"),
+    (lambda: Graph((Program("a", (0,)), Program("b", (1,), ahead=1)), (Flow(("a", 0), ("b", 0)),), 1),
+     "a program cannot feed one that runs further ahead"),
+    (lambda: Graph((Program("a", (0,)),), (), 0), "microbatches = 0"),
+])
+def test_a_graph_that_cannot_run_is_refused_by_name(build, words):
+    with pytest.raises(GraphError, match=re.escape(words)):
+        build()
+
+
+@settings(max_examples=1, deadline=None)
+@given(cases=st.lists(st.fixed_dictionaries({
+    "micro": st.integers(1, 4), "seed": st.integers(0, 2**16),
+    "enc": st.sampled_from([[0], [1], [0, 1]]), "lm": st.sampled_from([[0, 1], [1, 0], [1, 1], [0, 0]]),
+    "ref": st.sampled_from([[0, 1], [1, 0], [1, 1]]), "ahead": st.integers(0, 1),
+    "seconds": st.lists(seconds, min_size=10, max_size=10)}), min_size=4, max_size=4))
+def test_plans_run_on_gloo_ranks_give_the_plain_steps_loss_and_gradients(cases):
+    """Four drawn cases per run: placements, micro-batches, the reference in the step or a batch ahead,
+    and costs (so the planned orders differ); two steps each."""
+    run = rank_pool.run(str(HERE / "workers" / "mpmd_gloo.py"), 2, json.dumps(cases), timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "mpmd plans follow the plain step" in run.stdout

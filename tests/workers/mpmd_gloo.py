@@ -1,0 +1,104 @@
+"""Worker for test_mpmd_programs.py: plans of MPMD steps run on gloo ranks against the same step in one process.
+
+Each case (argv[1], a JSON list drawn by the test) is a graph of three programs: an encoder (fixed on a
+rank, or spread over the ranks), a two-stage model whose last stage computes the loss, and a frozen
+two-stage reference feeding that loss, run in the same step or a batch ahead. The plan comes from the
+case's drawn costs. Over two steps (the second uses what the reference computed ahead in the first),
+each step's loss and every gradient (summed over the ranks that hold a copy) equal the plain step's
+over the same batch (fp32, relative 1e-5). Every check raises on failure.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hp.mpmd.costs import Costs
+from hp.mpmd.graph import Flow, Graph, Program
+from hp.mpmd.runtime import Runtime
+from hp.mpmd.schedule import schedule
+
+ROWS = 2  # per micro-batch
+
+
+def modules() -> dict[str, nn.Module]:
+    torch.manual_seed(0)
+    made = {"enc": nn.Linear(4, 6), "lm0": nn.Linear(6, 6), "lm1": nn.Linear(6, 3),
+            "ref0": nn.Linear(4, 6), "ref1": nn.Linear(6, 3)}
+    for name in ("ref0", "ref1"):
+        made[name].requires_grad_(False)
+    return made
+
+
+def rows(batch: torch.Tensor, m: int) -> torch.Tensor:
+    return batch[m * ROWS:(m + 1) * ROWS]
+
+
+def loss_of(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    return ((out - ref) ** 2).mean() + out.sum() / 7
+
+
+def plain(mods: dict[str, nn.Module], batch: torch.Tensor, micro: int) -> torch.Tensor:
+    total = torch.zeros(())
+    for m in range(micro):
+        x = rows(batch, m)
+        ref = mods["ref1"](torch.tanh(mods["ref0"](x)))
+        total = total + loss_of(mods["lm1"](torch.tanh(mods["lm0"](mods["enc"](x)))), ref)
+    return total
+
+
+def stages(mods: dict[str, nn.Module]) -> dict:
+    return {
+        ("enc", 0): lambda batch, m, inputs: mods["enc"](rows(batch, m)),
+        ("lm", 0): lambda batch, m, inputs: torch.tanh(mods["lm0"](inputs[0])),
+        ("lm", 1): lambda batch, m, inputs: loss_of(mods["lm1"](inputs[0]), inputs[1]),
+        ("ref", 0): lambda batch, m, inputs: torch.tanh(mods["ref0"](rows(batch, m))),
+        ("ref", 1): lambda batch, m, inputs: mods["ref1"](inputs[0]),
+    }
+
+
+def check(case: dict) -> None:
+    micro = case["micro"]
+    enc = Program("enc", tuple(case["enc"]), spread=len(case["enc"]) > 1)
+    graph = Graph((enc, Program("lm", tuple(case["lm"])),
+                   Program("ref", tuple(case["ref"]), trains=False, ahead=case["ahead"])),
+                  (Flow(("enc", 0), ("lm", 0)), Flow(("ref", 1), ("lm", 1))), micro)
+    costs = Costs({(kind, node): seconds for (kind, node), seconds in zip(
+        [(k, n) for n in graph.nodes() for k in "FB"], case["seconds"])}, {})
+    plan = schedule(graph, costs)
+    mods, want_mods = modules(), modules()
+    runtime = Runtime(plan, stages(mods))
+    g = torch.Generator().manual_seed(case["seed"])
+    batches = [torch.randn(micro * ROWS, 4, generator=g) for _ in range(3)]
+    for step in range(2):
+        for module in (*mods.values(), *want_mods.values()):
+            module.zero_grad(set_to_none=True)
+        want = plain(want_mods, batches[step], micro)
+        want.backward()
+        losses = runtime.step(batches[step], batches[step + 1])
+        got = torch.stack(list(losses.values())).sum() if losses else torch.zeros(())
+        dist.all_reduce(got)
+        assert torch.allclose(got, want, rtol=1e-5), (case, step, got, want)
+        for name in ("enc", "lm0", "lm1"):
+            for p, q in zip(mods[name].parameters(), want_mods[name].parameters()):
+                grad = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                dist.all_reduce(grad)  # each copy of a spread program holds its micro-batches' part
+                assert torch.allclose(grad, q.grad, rtol=1e-5, atol=1e-7), (case, step, name)
+    if dist.get_rank() == 0:
+        print(f"case {case['seed']}: {plan}".replace("\n", " | "), flush=True)
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    for case in json.loads(sys.argv[1]):
+        check(case)
+    print("mpmd plans follow the plain step", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
