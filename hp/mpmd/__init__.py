@@ -1,15 +1,34 @@
-"""`hp.mpmd(step)`: a step whose collectives fly while other work computes, planned from measurements.
+"""`hp.mpmd`: a step's work run concurrently, planned from measurements.
 
-Holds: `transform` (the wrapped step and its chunk planner) and `timeline`
-(each rank's collectives on its own clock, drawn and measured).
+Level 1 (`hp.mpmd(step)`) overlaps a rank's collectives with its own
+computation; levels 2 and 3 run sub-models and whole models as programs on
+ranks of their own, in orders planned from a measured cost table.
+
+Holds: `transform` (the wrapped step and its chunk planner), `timeline`
+(each rank's collectives on its own clock, drawn and measured), and for
+levels 2 and 3 `graph` (programs, stages and flows), `costs` (the cost
+table), `schedule` (the planner), `plan` (a plan and its replay),
+`simulate` (replays and projections), `runtime` (running a plan on the
+ranks) and `measure` (the cost table of a running step).
 
 May import: `hp.parallel` (the strategy's chunk values), `hp.ops` (the
 pipelined kernels and their in-flight collectives) and the base modules at
 the top of `hp`. Never `hp.offload`, the zoo, `hp.train` or the CLI.
-`hp.mpmd` is the transform itself once hp is imported; reach the modules with
-`from hp.mpmd.timeline import ...`.
+`hp.mpmd` is the transform itself once hp is imported; levels 2 and 3's
+names hang on it (`hp.mpmd.Graph`, `hp.mpmd.schedule`, `hp.mpmd.simulate`,
+...), and the modules are reached with `from hp.mpmd.timeline import ...`.
 """
 
+from hp.mpmd.costs import Costs
+from hp.mpmd.graph import Flow, Graph, GraphError, Program
+from hp.mpmd.runtime import Runtime
+from hp.mpmd.schedule import schedule
+from hp.mpmd.simulate import project, simulate
 from hp.mpmd.transform import Mpmd, MpmdError, mpmd
 
-__all__ = ["Mpmd", "MpmdError", "mpmd"]
+for _name, _value in {"Costs": Costs, "Flow": Flow, "Graph": Graph, "GraphError": GraphError, "Program": Program,
+                      "Runtime": Runtime, "schedule": schedule, "simulate": simulate, "project": project}.items():
+    setattr(mpmd, _name, _value)  # hp.mpmd.simulate(...): the transform carries its levels' names
+
+__all__ = ["Costs", "Flow", "Graph", "GraphError", "Mpmd", "MpmdError", "Program", "Runtime", "mpmd", "project",
+           "schedule", "simulate"]

@@ -22,7 +22,8 @@ first batch before the first step (the prologue).
 
 Every action is timed (its function or its backward, not the waits), and
 every transfer's bytes counted: the first steps' samples make the cost
-table (`samples`, `transfers`).
+table (`samples`, `transfers`; `hp.mpmd.measure`). `slots` holds the last
+step's actions as they ran, to draw.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from hp.mpmd.graph import Action, Graph, Node
-from hp.mpmd.plan import Plan
+from hp.mpmd.plan import Plan, Slot
 
 # What a stage runs: (the batch, the micro-batch index, its inputs in `Graph.inputs` order) -> its output.
 StageFn = Callable[[Any, int, list[torch.Tensor]], torch.Tensor]
@@ -56,17 +57,33 @@ class Runtime:
         self.samples: list[tuple[Action, float]] = []  # (action, seconds) measured here
         self.transfers: list[tuple[Node, Node, int]] = []  # (src, dst, bytes) sent from here
         self.steps = 0
+        self.slots: list[Slot] = []  # the last step's actions on this rank's clock (from the step's start)
+        self._started = 0.0
         self._tags = {pair: i for i, pair in enumerate((s, d) for s in self.graph.nodes()
                                                       for d in self.graph.outputs(s) + _ahead_outputs(self.graph, s))}
         self._held: dict = {}  # (node, micro, "out") -> output; (node, micro) -> inputs; grads by (src, dst, micro)
         self._carried: dict = {}  # outputs of programs running ahead, kept for the next step on this rank
         self._sends: list = []
 
+    def replan(self, plan: Plan) -> None:
+        """Run `plan` (of the same graph) from the next step on: a plan made from the first steps' costs.
+        What a program running ahead sent for the next step stays where the old plan sent it, so the
+        stages receiving it must stay on their ranks."""
+        if plan.graph != self.graph:
+            raise ValueError("replan: the new plan is of another graph")
+        for node in self.graph.nodes():
+            for src in _ahead_inputs(self.graph, node):
+                for m in range(self.graph.microbatches):
+                    if self._where("F", node, m) != plan.where[Action("F", *node, m)]:
+                        raise ValueError(f"replan: {node} receives from {src}, which ran ahead; it must stay on its rank")
+        self.plan = plan
+
     def step(self, batch: Any, upcoming: Any = None) -> dict[int, torch.Tensor]:
         """Run this rank's actions of one step; the losses it computed, by micro-batch."""
         if self.steps == 0 and any(p.ahead for p in self.graph.programs):
             self._run([a for a in self.plan.actions[self.rank] if self.graph.program[a.program].ahead], batch,
                       prologue=True)
+        self.slots, self._started = [], time.perf_counter()
         losses = self._run(list(self.plan.actions[self.rank]), batch, upcoming=upcoming)
         for work in self._sends:
             work.wait()
@@ -87,7 +104,9 @@ class Runtime:
             else:
                 self._backward(action)
             if not prologue:
-                self.samples.append((action, time.perf_counter() - start - self._waited))
+                end = time.perf_counter()
+                self.samples.append((action, end - start - self._waited))
+                self.slots.append(Slot(action, self.rank, start + self._waited - self._started, end - self._started))
         return losses
 
     # ---- forward and backward ----------------------------------------------------------------------------

@@ -39,19 +39,26 @@ def schedule(graph: Graph, costs: Costs) -> Plan:
     whose replay under `costs` is shortest."""
     level = _longest_path(graph, costs)
     spread = {p.name for p in graph.programs if p.spread and not p.ahead}
-    candidates = [_plan(graph, costs, level, fill=frozenset())]
-    if spread:
-        candidates.append(_plan(graph, costs, level, fill=frozenset(spread)))
-    return min(candidates, key=lambda plan: max(s.end for s in replay(plan, costs)))
+    fills = [frozenset(), frozenset(spread)] if spread else [frozenset()]
+    backfilled = any(p.ahead for p in graph.programs) or spread
+    candidates = [_plan(graph, costs, level, fill, overlap) for fill in fills
+                  for overlap in (OVERLAPS if backfilled else (0.0,))]
+    return min(candidates, key=lambda plan: max((s.end for s in replay(plan, costs)), default=0.0))
 
 
-def _plan(graph: Graph, costs: Costs, level: dict[Action, float], fill: frozenset[str]) -> Plan:
+# How far a backfilled action may run past the gap it is put in, as a share of its own length: measured
+# gaps come a little shorter or longer than the work that would fill them, and a strict fit sends the work
+# to the end of the step; each share is tried and the shortest replay kept.
+OVERLAPS = (0.0, 0.1, 0.25, 0.5)
+
+
+def _plan(graph: Graph, costs: Costs, level: dict[Action, float], fill: frozenset[str], overlap: float) -> Plan:
     """List-schedule the step's own programs but those in `fill`, then backfill `fill`'s and those running
     ahead; each rank's actions in the order of their starts."""
     later = [a for a in graph.actions() if graph.program[a.program].ahead or a.program in fill]
     first = [a for a in graph.actions() if a not in set(later)]
     placed = _list_schedule(graph, costs, first, level, fill)
-    _backfill(graph, costs, later, placed)
+    _backfill(graph, costs, later, placed, overlap)
     return _in_order(graph, costs, placed, set(later))
 
 
@@ -130,8 +137,9 @@ def _waits(graph: Graph, action: Action, later: frozenset[str]) -> list[Action]:
     return [d for d in graph.dependencies(action) if d.program not in later]
 
 
-def _backfill(graph: Graph, costs: Costs, actions: list[Action], placed: dict) -> None:
-    """Put each of `actions` (in dependency order) into the earliest gap of a rank it may run on that fits it."""
+def _backfill(graph: Graph, costs: Costs, actions: list[Action], placed: dict, overlap: float = 0.0) -> None:
+    """Put each of `actions` (in dependency order) into the earliest gap of a rank it may run on that fits it
+    (but for `overlap` of its length)."""
     busy: dict[int, list[tuple[float, float]]] = {r: [] for r in range(graph.world)}
     for action, (rank, start) in placed.items():
         busy[rank].append((start, start + costs.seconds(action)))
@@ -139,7 +147,8 @@ def _backfill(graph: Graph, costs: Costs, actions: list[Action], placed: dict) -
     where = {a: rank for a, (rank, _) in placed.items()}
     for action in actions:
         length = costs.seconds(action)
-        rank, start = min(((r, _first_gap(sorted(busy[r]), ready_at(graph, costs, action, r, ends, where), length))
+        rank, start = min(((r, _first_gap(sorted(busy[r]), ready_at(graph, costs, action, r, ends, where),
+                                          length * (1 - overlap)))
                            for r in _candidates(graph, action, where)), key=lambda found: (found[1], found[0]))
         placed[action], where[action] = (rank, start), rank
         ends[action] = start + length

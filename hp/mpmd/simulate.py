@@ -24,6 +24,7 @@ start on every rank.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from hp.mpmd.costs import Costs
@@ -58,23 +59,31 @@ class Simulation:
 
     def draw(self, path: str, title: str = "") -> None:
         """Each rank's actions on one time axis (a PNG): one color per program, backward darker."""
-        plt = require_pyplot()
-        programs = sorted({s.action.program for s in self.slots})
-        colors = dict(zip(programs, plt.get_cmap("tab10").colors))
-        fig, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * self.world))
-        for s in self.slots:
+        draw_arms({title or f"step {self.step_seconds:.3f} s": self}, path)
+
+
+def draw_arms(arms: Mapping[str, Simulation], path: str) -> None:
+    """Several steps' timelines (`title: simulation`) one above the other on a shared time axis, as a PNG."""
+    plt = require_pyplot("drawing an hp.mpmd plan")
+    programs = sorted({s.action.program for sim in arms.values() for s in sim.slots})
+    colors = dict(zip(programs, plt.get_cmap("tab10").colors))
+    rows = [0.6 + 0.35 * sim.world for sim in arms.values()]
+    fig, axes = plt.subplots(len(arms), 1, figsize=(10, sum(rows)), sharex=True, squeeze=False,
+                             gridspec_kw={"height_ratios": rows})
+    for ax, (title, sim) in zip(axes[:, 0], arms.items()):
+        for s in sim.slots:
             shade = 0.55 if s.action.kind == "B" else 1.0
-            color = tuple(c * shade for c in colors[s.action.program])
-            ax.barh(s.rank, s.end - s.start, left=s.start, color=color, edgecolor="white", linewidth=0.4)
-        ax.set_yticks(range(self.world), [f"rank {r}" for r in range(self.world)])
+            ax.barh(s.rank, s.end - s.start, left=s.start, color=tuple(c * shade for c in colors[s.action.program]),
+                    edgecolor="white", linewidth=0.3)
+        ax.set_yticks(range(sim.world), [f"rank {r}" for r in range(sim.world)], fontsize=7)
         ax.invert_yaxis()
-        ax.set_xlabel("seconds")
-        ax.set_title(title or f"step {self.step_seconds:.3f} s, mean idle {self.mean_idle_share:.0%}")
-        handles = [plt.Rectangle((0, 0), 1, 1, color=colors[p]) for p in programs]
-        ax.legend(handles, programs, loc="upper right", fontsize=7)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        ax.set_title(f"{title}: step {sim.step_seconds:.3f} s, mean idle {sim.mean_idle_share:.0%}", fontsize=8)
+    axes[-1, 0].set_xlabel("seconds (backward darker)")
+    axes[0, 0].legend([plt.Rectangle((0, 0), 1, 1, color=colors[p]) for p in programs], programs, fontsize=7,
+                      loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def simulate(plan: Plan, costs: Costs) -> Simulation:

@@ -1,0 +1,425 @@
+"""hp.mpmd levels 2 and 3 against static placements: a vision tower spread into a language model's pipeline
+bubbles, and a DPO reference run a batch ahead in the policy's bubbles.
+
+Three parts, one run (about three minutes on 2 CPU cores), the arms of each part alternating:
+
+1. **VL, 4 emulated ranks** (each action sleeps its measured duration; the tensors between ranks are real
+   and cross over gloo). A language model of 16 blocks and a vision tower worth 3 of them: 15.8% of a
+   sample's work, the share of Qwen2.5-VL-7B's (the 675M tower over a 448 x 448 image's 1024 patches,
+   the 7.6B LM over its 256 image and 256 text tokens: 1.31 of 8.55 TFLOP, `vl_share`); also the
+   share of Qwen2.5-VL-3B's (29%: 6 blocks' worth). A block's forward takes U (10 ms), its backward 2U;
+   8 micro-batches, 1F1B.
+   - **B0**: the tower in stage 0 of an even split (torchtitan's placement);
+   - **B1**: the best static split of the same ranks with the tower in stage 0: every split
+     simulated with the measured costs, the three best measured, the fastest kept;
+   - **S**: hp's level 2: the tower spread over the ranks (`Program(spread=True)`), the language
+     model's split and the order of every rank's work planned from the cost table measured on the
+     first steps.
+2. **DPO, 4 emulated ranks**, pp=4, 8 micro-batches (a policy stage's forward U, backward 2U; the
+   frozen reference's stage forward U), each stage's tiny real layer computing the loss:
+   - **S0**: the reference's forward pipelined before the policy's in each step;
+   - **S1**: the reference precomputed before training (LlamaFactory's option), its cost counted:
+     the whole dataset streamed through the reference's pipeline once, over the steps;
+   - **S2**: hp's level 3: the reference a batch ahead, backfilled into the policy's bubbles.
+   The losses of S0 and S2 are compared step by step (`dpo_losses_identical`).
+3. **VL, 2 real ranks** (one pinned per core, real matmuls: a block is a 768-wide linear layer over 128
+   rows): B0, B1 and S as above.
+
+For every measured arm the simulator (`hp.mpmd.simulate`, replaying the arm's plan with the cost
+table measured on its second and third steps) predicts the step; `simulator_error` is the largest
+|predicted - measured| / measured. `benchmarks/mpmd_submeshes.png` draws each arm's measured timeline.
+
+Last line: `vl_step_vs_best_static` (S / B1, 4 emulated ranks, the 7B share), `vl_step_vs_best_static_real`
+(2 real ranks), `mean_idle_share` (S's, 4 emulated ranks), `dpo_step_vs_sequential` (S2 / S0),
+`dpo_losses_identical`, `simulator_error`.
+
+    python benchmarks/mpmd_submeshes.py [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from ranks import DONE, bind_to_cores, emitter, gathered, run_ranks
+
+from hp.mpmd.costs import Costs
+from hp.mpmd.graph import Flow, Graph, Program
+from hp.mpmd.measure import gathered_costs, link
+from hp.mpmd.plan import Plan
+from hp.mpmd.runtime import Runtime
+from hp.mpmd.schedule import schedule
+from hp.mpmd.simulate import Simulation, draw_arms, simulate
+
+U = 0.01  # an emulated block's forward, seconds
+MICRO = 8
+BLOCKS = 16
+REAL_WIDTH, REAL_ROWS = 768, 128  # a real block: a linear layer of this width over this many rows
+WARMUP = 3  # steps before an arm's plan is made; the cost table is the last two's
+PNG = Path(__file__).resolve().parent / "mpmd_submeshes.png"
+
+
+def vl_share(vision_params: float = 0.675e9, patches: int = 1024, merged_ops: float = 2 * (5120 ** 2 + 5120 * 3584),
+             text_flops_per_token: float = 14.1e9, tokens: int = 512) -> float:
+    """The vision tower's share of a Qwen2.5-VL-7B sample's forward FLOPs (2 x parameters x tokens, plus the
+    merger per merged token and the LM's head; attention scores left out): 1.31 / (1.31 + 7.24) TFLOP."""
+    vision = 2 * vision_params * patches + merged_ops * patches / 4
+    return vision / (vision + text_flops_per_token * tokens)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5, help="timed steps per arm")
+    parser.add_argument("--part", choices=("emulated", "real"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        (emulated_worker if args.part == "emulated" else real_worker)(args.rounds)
+        return
+    started = time.perf_counter()
+    records = run_ranks(__file__, 4, ["--rounds", str(args.rounds), "--part", "emulated"], "mpmd (emulated)")[0]
+    records += run_ranks(__file__, 2, ["--rounds", str(args.rounds), "--part", "real"], "mpmd (real)")[0]
+    timelines = {f"{r['part']} {r['arm']}": r.pop("timeline") for r in records if "timeline" in r}
+    try:
+        draw_arms({name: Simulation(tuple(_slot(*s) for s in slots), world)
+                   for name, (world, slots) in timelines.items()}, str(PNG))
+    except ImportError as missing:
+        print(f"no timelines drawn: {missing}", file=sys.stderr)
+    print(json.dumps(summarize(records) | {"wall_s": round(time.perf_counter() - started, 1)}), flush=True)
+
+
+def _slot(action: list, rank: int, start: float, end: float):
+    from hp.mpmd.graph import Action
+    from hp.mpmd.plan import Slot
+
+    return Slot(Action(*action), rank, start, end)
+
+
+# ---- stages ---------------------------------------------------------------------------------------------
+
+
+class _Slept(torch.autograd.Function):
+    """Sleeps `forward_s` in forward and `backward_s` in backward; the tensor passes unchanged."""
+
+    @staticmethod
+    def forward(ctx, x, forward_s: float, backward_s: float):
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.backward_s)
+        return grad.clone(), None, None
+
+
+class Blocks(torch.nn.Module):
+    """`n` blocks: emulated (one tiny linear layer, the blocks' time slept) or real (`n` linear layers)."""
+
+    def __init__(self, n: float, width: int, emulated: bool, seed: int, trains: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.n, self.emulated = n, emulated
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(1 if emulated else round(n)))
+        self.requires_grad_(trains)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return _Slept.apply(x, self.n * U, 2 * self.n * U) if self.emulated else x
+
+
+def vl_graph(ranks: int, split: tuple[int, ...], tower: float, spread: bool) -> tuple[Graph, dict]:
+    """The VL step: with `spread`, the tower its own program over every rank and the LM cut by `split`;
+    else the tower inside the LM's stage 0 (the blocks of stage 0 plus the tower's)."""
+    lm = Program("lm", tuple(range(ranks)))
+    if spread:
+        return Graph((Program("vision", tuple(range(ranks)), spread=True), lm), (Flow(("vision", 0), ("lm", 0)),),
+                     MICRO), {("vision", 0): tower, **{("lm", s): split[s] for s in range(ranks)}}
+    return Graph((lm,), (), MICRO), {("lm", s): split[s] + (tower if s == 0 else 0) for s in range(ranks)}
+
+
+def vl_stages(graph: Graph, blocks: dict, width: int, emulated: bool) -> dict:
+    made = {node: Blocks(n, width, emulated, seed=hash(node) % 1000) for node, n in blocks.items()}
+    fns = {}
+    for node, module in made.items():
+        first = node == ("lm", 0) and len(graph.programs) == 1 or node[0] == "vision"
+        last = node == ("lm", graph.program["lm"].stages - 1)
+        fns[node] = _stage(module, first, last)
+    return fns
+
+
+def _stage(module: torch.nn.Module, first: bool, last: bool):
+    def run(batch: torch.Tensor, m: int, inputs: list[torch.Tensor]) -> torch.Tensor:
+        x = batch[m] if first else inputs[0]
+        out = module(x)
+        return out.square().mean() if last else out
+    run.module = module
+    return run
+
+
+def nominal(graph: Graph, blocks: dict) -> Costs:
+    return Costs({(k, n): blocks[n] * U * (1 if k == "F" else 2) for n in graph.nodes() for k in "FB"})
+
+
+# ---- measuring an arm ------------------------------------------------------------------------------------
+
+
+class Arm:
+    """One arm: its runtime (planned from the cost table of its first steps), its step times, its prediction."""
+
+    def __init__(self, graph: Graph, stages: dict, plan_from_costs: bool = True, plan: Plan | None = None,
+                 learning_rate: float = 0.0) -> None:
+        self.graph, self.stages, self.replan = graph, stages, plan_from_costs
+        self.runtime = Runtime(plan or schedule(graph, Costs.unit(graph)), stages)
+        params = [p for fn in stages.values() for p in fn.module.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.SGD(params, lr=learning_rate) if learning_rate else None
+        self.times: list[float] = []
+        self.losses: list[float] = []
+        self.costs: Costs | None = None
+        self.predicted = 0.0
+
+    def step(self, batch, upcoming, timed: bool) -> None:
+        dist.barrier()
+        start = time.perf_counter()
+        losses = self.runtime.step(batch, upcoming)
+        elapsed = _slowest(time.perf_counter() - start)
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        loss = torch.tensor(float(sum(l.item() for l in losses.values())), dtype=torch.float64)
+        dist.all_reduce(loss)
+        self.losses.append(loss.item())
+        if timed:
+            self.times.append(elapsed)
+        elif self.runtime.steps == 1:  # the first step pays for first touches: not a cost to plan by
+            self.runtime.samples.clear()
+            self.runtime.transfers.clear()
+        elif self.runtime.steps == WARMUP:
+            self._plan()
+
+    def _plan(self) -> None:
+        self.costs = gathered_costs(self.runtime, *LINK)
+        if self.replan:
+            self.runtime.replan(schedule(self.graph, self.costs))
+        self.predicted = simulate(self.runtime.plan, self.costs).step_seconds
+
+    def record(self, part: str, name: str) -> dict:
+        step = statistics.median(self.times)
+        slots = gathered([(dataclasses.astuple(s.action), s.rank, s.start, s.end) for s in self.runtime.slots])
+        return {"bench": "mpmd_submeshes", "part": part, "arm": name, "step_s": round(step, 4),
+                "predicted_s": round(self.predicted, 4), "simulator_error": round(abs(self.predicted - step) / step, 4),
+                "mean_idle_share": round(_idle(slots, step, self.graph.world), 4),
+                "timeline": [self.graph.world, [s for rank in slots for s in rank]]}
+
+
+LINK = (0.0, 1e9)  # (latency, bandwidth): measured once per worker
+
+
+def _idle(slots: list, step: float, world: int) -> float:
+    busy = [sum(end - start for _, _, start, end in rank) for rank in slots]
+    return sum(1 - b / step for b in busy) / world
+
+
+def _slowest(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def run_arms(arms: dict[str, Arm], batches, rounds: int) -> None:
+    """Warm-up steps (then each arm plans), then `rounds` timed steps, the arms alternating."""
+    names = list(arms)
+    for r in range(WARMUP + rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            arms[name].step(batches(r), batches(r + 1), timed=r >= WARMUP)
+
+
+def best_splits(ranks: int, tower: float, costs_of, spread: bool, keep: int) -> list[tuple[int, ...]]:
+    """The `keep` splits of the LM's blocks whose simulated step is shortest."""
+    found = []
+    for split in itertools.product(range(0 if not spread else 1, BLOCKS + 1), repeat=ranks):
+        if sum(split) != BLOCKS or min(split[1:]) < 1:
+            continue
+        graph, blocks = vl_graph(ranks, split, tower, spread)
+        costs = costs_of(graph, blocks)
+        found.append((simulate(schedule(graph, costs), costs).step_seconds, split))
+    return [split for _, split in sorted(found)[:keep]]
+
+
+# ---- the parts -------------------------------------------------------------------------------------------
+
+
+def vl_arms(ranks: int, tower: float, width: int, emulated: bool) -> dict[str, Arm]:
+    arms = {}
+    even = tuple([BLOCKS // ranks] * ranks)
+    graph, blocks = vl_graph(ranks, even, tower, spread=False)
+    arms["B0"] = Arm(graph, vl_stages(graph, blocks, width, emulated), plan_from_costs=False)
+    for i, split in enumerate(best_splits(ranks, tower, nominal, spread=False, keep=3)):
+        graph, blocks = vl_graph(ranks, split, tower, spread=False)
+        arms[f"B1 {split}"] = Arm(graph, vl_stages(graph, blocks, width, emulated), plan_from_costs=False)
+    split = best_splits(ranks, tower, nominal, spread=True, keep=1)[0]
+    graph, blocks = vl_graph(ranks, split, tower, spread=True)
+    arms[f"S {split}"] = Arm(graph, vl_stages(graph, blocks, width, emulated))
+    return arms
+
+
+def vl_batches(width: int, rows: int):
+    return lambda r: torch.randn(MICRO, rows, width, generator=torch.Generator().manual_seed(r))
+
+
+def emulated_worker(rounds: int) -> None:
+    global LINK
+    emit = emitter(int(os.environ["RANK"]))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    LINK = link()
+    for label, tower in (("vl", 3.0), ("vl 3b", 6.0)):
+        arms = vl_arms(4, tower, 8, emulated=True)
+        run_arms(arms, vl_batches(8, 2), rounds)
+        for name, arm in arms.items():
+            emit(arm.record(f"{label} emulated", name))
+    table: dict = {}
+    arms = dpo_arms(table)
+    run_arms({k: v for k, v in arms.items() if k != "S1"}, dpo_batches, rounds)
+    emit(precomputed(arms["S1"], table, rounds) | {"part": "dpo emulated", "arm": "S1"})
+    for name in ("S0", "S2"):
+        emit(arms[name].record("dpo emulated", name) | {"losses": arms[name].losses})
+    dist.barrier()
+    emit({DONE: True})
+
+
+def real_worker(rounds: int) -> None:
+    global LINK
+    bind_to_cores(int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
+    torch.set_num_threads(1)
+    emit = emitter(int(os.environ["RANK"]))
+    dist.init_process_group("gloo")
+    LINK = link()
+    arms = vl_arms(2, 3.0, REAL_WIDTH, emulated=False)
+    run_arms(arms, vl_batches(REAL_WIDTH, REAL_ROWS), rounds)
+    for name, arm in arms.items():
+        emit(arm.record("vl real", name))
+    dist.barrier()
+    emit({DONE: True})
+
+
+# ---- DPO ------------------------------------------------------------------------------------------------
+
+BETA = 0.1
+
+
+def dpo_graph(ahead: int | None) -> Graph:
+    """The policy's 4 stages; the reference's 4 on the same ranks, in the step (0), a batch ahead (1), or
+    none (None: precomputed)."""
+    policy = Program("policy", (0, 1, 2, 3))
+    if ahead is None:
+        return Graph((policy,), (), MICRO)
+    reference = Program("reference", (0, 1, 2, 3), trains=False, ahead=ahead)
+    return Graph((policy, reference), (Flow(("reference", 3), ("policy", 3)),), MICRO)
+
+
+def dpo_stages(precomputed: dict | None = None) -> dict:
+    fns = {}
+    for program, trains in (("policy", True), ("reference", False)):
+        for s in range(4):
+            module = Blocks(1, 8, emulated=True, seed=s, trains=trains)  # the reference: the policy's initial weights
+            fns[program, s] = _dpo_stage(module, s, program == "policy", precomputed)
+    return fns
+
+
+def _dpo_stage(module, s: int, policy: bool, precomputed: dict | None):
+    def run(batch, m, inputs):
+        out = module(batch[m] if s == 0 else inputs[0])
+        if not (policy and s == 3):
+            return out
+        reference = precomputed[_key(batch[m])] if precomputed is not None else inputs[1]
+        chosen, rejected = (out - reference).sum(-1)  # two rows: a chosen and a rejected answer's log-ratios
+        return -torch.nn.functional.logsigmoid(BETA * (chosen - rejected)) / MICRO
+    run.module = module
+    return run
+
+
+def _key(micro: torch.Tensor) -> float:
+    """A micro-batch's name in the table of precomputed reference outputs (its random values' sum)."""
+    return round(micro.sum().item(), 6)
+
+
+def dpo_batches(r: int) -> torch.Tensor:
+    return torch.randn(MICRO, 2, 8, generator=torch.Generator().manual_seed(1000 + r))
+
+
+def dpo_arms(table: dict) -> dict[str, Arm]:
+    """S0, S1 (its last stage reading the reference's outputs from `table`) and S2, each with SGD."""
+    sequential = dpo_graph(0)
+    return {"S0": Arm(sequential, dpo_stages(), plan_from_costs=False, plan=_sequential_plan(sequential),
+                      learning_rate=0.1),
+            "S1": Arm(dpo_graph(None), dpo_stages(precomputed=table), plan_from_costs=False, learning_rate=0.1),
+            "S2": Arm(dpo_graph(1), dpo_stages(), learning_rate=0.1)}
+
+
+def _sequential_plan(graph: Graph) -> Plan:
+    """Each rank runs the reference's forwards first, then the policy's 1F1B (what a pipelined trainer does)."""
+    ref_only = Graph((graph.program["reference"],), (), MICRO)
+    policy_only = Graph((graph.program["policy"],), (), MICRO)
+    first, then = schedule(ref_only, Costs.unit(ref_only)), schedule(policy_only, Costs.unit(policy_only))
+    return Plan(graph, {r: first.actions[r] + then.actions[r] for r in range(4)})
+
+
+def precomputed(arm: Arm, table: dict, rounds: int) -> dict:
+    """S1: the reference's outputs for every step's batch computed first, in one pipelined pass (timed), then
+    the policy's steps (timed); the step counts the pass's share."""
+    steps = WARMUP + rounds
+    stream = Graph((Program("reference", (0, 1, 2, 3), trains=False),), (), MICRO * steps)
+    everything = torch.cat([dpo_batches(r) for r in range(steps)])
+    runtime = Runtime(schedule(stream, Costs.unit(stream)), {k: v for k, v in dpo_stages().items() if k[0] == "reference"})
+    dist.barrier()
+    start = time.perf_counter()
+    outputs = runtime.step(everything)  # rank 3 holds the reference's outputs, by micro-batch
+    pass_s = _slowest(time.perf_counter() - start)
+    table.update({_key(everything[m]): out for m, out in outputs.items()})
+    for r in range(steps):
+        arm.step(dpo_batches(r), None, timed=r >= WARMUP)
+    step = statistics.median(arm.times) + pass_s / steps
+    return {"bench": "mpmd_submeshes", "step_s": round(step, 4), "precompute_s_per_step": round(pass_s / steps, 4)}
+
+
+# ---- summary ---------------------------------------------------------------------------------------------
+
+
+def summarize(records: list[dict]) -> dict:
+    def arms(part: str) -> dict:
+        return {r["arm"]: r for r in records if r.get("part") == part and "step_s" in r}
+
+    def vl_ratio(part: str) -> float | None:
+        found = arms(part)
+        best = min((r["step_s"] for k, r in found.items() if k.startswith("B1")), default=None)
+        mine = next((r for k, r in found.items() if k.startswith("S")), None)
+        return round(mine["step_s"] / best, 3) if best and mine else None
+
+    dpo = arms("dpo emulated")
+    s2 = next((r for k, r in arms("vl emulated").items() if k.startswith("S")), {})
+    errors = [r["simulator_error"] for r in records if "simulator_error" in r]
+    return {
+        "vl_step_vs_best_static": vl_ratio("vl emulated"),
+        "vl_step_vs_best_static_3b_share": vl_ratio("vl 3b emulated"),
+        "vl_step_vs_best_static_real": vl_ratio("vl real"),
+        "mean_idle_share": s2.get("mean_idle_share"),
+        "dpo_step_vs_precomputed": round(dpo["S2"]["step_s"] / dpo["S1"]["step_s"], 3) if dpo else None,
+        "dpo_step_vs_sequential": round(dpo["S2"]["step_s"] / dpo["S0"]["step_s"], 3) if dpo else None,
+        "dpo_losses_identical": bool(dpo) and dpo["S0"]["losses"] == dpo["S2"]["losses"],
+        "simulator_error": round(max(errors), 3) if errors else None,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
