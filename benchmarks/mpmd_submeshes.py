@@ -12,9 +12,10 @@ Three parts, one run (about three minutes on 2 CPU cores), the arms of each part
    - **B0**: the tower in stage 0 of an even split (torchtitan's placement);
    - **B1**: the best static split of the same ranks with the tower in stage 0: every split
      simulated with the measured costs, the three best measured, the fastest kept;
-   - **S**: hp's level 2: the tower spread over the ranks (`Program(spread=True)`), the language
-     model's split and the order of every rank's work planned from the cost table measured on the
-     first steps.
+   - **S**: hp's level 2: the tower spread over the ranks (`Program(spread=True)`, each micro-batch's
+     images whole or cut in two), the two best of (the language model's split, the cut) by
+     simulation measured, the fastest kept, and the order of every rank's work planned from the cost
+     table measured on its first steps.
 2. **DPO, 4 emulated ranks**, pp=4, 8 micro-batches (a policy stage's forward U, backward 2U; the
    frozen reference's stage forward U), each stage's tiny real layer computing the loss:
    - **S0**: the reference's forward pipelined before the policy's in each step;
@@ -138,29 +139,38 @@ class Blocks(torch.nn.Module):
         return _Slept.apply(x, self.n * U, 2 * self.n * U) if self.emulated else x
 
 
-def vl_graph(ranks: int, split: tuple[int, ...], tower: float, spread: bool) -> tuple[Graph, dict]:
-    """The VL step: with `spread`, the tower its own program over every rank and the LM cut by `split`;
-    else the tower inside the LM's stage 0 (the blocks of stage 0 plus the tower's)."""
+def vl_graph(ranks: int, split: tuple[int, ...], tower: float, spread: bool, parts: int = 1) -> tuple[Graph, dict]:
+    """The VL step: with `spread`, the tower its own program over every rank (each micro-batch's images cut
+    into `parts`) and the LM cut by `split`; else the tower inside the LM's stage 0. Each stage's blocks
+    per micro-batch (of its own)."""
     lm = Program("lm", tuple(range(ranks)))
     if spread:
-        return Graph((Program("vision", tuple(range(ranks)), spread=True), lm), (Flow(("vision", 0), ("lm", 0)),),
-                     MICRO), {("vision", 0): tower, **{("lm", s): split[s] for s in range(ranks)}}
+        tower_program = Program("vision", tuple(range(ranks)), spread=True, parts=parts)
+        return Graph((tower_program, lm), (Flow(("vision", 0), ("lm", 0)),), MICRO), \
+            {("vision", 0): tower / parts, **{("lm", s): split[s] for s in range(ranks)}}
     return Graph((lm,), (), MICRO), {("lm", s): split[s] + (tower if s == 0 else 0) for s in range(ranks)}
 
 
 def vl_stages(graph: Graph, blocks: dict, width: int, emulated: bool) -> dict:
-    made = {node: Blocks(n, width, emulated, seed=hash(node) % 1000) for node, n in blocks.items()}
+    """Each stage's function; a real tower's piece is fewer rows through the same layers."""
+    parts = graph.program["vision"].parts if "vision" in graph.program else 1
     fns = {}
-    for node, module in made.items():
+    for node, n in blocks.items():
+        module = Blocks(n if emulated or node[0] != "vision" else n * parts, width, emulated, seed=hash(node) % 1000)
         first = node == ("lm", 0) and len(graph.programs) == 1 or node[0] == "vision"
         last = node == ("lm", graph.program["lm"].stages - 1)
-        fns[node] = _stage(module, first, last)
+        fns[node] = _stage(module, first, last, parts if node[0] == "vision" else 1)
     return fns
 
 
-def _stage(module: torch.nn.Module, first: bool, last: bool):
+def _stage(module: torch.nn.Module, first: bool, last: bool, parts: int):
     def run(batch: torch.Tensor, m: int, inputs: list[torch.Tensor]) -> torch.Tensor:
-        x = batch[m] if first else inputs[0]
+        if first:
+            rows = batch[m // parts]
+            size = rows.shape[0] // parts
+            x = rows[(m % parts) * size:(m % parts + 1) * size]
+        else:
+            x = inputs[0]
         out = module(x)
         return out.square().mean() if last else out
     run.module = module
@@ -244,16 +254,19 @@ def run_arms(arms: dict[str, Arm], batches, rounds: int) -> None:
             arms[name].step(batches(r), batches(r + 1), timed=r >= WARMUP)
 
 
-def best_splits(ranks: int, tower: float, costs_of, spread: bool, keep: int) -> list[tuple[int, ...]]:
-    """The `keep` splits of the LM's blocks whose simulated step is shortest."""
+def best_splits(ranks: int, tower: float, spread: bool, keep: int) -> list[tuple[tuple[int, ...], int]]:
+    """The `keep` (split of the LM's blocks, parts of the tower's micro-batches) whose simulated step is
+    shortest; the tower is cut into parts only when spread. With the tower in stage 0 every split is
+    tried; spread, the splits within 2 blocks of even (the tower's work no longer sits in one stage)."""
     found = []
     for split in itertools.product(range(0 if not spread else 1, BLOCKS + 1), repeat=ranks):
-        if sum(split) != BLOCKS or min(split[1:]) < 1:
+        if sum(split) != BLOCKS or min(split[1:]) < 1 or (spread and max(split) - min(split) > 2):
             continue
-        graph, blocks = vl_graph(ranks, split, tower, spread)
-        costs = costs_of(graph, blocks)
-        found.append((simulate(schedule(graph, costs), costs).step_seconds, split))
-    return [split for _, split in sorted(found)[:keep]]
+        for parts in (1, 2) if spread else (1,):
+            graph, blocks = vl_graph(ranks, split, tower, spread, parts)
+            costs = nominal(graph, blocks)
+            found.append((simulate(schedule(graph, costs), costs).step_seconds, split, parts))
+    return [(split, parts) for _, split, parts in sorted(found)[:keep]]
 
 
 # ---- the parts -------------------------------------------------------------------------------------------
@@ -264,13 +277,20 @@ def vl_arms(ranks: int, tower: float, width: int, emulated: bool) -> dict[str, A
     even = tuple([BLOCKS // ranks] * ranks)
     graph, blocks = vl_graph(ranks, even, tower, spread=False)
     arms["B0"] = Arm(graph, vl_stages(graph, blocks, width, emulated), plan_from_costs=False)
-    for i, split in enumerate(best_splits(ranks, tower, nominal, spread=False, keep=3)):
+    for split, _ in _on_rank_zero(lambda: best_splits(ranks, tower, spread=False, keep=3)):
         graph, blocks = vl_graph(ranks, split, tower, spread=False)
         arms[f"B1 {split}"] = Arm(graph, vl_stages(graph, blocks, width, emulated), plan_from_costs=False)
-    split = best_splits(ranks, tower, nominal, spread=True, keep=1)[0]
-    graph, blocks = vl_graph(ranks, split, tower, spread=True)
-    arms[f"S {split}"] = Arm(graph, vl_stages(graph, blocks, width, emulated))
+    for split, parts in _on_rank_zero(lambda: best_splits(ranks, tower, spread=True, keep=2)):
+        graph, blocks = vl_graph(ranks, split, tower, spread=True, parts=parts)
+        arms[f"S {split} parts {parts}"] = Arm(graph, vl_stages(graph, blocks, width, emulated))
     return arms
+
+
+def _on_rank_zero(compute):
+    """`compute()` run by rank 0 alone (a search every rank would repeat), its result on every rank."""
+    box = [compute() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, 0)
+    return box[0]
 
 
 def vl_batches(width: int, rows: int):
@@ -403,11 +423,11 @@ def summarize(records: list[dict]) -> dict:
     def vl_ratio(part: str) -> float | None:
         found = arms(part)
         best = min((r["step_s"] for k, r in found.items() if k.startswith("B1")), default=None)
-        mine = next((r for k, r in found.items() if k.startswith("S")), None)
+        mine = min((r for k, r in found.items() if k.startswith("S")), key=lambda r: r["step_s"], default=None)
         return round(mine["step_s"] / best, 3) if best and mine else None
 
     dpo = arms("dpo emulated")
-    s2 = next((r for k, r in arms("vl emulated").items() if k.startswith("S")), {})
+    s2 = min((r for k, r in arms("vl emulated").items() if k.startswith("S")), key=lambda r: r["step_s"], default={})
     errors = [r["simulator_error"] for r in records if "simulator_error" in r]
     return {
         "vl_step_vs_best_static": vl_ratio("vl emulated"),

@@ -48,7 +48,9 @@ def graphs(draw):
     ranks = st.integers(0, world - 1)
     m = draw(st.integers(1, 6))
     lm = Program("lm", tuple(draw(st.lists(ranks, min_size=1, max_size=4))))
-    enc = Program("enc", tuple(draw(st.lists(ranks, min_size=1, max_size=world, unique=True))), spread=draw(st.booleans()))
+    spread = draw(st.booleans())
+    enc = Program("enc", tuple(draw(st.lists(ranks, min_size=1, max_size=world, unique=True))), spread=spread,
+                  parts=draw(st.sampled_from([1, 2, 3])) if spread else 1)
     ref = Program("ref", tuple(draw(st.lists(ranks, min_size=1, max_size=3))), trains=False,
                   ahead=draw(st.integers(0, 1)))
     flows = (Flow(("enc", 0 if enc.spread else enc.stages - 1), ("lm", 0)), Flow(("ref", ref.stages - 1), ("lm", lm.stages - 1)))
@@ -65,6 +67,7 @@ def test_every_plan_runs_every_action_once_where_it_may_without_deadlock(drawn):
     plan = schedule(graph, costs)
     planned = [a for actions in plan.actions.values() for a in actions]
     assert sorted(planned) == sorted(graph.actions())
+    assert len(planned) == sum(graph.micros(n) * (2 if graph.trains(n) else 1) for n in graph.nodes())
     for action, rank in plan.where.items():
         assert rank in graph.ranks_of(action.node)
         if action.kind == "B":
@@ -94,14 +97,17 @@ def test_a_reference_running_ahead_fills_the_policys_bubbles():
 
 def test_a_vision_tower_spread_over_the_ranks_beats_the_best_static_split():
     """An encoder worth 2 of an 8-block language model's blocks (20% of a sample's work), 4 ranks, 8
-    micro-batches: spread over the ranks and planned by cost it takes 72 units; the best split of the
-    same ranks with the encoder in stage 0 (every split searched) takes 93."""
+    micro-batches: spread over the ranks and planned by cost it takes 72 units (69 with each micro-batch's
+    images cut in two, so that the first and the last micro-batch's tower work is shared by two ranks);
+    the best split of the same ranks with the encoder in stage 0 (every split searched) takes 93."""
     lm = Program("lm", (0, 1, 2, 3))
-    enc = Program("enc", (0, 1, 2, 3), spread=True)
-    graph = Graph((enc, lm), (Flow(("enc", 0), ("lm", 0)),), 8)
-    per = {("enc", 0): 2.0, **{("lm", s): 2.0 for s in range(4)}}
-    costs = Costs({(k, n): per[n] * (1 if k == "F" else 2) for n in graph.nodes() for k in "FB"})
-    spread = simulate(schedule(graph, costs), costs).step_seconds
+    spread = []
+    for parts in (1, 2):
+        enc = Program("enc", (0, 1, 2, 3), spread=True, parts=parts)
+        graph = Graph((enc, lm), (Flow(("enc", 0), ("lm", 0)),), 8)
+        per = {("enc", 0): 2.0 / parts, **{("lm", s): 2.0 for s in range(4)}}
+        costs = Costs({(k, n): per[n] * (1 if k == "F" else 2) for n in graph.nodes() for k in "FB"})
+        spread.append(simulate(schedule(graph, costs), costs).step_seconds)
     static = []
     for a in range(9):
         for b in range(1, 9 - a):
@@ -112,7 +118,7 @@ def test_a_vision_tower_spread_over_the_ranks_beats_the_best_static_split():
                     split = {("lm", 0): a + 2.0, ("lm", 1): b, ("lm", 2): c, ("lm", 3): d}
                     cost = Costs({(k, n): split[n] * (1 if k == "F" else 2) for n in only.nodes() for k in "FB"})
                     static.append(simulate(schedule(only, cost), cost).step_seconds)
-    assert (spread, min(static)) == (72.0, 93.0)
+    assert (spread, min(static)) == ([72.0, 69.0], 93.0)
 
 
 def test_projection_adds_the_gradients_ring_all_reduce():
@@ -140,7 +146,7 @@ def test_a_graph_that_cannot_run_is_refused_by_name(build, words):
 
 @settings(max_examples=1, deadline=None)
 @given(cases=st.lists(st.fixed_dictionaries({
-    "micro": st.integers(1, 4), "seed": st.integers(0, 2**16),
+    "micro": st.integers(1, 4), "seed": st.integers(0, 2**16), "parts": st.sampled_from([1, 2]),
     "enc": st.sampled_from([[0], [1], [0, 1]]), "lm": st.sampled_from([[0, 1], [1, 0], [1, 1], [0, 0]]),
     "ref": st.sampled_from([[0, 1], [1, 0], [1, 1]]), "ahead": st.integers(0, 1),
     "seconds": st.lists(seconds, min_size=10, max_size=10)}), min_size=4, max_size=4))

@@ -61,7 +61,10 @@ class Program:
     `trains`: it has a backward (a frozen reference does not). `ahead`: how many batches ahead its
     micro-batches run (0: this step's batch). `spread`: one stage whose micro-batches each run on one of
     `ranks`, chosen by the scheduler (the program held whole on each of them, its gradients summed over
-    them, as data parallel's): a small sub-model's work placed where the others leave gaps.
+    them, as data parallel's): a small sub-model's work placed where the others leave gaps. `parts`:
+    each of the step's micro-batches is cut into this many pieces (its rows) for this program, each run
+    as a micro-batch of its own, so that the pieces of one micro-batch of a spread program run on
+    several ranks at once; a program consuming them receives the pieces of its micro-batch joined.
     """
 
     name: str
@@ -69,6 +72,7 @@ class Program:
     trains: bool = True
     ahead: int = 0
     spread: bool = False
+    parts: int = 1
 
     @property
     def stages(self) -> int:
@@ -102,6 +106,9 @@ class Graph:
                     raise GraphError(f"flow {flow.src} -> {flow.dst}: {end} is no stage of the graph")
             if self.program[flow.src[0]].ahead < self.program[flow.dst[0]].ahead:
                 raise GraphError(f"flow {flow.src} -> {flow.dst}: a program cannot feed one that runs further ahead")
+            src, dst = self.program[flow.src[0]].parts, self.program[flow.dst[0]].parts
+            if src % dst:
+                raise GraphError(f"flow {flow.src} -> {flow.dst}: parts = {src} does not cut into parts = {dst}")
         if self.microbatches < 1:
             raise GraphError(f"microbatches = {self.microbatches}: expected at least 1")
         self.order  # noqa: B018 - refuses a cycle now
@@ -136,22 +143,35 @@ class Graph:
     def trains(self, node: Node) -> bool:
         return self.program[node[0]].trains
 
+    def micros(self, node: Node) -> int:
+        """How many micro-batches stage `node` runs a step: the step's, times its program's parts."""
+        return self.microbatches * self.program[node[0]].parts
+
+    def pieces(self, src: Node, dst: Node, m: int) -> range:
+        """The micro-batches of `src` whose outputs make micro-batch `m` of `dst` (joined in this order)."""
+        ratio = self.program[src[0]].parts // self.program[dst[0]].parts
+        return range(m * ratio, (m + 1) * ratio)
+
+    def consumer(self, src: Node, dst: Node, m: int) -> int:
+        """The micro-batch of `dst` that micro-batch `m` of `src` is a piece of."""
+        return m // (self.program[src[0]].parts // self.program[dst[0]].parts)
+
     def actions(self) -> list[Action]:
         """Every action of the step, in an order that respects its dependencies."""
         found = []
         for node in self.order:
-            found += [Action("F", *node, m) for m in range(self.microbatches)]
+            found += [Action("F", *node, m) for m in range(self.micros(node))]
         for node in reversed(self.order):
             if self.trains(node):
-                found += [Action("B", *node, m) for m in range(self.microbatches)]
+                found += [Action("B", *node, m) for m in range(self.micros(node))]
         return found
 
     def dependencies(self, action: Action) -> list[Action]:
         """The actions `action` waits for (on its own rank or another)."""
         node, m = action.node, action.micro
         if action.kind == "F":
-            return [Action("F", *src, m) for src in self.inputs(node)]
-        grads = [Action("B", *dst, m) for dst in self.outputs(node) if self.trains(dst)]
+            return [Action("F", *src, piece) for src in self.inputs(node) for piece in self.pieces(src, node, m)]
+        grads = [Action("B", *dst, self.consumer(node, dst, m)) for dst in self.outputs(node) if self.trains(dst)]
         return [Action("F", *node, m), *grads]
 
     @cached_property
@@ -170,8 +190,9 @@ class Graph:
     def in_flight_limit(self, node: Node) -> int:
         """How many micro-batches stage `node` may hold between forward and backward (1F1B's bound: the
         trained stages from it to the end of the longest path it feeds)."""
-        downstream = [self.in_flight_limit(dst) for dst in self.outputs(node) if self.trains(dst)]
-        return 1 + max(downstream, default=0)
+        downstream = [self.in_flight_limit(dst) / self.program[dst[0]].parts for dst in self.outputs(node)
+                      if self.trains(dst)]
+        return int(self.program[node[0]].parts * (1 + max(downstream, default=0)))
 
     def _same_batch(self, flow: Flow) -> bool:
         """Whether `flow` joins micro-batches of one batch (a program running ahead feeds the next step)."""

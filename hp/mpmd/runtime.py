@@ -61,6 +61,7 @@ class Runtime:
         self._started = 0.0
         self._tags = {pair: i for i, pair in enumerate((s, d) for s in self.graph.nodes()
                                                       for d in self.graph.outputs(s) + _ahead_outputs(self.graph, s))}
+        self._span = max(self.graph.micros(node) for node in self.graph.nodes())  # micro-batch indices a tag spans
         self._held: dict = {}  # (node, micro, "out") -> output; (node, micro) -> inputs; grads by (src, dst, micro)
         self._carried: dict = {}  # outputs of programs running ahead, kept for the next step on this rank
         self._sends: list = []
@@ -73,7 +74,7 @@ class Runtime:
             raise ValueError("replan: the new plan is of another graph")
         for node in self.graph.nodes():
             for src in _ahead_inputs(self.graph, node):
-                for m in range(self.graph.microbatches):
+                for m in range(self.graph.micros(node)):
                     if self._where("F", node, m) != plan.where[Action("F", *node, m)]:
                         raise ValueError(f"replan: {node} receives from {src}, which ran ahead; it must stay on its rank")
         self.plan = plan
@@ -116,13 +117,15 @@ class Runtime:
     def _forward(self, action: Action, batch: Any, step: int) -> torch.Tensor:
         node, m = action.node, action.micro
         self._waited = 0.0
-        inputs = [self._input(src, node, m, step) for src in self.graph.inputs(node)]
+        pieces = [[self._input(src, node, p, step) for p in self.graph.pieces(src, node, m)]
+                  for src in self.graph.inputs(node)]
+        inputs = [joined[0] if len(joined) == 1 else torch.cat(joined) for joined in pieces]
         inputs += [self._carried_input(src, node, m) for src in _ahead_inputs(self.graph, node)]
         trains = self.graph.trains(node)
         with torch.enable_grad() if trains else torch.no_grad():
             out = self.stages[node](batch, m, inputs)
         if trains:
-            self._held[node, m] = inputs
+            self._held[node, m] = pieces
             self._held[node, m, "out"] = out
         for dst in self.graph.outputs(node):
             self._hand_on(out.detach(), node, dst, m, step)
@@ -133,17 +136,17 @@ class Runtime:
     def _backward(self, action: Action) -> None:
         node, m = action.node, action.micro
         self._waited = 0.0
-        inputs, out = self._held.pop((node, m)), self._held.pop((node, m, "out"))
+        pieces, out = self._held.pop((node, m)), self._held.pop((node, m, "out"))
         consumers = [dst for dst in self.graph.outputs(node) if self.graph.trains(dst)]
         if consumers:
             grad = sum(self._gradient(node, dst, m) for dst in consumers)
             torch.autograd.backward(out, grad)
         else:
             torch.autograd.backward(out)
-        for src, x in zip(self.graph.inputs(node), inputs):
-            if x.requires_grad:
-                grad = x.grad if x.grad is not None else torch.zeros_like(x)
-                self._send_back(grad, src, node, m)
+        for src, joined in zip(self.graph.inputs(node), pieces):
+            for p, x in zip(self.graph.pieces(src, node, m), joined):
+                if x.requires_grad:
+                    self._send_back(x.grad if x.grad is not None else torch.zeros_like(x), src, node, p)
 
     # ---- moving tensors ------------------------------------------------------------------------------------
 
@@ -151,7 +154,7 @@ class Runtime:
         return self.plan.where[Action(kind, *node, m)]
 
     def _hand_on(self, out: torch.Tensor, src: Node, dst: Node, m: int, step: int) -> None:
-        to = self._where("F", dst, m)
+        to = self._where("F", dst, self.graph.consumer(src, dst, m))
         if to == self.rank:
             self._held[src, dst, m, "fwd", step] = out
         else:
@@ -176,7 +179,7 @@ class Runtime:
             self.transfers.append((dst, src, grad.numel() * grad.element_size()))
 
     def _gradient(self, src: Node, dst: Node, m: int) -> torch.Tensor:
-        frm = self._where("B", dst, m)
+        frm = self._where("B", dst, self.graph.consumer(src, dst, m))
         if frm == self.rank:
             return self._held.pop((src, dst, m, "bwd"))
         return self._recv(frm, self._tag(src, dst, m, 1, self.steps))
@@ -185,7 +188,7 @@ class Runtime:
         """A tag unique to the flow, its direction, the micro-batch and the step's parity (a program running
         ahead sends in one step what is received in the next); even for the header, odd for the data."""
         pair = self._tags[src, dst]
-        return 2 * (((pair * 2 + backward) * self.graph.microbatches + m) * 2 + step % 2)
+        return 2 * (((pair * 2 + backward) * self._span + m) * 2 + step % 2)
 
     def _send(self, tensor: torch.Tensor, to: int, tag: int) -> None:
         tensor = tensor.contiguous()

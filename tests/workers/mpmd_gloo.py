@@ -1,7 +1,7 @@
 """Worker for test_mpmd_programs.py: plans of MPMD steps run on gloo ranks against the same step in one process.
 
 Each case (argv[1], a JSON list drawn by the test) is a graph of three programs: an encoder (fixed on a
-rank, or spread over the ranks), a two-stage model whose last stage computes the loss, and a frozen
+rank, or spread over the ranks; each micro-batch whole or cut in two), a two-stage model whose last stage computes the loss, and a frozen
 two-stage reference feeding that loss, run in the same step or a batch ahead. The plan comes from the
 case's drawn costs. Over two steps (the second uses what the reference computed ahead in the first),
 each step's loss and every gradient (summed over the ranks that hold a copy) equal the plain step's
@@ -51,9 +51,15 @@ def plain(mods: dict[str, nn.Module], batch: torch.Tensor, micro: int) -> torch.
     return total
 
 
-def stages(mods: dict[str, nn.Module]) -> dict:
+def piece(batch: torch.Tensor, m: int, parts: int) -> torch.Tensor:
+    """Piece m % parts of micro-batch m // parts (its rows cut evenly)."""
+    whole, size = rows(batch, m // parts), ROWS // parts
+    return whole[(m % parts) * size:(m % parts + 1) * size]
+
+
+def stages(mods: dict[str, nn.Module], parts: int) -> dict:
     return {
-        ("enc", 0): lambda batch, m, inputs: mods["enc"](rows(batch, m)),
+        ("enc", 0): lambda batch, m, inputs: mods["enc"](piece(batch, m, parts)),
         ("lm", 0): lambda batch, m, inputs: torch.tanh(mods["lm0"](inputs[0])),
         ("lm", 1): lambda batch, m, inputs: loss_of(mods["lm1"](inputs[0]), inputs[1]),
         ("ref", 0): lambda batch, m, inputs: torch.tanh(mods["ref0"](rows(batch, m))),
@@ -63,7 +69,7 @@ def stages(mods: dict[str, nn.Module]) -> dict:
 
 def check(case: dict) -> None:
     micro = case["micro"]
-    enc = Program("enc", tuple(case["enc"]), spread=len(case["enc"]) > 1)
+    enc = Program("enc", tuple(case["enc"]), spread=len(case["enc"]) > 1, parts=case["parts"])
     graph = Graph((enc, Program("lm", tuple(case["lm"])),
                    Program("ref", tuple(case["ref"]), trains=False, ahead=case["ahead"])),
                   (Flow(("enc", 0), ("lm", 0)), Flow(("ref", 1), ("lm", 1))), micro)
@@ -71,7 +77,7 @@ def check(case: dict) -> None:
         [(k, n) for n in graph.nodes() for k in "FB"], case["seconds"])}, {})
     plan = schedule(graph, costs)
     mods, want_mods = modules(), modules()
-    runtime = Runtime(plan, stages(mods))
+    runtime = Runtime(plan, stages(mods, case["parts"]))
     g = torch.Generator().manual_seed(case["seed"])
     batches = [torch.randn(micro * ROWS, 4, generator=g) for _ in range(3)]
     for step in range(2):
