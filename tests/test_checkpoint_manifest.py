@@ -33,6 +33,31 @@ def saved(tmp_path_factory) -> Path:
     return out
 
 
+def test_a_background_save_writes_the_state_of_its_step_not_of_the_next_update(saved, tmp_path):
+    """A background save returns before its files are written; the update that follows changes the weights
+    in place, and the checkpoint still holds the weights of its step, bit for bit as a synchronous save's."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", layers=1))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(input_ids=torch.ones(1, 4, dtype=torch.long), labels=torch.ones(1, 4, dtype=torch.long)).loss.backward()
+    optimizer.step()  # as `saved` did: its checkpoint-6 is this state, saved synchronously
+    saver = checkpoint.Saver(str(tmp_path), background=True)
+    saver.save(6, model, optimizer, {"scheduler": {}, "data": {}})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the next update, while the checkpoint is being written
+    assert saver.close() == str(tmp_path / "checkpoint-6")
+    states = []
+    for run in (saved, tmp_path):
+        dcp_to_torch_save(run / "checkpoint-6", tmp_path / "state.pt")
+        states.append(torch.utils._pytree.tree_flatten(torch.load(tmp_path / "state.pt")))
+    assert states[0][1] == states[1][1]
+    assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(states[0][0], states[1][0]))
+    assert manifest.verify(str(tmp_path / "checkpoint-6")) is None
+
+
 def _copy(saved: Path, tmp: Path) -> Path:
     out = tmp / "run"
     shutil.copytree(saved, out)

@@ -63,8 +63,8 @@ class Runtime:
                                                       for d in self.graph.outputs(s) + _ahead_outputs(self.graph, s))}
         self._span = max(self.graph.micros(node) for node in self.graph.nodes())  # micro-batch indices a tag spans
         self._held: dict = {}  # (node, micro, "out") -> output; (node, micro) -> inputs; grads by (src, dst, micro)
-        self._carried: dict = {}  # outputs of programs running ahead, kept for the next step on this rank
         self._sends: list = []
+        self._waited = 0.0  # seconds of the current action spent receiving (not the action's cost)
 
     def replan(self, plan: Plan) -> None:
         """Run `plan` (of the same graph) from the next step on: a plan made from the first steps' costs.
@@ -111,8 +111,6 @@ class Runtime:
         return losses
 
     # ---- forward and backward ----------------------------------------------------------------------------
-
-    _waited = 0.0  # seconds of the current action spent receiving (not the action's cost)
 
     def _forward(self, action: Action, batch: Any, step: int) -> torch.Tensor:
         node, m = action.node, action.micro
