@@ -156,3 +156,12 @@ def test_plans_run_on_gloo_ranks_give_the_plain_steps_loss_and_gradients(cases):
     run = rank_pool.run(str(HERE / "workers" / "mpmd_gloo.py"), 2, json.dumps(cases), timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "mpmd plans follow the plain step" in run.stdout
+
+
+def test_dpo_with_its_reference_a_batch_ahead_gives_the_plain_steps_on_gloo_ranks():
+    """Level 3 on real models: a tiny Llama policy and its frozen reference, each cut into two pipeline
+    stages over two ranks, the reference's forward of the next batch run in this step's gaps: three SGD
+    steps give the plain DPO step's losses and gradients (`workers/mpmd_dpo_gloo.py`)."""
+    run = rank_pool.run(str(HERE / "workers" / "mpmd_dpo_gloo.py"), 2, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "dpo with its reference a batch ahead follows the plain step" in run.stdout
