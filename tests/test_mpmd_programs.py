@@ -165,3 +165,12 @@ def test_dpo_with_its_reference_a_batch_ahead_gives_the_plain_steps_on_gloo_rank
     run = rank_pool.run(str(HERE / "workers" / "mpmd_dpo_gloo.py"), 2, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "dpo with its reference a batch ahead follows the plain step" in run.stdout
+
+
+def test_a_qwen_vl_tower_spread_over_the_ranks_gives_hfs_steps_on_gloo_ranks():
+    """Level 2 on a real model: a tiny Qwen2.5-VL's vision tower a program spread over two ranks, its
+    language model cut into two pipeline stages with the M-RoPE positions on both: two SGD steps give HF's
+    loss and every gradient, the tower's included (`workers/mpmd_vl_gloo.py`)."""
+    run = rank_pool.run(str(HERE / "workers" / "mpmd_vl_gloo.py"), 2, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "a vision tower spread over the ranks follows HF's step" in run.stdout
