@@ -1,0 +1,126 @@
+"""A model's sub-models as programs: a vision-language model's tower beside its language model's stages.
+
+Level 2 runs the vision tower and the language model of one model as
+programs of their own. `vision_language` cuts a Qwen-VL-style model (its
+family's `hp.ModelPlan` names the tower, the blocks, the embedding, the
+norm and the head) into:
+
+- **the tower**, one program whose micro-batches each run on one of
+  `tower_ranks` (held whole on each, its gradients summed over them as
+  data parallel's: `spread`);
+- **the language model**, cut into pipeline stages by `split`
+  (`hp.parallel.pipeline.cut`: each stage is the model itself with what
+  other stages hold skipped, so parameter names stay the model's own),
+  stage i on `stage_ranks[i]`. The first embeds the tokens and puts the
+  tower's features in the image tokens' places; every stage runs its
+  blocks with the M-RoPE positions the batch carries; the last runs the
+  norm, the head and the loss: each micro-batch's summed token losses over
+  the whole batch's supervised tokens, so the micro-batches' losses add up
+  to HF's mean.
+
+A micro-batch is one sample. The batch is a dict as HF's processor makes
+it (`input_ids`, `labels`, `pixel_values`, `image_grid_thw`) with
+`position_ids` from the model's own `get_rope_index` on the whole batch;
+every sample holds at least one image (no video), each image opened by the
+vision-start token, which is how a sample's images are found.
+
+>>> import torch
+>>> from transformers import AutoModelForImageTextToText
+>>> from hp.models import plan_for, tiny_config
+>>> model = AutoModelForImageTextToText.from_config(tiny_config("qwen2_5_vl", layers=2))
+>>> programs = vision_language(model, plan_for(model.config), tower_ranks=(0, 1), stage_ranks=(0, 1), microbatches=4)
+>>> [p.name for p in programs.graph.programs], sorted(programs.stages)
+(['vision', 'language'], [('language', 0), ('language', 1), ('vision', 0)])
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hp.mpmd.graph import Flow, Graph, Node, Program
+from hp.parallel.model_plan import ModelPlan
+from hp.parallel.pipeline import Skipped, cut
+from hp.parallel.pipeline_split import StageSplit
+
+
+@dataclass
+class Programs:
+    """A graph of programs, the function each stage runs (`hp.mpmd.Runtime`'s `stages`), and the module
+    whose parameters each stage trains."""
+
+    graph: Graph
+    stages: dict[Node, Callable]
+    modules: dict[Node, nn.Module]
+
+
+def vision_language(model: nn.Module, plan: ModelPlan, *, tower_ranks: tuple[int, ...],
+                    stage_ranks: tuple[int, ...], microbatches: int, split: tuple[int, ...] | None = None) -> Programs:
+    """`model`'s tower and language model as programs (see the module); `split`: blocks per stage (even
+    by default)."""
+    blocks = len(model.get_submodule(plan.blocks))
+    counts = split or _even(blocks, len(stage_ranks))
+    cuts = StageSplit.of_counts(counts)
+    stages = [cut(copy.deepcopy(model), plan, cuts, s) for s in range(len(stage_ranks))]
+    for stage in stages:
+        stage.set_submodule(plan.vision, Skipped())  # the tower is a program of its own
+    tower = model.get_submodule(plan.vision)
+    graph = Graph((Program("vision", tuple(tower_ranks), spread=True), Program("language", tuple(stage_ranks))),
+                  (Flow(("vision", 0), ("language", 0)),), microbatches)
+    tokens = (model.config.image_token_id, model.config.vision_start_token_id)
+    fns: dict[Node, Callable] = {("vision", 0): _tower(tower, tokens)}
+    for s, stage in enumerate(stages):
+        fns["language", s] = _language(stage, s == 0, s == len(stages) - 1, tokens)
+    return Programs(graph, fns, {("vision", 0): tower, **{("language", s): m for s, m in enumerate(stages)}})
+
+
+def _even(blocks: int, stages: int) -> tuple[int, ...]:
+    """`blocks` over `stages`, the earlier stages taking the remainder.
+
+    >>> _even(7, 3)
+    (3, 2, 2)
+    """
+    return tuple(blocks // stages + (s < blocks % stages) for s in range(stages))
+
+
+def sample(batch: dict, m: int, vision_start: int) -> dict:
+    """Sample m of `batch`: its ids, labels and positions, its images' patches and grids, and the batch's
+    supervised token count (what each micro-batch's summed loss is divided by)."""
+    ids, grids = batch["input_ids"], batch["image_grid_thw"]
+    images = (ids == vision_start).sum(-1).tolist()  # each image opens with the vision-start token
+    first = sum(images[:m])
+    sizes = grids.prod(-1).tolist()
+    start, count = sum(sizes[:first]), sum(sizes[first:first + images[m]])
+    return {"ids": ids[m:m + 1], "labels": batch["labels"][m:m + 1], "positions": batch["position_ids"][:, m:m + 1],
+            "pixels": batch["pixel_values"][start:start + count], "grid": grids[first:first + images[m]],
+            "supervised": int((batch["labels"][:, 1:] != -100).sum())}
+
+
+def _tower(tower: nn.Module, tokens: tuple[int, int]) -> Callable:
+    def run(batch: dict, m: int, inputs: list[torch.Tensor]) -> torch.Tensor:
+        x = sample(batch, m, tokens[1])
+        return tower(x["pixels"], grid_thw=x["grid"]).pooler_output  # one feature per image token
+    return run
+
+
+def _language(stage: nn.Module, first: bool, last: bool, tokens: tuple[int, int]) -> Callable:
+    def run(batch: dict, m: int, inputs: list[torch.Tensor]) -> torch.Tensor:
+        x = sample(batch, m, tokens[1])
+        if first:
+            embeds = stage.get_input_embeddings()(x["ids"])
+            places = (x["ids"] == tokens[0]).unsqueeze(-1).expand_as(embeds)
+            stream = embeds.masked_scatter(places, inputs[0].to(embeds.dtype))
+        else:
+            stream = inputs[0]
+        out = stage(inputs_embeds=stream, position_ids=x["positions"], use_cache=False).logits
+        if not last:
+            return out  # the norm and the head are skipped: the residual stream
+        targets = x["labels"][:, 1:].flatten()
+        loss = nn.functional.cross_entropy(out[:, :-1].flatten(0, 1).float(), targets, ignore_index=-100,
+                                           reduction="sum")
+        return loss / x["supervised"]
+    return run
