@@ -47,6 +47,7 @@ import os
 import statistics
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -156,7 +157,8 @@ def vl_stages(graph: Graph, blocks: dict, width: int, emulated: bool) -> dict:
     parts = graph.program["vision"].parts if "vision" in graph.program else 1
     fns = {}
     for node, n in blocks.items():
-        module = Blocks(n if emulated or node[0] != "vision" else n * parts, width, emulated, seed=hash(node) % 1000)
+        module = Blocks(n if emulated or node[0] != "vision" else n * parts, width, emulated,
+                        seed=zlib.crc32(repr(node).encode()))  # the same on every rank (hash() is not)
         first = node == ("lm", 0) and len(graph.programs) == 1 or node[0] == "vision"
         last = node == ("lm", graph.program["lm"].stages - 1)
         fns[node] = _stage(module, first, last, parts if node[0] == "vision" else 1)

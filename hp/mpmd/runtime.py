@@ -80,7 +80,8 @@ class Runtime:
         self.plan = plan
 
     def step(self, batch: Any, upcoming: Any = None) -> dict[int, torch.Tensor]:
-        """Run this rank's actions of one step; the losses it computed, by micro-batch."""
+        """Run this rank's actions of one step; the losses it computed, by micro-batch. Without `upcoming`
+        (the last step) the programs running ahead have nothing to run."""
         if self.steps == 0 and any(p.ahead for p in self.graph.programs):
             self._run([a for a in self.plan.actions[self.rank] if self.graph.program[a.program].ahead], batch,
                       prologue=True)
@@ -96,6 +97,8 @@ class Runtime:
         losses: dict[int, torch.Tensor] = {}
         for action in actions:
             ahead = self.graph.program[action.program].ahead
+            if ahead and not prologue and upcoming is None:
+                continue
             data = batch if prologue or not ahead else upcoming
             start = time.perf_counter()
             if action.kind == "F":
