@@ -27,7 +27,7 @@ Three parts, one run (about three minutes on 2 CPU cores), the arms of each part
    rows): B0, B1 and S as above.
 
 For every measured arm the simulator (`hp.mpmd.simulate`, replaying the arm's plan with the cost
-table measured on its second and third steps) predicts the step; `simulator_error` is the largest
+table measured on its second to fourth steps) predicts the step; `simulator_error` is the largest
 |predicted - measured| / measured. `benchmarks/mpmd_submeshes.png` draws each arm's measured timeline.
 
 Last line: `vl_step_vs_best_static` (S / B1, 4 emulated ranks, the 7B share), `vl_step_vs_best_static_real`
@@ -66,7 +66,7 @@ U = 0.01  # an emulated block's forward, seconds
 MICRO = 8
 BLOCKS = 16
 REAL_WIDTH, REAL_ROWS = 768, 128  # a real block: a linear layer of this width over this many rows
-WARMUP = 3  # steps before an arm's plan is made; the cost table is the last two's
+WARMUP = 4  # steps before an arm's plan is made; the cost table is the last three's
 PNG = Path(__file__).resolve().parent / "mpmd_submeshes.png"
 
 
