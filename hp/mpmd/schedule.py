@@ -1,23 +1,27 @@
 """The order of each rank's actions in an MPMD step, chosen from a cost table.
 
-Two passes, as a cluster's batch scheduler fills a machine:
+A plan is made in passes, as a cluster's batch scheduler fills a machine:
 
-1. **The step's own programs** (those not running ahead) by list
-   scheduling: repeatedly, of every action whose inputs are scheduled, the
-   one that can start earliest on its rank runs next there (a backward
-   before a forward, an earlier micro-batch first, then the longest path
-   to the step's end). A stage holds at most `Graph.in_flight_limit`
-   micro-batches between forward and backward, so a pipeline keeps 1F1B's
-   memory, and a stage placed before it (a vision tower) runs ahead of it
-   only that far.
+1. **The step's own programs** by list scheduling: repeatedly, of every
+   action whose inputs are scheduled, the one that can start earliest on
+   its rank runs next there (a backward before a forward, an earlier
+   micro-batch first, then the longest path to the step's end). A stage
+   holds at most `Graph.in_flight_limit` micro-batches between forward and
+   backward, so a pipeline keeps 1F1B's memory, and a stage placed before
+   it (a vision tower) runs ahead of it only that far.
 2. **Programs running ahead** (a frozen reference's forward of the next
-   batch) backfill: each of their actions goes into the earliest idle gap
-   of its rank that it fits, after its inputs arrive, so it never delays
-   the step's own work under the table's costs; what fits nowhere runs
-   after the rank's last action.
+   batch), and in a second candidate also the **spread** programs (a
+   tower whose micro-batches may run on any of its ranks), backfill: each
+   of their actions goes into the earliest idle gap that fits it on a rank
+   it may run on, after its inputs arrive; what fits nowhere runs after
+   the rank's last action. A gap may be overrun by a share of the
+   action's length (`OVERLAPS`), each share making a candidate.
+3. **Each rank's order** follows the planned starts, except that a
+   backfilled action runs as soon as its inputs are in (a rank must not
+   wait behind work whose inputs came late).
 
-Every start time follows from the costs alone, so `hp.mpmd.simulate`
-replaying the plan with the same table gives the same times.
+Of the candidate plans, the one whose replay (`hp.mpmd.plan.replay`) under
+the table is shortest is kept, so `hp.mpmd.simulate` gives its times.
 
 >>> from hp.mpmd.graph import Graph, Program
 >>> plan = schedule(Graph((Program("lm", (0, 1)),), (), 2), Costs.unit(Graph((Program("lm", (0, 1)),), (), 2)))
@@ -56,10 +60,11 @@ def _plan(graph: Graph, costs: Costs, level: dict[Action, float], fill: frozense
     """List-schedule the step's own programs but those in `fill`, then backfill `fill`'s and those running
     ahead; each rank's actions in the order of their starts."""
     later = [a for a in graph.actions() if graph.program[a.program].ahead or a.program in fill]
-    first = [a for a in graph.actions() if a not in set(later)]
+    backfilled = set(later)
+    first = [a for a in graph.actions() if a not in backfilled]
     placed = _list_schedule(graph, costs, first, level, fill)
     _backfill(graph, costs, later, placed, overlap)
-    return _in_order(graph, costs, placed, set(later))
+    return _in_order(graph, costs, placed, backfilled)
 
 
 def _in_order(graph: Graph, costs: Costs, placed: dict[Action, tuple[int, float]], movable: set[Action]) -> Plan:
