@@ -118,6 +118,8 @@ def _timed_out(timeouts: Sequence[Mapping], exit_codes: Mapping[int, int], known
         text = (f"every rank waited out ddp_timeout, in different collectives (" +
                 "; ".join(f"rank {r['rank']} in {_doing(r)}" for r in sorted(timeouts, key=lambda r: r["rank"])) +
                 "): the ranks called collectives in different orders")
+    else:
+        text += "; every rank was in it, so one was held up inside it (a process stopped or swapped out, a link that broke)"
     hint = "a rank that is slow rather than stuck (a first compile, a slow disk or network) needs a larger ddp_timeout"
     return Cause(waited[0], f"{text}; {hint}", errors.FAILED, "timeout")
 
