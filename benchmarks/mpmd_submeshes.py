@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from ranks import DONE, bind_to_cores, emitter, gathered, run_ranks
+from ranks import DONE, bind_to_cores, emitter, gathered, run_ranks, slowest
 
 from hp.mpmd.costs import Costs
 from hp.mpmd.graph import Flow, Graph, Program
@@ -204,7 +204,7 @@ class Arm:
         dist.barrier()
         start = time.perf_counter()
         losses = self.runtime.step(batch, upcoming)
-        elapsed = _slowest(time.perf_counter() - start)
+        elapsed = slowest(time.perf_counter() - start)
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -241,11 +241,6 @@ def _idle(slots: list, step: float, world: int) -> float:
     busy = [sum(end - start for _, _, start, end in rank) for rank in slots]
     return sum(1 - b / step for b in busy) / world
 
-
-def _slowest(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def run_arms(arms: dict[str, Arm], batches, rounds: int) -> None:
@@ -407,7 +402,7 @@ def precomputed(arm: Arm, table: dict, rounds: int) -> dict:
     dist.barrier()
     start = time.perf_counter()
     outputs = runtime.step(everything)  # rank 3 holds the reference's outputs, by micro-batch
-    pass_s = _slowest(time.perf_counter() - start)
+    pass_s = slowest(time.perf_counter() - start)
     table.update({_key(everything[m]): out for m, out in outputs.items()})
     for r in range(steps):
         arm.step(dpo_batches(r), None, timed=r >= WARMUP)

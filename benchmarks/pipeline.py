@@ -42,7 +42,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from ranks import DONE, bind_to_cores, emitter, gathered, run_ranks
+from ranks import DONE, bind_to_cores, emitter, gathered, run_ranks, slowest
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 FORMULA = {"GPipe", "1F1B", "Interleaved1F1B"}  # bubble (p - 1) / (v m + p - 1)
@@ -111,13 +111,13 @@ def exact(schedule: str) -> tuple[float, float]:
     dist.barrier()
     start = time.perf_counter()
     got = pipe.step(ids, labels)
-    seconds = _slowest(time.perf_counter() - start)
+    seconds = slowest(time.perf_counter() - start)
     errors = [abs(got.item() - want.item()) / want.item()]
     grads = dict(reference.named_parameters(remove_duplicate=False))
     for name, p in pipe.named_parameters():
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad  # laid out on the stage's mesh
         errors.append(((grad - grads[name].grad).norm() / grads[name].grad.norm()).item())
-    return _slowest(max(errors)), round(seconds, 4)
+    return slowest(max(errors)), round(seconds, 4)
 
 
 # ---- 2 and 3. emulated ranks --------------------------------------------------------------------
@@ -218,7 +218,7 @@ def run_arm(part: str, name: str) -> tuple[float, float]:
         dist.barrier()
         start = time.perf_counter()
         runner.step(x, target=x) if first else runner.step(target=x)
-    step = _slowest(time.perf_counter() - start)
+    step = slowest(time.perf_counter() - start)
     return step, clock[0]
 
 
@@ -235,11 +235,6 @@ def stage_seconds(split: str, stages: int) -> list[float]:
     unit = SPLIT_UNIT_S / costs.blocks[0]
     return [cut.cost(costs, s) * unit for s in range(stages)]
 
-
-def _slowest(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def summarize(records: list[dict]) -> dict:

@@ -41,6 +41,13 @@ def gathered(value: object) -> list:
     return out
 
 
+def slowest(value: float) -> float:
+    """`value` (a time, an error) at its largest over the ranks."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

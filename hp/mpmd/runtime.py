@@ -213,6 +213,14 @@ class Runtime:
         return out
 
 
+def step_loss(losses: dict[int, torch.Tensor], group: Any = None) -> torch.Tensor:
+    """The step's loss on every rank: the micro-batches' losses each rank's `Runtime.step` returned, summed
+    over the micro-batches and the ranks (a collective: every rank calls it)."""
+    total = torch.stack(list(losses.values())).sum().detach().clone() if losses else torch.zeros(())
+    dist.all_reduce(total, group=group)
+    return total
+
+
 class _Keep:
     """Holds a sent tensor until the step's sends are waited for (`isend` does not keep it alive)."""
 
