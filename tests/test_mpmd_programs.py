@@ -144,6 +144,32 @@ def test_a_graph_that_cannot_run_is_refused_by_name(build, words):
         build()
 
 
+PLACE_ERRORS = [
+    (dict(place={"model.language_model": "enc"}), "'model.language_model' is no sub-model hp.mpmd can place; "
+                                                   "this model's are: 'model.visual' (the vision tower)"),
+    (dict(place={"model.visual": "tower"}), "no sub-mesh of that name; mesh names ['enc', 'pp']"),
+    (dict(mesh={"enc": (0,)}), "mesh: no 'pp' sub-mesh"),
+    (dict(mesh={"enc": (0, 0), "pp": (0,)}), "mesh['enc'] = (0, 0): expected distinct ranks"),
+    (dict(plan=None), "place needs the model's plan"),
+    (dict(microbatches=0), "microbatches = 0"),
+    (dict(chunks=2), "chunks = 2 with place"),
+]
+
+
+@pytest.mark.parametrize("change, words", PLACE_ERRORS)
+def test_a_placement_that_cannot_run_is_refused_by_name(change, words):
+    """`hp.mpmd(model, place=..., mesh=...)` names what is wrong before any rank works."""
+    import torch
+
+    import hp
+    from hp.models import plan_for, tiny_config
+
+    config = tiny_config("qwen2_5_vl", layers=2)
+    asked = dict(place={"model.visual": "enc"}, mesh={"enc": (0,), "pp": (0,)}, plan=plan_for(config), microbatches=2)
+    with pytest.raises(ValueError, match=re.escape(words)):
+        hp.mpmd(torch.nn.Linear(1, 1), **(asked | change))  # refused before the model is looked at
+
+
 @settings(max_examples=1, deadline=None)
 @given(cases=st.lists(st.fixed_dictionaries({
     "micro": st.integers(1, 4), "seed": st.integers(0, 2**16), "parts": st.sampled_from([1, 2]),
@@ -167,10 +193,12 @@ def test_dpo_with_its_reference_a_batch_ahead_gives_the_plain_steps_on_gloo_rank
     assert "dpo with its reference a batch ahead follows the plain step" in run.stdout
 
 
-def test_a_qwen_vl_tower_spread_over_the_ranks_gives_hfs_steps_on_gloo_ranks():
-    """Level 2 on a real model: a tiny Qwen2.5-VL's vision tower a program spread over two ranks, its
-    language model cut into two pipeline stages with the M-RoPE positions on both: two SGD steps give HF's
-    loss and every gradient, the tower's included (`workers/mpmd_vl_gloo.py`)."""
+def test_a_qwen_vl_tower_placed_by_hp_mpmd_gives_hfs_steps_on_gloo_ranks():
+    """Level 2 on a real model through `hp.mpmd(model, place=..., mesh=...)`: a tiny Qwen2.5-VL's vision
+    tower spread over the pipeline's two ranks, and on a rank of its own; three SGD steps (the last planned
+    from the measured costs) give HF's loss and every gradient, the tower's included
+    (`workers/mpmd_vl_gloo.py`)."""
     run = rank_pool.run(str(HERE / "workers" / "mpmd_vl_gloo.py"), 2, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "a vision tower spread over the ranks follows HF's step" in run.stdout
+    for placement in ("in the pipeline's bubbles", "on a rank of its own"):
+        assert f"a vision tower {placement} follows HF's step" in run.stdout

@@ -9,8 +9,9 @@ Holds: `transform` (the wrapped step and its chunk planner), `timeline`
 levels 2 and 3 `graph` (programs, stages and flows), `costs` (the cost
 table), `schedule` (the planner), `plan` (a plan and its replay),
 `simulate` (replays and projections), `runtime` (running a plan on the
-ranks), `measure` (the cost table of a running step) and `programs` (a
-model's sub-models as programs).
+ranks), `measure` (the cost table of a running step), `programs` (a
+model's sub-models as programs) and `placed` (the step transform of levels
+2 and 3: sub-models placed on named sub-meshes).
 
 May import: `hp.parallel` (the strategy's chunk values), `hp.ops` (the
 pipelined kernels and their in-flight collectives) and the base modules at
@@ -22,6 +23,7 @@ names hang on it (`hp.mpmd.Graph`, `hp.mpmd.schedule`, `hp.mpmd.simulate`,
 
 from hp.mpmd.costs import Costs
 from hp.mpmd.graph import Flow, Graph, GraphError, Program
+from hp.mpmd.placed import Placed, PlaceError
 from hp.mpmd.programs import vision_language
 from hp.mpmd.runtime import Runtime
 from hp.mpmd.schedule import schedule
@@ -29,9 +31,10 @@ from hp.mpmd.simulate import project, simulate
 from hp.mpmd.transform import Mpmd, MpmdError, mpmd
 
 for _name, _value in {"Costs": Costs, "Flow": Flow, "Graph": Graph, "GraphError": GraphError, "Program": Program,
+                      "Placed": Placed, "PlaceError": PlaceError,
                       "Runtime": Runtime, "schedule": schedule, "simulate": simulate, "project": project,
                       "vision_language": vision_language}.items():
     setattr(mpmd, _name, _value)  # hp.mpmd.simulate(...): the transform carries its levels' names
 
-__all__ = ["Costs", "Flow", "Graph", "GraphError", "Mpmd", "MpmdError", "Program", "Runtime", "mpmd", "project",
-           "schedule", "simulate", "vision_language"]
+__all__ = ["Costs", "Flow", "Graph", "GraphError", "Mpmd", "MpmdError", "PlaceError", "Placed", "Program", "Runtime",
+           "mpmd", "project", "schedule", "simulate", "vision_language"]

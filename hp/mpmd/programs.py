@@ -19,10 +19,12 @@ norm and the head) into:
   to HF's mean.
 
 A micro-batch is one sample. The batch is a dict as HF's processor makes
-it (`input_ids`, `labels`, `pixel_values`, `image_grid_thw`) with
-`position_ids` from the model's own `get_rope_index` on the whole batch;
-every sample holds at least one image (no video), each image opened by the
-vision-start token, which is how a sample's images are found.
+it (`input_ids`, `labels`, `pixel_values`, `image_grid_thw`);
+`Programs.prepare` adds the M-RoPE `position_ids` from the model's own
+`get_rope_index` on the whole batch when they are missing. Every sample
+holds at least one image (no video), each image opened by the vision-start
+token, which is how a sample's images are found. Given `rank`, only the
+stages that rank runs are built (each a copy of the model, cut).
 
 >>> import torch
 >>> from transformers import AutoModelForImageTextToText
@@ -38,6 +40,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,32 +53,50 @@ from hp.parallel.pipeline_split import StageSplit
 
 @dataclass
 class Programs:
-    """A graph of programs, the function each stage runs (`hp.mpmd.Runtime`'s `stages`), and the module
-    whose parameters each stage trains."""
+    """A graph of programs, the function each stage runs (`hp.mpmd.Runtime`'s `stages`), the module
+    whose parameters each stage trains, and what completes a batch before its step (`prepare`)."""
 
     graph: Graph
     stages: dict[Node, Callable]
     modules: dict[Node, nn.Module]
+    prepare: Callable[[Any], Any] = lambda batch: batch
 
 
 def vision_language(model: nn.Module, plan: ModelPlan, *, tower_ranks: tuple[int, ...],
-                    stage_ranks: tuple[int, ...], microbatches: int, split: tuple[int, ...] | None = None) -> Programs:
+                    stage_ranks: tuple[int, ...], microbatches: int, split: tuple[int, ...] | None = None,
+                    rank: int | None = None) -> Programs:
     """`model`'s tower and language model as programs (see the module); `split`: blocks per stage (even
-    by default)."""
+    by default); `rank`: build only the stages it runs (None: every stage)."""
     blocks = len(model.get_submodule(plan.blocks))
     counts = split or _even(blocks, len(stage_ranks))
     cuts = StageSplit.of_counts(counts)
-    stages = [cut(copy.deepcopy(model), plan, cuts, s) for s in range(len(stage_ranks))]
-    for stage in stages:
-        stage.set_submodule(plan.vision, Skipped())  # the tower is a program of its own
-    tower = model.get_submodule(plan.vision)
     graph = Graph((Program("vision", tuple(tower_ranks), spread=True), Program("language", tuple(stage_ranks))),
                   (Flow(("vision", 0), ("language", 0)),), microbatches)
     tokens = (model.config.image_token_id, model.config.vision_start_token_id)
-    fns: dict[Node, Callable] = {("vision", 0): _tower(tower, tokens)}
-    for s, stage in enumerate(stages):
-        fns["language", s] = _language(stage, s == 0, s == len(stages) - 1, tokens)
-    return Programs(graph, fns, {("vision", 0): tower, **{("language", s): m for s, m in enumerate(stages)}})
+    fns: dict[Node, Callable] = {}
+    modules: dict[Node, nn.Module] = {}
+    if rank is None or rank in tower_ranks:
+        modules["vision", 0] = tower = model.get_submodule(plan.vision)
+        fns["vision", 0] = _tower(tower, tokens)
+    for s, on in enumerate(stage_ranks):
+        if rank is None or rank == on:
+            stage = modules["language", s] = cut(copy.deepcopy(model), plan, cuts, s)
+            stage.set_submodule(plan.vision, Skipped())  # the tower is a program of its own
+            fns["language", s] = _language(stage, s == 0, s == len(stage_ranks) - 1, tokens)
+    return Programs(graph, fns, modules, _with_positions(model))
+
+
+def _with_positions(model: nn.Module) -> Callable[[dict], dict]:
+    """The batch with its M-RoPE positions (the model's own `get_rope_index` on the whole batch) when missing."""
+    def prepare(batch: dict) -> dict:
+        if "position_ids" in batch:
+            return batch
+        ids = batch["input_ids"]
+        types = batch.get("mm_token_type_ids")
+        types = (ids == model.config.image_token_id).int() if types is None else types
+        positions, _ = model.model.get_rope_index(ids, image_grid_thw=batch["image_grid_thw"], mm_token_type_ids=types)
+        return {**batch, "position_ids": positions}
+    return prepare
 
 
 def _even(blocks: int, stages: int) -> tuple[int, ...]:

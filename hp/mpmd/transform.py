@@ -51,16 +51,19 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from hp.mpmd.placed import Placed, placed
 from hp.mpmd.timeline import Timeline, draw, gathered
 from hp.ops import overlap
 from hp.ops.overlap import Span
+from hp.parallel.model_plan import ModelPlan
 from hp.parallel.strategy import is_chunks
 
 
@@ -196,16 +199,31 @@ def _slowest(*seconds: float) -> tuple[float, ...]:
     return tuple(values.tolist())
 
 
-def mpmd(step: Callable, *, chunks: int | str = "auto") -> Mpmd:
-    """`step` (any function running forward and backward) with hp's collectives pipelined over `chunks`.
+def mpmd(step: Callable | nn.Module, *, chunks: int | str | None = None, place: Mapping[str, str] | None = None,
+         mesh: Mapping[str, Sequence[int]] | None = None, plan: ModelPlan | None = None,
+         microbatches: int | None = None, warmup: int = 3) -> Mpmd | Placed:
+    """Level 1: `step` (any function running forward and backward) with hp's collectives pipelined over
+    `chunks`; levels 2 and 3, given `place`: the model `step`'s sub-models on the named sub-meshes of `mesh`.
 
-    `chunks` is a count, or "auto": the planner tries 2, 4 and 8 in turn while each makes the
-    step faster, and keeps the fastest (1 when 2 already made it slower). The step's results are
+    `chunks` is a count, or "auto" (the default): the planner tries 2, 4 and 8 in turn while each makes
+    the step faster, and keeps the fastest (1 when 2 already made it slower). The step's results are
     the same; see the module docstring for what runs concurrently.
+
+    With `place` (`hp.mpmd.placed`): `step` is the model, `plan` its family's `hp.ModelPlan`,
+    `microbatches` the samples of a step's batch; the result is called with a batch, runs its forward
+    and backward over the ranks, and returns its loss, its order of work planned from the costs its
+    first `warmup` steps measured.
 
     >>> import torch
     >>> step = mpmd(lambda: torch.ones(2).sum(), chunks="auto")
     >>> float(step()), step.report.masking  # a step without collectives hides all it has
     (2.0, 1.0)
     """
-    return Mpmd(step, chunks)
+    if place is None:
+        return Mpmd(step, "auto" if chunks is None else chunks)
+    if chunks is not None:
+        raise MpmdError(f"chunks = {chunks!r} with place: chunks pipeline one rank's collectives (level 1); a placed "
+                        "step's stages run no collectives of their own")
+    if not isinstance(step, nn.Module):
+        raise MpmdError(f"place: the step to place is the model itself (an nn.Module), not {type(step).__name__}")
+    return placed(step, place, mesh or {}, plan=plan, microbatches=microbatches, warmup=warmup)

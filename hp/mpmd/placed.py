@@ -1,0 +1,172 @@
+"""`hp.mpmd(model, place=..., mesh=...)`: a model's sub-models on sub-meshes of their own, as one training step.
+
+Levels 2 and 3 as a transform: the caller names where each sub-model runs,
+and gets back a step that runs forward and backward of the whole batch
+(micro-batch by micro-batch, each rank its own list of actions), whose
+order is planned from what the step itself measured:
+
+1. the first `warmup` steps run the plan made in unit time (every forward
+   1, every backward 2: what PyTorch's schedules assume); the first step's
+   timings are dropped (first touches);
+2. after them every rank's timings are gathered and the link between two
+   ranks is measured (`hp.mpmd.measure`), the cost table is built and the
+   step is planned again from it (`hp.mpmd.schedule`); every rank plans
+   from the same table, so every rank holds the same plan;
+3. every later step runs that plan; `simulation()` replays it with the
+   table (its predicted step, each rank's idle share, a timeline to draw).
+
+A step returns the batch's loss on every rank. Each rank then holds the
+gradients of the stages it ran (`parameters()`, each once): a program
+spread over several ranks (a vision tower held whole on each) has its
+gradients summed over them inside the step, as data parallel's, so the
+caller's optimizer steps over `parameters()` as it would over the model's.
+
+**Named sub-meshes.** `mesh` maps names to tuples of global ranks:
+`{"enc": (0, 1), "pp": (0, 1)}`. The model's remainder (its language
+model) is cut into one pipeline stage per rank of `mesh["pp"]`;
+`place={"model.visual": "enc"}` spreads the vision tower over `mesh["enc"]`.
+Sub-meshes may share ranks: a tower on the pipeline's own ranks runs in its
+bubbles; a tower on ranks of its own sends its features to the first stage
+(and gets their gradients back).
+
+>>> # two ranks; see docs/mpmd.md for the runnable example
+>>> # step = hp.mpmd(model, place={"model.visual": "enc"}, mesh={"enc": (0, 1), "pp": (0, 1)},
+>>> #                plan=plan_for(model.config), microbatches=4)
+>>> # loss = step(batch); torch.optim.SGD(step.parameters(), lr=0.1).step()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hp.mpmd.costs import Costs
+from hp.mpmd.measure import gathered_costs, link
+from hp.mpmd.plan import Plan
+from hp.mpmd.programs import Programs, vision_language
+from hp.mpmd.runtime import Runtime, step_loss
+from hp.mpmd.schedule import schedule
+from hp.mpmd.simulate import Simulation, simulate
+from hp.parallel.model_plan import ModelPlan
+
+PIPELINE = "pp"  # the sub-mesh the model's remainder is cut into stages over
+
+
+class PlaceError(ValueError):
+    """A placement that cannot run: a sub-model hp.mpmd cannot place, an unknown or bad sub-mesh."""
+
+
+class Placed:
+    """A training step over `programs` (`hp.mpmd.programs`), planned again from its measured costs after
+    `warmup` steps (see the module). Every rank of `group` (default: the world) calls it."""
+
+    def __init__(self, programs: Programs, *, warmup: int = 3, group: Any = None) -> None:
+        if warmup < 2:
+            raise PlaceError(f"warmup = {warmup}: the first step's timings are dropped, so at least 2 steps")
+        self.programs, self.graph, self.group, self.warmup = programs, programs.graph, group, warmup
+        world = dist.get_world_size(group)
+        if self.graph.world > world:
+            raise PlaceError(f"the placement uses ranks up to {self.graph.world - 1}; the group has {world}")
+        self.rank = dist.get_rank(group)
+        self.runtime = Runtime(schedule(self.graph, Costs.unit(self.graph)), programs.stages, group=group)
+        self.costs: Costs | None = None
+        self._spread = {p.name: self._group_of(p.ranks) for p in self.graph.programs
+                        if p.spread and p.trains and len(p.ranks) > 1}
+
+    @property
+    def plan(self) -> Plan:
+        return self.runtime.plan
+
+    def __call__(self, batch: Any, upcoming: Any = None) -> torch.Tensor:
+        """Forward and backward of `batch` (`upcoming`: the next batch, for programs running ahead); the loss."""
+        batch = self.programs.prepare(batch)
+        upcoming = None if upcoming is None else self.programs.prepare(upcoming)
+        losses = self.runtime.step(batch, upcoming)
+        self._sum_spread_gradients()
+        loss = step_loss(losses, self.group)
+        if self.runtime.steps == 1:  # first touches: not a cost to plan by
+            self.runtime.samples.clear()
+            self.runtime.transfers.clear()
+        elif self.runtime.steps == self.warmup:
+            self.costs = gathered_costs(self.runtime, *link(self.group), group=self.group)
+            self.runtime.replan(schedule(self.graph, self.costs))
+        return loss
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The trained parameters of the stages this rank runs, each once."""
+        seen: dict[int, nn.Parameter] = {}
+        for node, module in self.programs.modules.items():
+            if self.graph.trains(node) and self.rank in self.graph.ranks_of(node):
+                seen.update((id(p), p) for p in module.parameters() if p.requires_grad)
+        return list(seen.values())
+
+    def simulation(self) -> Simulation:
+        """The plan replayed with the measured cost table (once planned from it)."""
+        if self.costs is None:
+            raise PlaceError(f"no cost table yet: the step plans from its costs after {self.warmup} steps")
+        return simulate(self.plan, self.costs)
+
+    def _group_of(self, ranks: tuple[int, ...]) -> Any:
+        """The process group of `ranks` (group-local), made by every rank of the group alike."""
+        if len(ranks) == dist.get_world_size(self.group):
+            return self.group
+        members = [dist.get_global_rank(self.group, r) if self.group is not None else r for r in ranks]
+        return dist.new_group(members)
+
+    def _sum_spread_gradients(self) -> None:
+        for name, group in self._spread.items():
+            if self.rank not in self.graph.program[name].ranks:
+                continue
+            for p in self.programs.modules[name, 0].parameters():
+                if p.requires_grad:
+                    if p.grad is None:  # this rank ran none of its micro-batches
+                        p.grad = torch.zeros_like(p)
+                    dist.all_reduce(p.grad, group=group)
+
+
+def placed(model: nn.Module, place: Mapping[str, str], mesh: Mapping[str, Sequence[int]], *, plan: ModelPlan | None,
+           microbatches: int | None, warmup: int = 3, split: tuple[int, ...] | None = None) -> Placed:
+    """`model`'s sub-models placed on `mesh`'s named sub-meshes (see the module), checked before any rank works."""
+    if plan is None:
+        raise PlaceError("place needs the model's plan (plan=hp.models.plan_for(model.config)): it names the "
+                         "sub-models and the blocks the pipeline is cut along")
+    if not microbatches or microbatches < 1:
+        raise PlaceError(f"microbatches = {microbatches!r}: expected the samples of a step's batch (one "
+                         "micro-batch each), at least 1")
+    submeshes = _submeshes(mesh)
+    placeable = {plan.vision: "the vision tower"} if plan.vision else {}
+    for path, where in place.items():
+        if path not in placeable:
+            can = ", ".join(f"{p!r} ({what})" for p, what in placeable.items()) or "none"
+            raise PlaceError(f"place: {path!r} is no sub-model hp.mpmd can place; this model's are: {can}")
+        if where not in submeshes:
+            raise PlaceError(f"place: {path!r} -> {where!r}: no sub-mesh of that name; mesh names "
+                             f"{sorted(submeshes)}")
+    if PIPELINE not in submeshes:
+        raise PlaceError(f"mesh: no {PIPELINE!r} sub-mesh: the model's remainder is cut into a pipeline stage per "
+                         f"rank of mesh[{PIPELINE!r}]")
+    tower = submeshes[place[plan.vision]] if plan.vision in place else submeshes[PIPELINE]
+    rank = dist.get_rank() if dist.is_initialized() else None
+    programs = vision_language(model, plan, tower_ranks=tower, stage_ranks=submeshes[PIPELINE],
+                               microbatches=microbatches, split=split, rank=rank)
+    return Placed(programs, warmup=warmup)
+
+
+def _submeshes(mesh: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
+    """`mesh`'s sub-meshes as tuples of ranks, each a distinct list of ranks of the world."""
+    if not isinstance(mesh, Mapping) or not mesh:
+        raise PlaceError(f"mesh = {mesh!r}: expected named sub-meshes, e.g. {{'enc': (0, 1), 'pp': (0, 1)}}")
+    world = dist.get_world_size() if dist.is_initialized() else None
+    found = {}
+    for name, ranks in mesh.items():
+        ranks = tuple(ranks)
+        if not ranks or len(set(ranks)) != len(ranks) or not all(isinstance(r, int) and r >= 0 for r in ranks):
+            raise PlaceError(f"mesh[{name!r}] = {ranks}: expected distinct ranks >= 0")
+        if world is not None and max(ranks) >= world:
+            raise PlaceError(f"mesh[{name!r}] = {ranks}: rank {max(ranks)} is outside the world of {world}")
+        found[name] = ranks
+    return found
