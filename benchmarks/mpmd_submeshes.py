@@ -300,7 +300,7 @@ def emulated_worker(rounds: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     LINK = link()
-    for label, tower in (("vl", 3.0), ("vl 3b", 6.0)):
+    for label, tower in (("vl", 3.0), ("vl 3b", 6.0)) if not os.environ.get("DPO_ONLY") else ():
         arms = vl_arms(4, tower, 8, emulated=True)
         run_arms(arms, vl_batches(8, 2), rounds)
         for name, arm in arms.items():
@@ -309,7 +309,7 @@ def emulated_worker(rounds: int) -> None:
     arms = dpo_arms(table)
     run_arms({k: v for k, v in arms.items() if k != "S1"}, dpo_batches, rounds)
     emit(precomputed(arms["S1"], table, rounds) | {"part": "dpo emulated", "arm": "S1"})
-    for name in ("S0", "S2"):
+    for name in ("S0", "S2", "S2 parts 2"):
         emit(arms[name].record("dpo emulated", name) | {"losses": arms[name].losses})
     dist.barrier()
     emit({DONE: True})
@@ -335,28 +335,31 @@ def real_worker(rounds: int) -> None:
 BETA = 0.1
 
 
-def dpo_graph(ahead: int | None) -> Graph:
+def dpo_graph(ahead: int | None, parts: int = 1) -> Graph:
     """The policy's 4 stages; the reference's 4 on the same ranks, in the step (0), a batch ahead (1), or
-    none (None: precomputed)."""
+    none (None: precomputed); each pair cut into `parts` for the reference (2: its chosen and its rejected
+    answer apart, each half a pair's work, filling shorter gaps)."""
     policy = Program("policy", (0, 1, 2, 3))
     if ahead is None:
         return Graph((policy,), (), MICRO)
-    reference = Program("reference", (0, 1, 2, 3), trains=False, ahead=ahead)
+    reference = Program("reference", (0, 1, 2, 3), trains=False, ahead=ahead, parts=parts)
     return Graph((policy, reference), (Flow(("reference", 3), ("policy", 3)),), MICRO)
 
 
-def dpo_stages(precomputed: dict | None = None) -> dict:
+def dpo_stages(precomputed: dict | None = None, parts: int = 1) -> dict:
     fns = {}
     for program, trains in (("policy", True), ("reference", False)):
         for s in range(4):
-            module = Blocks(1, 8, emulated=True, seed=s, trains=trains)  # the reference: the policy's initial weights
-            fns[program, s] = _dpo_stage(module, s, program == "policy", precomputed)
+            cut = parts if program == "reference" else 1
+            module = Blocks(1 / cut, 8, emulated=True, seed=s, trains=trains)  # the reference: the policy's initial weights
+            fns[program, s] = _dpo_stage(module, s, program == "policy", precomputed, cut)
     return fns
 
 
-def _dpo_stage(module, s: int, policy: bool, precomputed: dict | None):
+def _dpo_stage(module, s: int, policy: bool, precomputed: dict | None, parts: int = 1):
     def run(batch, m, inputs):
-        out = module(batch[m] if s == 0 else inputs[0])
+        rows = 2 // parts  # a pair's rows in each of its parts
+        out = module(batch[m // parts][(m % parts) * rows:(m % parts + 1) * rows] if s == 0 else inputs[0])
         if not (policy and s == 3):
             return out
         reference = precomputed[_key(batch[m])] if precomputed is not None else inputs[1]
@@ -381,7 +384,8 @@ def dpo_arms(table: dict) -> dict[str, Arm]:
     return {"S0": Arm(sequential, dpo_stages(), plan_from_costs=False, plan=_sequential_plan(sequential),
                       learning_rate=0.1),
             "S1": Arm(dpo_graph(None), dpo_stages(precomputed=table), plan_from_costs=False, learning_rate=0.1),
-            "S2": Arm(dpo_graph(1), dpo_stages(), learning_rate=0.1)}
+            "S2": Arm(dpo_graph(1), dpo_stages(), learning_rate=0.1),
+            "S2 parts 2": Arm(dpo_graph(1, parts=2), dpo_stages(parts=2), learning_rate=0.1)}
 
 
 def _sequential_plan(graph: Graph) -> Plan:

@@ -173,13 +173,18 @@ def test_a_placement_that_cannot_run_is_refused_by_name(change, words):
 @settings(max_examples=1, deadline=None)
 @given(cases=st.lists(st.fixed_dictionaries({
     "micro": st.integers(1, 4), "seed": st.integers(0, 2**16), "parts": st.sampled_from([1, 2]),
+    "ref_parts": st.sampled_from([1, 2]),
     "enc": st.sampled_from([[0], [1], [0, 1]]), "lm": st.sampled_from([[0, 1], [1, 0], [1, 1], [0, 0]]),
     "ref": st.sampled_from([[0, 1], [1, 0], [1, 1]]), "ahead": st.integers(0, 1),
     "seconds": st.lists(seconds, min_size=10, max_size=10)}), min_size=4, max_size=4))
 def test_plans_run_on_gloo_ranks_give_the_plain_steps_loss_and_gradients(cases):
     """Four drawn cases per run: placements, micro-batches, the reference in the step or a batch ahead,
-    and costs (so the planned orders differ); two steps each."""
-    run = rank_pool.run(str(HERE / "workers" / "mpmd_gloo.py"), 2, json.dumps(cases), timeout=300)
+    each cut into parts or whole, and costs (so the planned orders differ); two steps each. A fifth is
+    always the case with the most to get wrong: the reference a batch ahead in parts, the encoder spread
+    in parts."""
+    always = {"micro": 3, "seed": 7, "parts": 2, "ref_parts": 2, "enc": [0, 1], "lm": [0, 1], "ref": [1, 0],
+              "ahead": 1, "seconds": [1.0, 2.0, 0.5, 1.0, 1.0, 2.0, 0.6, 0.0, 0.4, 0.0]}
+    run = rank_pool.run(str(HERE / "workers" / "mpmd_gloo.py"), 2, json.dumps([*cases, always]), timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "mpmd plans follow the plain step" in run.stdout
 

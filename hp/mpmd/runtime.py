@@ -63,7 +63,7 @@ class Runtime:
                                                       for d in self.graph.outputs(s) + _ahead_outputs(self.graph, s))}
         self._span = max(self.graph.micros(node) for node in self.graph.nodes())  # micro-batch indices a tag spans
         self._held: dict = {}  # (node, micro, "out") -> output; (node, micro) -> inputs; grads by (src, dst, micro)
-        self._sends: list = []
+        self._sends: list = []  # (the step that receives it, its work)
         self._waited = 0.0  # seconds of the current action spent receiving (not the action's cost)
 
     def replan(self, plan: Plan) -> None:
@@ -87,9 +87,9 @@ class Runtime:
                       prologue=True)
         self.slots, self._started = [], time.perf_counter()
         losses = self._run(list(self.plan.actions[self.rank]), batch, upcoming=upcoming)
-        for work in self._sends:
-            work.wait()
-        self._sends.clear()
+        for work in [w for received, w in self._sends if received <= self.steps]:
+            work.wait()  # what a program running ahead sent for the next step is received there: not waited yet
+        self._sends = [(received, w) for received, w in self._sends if received > self.steps]
         self.steps += 1
         return losses
 
@@ -121,7 +121,9 @@ class Runtime:
         pieces = [[self._input(src, node, p, step) for p in self.graph.pieces(src, node, m)]
                   for src in self.graph.inputs(node)]
         inputs = [joined[0] if len(joined) == 1 else torch.cat(joined) for joined in pieces]
-        inputs += [self._carried_input(src, node, m) for src in _ahead_inputs(self.graph, node)]
+        for src in _ahead_inputs(self.graph, node):  # received in the step before: frozen, no gradient back
+            carried = [self._input(src, node, p, self.steps).detach() for p in self.graph.pieces(src, node, m)]
+            inputs.append(carried[0] if len(carried) == 1 else torch.cat(carried))
         trains = self.graph.trains(node)
         with torch.enable_grad() if trains else torch.no_grad():
             out = self.stages[node](batch, m, inputs)
@@ -159,7 +161,7 @@ class Runtime:
         if to == self.rank:
             self._held[src, dst, m, "fwd", step] = out
         else:
-            self._send(out, to, self._tag(src, dst, m, 0, step))
+            self._send(out, to, self._tag(src, dst, m, 0, step), step)
             self.transfers.append((src, dst, out.numel() * out.element_size()))
 
     def _input(self, src: Node, dst: Node, m: int, step: int) -> torch.Tensor:
@@ -168,15 +170,12 @@ class Runtime:
         wants_grad = self.graph.trains(src) and self.graph.trains(dst) and x.is_floating_point()
         return x.detach().requires_grad_(wants_grad)
 
-    def _carried_input(self, src: Node, dst: Node, m: int) -> torch.Tensor:
-        return self._input(src, dst, m, self.steps).detach()
-
     def _send_back(self, grad: torch.Tensor, src: Node, dst: Node, m: int) -> None:
         to = self._where("B", src, m)
         if to == self.rank:
             self._held[src, dst, m, "bwd"] = grad
         else:
-            self._send(grad, to, self._tag(src, dst, m, 1, self.steps))
+            self._send(grad, to, self._tag(src, dst, m, 1, self.steps), self.steps)
             self.transfers.append((dst, src, grad.numel() * grad.element_size()))
 
     def _gradient(self, src: Node, dst: Node, m: int) -> torch.Tensor:
@@ -191,15 +190,16 @@ class Runtime:
         pair = self._tags[src, dst]
         return 2 * (((pair * 2 + backward) * self._span + m) * 2 + step % 2)
 
-    def _send(self, tensor: torch.Tensor, to: int, tag: int) -> None:
+    def _send(self, tensor: torch.Tensor, to: int, tag: int, received: int) -> None:
+        """Send `tensor` to rank `to`, received in step `received` (the next one's for a program running ahead)."""
         tensor = tensor.contiguous()
         header = torch.zeros(_HEADER, dtype=torch.int64)
         header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
         header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
         peer = dist.get_global_rank(self.group, to) if self.group is not None else to
-        self._sends += [dist.isend(header, peer, group=self.group, tag=tag),
-                        dist.isend(tensor, peer, group=self.group, tag=tag + 1)]
-        self._sends.append(_Keep(header, tensor))
+        self._sends += [(received, dist.isend(header, peer, group=self.group, tag=tag)),
+                        (received, dist.isend(tensor, peer, group=self.group, tag=tag + 1)),
+                        (received, _Keep(header, tensor))]
 
     def _recv(self, frm: int, tag: int) -> torch.Tensor:
         start = time.perf_counter()

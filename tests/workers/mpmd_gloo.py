@@ -57,12 +57,12 @@ def piece(batch: torch.Tensor, m: int, parts: int) -> torch.Tensor:
     return whole[(m % parts) * size:(m % parts + 1) * size]
 
 
-def stages(mods: dict[str, nn.Module], parts: int) -> dict:
+def stages(mods: dict[str, nn.Module], parts: int, ref_parts: int) -> dict:
     return {
         ("enc", 0): lambda batch, m, inputs: mods["enc"](piece(batch, m, parts)),
         ("lm", 0): lambda batch, m, inputs: torch.tanh(mods["lm0"](inputs[0])),
         ("lm", 1): lambda batch, m, inputs: loss_of(mods["lm1"](inputs[0]), inputs[1]),
-        ("ref", 0): lambda batch, m, inputs: torch.tanh(mods["ref0"](rows(batch, m))),
+        ("ref", 0): lambda batch, m, inputs: torch.tanh(mods["ref0"](piece(batch, m, ref_parts))),
         ("ref", 1): lambda batch, m, inputs: mods["ref1"](inputs[0]),
     }
 
@@ -71,13 +71,13 @@ def check(case: dict) -> None:
     micro = case["micro"]
     enc = Program("enc", tuple(case["enc"]), spread=len(case["enc"]) > 1, parts=case["parts"])
     graph = Graph((enc, Program("lm", tuple(case["lm"])),
-                   Program("ref", tuple(case["ref"]), trains=False, ahead=case["ahead"])),
+                   Program("ref", tuple(case["ref"]), trains=False, ahead=case["ahead"], parts=case["ref_parts"])),
                   (Flow(("enc", 0), ("lm", 0)), Flow(("ref", 1), ("lm", 1))), micro)
     costs = Costs({(kind, node): seconds for (kind, node), seconds in zip(
         [(k, n) for n in graph.nodes() for k in "FB"], case["seconds"])}, {})
     plan = schedule(graph, costs)
     mods, want_mods = modules(), modules()
-    runtime = Runtime(plan, stages(mods, case["parts"]))
+    runtime = Runtime(plan, stages(mods, case["parts"], case["ref_parts"]))
     g = torch.Generator().manual_seed(case["seed"])
     batches = [torch.randn(micro * ROWS, 4, generator=g) for _ in range(3)]
     for step in range(2):
