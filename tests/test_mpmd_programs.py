@@ -81,18 +81,20 @@ def test_every_plan_runs_every_action_once_where_it_may_without_deadlock(drawn):
 
 
 def test_a_reference_running_ahead_fills_the_policys_bubbles():
-    """DPO under pp=4 with 8 micro-batches (forward 1, backward 2, the reference's forward 1): run a batch
-    ahead, the reference's 32 forwards fit the policy's 1F1B bubbles but for 4 units; run before the
-    policy's step, they add its whole pipeline (11 units)."""
+    """DPO under pp=4 with 8 micro-batches (forward 1, backward 2, the reference's forward 1). Run before
+    the policy's step, the reference's 32 forwards add 8 units to the policy's 1F1B (33); a batch ahead
+    they fit its bubbles but for 4 units (2.5 with each pair's chosen and rejected answers apart);
+    staggered (stage s a further 3 - s batches ahead, so that none waits on another within a step)
+    they all fit."""
     policy = Program("policy", (0, 1, 2, 3))
     unit = {"F": 1.0, "B": 2.0}
     steps = {}
-    for ahead in (0, 1):
-        ref = Program("reference", (0, 1, 2, 3), trains=False, ahead=ahead)
+    for ahead, stagger, parts in ((0, False, 1), (1, False, 1), (1, False, 2), (1, True, 1)):
+        ref = Program("reference", (0, 1, 2, 3), trains=False, ahead=ahead, stagger=stagger, parts=parts)
         graph = Graph((policy, ref), (Flow(("reference", 3), ("policy", 3)),), 8)
-        costs = Costs({(k, n): unit[k] for n in graph.nodes() for k in "FB"})
-        steps[ahead] = simulate(schedule(graph, costs), costs).step_seconds
-    assert steps == {0: 41.0, 1: 37.0}  # the policy alone: 33
+        costs = Costs({(k, n): unit[k] / (parts if n[0] == "reference" else 1) for n in graph.nodes() for k in "FB"})
+        steps[ahead, stagger, parts] = simulate(schedule(graph, costs), costs).step_seconds
+    assert steps == {(0, False, 1): 41.0, (1, False, 1): 37.0, (1, False, 2): 35.5, (1, True, 1): 33.0}
 
 
 def test_a_vision_tower_spread_over_the_ranks_beats_the_best_static_split():
@@ -135,6 +137,7 @@ def test_projection_adds_the_gradients_ring_all_reduce():
     (lambda: Graph((Program("a", (0,)),), (Flow(("a", 0), ("b", 0)),), 1), "('b', 0) is no stage of the graph"),
     (lambda: Graph((Program("a", (0,)), Program("b", (1,))), (Flow(("a", 0), ("b", 0)), Flow(("b", 0), ("a", 0))), 1),
      "the flows make a cycle"),
+    (lambda: Graph((Program("a", (0, 1), stagger=True),), (), 1), "only a frozen program can be staggered"),
     (lambda: Graph((Program("a", (0,)), Program("b", (1,), ahead=1)), (Flow(("a", 0), ("b", 0)),), 1),
      "a program cannot feed one that runs further ahead"),
     (lambda: Graph((Program("a", (0,)),), (), 0), "microbatches = 0"),
@@ -173,29 +176,31 @@ def test_a_placement_that_cannot_run_is_refused_by_name(change, words):
 @settings(max_examples=1, deadline=None)
 @given(cases=st.lists(st.fixed_dictionaries({
     "micro": st.integers(1, 4), "seed": st.integers(0, 2**16), "parts": st.sampled_from([1, 2]),
-    "ref_parts": st.sampled_from([1, 2]),
+    "ref_parts": st.sampled_from([1, 2]), "stagger": st.booleans(),
     "enc": st.sampled_from([[0], [1], [0, 1]]), "lm": st.sampled_from([[0, 1], [1, 0], [1, 1], [0, 0]]),
     "ref": st.sampled_from([[0, 1], [1, 0], [1, 1]]), "ahead": st.integers(0, 1),
     "seconds": st.lists(seconds, min_size=10, max_size=10)}), min_size=4, max_size=4))
 def test_plans_run_on_gloo_ranks_give_the_plain_steps_loss_and_gradients(cases):
     """Four drawn cases per run: placements, micro-batches, the reference in the step or a batch ahead,
-    each cut into parts or whole, and costs (so the planned orders differ); two steps each. A fifth is
-    always the case with the most to get wrong: the reference a batch ahead in parts, the encoder spread
-    in parts."""
-    always = {"micro": 3, "seed": 7, "parts": 2, "ref_parts": 2, "enc": [0, 1], "lm": [0, 1], "ref": [1, 0],
-              "ahead": 1, "seconds": [1.0, 2.0, 0.5, 1.0, 1.0, 2.0, 0.6, 0.0, 0.4, 0.0]}
+    each cut into parts or whole, staggered or not, and costs (so the planned orders differ); two steps
+    each. A fifth is always the case with the most to get wrong: the reference a batch ahead, staggered,
+    in parts, the encoder spread in parts."""
+    always = {"micro": 3, "seed": 7, "parts": 2, "ref_parts": 2, "stagger": True, "enc": [0, 1], "lm": [0, 1],
+              "ref": [1, 0], "ahead": 1, "seconds": [1.0, 2.0, 0.5, 1.0, 1.0, 2.0, 0.6, 0.0, 0.4, 0.0]}
     run = rank_pool.run(str(HERE / "workers" / "mpmd_gloo.py"), 2, json.dumps([*cases, always]), timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "mpmd plans follow the plain step" in run.stdout
 
 
-def test_dpo_with_its_reference_a_batch_ahead_gives_the_plain_steps_on_gloo_ranks():
-    """Level 3 on real models: a tiny Llama policy and its frozen reference, each cut into two pipeline
-    stages over two ranks, the reference's forward of the next batch run in this step's gaps: three SGD
-    steps give the plain DPO step's losses and gradients (`workers/mpmd_dpo_gloo.py`)."""
+def test_dpo_with_its_reference_ahead_gives_the_plain_steps_on_gloo_ranks():
+    """Level 3 on real models (`hp.mpmd.policy_and_reference`, run by `hp.mpmd.Placed`): a tiny Llama policy
+    and its frozen reference, each cut into two pipeline stages over two ranks, the reference's forward
+    of the next batch run in this step's gaps, staggered or not: four SGD steps (the last two planned from
+    the measured costs) give the plain DPO step's losses and gradients (`workers/mpmd_dpo_gloo.py`)."""
     run = rank_pool.run(str(HERE / "workers" / "mpmd_dpo_gloo.py"), 2, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "dpo with its reference a batch ahead follows the plain step" in run.stdout
+    for stagger in (False, True):
+        assert f"dpo with its reference ahead (staggered: {stagger}) follows the plain step" in run.stdout
 
 
 def test_a_qwen_vl_tower_placed_by_hp_mpmd_gives_hfs_steps_on_gloo_ranks():

@@ -10,8 +10,8 @@ levels 2 and 3 `graph` (programs, stages and flows), `costs` (the cost
 table), `schedule` (the planner), `plan` (a plan and its replay),
 `simulate` (replays and projections), `runtime` (running a plan on the
 ranks), `measure` (the cost table of a running step), `programs` (a
-model's sub-models as programs) and `placed` (the step transform of levels
-2 and 3: sub-models placed on named sub-meshes).
+model's sub-models as programs), `reference` (a policy and its frozen
+reference as programs) and `placed` (the step transform of levels 2 and 3).
 
 May import: `hp.parallel` (the strategy's chunk values), `hp.ops` (the
 pipelined kernels and their in-flight collectives) and the base modules at
@@ -25,6 +25,7 @@ from hp.mpmd.costs import Costs
 from hp.mpmd.graph import Flow, Graph, GraphError, Program
 from hp.mpmd.placed import Placed, PlaceError
 from hp.mpmd.programs import vision_language
+from hp.mpmd.reference import dpo_loss, policy_and_reference
 from hp.mpmd.runtime import Runtime
 from hp.mpmd.schedule import schedule
 from hp.mpmd.simulate import project, simulate
@@ -33,8 +34,9 @@ from hp.mpmd.transform import Mpmd, MpmdError, mpmd
 for _name, _value in {"Costs": Costs, "Flow": Flow, "Graph": Graph, "GraphError": GraphError, "Program": Program,
                       "Placed": Placed, "PlaceError": PlaceError,
                       "Runtime": Runtime, "schedule": schedule, "simulate": simulate, "project": project,
-                      "vision_language": vision_language}.items():
+                      "vision_language": vision_language, "policy_and_reference": policy_and_reference,
+                      "dpo_loss": dpo_loss}.items():
     setattr(mpmd, _name, _value)  # hp.mpmd.simulate(...): the transform carries its levels' names
 
 __all__ = ["Costs", "Flow", "Graph", "GraphError", "Mpmd", "MpmdError", "PlaceError", "Placed", "Program", "Runtime",
-           "mpmd", "project", "schedule", "simulate", "vision_language"]
+           "dpo_loss", "mpmd", "policy_and_reference", "project", "schedule", "simulate", "vision_language"]

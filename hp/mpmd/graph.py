@@ -10,7 +10,11 @@ stages of one program the stream flows in order. A program that trains
 sends the gradients of what it received back along the same flows. A
 program may run **ahead**: its micro-batches belong to the next batch (a
 frozen reference depends on nothing the policy computes, so its forward
-for batch t + 1 can run during step t).
+for batch t + 1 can run during step t). A frozen program may also be
+**staggered**: its stage s runs `stages - 1 - s` batches further ahead than
+its last, so that no stage of it waits within a step on another (each
+stage's output is received by the next stage in the next step), and every
+one of its forwards can go wherever a rank is idle.
 
 The graph's actions are each stage's forward `F` and (when it trains)
 backward `B` per micro-batch; `dependencies` says what each waits for.
@@ -59,7 +63,9 @@ class Program:
     """A model (or sub-model) cut into stages: stage i runs on rank `ranks[i]`.
 
     `trains`: it has a backward (a frozen reference does not). `ahead`: how many batches ahead its
-    micro-batches run (0: this step's batch). `spread`: one stage whose micro-batches each run on one of
+    micro-batches run (0: this step's batch); `stagger` (frozen programs): stage s runs
+    `stages - 1 - s` batches further ahead still (its stages then wait on nothing within a step).
+    `spread`: one stage whose micro-batches each run on one of
     `ranks`, chosen by the scheduler (the program held whole on each of them, its gradients summed over
     them, as data parallel's): a small sub-model's work placed where the others leave gaps. `parts`:
     each of the step's micro-batches is cut into this many pieces (its rows) for this program, each run
@@ -73,10 +79,20 @@ class Program:
     ahead: int = 0
     spread: bool = False
     parts: int = 1
+    stagger: bool = False
 
     @property
     def stages(self) -> int:
         return 1 if self.spread else len(self.ranks)
+
+    def ahead_of(self, stage: int) -> int:
+        """How many batches ahead stage `stage` runs."""
+        return self.ahead + (self.stages - 1 - stage if self.stagger else 0)
+
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether any of its stages works on a later batch than the step's."""
+        return self.ahead_of(0) > 0
 
 
 @dataclass(frozen=True)
@@ -100,11 +116,15 @@ class Graph:
         names = [p.name for p in self.programs]
         if len(set(names)) != len(names):
             raise GraphError(f"program names repeat: {names}")
+        for program in self.programs:
+            if program.stagger and program.trains:
+                raise GraphError(f"program {program.name!r}: only a frozen program can be staggered (a trained "
+                                 "one's gradients flow back within the step)")
         for flow in self.flows:
             for end in (flow.src, flow.dst):
                 if end[0] not in self.program or not 0 <= end[1] < self.program[end[0]].stages:
                     raise GraphError(f"flow {flow.src} -> {flow.dst}: {end} is no stage of the graph")
-            if self.program[flow.src[0]].ahead < self.program[flow.dst[0]].ahead:
+            if self.ahead_of(flow.src) < self.ahead_of(flow.dst):
                 raise GraphError(f"flow {flow.src} -> {flow.dst}: a program cannot feed one that runs further ahead")
             src, dst = self.program[flow.src[0]].parts, self.program[flow.dst[0]].parts
             if src % dst:
@@ -130,15 +150,38 @@ class Graph:
     def nodes(self) -> list[Node]:
         return [(p.name, s) for p in self.programs for s in range(p.stages)]
 
+    def ahead_of(self, node: Node) -> int:
+        """How many batches ahead stage `node` runs."""
+        return self.program[node[0]].ahead_of(node[1])
+
     def inputs(self, node: Node) -> list[Node]:
-        """What stage `node` receives each micro-batch: the stage before it, then its flows' sources."""
-        before = [(node[0], node[1] - 1)] if node[1] > 0 else []
-        return before + [f.src for f in self.flows if f.dst == node and self._same_batch(f)]
+        """What stage `node` receives each micro-batch of the same batch: the stage before it, then its
+        flows' sources."""
+        return [src for src, dst in self._edges if dst == node and self.ahead_of(src) == self.ahead_of(dst)]
 
     def outputs(self, node: Node) -> list[Node]:
-        """Where stage `node` sends each micro-batch: the stage after it, then its flows' destinations."""
-        after = [(node[0], node[1] + 1)] if node[1] + 1 < self.program[node[0]].stages else []
-        return after + [f.dst for f in self.flows if f.src == node and self._same_batch(f)]
+        """Where stage `node` sends each micro-batch for the same batch: the stage after it, then its flows'
+        destinations."""
+        return [dst for src, dst in self._edges if src == node and self.ahead_of(src) == self.ahead_of(dst)]
+
+    def carried_inputs(self, node: Node) -> list[Node]:
+        """What stage `node` receives from stages running further ahead: sent in an earlier step."""
+        return [src for src, dst in self._edges if dst == node and self.ahead_of(src) > self.ahead_of(dst)]
+
+    def carried_outputs(self, node: Node) -> list[Node]:
+        """Where stage `node` sends what a later step receives (stages running less far ahead)."""
+        return [dst for src, dst in self._edges if src == node and self.ahead_of(src) > self.ahead_of(dst)]
+
+    @cached_property
+    def _edges(self) -> tuple[tuple[Node, Node], ...]:
+        """Every (src, dst) a micro-batch's tensor travels: between a program's stages in order, then the flows."""
+        inside = [((p.name, s), (p.name, s + 1)) for p in self.programs for s in range(p.stages - 1)]
+        return tuple(inside + [(f.src, f.dst) for f in self.flows])
+
+    @property
+    def furthest_ahead(self) -> int:
+        """How many batches after the step's the furthest stage works on."""
+        return max(self.ahead_of(node) for node in self.nodes())
 
     def trains(self, node: Node) -> bool:
         return self.program[node[0]].trains
@@ -193,7 +236,3 @@ class Graph:
         downstream = [self.in_flight_limit(dst) / self.program[dst[0]].parts for dst in self.outputs(node)
                       if self.trains(dst)]
         return int(self.program[node[0]].parts * (1 + max(downstream, default=0)))
-
-    def _same_batch(self, flow: Flow) -> bool:
-        """Whether `flow` joins micro-batches of one batch (a program running ahead feeds the next step)."""
-        return self.program[flow.src[0]].ahead == self.program[flow.dst[0]].ahead

@@ -81,11 +81,11 @@ class Placed:
     def plan(self) -> Plan:
         return self.runtime.plan
 
-    def __call__(self, batch: Any, upcoming: Any = None) -> torch.Tensor:
-        """Forward and backward of `batch` (`upcoming`: the next batch, for programs running ahead); the loss."""
-        batch = self.programs.prepare(batch)
-        upcoming = None if upcoming is None else self.programs.prepare(upcoming)
-        losses = self.runtime.step(batch, upcoming)
+    def __call__(self, batch: Any, *upcoming: Any) -> torch.Tensor:
+        """Forward and backward of `batch`; the loss. `upcoming`: the batches after it, as many as the
+        programs run ahead (`graph.furthest_ahead`; fewer at the end of the data)."""
+        prepare = self.programs.prepare
+        losses = self.runtime.step(prepare(batch), *(None if b is None else prepare(b) for b in upcoming))
         self._sum_spread_gradients()
         loss = step_loss(losses, self.group)
         if self.runtime.steps == 1:  # first touches: not a cost to plan by

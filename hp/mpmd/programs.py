@@ -68,7 +68,7 @@ def vision_language(model: nn.Module, plan: ModelPlan, *, tower_ranks: tuple[int
     """`model`'s tower and language model as programs (see the module); `split`: blocks per stage (even
     by default); `rank`: build only the stages it runs (None: every stage)."""
     blocks = len(model.get_submodule(plan.blocks))
-    counts = split or _even(blocks, len(stage_ranks))
+    counts = split or even_split(blocks, len(stage_ranks))
     cuts = StageSplit.of_counts(counts)
     graph = Graph((Program("vision", tuple(tower_ranks), spread=True), Program("language", tuple(stage_ranks))),
                   (Flow(("vision", 0), ("language", 0)),), microbatches)
@@ -99,10 +99,10 @@ def _with_positions(model: nn.Module) -> Callable[[dict], dict]:
     return prepare
 
 
-def _even(blocks: int, stages: int) -> tuple[int, ...]:
+def even_split(blocks: int, stages: int) -> tuple[int, ...]:
     """`blocks` over `stages`, the earlier stages taking the remainder.
 
-    >>> _even(7, 3)
+    >>> even_split(7, 3)
     (3, 2, 2)
     """
     return tuple(blocks // stages + (s < blocks % stages) for s in range(stages))

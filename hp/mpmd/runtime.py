@@ -16,9 +16,10 @@ Each rank runs its list of actions in order (`hp.mpmd.plan.Plan`):
 Sends never block and each receive names its sender and a tag unique to
 the flow, direction, micro-batch and step, so a plan whose replay
 completes (`hp.mpmd.plan.replay`) cannot deadlock here. Programs running
-ahead work on the next batch: their outputs are sent in one step and
-received in the next; `step` runs the ahead programs' actions for the
-first batch before the first step (the prologue).
+ahead work on a later batch: what a stage sends to a stage running less far
+ahead is received that many steps later; before the first step, `step`
+runs the steps before it for the stages far enough ahead to have a batch
+(the prologue).
 
 Every action is timed (its function or its backward, not the waits), and
 every transfer's bytes counted: the first steps' samples make the cost
@@ -28,6 +29,7 @@ step's actions as they ran, to draw.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -35,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hp.mpmd.graph import Action, Graph, Node
+from hp.mpmd.graph import Action, Node
 from hp.mpmd.plan import Plan, Slot
 
 # What a stage runs: (the batch, the micro-batch index, its inputs in `Graph.inputs` order) -> its output.
@@ -47,7 +49,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.in
 class Runtime:
     """This rank's part of `plan`: `stages[node]` for each stage it runs, over process group `group`.
 
-    `step(batch, upcoming)` runs this rank's actions of one step (`upcoming`: the batch after this
+    `step(batch, *upcoming)` runs this rank's actions of one step (`upcoming`: the batches after this
     one, for the programs running ahead) and returns the losses this rank computed, by micro-batch.
     """
 
@@ -59,9 +61,10 @@ class Runtime:
         self.steps = 0
         self.slots: list[Slot] = []  # the last step's actions on this rank's clock (from the step's start)
         self._started = 0.0
-        self._tags = {pair: i for i, pair in enumerate((s, d) for s in self.graph.nodes()
-                                                      for d in self.graph.outputs(s) + _ahead_outputs(self.graph, s))}
+        self._tags = {pair: i for i, pair in enumerate(
+            (s, d) for s in self.graph.nodes() for d in self.graph.outputs(s) + self.graph.carried_outputs(s))}
         self._span = max(self.graph.micros(node) for node in self.graph.nodes())  # micro-batch indices a tag spans
+        self._window = self.graph.furthest_ahead + 1  # steps a tag tells apart: sends in flight span that many
         self._held: dict = {}  # (node, micro, "out") -> output; (node, micro) -> inputs; grads by (src, dst, micro)
         self._sends: list = []  # (the step that receives it, its work)
         self._waited = 0.0  # seconds of the current action spent receiving (not the action's cost)
@@ -73,41 +76,46 @@ class Runtime:
         if plan.graph != self.graph:
             raise ValueError("replan: the new plan is of another graph")
         for node in self.graph.nodes():
-            for src in _ahead_inputs(self.graph, node):
+            for src in self.graph.carried_inputs(node):
                 for m in range(self.graph.micros(node)):
                     if self._where("F", node, m) != plan.where[Action("F", *node, m)]:
                         raise ValueError(f"replan: {node} receives from {src}, which ran ahead; it must stay on its rank")
         self.plan = plan
 
-    def step(self, batch: Any, upcoming: Any = None) -> dict[int, torch.Tensor]:
-        """Run this rank's actions of one step; the losses it computed, by micro-batch. Without `upcoming`
-        (the last step) the programs running ahead have nothing to run."""
-        if self.steps == 0 and any(p.ahead for p in self.graph.programs):
-            self._run([a for a in self.plan.actions[self.rank] if self.graph.program[a.program].ahead], batch,
-                      prologue=True)
+    def step(self, batch: Any, *upcoming: Any) -> dict[int, torch.Tensor]:
+        """Run this rank's actions of one step; the losses it computed, by micro-batch. `upcoming`: the
+        batches after this one, as many as the graph runs ahead (`Graph.furthest_ahead`); at the end of
+        the data fewer (or None), and the stages running past it have nothing to run."""
+        batches = [batch, *itertools.takewhile(lambda b: b is not None, upcoming)]
+        if self.steps == 0:  # the prologue: what the first steps receive from the stages running ahead
+            for virtual in range(-self.graph.furthest_ahead, 0):
+                self._run(virtual, batches)
         self.slots, self._started = [], time.perf_counter()
-        losses = self._run(list(self.plan.actions[self.rank]), batch, upcoming=upcoming)
+        losses = self._run(self.steps, batches)
         for work in [w for received, w in self._sends if received <= self.steps]:
-            work.wait()  # what a program running ahead sent for the next step is received there: not waited yet
+            work.wait()  # what is sent for a later step is waited for in that step
         self._sends = [(received, w) for received, w in self._sends if received > self.steps]
         self.steps += 1
         return losses
 
-    def _run(self, actions: list[Action], batch: Any, *, upcoming: Any = None, prologue: bool = False) -> dict:
+    def _run(self, step: int, batches: list) -> dict:
+        """This rank's actions of `step` (negative: the prologue's steps before the first, where only the
+        stages running far enough ahead have a batch); `batches[0]` is the first batch (prologue) or this
+        step's."""
         losses: dict[int, torch.Tensor] = {}
-        for action in actions:
-            ahead = self.graph.program[action.program].ahead
-            if ahead and not prologue and upcoming is None:
+        first = min(step, 0)  # the index in `batches` of step `step`'s own batch
+        for action in self.plan.actions[self.rank]:
+            index = first + self.graph.ahead_of(action.node)
+            if not 0 <= index < len(batches):
                 continue
-            data = batch if prologue or not ahead else upcoming
             start = time.perf_counter()
             if action.kind == "F":
-                out = self._forward(action, data, step=self.steps + (ahead and not prologue))
-                if not self.graph.outputs(action.node) and not _ahead_outputs(self.graph, action.node):
+                out = self._forward(action, batches[index], step)
+                if not self.graph.outputs(action.node) and not self.graph.carried_outputs(action.node):
                     losses[action.micro] = out.detach()
             else:
                 self._backward(action)
-            if not prologue:
+            if step >= 0:  # the prologue is not timed
                 end = time.perf_counter()
                 self.samples.append((action, end - start - self._waited))
                 self.slots.append(Slot(action, self.rank, start + self._waited - self._started, end - self._started))
@@ -121,8 +129,8 @@ class Runtime:
         pieces = [[self._input(src, node, p, step) for p in self.graph.pieces(src, node, m)]
                   for src in self.graph.inputs(node)]
         inputs = [joined[0] if len(joined) == 1 else torch.cat(joined) for joined in pieces]
-        for src in _ahead_inputs(self.graph, node):  # received in the step before: frozen, no gradient back
-            carried = [self._input(src, node, p, self.steps).detach() for p in self.graph.pieces(src, node, m)]
+        for src in self.graph.carried_inputs(node):  # sent in an earlier step: frozen, no gradient back
+            carried = [self._input(src, node, p, step).detach() for p in self.graph.pieces(src, node, m)]
             inputs.append(carried[0] if len(carried) == 1 else torch.cat(carried))
         trains = self.graph.trains(node)
         with torch.enable_grad() if trains else torch.no_grad():
@@ -130,10 +138,8 @@ class Runtime:
         if trains:
             self._held[node, m] = pieces
             self._held[node, m, "out"] = out
-        for dst in self.graph.outputs(node):
-            self._hand_on(out.detach(), node, dst, m, step)
-        for dst in _ahead_outputs(self.graph, node):
-            self._hand_on(out.detach(), node, dst, m, step)
+        for dst in self.graph.outputs(node) + self.graph.carried_outputs(node):  # received in step `step` + the gap
+            self._hand_on(out.detach(), node, dst, m, step + self.graph.ahead_of(node) - self.graph.ahead_of(dst))
         return out
 
     def _backward(self, action: Action) -> None:
@@ -185,10 +191,10 @@ class Runtime:
         return self._recv(frm, self._tag(src, dst, m, 1, self.steps))
 
     def _tag(self, src: Node, dst: Node, m: int, backward: int, step: int) -> int:
-        """A tag unique to the flow, its direction, the micro-batch and the step's parity (a program running
-        ahead sends in one step what is received in the next); even for the header, odd for the data."""
+        """A tag unique to the flow, its direction, the micro-batch and the receiving step (modulo the steps
+        whose sends can be in flight at once); even for the header, odd for the data."""
         pair = self._tags[src, dst]
-        return 2 * (((pair * 2 + backward) * self._span + m) * 2 + step % 2)
+        return 2 * (((pair * 2 + backward) * self._span + m) * max(self._window, 2) + step % max(self._window, 2))
 
     def _send(self, tensor: torch.Tensor, to: int, tag: int, received: int) -> None:
         """Send `tensor` to rank `to`, received in step `received` (the next one's for a program running ahead)."""
@@ -229,13 +235,3 @@ class _Keep:
 
     def wait(self) -> None:
         self.tensors = ()
-
-
-def _ahead_outputs(graph: Graph, node: Node) -> list[Node]:
-    """Where `node` (of a program running ahead) sends what the next step consumes."""
-    return [f.dst for f in graph.flows if f.src == node and not graph._same_batch(f)]
-
-
-def _ahead_inputs(graph: Graph, node: Node) -> list[Node]:
-    """What `node` receives from a program that ran ahead (produced in the step before)."""
-    return [f.src for f in graph.flows if f.dst == node and not graph._same_batch(f)]

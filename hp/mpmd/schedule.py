@@ -42,9 +42,9 @@ def schedule(graph: Graph, costs: Costs) -> Plan:
     """The plan of `graph`'s step under `costs` (see the module's docstring): of the candidate plans, the one
     whose replay under `costs` is shortest."""
     level = _longest_path(graph, costs)
-    spread = {p.name for p in graph.programs if p.spread and not p.ahead}
+    spread = {p.name for p in graph.programs if p.spread and not p.runs_ahead}
     fills = [frozenset(), frozenset(spread)] if spread else [frozenset()]
-    backfilled = any(p.ahead for p in graph.programs) or spread
+    backfilled = any(p.runs_ahead for p in graph.programs) or spread
     candidates = [_plan(graph, costs, level, fill, overlap) for fill in fills
                   for overlap in (OVERLAPS if backfilled else (0.0,))]
     return min(candidates, key=lambda plan: max((s.end for s in replay(plan, costs)), default=0.0))
@@ -59,7 +59,8 @@ OVERLAPS = (0.0, 0.1, 0.25, 0.5)
 def _plan(graph: Graph, costs: Costs, level: dict[Action, float], fill: frozenset[str], overlap: float) -> Plan:
     """List-schedule the step's own programs but those in `fill`, then backfill `fill`'s and those running
     ahead; each rank's actions in the order of their starts."""
-    later = [a for a in graph.actions() if graph.program[a.program].ahead or a.program in fill]
+    fill = fill | {p.name for p in graph.programs if p.runs_ahead}
+    later = [a for a in graph.actions() if a.program in fill]
     backfilled = set(later)
     first = [a for a in graph.actions() if a not in backfilled]
     placed = _list_schedule(graph, costs, first, level, fill)

@@ -2,7 +2,8 @@
 
 Each case (argv[1], a JSON list drawn by the test) is a graph of three programs: an encoder (fixed on a
 rank, or spread over the ranks; each micro-batch whole or cut in two), a two-stage model whose last stage computes the loss, and a frozen
-two-stage reference feeding that loss, run in the same step or a batch ahead. The plan comes from the
+two-stage reference feeding that loss, run in the same step or a batch ahead, its first stage another
+batch ahead when staggered. The plan comes from the
 case's drawn costs. Over two steps (the second uses what the reference computed ahead in the first),
 each step's loss and every gradient (summed over the ranks that hold a copy) equal the plain step's
 over the same batch (fp32, relative 1e-5). Every check raises on failure.
@@ -71,7 +72,8 @@ def check(case: dict) -> None:
     micro = case["micro"]
     enc = Program("enc", tuple(case["enc"]), spread=len(case["enc"]) > 1, parts=case["parts"])
     graph = Graph((enc, Program("lm", tuple(case["lm"])),
-                   Program("ref", tuple(case["ref"]), trains=False, ahead=case["ahead"], parts=case["ref_parts"])),
+                   Program("ref", tuple(case["ref"]), trains=False, ahead=case["ahead"], parts=case["ref_parts"],
+                           stagger=case["stagger"])),
                   (Flow(("enc", 0), ("lm", 0)), Flow(("ref", 1), ("lm", 1))), micro)
     costs = Costs({(kind, node): seconds for (kind, node), seconds in zip(
         [(k, n) for n in graph.nodes() for k in "FB"], case["seconds"])}, {})
@@ -79,13 +81,13 @@ def check(case: dict) -> None:
     mods, want_mods = modules(), modules()
     runtime = Runtime(plan, stages(mods, case["parts"], case["ref_parts"]))
     g = torch.Generator().manual_seed(case["seed"])
-    batches = [torch.randn(micro * ROWS, 4, generator=g) for _ in range(3)]
+    batches = [torch.randn(micro * ROWS, 4, generator=g) for _ in range(4)]
     for step in range(2):
         for module in (*mods.values(), *want_mods.values()):
             module.zero_grad(set_to_none=True)
         want = plain(want_mods, batches[step], micro)
         want.backward()
-        losses = runtime.step(batches[step], batches[step + 1])
+        losses = runtime.step(batches[step], *batches[step + 1:step + 1 + graph.furthest_ahead])
         got = step_loss(losses)
         assert torch.allclose(got, want, rtol=1e-5), (case, step, got, want)
         for name in ("enc", "lm0", "lm1"):

@@ -1,0 +1,110 @@
+"""A policy and its frozen reference as two programs: level 3's models side by side (DPO, KTO).
+
+A preference step's reference forward depends on nothing the policy
+computes, so `policy_and_reference` makes it a program of its own that runs
+a batch ahead: its log-probabilities for batch t + 1 are computed during
+step t, wherever the planner finds the policy's ranks idle, and reach the
+policy's last stage in step t + 1. Staggered (the default), the
+reference's stage s runs a further `stages - 1 - s` batches ahead, so that
+no reference stage waits on another within a step and every one of its
+forwards can fill a bubble (`hp.mpmd.graph.Program.stagger`). The numbers
+are those of the step without it: the reference is frozen, so when it runs
+does not change what it computes.
+
+Both models are cut into pipeline stages by `hp.parallel.pipeline.cut`
+(parameter names stay the model's own): the policy's stage i on
+`policy_ranks[i]`, the reference's on `reference_ranks[i]`: the same ranks
+(in the policy's bubbles) or ranks of their own.
+
+A micro-batch is one group of rows scored together, e.g. a DPO pair (its
+chosen and its rejected answer): the batch is a dict with `input_ids` and
+`labels` of shape (micro-batches, rows, tokens), prompt tokens labelled
+-100. The policy's last stage returns `loss(policy_logps, reference_logps)`
+of each micro-batch, the rows' summed log-probabilities of their labels
+(`sequence_logps`); `dpo_loss` is DPO's sigmoid loss for pairs.
+
+>>> import torch
+>>> from transformers import AutoModelForCausalLM
+>>> from hp.models import plan_for, tiny_config
+>>> policy = AutoModelForCausalLM.from_config(tiny_config("llama", layers=2))
+>>> programs = policy_and_reference(policy, plan_for(policy.config), policy_ranks=(0, 1), microbatches=4,
+...                                 loss=dpo_loss(beta=0.1, pairs=4))
+>>> [(p.name, p.ahead, p.stagger) for p in programs.graph.programs]
+[('policy', 0, False), ('reference', 1, True)]
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from hp.mpmd.graph import Flow, Graph, Node, Program
+from hp.mpmd.programs import Programs, even_split
+from hp.parallel.model_plan import ModelPlan
+from hp.parallel.pipeline import cut
+from hp.parallel.pipeline_split import StageSplit
+from hp.parallel.sequence import IGNORE_INDEX
+
+PairLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (policy's, reference's row log-probs) -> loss
+
+
+def policy_and_reference(policy: nn.Module, plan: ModelPlan, *, policy_ranks: tuple[int, ...], microbatches: int,
+                         loss: PairLoss, reference: nn.Module | None = None,
+                         reference_ranks: tuple[int, ...] | None = None, stagger: bool = True,
+                         split: tuple[int, ...] | None = None, rank: int | None = None) -> Programs:
+    """`policy` and its frozen `reference` (default: a copy of the policy as it is now) as programs (see the
+    module); `split`: blocks per stage (even by default); `rank`: build only the stages it runs."""
+    reference_ranks = tuple(reference_ranks or policy_ranks)
+    if len(reference_ranks) != len(policy_ranks):
+        raise ValueError(f"reference_ranks = {reference_ranks}: the reference is cut into the policy's "
+                         f"{len(policy_ranks)} stages")
+    frozen = copy.deepcopy(policy if reference is None else reference).requires_grad_(False)
+    cuts = StageSplit.of_counts(split or even_split(len(policy.get_submodule(plan.blocks)), len(policy_ranks)))
+    last = len(policy_ranks) - 1
+    graph = Graph((Program("policy", tuple(policy_ranks)),
+                   Program("reference", reference_ranks, trains=False, ahead=1, stagger=stagger)),
+                  (Flow(("reference", last), ("policy", last)),), microbatches)
+    fns: dict[Node, Callable] = {}
+    modules: dict[Node, nn.Module] = {}
+    for name, model, ranks in (("policy", policy, policy_ranks), ("reference", frozen, reference_ranks)):
+        for s, on in enumerate(ranks):
+            if rank is None or rank == on:
+                stage = modules[name, s] = cut(copy.deepcopy(model), plan, cuts, s)
+                fns[name, s] = _stage(stage, s == 0, s == last, loss if name == "policy" else None)
+    return Programs(graph, fns, modules)
+
+
+def _stage(stage: nn.Module, first: bool, last: bool, loss: PairLoss | None) -> Callable:
+    def run(batch: dict, m: int, inputs: list[torch.Tensor]) -> torch.Tensor:
+        if first:
+            out = stage(input_ids=batch["input_ids"][m], use_cache=False).logits
+        else:
+            out = stage(inputs_embeds=inputs[0], use_cache=False).logits
+        if not last:
+            return out  # the norm and the head are skipped: the residual stream
+        logps = sequence_logps(out, batch["labels"][m])
+        return logps if loss is None else loss(logps, inputs[-1])  # the reference's, received a step before
+    return run
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each row's summed log-probability of its labels (the next token's; -100 not counted), in fp32."""
+    targets = labels[:, 1:]
+    logp = torch.log_softmax(logits[:, :-1].float(), -1)
+    picked = logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (picked * (targets != IGNORE_INDEX)).sum(-1)
+
+
+def dpo_loss(beta: float, pairs: int) -> PairLoss:
+    """DPO's sigmoid loss of one (chosen, rejected) pair, over the batch's `pairs` (their sum is the mean).
+
+    >>> float(dpo_loss(0.1, 2)(torch.tensor([-1.0, -2.0]), torch.tensor([-1.0, -2.0])))  # log 2 / 2
+    0.3465735912322998
+    """
+    def loss(policy: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+        margin = (policy[0] - reference[0]) - (policy[1] - reference[1])
+        return -nn.functional.logsigmoid(beta * margin) / pairs
+    return loss
