@@ -21,7 +21,9 @@ Three parts, one run (about three minutes on 2 CPU cores), the arms of each part
    - **S0**: the reference's forward pipelined before the policy's in each step;
    - **S1**: the reference precomputed before training (LlamaFactory's option), its cost counted:
      the whole dataset streamed through the reference's pipeline once, over the steps;
-   - **S2**: hp's level 3: the reference a batch ahead, backfilled into the policy's bubbles.
+   - **S2**: hp's level 3: the reference a batch ahead and staggered (its stage s a further 3 - s
+     batches ahead, so that none of its stages waits on another within a step), backfilled into the
+     policy's bubbles; also recorded, the reference a batch ahead unstaggered.
    The losses of S0 and S2 are compared step by step (`dpo_losses_identical`).
 3. **VL, 2 real ranks** (one pinned per core, real matmuls: a block is a 768-wide linear layer over 128
    rows): B0, B1 and S as above.
@@ -200,10 +202,11 @@ class Arm:
         self.costs: Costs | None = None
         self.predicted = 0.0
 
-    def step(self, batch, upcoming, timed: bool) -> None:
+    def step(self, batches: list, timed: bool) -> None:
+        """One step of `batches[0]`; the rest are the batches after it, for the programs running ahead."""
         dist.barrier()
         start = time.perf_counter()
-        losses = self.runtime.step(batch, upcoming)
+        losses = self.runtime.step(*batches[:1 + self.graph.furthest_ahead])
         elapsed = slowest(time.perf_counter() - start)
         if self.optimizer is not None:
             self.optimizer.step()
@@ -248,7 +251,7 @@ def run_arms(arms: dict[str, Arm], batches, rounds: int) -> None:
     names = list(arms)
     for r in range(WARMUP + rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            arms[name].step(batches(r), batches(r + 1), timed=r >= WARMUP)
+            arms[name].step([batches(r + k) for k in range(5)], timed=r >= WARMUP)
 
 
 def best_splits(ranks: int, tower: float, spread: bool, keep: int) -> list[tuple[tuple[int, ...], int]]:
@@ -300,7 +303,7 @@ def emulated_worker(rounds: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     LINK = link()
-    for label, tower in (("vl", 3.0), ("vl 3b", 6.0)) if not os.environ.get("DPO_ONLY") else ():
+    for label, tower in (("vl", 3.0), ("vl 3b", 6.0)):
         arms = vl_arms(4, tower, 8, emulated=True)
         run_arms(arms, vl_batches(8, 2), rounds)
         for name, arm in arms.items():
@@ -309,7 +312,7 @@ def emulated_worker(rounds: int) -> None:
     arms = dpo_arms(table)
     run_arms({k: v for k, v in arms.items() if k != "S1"}, dpo_batches, rounds)
     emit(precomputed(arms["S1"], table, rounds) | {"part": "dpo emulated", "arm": "S1"})
-    for name in ("S0", "S2", "S2 parts 2"):
+    for name in ("S0", "S2", "S2 unstaggered"):
         emit(arms[name].record("dpo emulated", name) | {"losses": arms[name].losses})
     dist.barrier()
     emit({DONE: True})
@@ -335,31 +338,28 @@ def real_worker(rounds: int) -> None:
 BETA = 0.1
 
 
-def dpo_graph(ahead: int | None, parts: int = 1) -> Graph:
+def dpo_graph(ahead: int | None, stagger: bool = False) -> Graph:
     """The policy's 4 stages; the reference's 4 on the same ranks, in the step (0), a batch ahead (1), or
-    none (None: precomputed); each pair cut into `parts` for the reference (2: its chosen and its rejected
-    answer apart, each half a pair's work, filling shorter gaps)."""
+    none (None: precomputed); staggered or not."""
     policy = Program("policy", (0, 1, 2, 3))
     if ahead is None:
         return Graph((policy,), (), MICRO)
-    reference = Program("reference", (0, 1, 2, 3), trains=False, ahead=ahead, parts=parts)
+    reference = Program("reference", (0, 1, 2, 3), trains=False, ahead=ahead, stagger=stagger)
     return Graph((policy, reference), (Flow(("reference", 3), ("policy", 3)),), MICRO)
 
 
-def dpo_stages(precomputed: dict | None = None, parts: int = 1) -> dict:
+def dpo_stages(precomputed: dict | None = None) -> dict:
     fns = {}
     for program, trains in (("policy", True), ("reference", False)):
         for s in range(4):
-            cut = parts if program == "reference" else 1
-            module = Blocks(1 / cut, 8, emulated=True, seed=s, trains=trains)  # the reference: the policy's initial weights
-            fns[program, s] = _dpo_stage(module, s, program == "policy", precomputed, cut)
+            module = Blocks(1, 8, emulated=True, seed=s, trains=trains)  # the reference: the policy's initial weights
+            fns[program, s] = _dpo_stage(module, s, program == "policy", precomputed)
     return fns
 
 
-def _dpo_stage(module, s: int, policy: bool, precomputed: dict | None, parts: int = 1):
+def _dpo_stage(module, s: int, policy: bool, precomputed: dict | None):
     def run(batch, m, inputs):
-        rows = 2 // parts  # a pair's rows in each of its parts
-        out = module(batch[m // parts][(m % parts) * rows:(m % parts + 1) * rows] if s == 0 else inputs[0])
+        out = module(batch[m] if s == 0 else inputs[0])
         if not (policy and s == 3):
             return out
         reference = precomputed[_key(batch[m])] if precomputed is not None else inputs[1]
@@ -384,8 +384,8 @@ def dpo_arms(table: dict) -> dict[str, Arm]:
     return {"S0": Arm(sequential, dpo_stages(), plan_from_costs=False, plan=_sequential_plan(sequential),
                       learning_rate=0.1),
             "S1": Arm(dpo_graph(None), dpo_stages(precomputed=table), plan_from_costs=False, learning_rate=0.1),
-            "S2": Arm(dpo_graph(1), dpo_stages(), learning_rate=0.1),
-            "S2 parts 2": Arm(dpo_graph(1, parts=2), dpo_stages(parts=2), learning_rate=0.1)}
+            "S2": Arm(dpo_graph(1, stagger=True), dpo_stages(), learning_rate=0.1),
+            "S2 unstaggered": Arm(dpo_graph(1), dpo_stages(), learning_rate=0.1)}
 
 
 def _sequential_plan(graph: Graph) -> Plan:
@@ -409,7 +409,7 @@ def precomputed(arm: Arm, table: dict, rounds: int) -> dict:
     pass_s = slowest(time.perf_counter() - start)
     table.update({_key(everything[m]): out for m, out in outputs.items()})
     for r in range(steps):
-        arm.step(dpo_batches(r), None, timed=r >= WARMUP)
+        arm.step([dpo_batches(r)], timed=r >= WARMUP)
     step = statistics.median(arm.times) + pass_s / steps
     return {"bench": "mpmd_submeshes", "step_s": round(step, 4), "precompute_s_per_step": round(pass_s / steps, 4)}
 
@@ -437,7 +437,8 @@ def summarize(records: list[dict]) -> dict:
         "mean_idle_share": s2.get("mean_idle_share"),
         "dpo_step_vs_precomputed": round(dpo["S2"]["step_s"] / dpo["S1"]["step_s"], 3) if dpo else None,
         "dpo_step_vs_sequential": round(dpo["S2"]["step_s"] / dpo["S0"]["step_s"], 3) if dpo else None,
-        "dpo_losses_identical": bool(dpo) and dpo["S0"]["losses"] == dpo["S2"]["losses"],
+        "dpo_unstaggered_vs_sequential": round(dpo["S2 unstaggered"]["step_s"] / dpo["S0"]["step_s"], 3) if dpo else None,
+        "dpo_losses_identical": bool(dpo) and dpo["S0"]["losses"] == dpo["S2"]["losses"] == dpo["S2 unstaggered"]["losses"],
         "simulator_error": round(max(errors), 3) if errors else None,
     }
 

@@ -176,18 +176,20 @@ def test_a_placement_that_cannot_run_is_refused_by_name(change, words):
 @settings(max_examples=1, deadline=None)
 @given(cases=st.lists(st.fixed_dictionaries({
     "micro": st.integers(1, 4), "seed": st.integers(0, 2**16), "parts": st.sampled_from([1, 2]),
-    "ref_parts": st.sampled_from([1, 2]), "stagger": st.booleans(),
+    "ref_parts": st.sampled_from([1, 2]), "stagger": st.booleans(), "frozen_enc": st.booleans(),
     "enc": st.sampled_from([[0], [1], [0, 1]]), "lm": st.sampled_from([[0, 1], [1, 0], [1, 1], [0, 0]]),
     "ref": st.sampled_from([[0, 1], [1, 0], [1, 1]]), "ahead": st.integers(0, 1),
     "seconds": st.lists(seconds, min_size=10, max_size=10)}), min_size=4, max_size=4))
 def test_plans_run_on_gloo_ranks_give_the_plain_steps_loss_and_gradients(cases):
     """Four drawn cases per run: placements, micro-batches, the reference in the step or a batch ahead,
-    each cut into parts or whole, staggered or not, and costs (so the planned orders differ); two steps
-    each. A fifth is always the case with the most to get wrong: the reference a batch ahead, staggered,
-    in parts, the encoder spread in parts."""
+    each cut into parts or whole, staggered or not, the encoder trained or frozen (then a batch ahead),
+    and costs (so the planned orders differ); two steps each, planned again from other costs after the
+    first. Two more are always the cases with the most to get wrong: the reference a batch ahead,
+    staggered, in parts, the encoder spread in parts, trained and frozen."""
     always = {"micro": 3, "seed": 7, "parts": 2, "ref_parts": 2, "stagger": True, "enc": [0, 1], "lm": [0, 1],
               "ref": [1, 0], "ahead": 1, "seconds": [1.0, 2.0, 0.5, 1.0, 1.0, 2.0, 0.6, 0.0, 0.4, 0.0]}
-    run = rank_pool.run(str(HERE / "workers" / "mpmd_gloo.py"), 2, json.dumps([*cases, always]), timeout=300)
+    both = [always | {"frozen_enc": frozen} for frozen in (False, True)]
+    run = rank_pool.run(str(HERE / "workers" / "mpmd_gloo.py"), 2, json.dumps([*cases, *both]), timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "mpmd plans follow the plain step" in run.stdout
 
@@ -205,10 +207,10 @@ def test_dpo_with_its_reference_ahead_gives_the_plain_steps_on_gloo_ranks():
 
 def test_a_qwen_vl_tower_placed_by_hp_mpmd_gives_hfs_steps_on_gloo_ranks():
     """Level 2 on a real model through `hp.mpmd(model, place=..., mesh=...)`: a tiny Qwen2.5-VL's vision
-    tower spread over the pipeline's two ranks, and on a rank of its own; three SGD steps (the last planned
-    from the measured costs) give HF's loss and every gradient, the tower's included
+    tower spread over the pipeline's two ranks, on a rank of its own, and frozen a batch ahead; three SGD
+    steps (the last planned from the measured costs) give HF's loss and every gradient, the tower's included
     (`workers/mpmd_vl_gloo.py`)."""
     run = rank_pool.run(str(HERE / "workers" / "mpmd_vl_gloo.py"), 2, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    for placement in ("in the pipeline's bubbles", "on a rank of its own"):
+    for placement in ("in the pipeline's bubbles", "on a rank of its own", "frozen, a batch ahead in the pipeline's bubbles"):
         assert f"a vision tower {placement} follows HF's step" in run.stdout

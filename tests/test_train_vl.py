@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
-from train_runs import TINY_QWEN3_VL_PROCESSOR, hp_train, local_vl_model, summary
+from train_runs import TINY_QWEN3_VL_PROCESSOR, hp_train, local_vl_model, losses, summary
 
 import hp.cli
 from hp.parallel.strategy import Strategy
@@ -350,3 +350,33 @@ def assert_hf_loss_and_logits(model, batch, hf: dict, image_token_id: int, out) 
                  image_grid_thw=hf["image_grid_thw"], position_ids=positions)
     assert out.loss.item() == pytest.approx(want.loss.item(), rel=1e-6)
     assert torch.allclose(out.logits, want.logits, atol=1e-6)
+
+
+@pytest.mark.parametrize("pp, place, frozen", [(2, "pp", False), (1, 1, True)],
+                         ids=["tower in the pipeline's bubbles, trained", "tower on a rank of its own, frozen"])
+def test_a_placed_tower_has_the_plain_runs_losses_and_weights(tmp_path, pp, place, frozen):
+    """`parallel.mpmd: {place: {vision: ...}}` (hp.mpmd's level 2) on two gloo workers against one plain worker,
+    with two accumulated batches a step: the same losses step by step (the third step planned from the
+    measured costs), and the same weights in the checkpoint (each rank saved its share under the model's
+    own names)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from hp.train.checkpoint import load_model_weights
+
+    run = ["max_steps=3", "save_steps=3", "logging_steps=1", "per_device_train_batch_size=3",
+           "gradient_accumulation_steps=2", "learning_rate=3e-3", "warmup_ratio=0", "val_size=0", "eval_strategy=no",
+           f"freeze_vision_tower={frozen}", f"freeze_multi_modal_projector={frozen}",
+           f"dataset_dir={ROOT / 'examples' / 'data'}", "parallel.tp=1"]
+    summary(hp_train(*run, f"output_dir={tmp_path / 'plain'}", config=QUICKSTART_VL))
+    placed = summary(hp_train(*run, f"parallel.pp={pp}", f"parallel.mpmd={{place: {{vision: {place}}}}}",
+                              f"output_dir={tmp_path / 'placed'}", config=QUICKSTART_VL))
+    assert placed["mpmd_place"]["planned_from_costs"], placed
+    want, got = losses(tmp_path / "plain"), losses(tmp_path / "placed")
+    assert got.keys() == want.keys() and all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), (got, want)
+    weights = {}
+    for name in ("plain", "placed"):
+        model = Qwen2_5_VLForConditionalGeneration(CONFIG)
+        load_model_weights(str(tmp_path / name / "checkpoint-3"), model)
+        weights[name] = model.state_dict()
+    for key, value in weights["plain"].items():
+        assert torch.allclose(weights["placed"][key], value, rtol=1e-4, atol=1e-6), key

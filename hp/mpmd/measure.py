@@ -22,15 +22,15 @@ from hp.mpmd.costs import Costs
 from hp.mpmd.runtime import Runtime
 
 
-def link(group=None, *, nbytes: int = 1 << 20, rounds: int = 5) -> tuple[float, float]:
+def link(group=None, *, nbytes: int = 1 << 20, rounds: int = 5, device: torch.device | str = "cpu") -> tuple[float, float]:
     """(latency in seconds, bandwidth in bytes per second) between the group's ranks 0 and 1, the medians of
     `rounds` ping-pongs of 4 bytes and of `nbytes`; the same on every rank (rank 0's, broadcast)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    measured = torch.zeros(2, dtype=torch.float64)
+    measured = torch.zeros(2, dtype=torch.float64, device=device)
     if world > 1 and rank < 2:
         peer = dist.get_global_rank(group, 1 - rank) if group is not None else 1 - rank
-        small = _round_trip(torch.zeros(1), peer, rank, rounds, group)
-        large = _round_trip(torch.zeros(nbytes // 4), peer, rank, rounds, group)
+        small = _round_trip(torch.zeros(1, device=device), peer, rank, rounds, group)
+        large = _round_trip(torch.zeros(nbytes // 4, device=device), peer, rank, rounds, group)
         measured[0], measured[1] = small / 2, nbytes / max((large - small) / 2, 1e-9)
     dist.broadcast(measured, dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return float(measured[0]), float(measured[1])

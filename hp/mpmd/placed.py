@@ -72,7 +72,9 @@ class Placed:
         if self.graph.world > world:
             raise PlaceError(f"the placement uses ranks up to {self.graph.world - 1}; the group has {world}")
         self.rank = dist.get_rank(group)
-        self.runtime = Runtime(schedule(self.graph, Costs.unit(self.graph)), programs.stages, group=group)
+        device = next((p.device for m in programs.modules.values() for p in m.parameters()), torch.device("cpu"))
+        self.runtime = Runtime(schedule(self.graph, Costs.unit(self.graph)), programs.stages, group=group,
+                               device=device)
         self.costs: Costs | None = None
         self._spread = {p.name: self._group_of(p.ranks) for p in self.graph.programs
                         if p.spread and p.trains and len(p.ranks) > 1}
@@ -87,12 +89,12 @@ class Placed:
         prepare = self.programs.prepare
         losses = self.runtime.step(prepare(batch), *(None if b is None else prepare(b) for b in upcoming))
         self._sum_spread_gradients()
-        loss = step_loss(losses, self.group)
+        loss = step_loss(losses, self.group, self.runtime.device)
         if self.runtime.steps == 1:  # first touches: not a cost to plan by
             self.runtime.samples.clear()
             self.runtime.transfers.clear()
         elif self.runtime.steps == self.warmup:
-            self.costs = gathered_costs(self.runtime, *link(self.group), group=self.group)
+            self.costs = gathered_costs(self.runtime, *link(self.group, device=self.runtime.device), group=self.group)
             self.runtime.replan(schedule(self.graph, self.costs))
         return loss
 
@@ -103,6 +105,13 @@ class Placed:
             if self.graph.trains(node) and self.rank in self.graph.ranks_of(node):
                 seen.update((id(p), p) for p in module.parameters() if p.requires_grad)
         return list(seen.values())
+
+    def counted_parameters(self) -> list[nn.Parameter]:
+        """`parameters()`, less those of a program held whole on several ranks but the first of them: over
+        every rank, each parameter once (what a global gradient norm sums)."""
+        spread = [p for name in self._spread if self.rank != self.graph.program[name].ranks[0]
+                  for p in self.programs.modules[name, 0].parameters()]
+        return [p for p in self.parameters() if not any(p is q for q in spread)]
 
     def simulation(self) -> Simulation:
         """The plan replayed with the measured cost table (once planned from it)."""

@@ -7,7 +7,10 @@ norm and the head) into:
 
 - **the tower**, one program whose micro-batches each run on one of
   `tower_ranks` (held whole on each, its gradients summed over them as
-  data parallel's: `spread`);
+  data parallel's: `spread`). A frozen tower (LlamaFactory's default for a
+  pretrained one) has no backward and depends on nothing of the step, so it
+  runs a batch ahead: its features for batch t + 1 are computed in step t,
+  wherever a rank is idle;
 - **the language model**, cut into pipeline stages by `split`
   (`hp.parallel.pipeline.cut`: each stage is the model itself with what
   other stages hold skipped, so parameter names stay the model's own),
@@ -21,10 +24,11 @@ norm and the head) into:
 A micro-batch is one sample. The batch is a dict as HF's processor makes
 it (`input_ids`, `labels`, `pixel_values`, `image_grid_thw`);
 `Programs.prepare` adds the M-RoPE `position_ids` from the model's own
-`get_rope_index` on the whole batch when they are missing. Every sample
-holds at least one image (no video), each image opened by the vision-start
-token, which is how a sample's images are found. Given `rank`, only the
-stages that rank runs are built (each a copy of the model, cut).
+`get_rope_index` on the whole batch when they are missing. A sample holds
+images (no video) or none, each image opened by the vision-start token,
+which is how a sample's images are found. Given `rank`, the model
+itself is cut to what that rank runs, as `hp.parallel.pipeline` cuts a
+stage (its parameter names stay the model's own).
 
 >>> import torch
 >>> from transformers import AutoModelForImageTextToText
@@ -66,24 +70,56 @@ def vision_language(model: nn.Module, plan: ModelPlan, *, tower_ranks: tuple[int
                     stage_ranks: tuple[int, ...], microbatches: int, split: tuple[int, ...] | None = None,
                     rank: int | None = None) -> Programs:
     """`model`'s tower and language model as programs (see the module); `split`: blocks per stage (even
-    by default); `rank`: build only the stages it runs (None: every stage)."""
+    by default); `rank`: `model` cut in place to what that rank runs (None: every stage a copy, the tower
+    shared: one process holding all)."""
     blocks = len(model.get_submodule(plan.blocks))
     counts = split or even_split(blocks, len(stage_ranks))
     cuts = StageSplit.of_counts(counts)
-    graph = Graph((Program("vision", tuple(tower_ranks), spread=True), Program("language", tuple(stage_ranks))),
-                  (Flow(("vision", 0), ("language", 0)),), microbatches)
+    trains = any(p.requires_grad for p in model.get_submodule(plan.vision).parameters())
+    tower_program = Program("vision", tuple(tower_ranks), spread=True, trains=trains, ahead=0 if trains else 1)
+    graph = Graph((tower_program, Program("language", tuple(stage_ranks))), (Flow(("vision", 0), ("language", 0)),),
+                  microbatches)
     tokens = (model.config.image_token_id, model.config.vision_start_token_id)
+    width = model.get_input_embeddings().embedding_dim  # the tower's features are in the embedding's space
+    prepare = _with_positions(model)
+    if rank is not None:
+        return Programs(graph, *_this_ranks_part(model, plan, cuts, graph, rank, tokens, width), prepare)
+    fns: dict[Node, Callable] = {("vision", 0): _tower(model.get_submodule(plan.vision), tokens, width)}
+    modules: dict[Node, nn.Module] = {("vision", 0): model.get_submodule(plan.vision)}
+    for s in range(len(stage_ranks)):
+        stage = modules["language", s] = cut(copy.deepcopy(model), plan, cuts, s)
+        stage.set_submodule(plan.vision, Skipped())  # the tower is a program of its own
+        fns["language", s] = _language(stage, s == 0, s == len(stage_ranks) - 1, tokens)
+    return Programs(graph, fns, modules, prepare)
+
+
+def _this_ranks_part(model: nn.Module, plan: ModelPlan, cuts: StageSplit, graph: Graph, rank: int,
+                     tokens: tuple[int, int], width: int) -> tuple[dict, dict]:
+    """`model` cut in place to what `rank` runs: its language stage (if any) and the tower (if it runs it).
+    Its parameter names stay the model's own, so its state dict is this rank's share of a checkpoint."""
+    stage_ranks, tower_ranks = graph.program["language"].ranks, graph.program["vision"].ranks
+    mine = [s for s, on in enumerate(stage_ranks) if on == rank]
+    if len(mine) > 1:
+        raise ValueError(f"rank {rank} holds stages {mine}: a model cut in place holds one stage per rank")
     fns: dict[Node, Callable] = {}
     modules: dict[Node, nn.Module] = {}
-    if rank is None or rank in tower_ranks:
-        modules["vision", 0] = tower = model.get_submodule(plan.vision)
-        fns["vision", 0] = _tower(tower, tokens)
-    for s, on in enumerate(stage_ranks):
-        if rank is None or rank == on:
-            stage = modules["language", s] = cut(copy.deepcopy(model), plan, cuts, s)
-            stage.set_submodule(plan.vision, Skipped())  # the tower is a program of its own
-            fns["language", s] = _language(stage, s == 0, s == len(stage_ranks) - 1, tokens)
-    return Programs(graph, fns, modules, _with_positions(model))
+    if rank in tower_ranks:
+        modules["vision", 0] = model.get_submodule(plan.vision)
+        fns["vision", 0] = _tower(modules["vision", 0], tokens, width)
+    else:
+        model.set_submodule(plan.vision, Skipped())
+    if mine:
+        s = mine[0]
+        modules["language", s] = cut(model, plan, cuts, s)
+        fns["language", s] = _language(model, s == 0, s == len(stage_ranks) - 1, tokens)
+    else:  # the tower's rank alone: none of the language model
+        blocks = model.get_submodule(plan.blocks)
+        for i in range(len(blocks)):
+            blocks[i] = Skipped()
+        for name in (plan.embedding, plan.norm, plan.head):
+            if name is not None:
+                model.set_submodule(name, Skipped())
+    return fns, modules
 
 
 def _with_positions(model: nn.Module) -> Callable[[dict], dict]:
@@ -109,21 +145,28 @@ def even_split(blocks: int, stages: int) -> tuple[int, ...]:
 
 
 def sample(batch: dict, m: int, vision_start: int) -> dict:
-    """Sample m of `batch`: its ids, labels and positions, its images' patches and grids, and the batch's
-    supervised token count (what each micro-batch's summed loss is divided by)."""
-    ids, grids = batch["input_ids"], batch["image_grid_thw"]
+    """Sample m of `batch`: its ids, labels and positions, its images' patches and grids (none: a sample
+    without images), and what its summed token loss is divided by: the batch's `supervised[m]` when
+    given (accumulated batches, each its own mean), else the batch's supervised token count."""
+    ids, grids = batch["input_ids"], batch.get("image_grid_thw")
     images = (ids == vision_start).sum(-1).tolist()  # each image opens with the vision-start token
     first = sum(images[:m])
-    sizes = grids.prod(-1).tolist()
+    sizes = grids.prod(-1).tolist() if grids is not None else []
     start, count = sum(sizes[:first]), sum(sizes[first:first + images[m]])
+    pixels = batch.get("pixel_values")
+    supervised = batch.get("supervised")  # each sample's divisor, when the batch gives them
     return {"ids": ids[m:m + 1], "labels": batch["labels"][m:m + 1], "positions": batch["position_ids"][:, m:m + 1],
-            "pixels": batch["pixel_values"][start:start + count], "grid": grids[first:first + images[m]],
-            "supervised": int((batch["labels"][:, 1:] != -100).sum())}
+            "pixels": pixels[start:start + count] if pixels is not None else None,
+            "grid": grids[first:first + images[m]] if grids is not None else ids.new_zeros(0, 3),
+            "supervised": int((batch["labels"][:, 1:] != -100).sum()) if supervised is None else supervised[m]}
 
 
-def _tower(tower: nn.Module, tokens: tuple[int, int]) -> Callable:
+def _tower(tower: nn.Module, tokens: tuple[int, int], width: int) -> Callable:
     def run(batch: dict, m: int, inputs: list[torch.Tensor]) -> torch.Tensor:
         x = sample(batch, m, tokens[1])
+        if len(x["grid"]) == 0:  # a sample without images: no features, but a backward to run
+            anchor = next(tower.parameters())
+            return anchor.new_zeros(0, width) + 0 * anchor.sum()
         return tower(x["pixels"], grid_thw=x["grid"]).pooler_output  # one feature per image token
     return run
 

@@ -15,7 +15,10 @@ Each rank runs its list of actions in order (`hp.mpmd.plan.Plan`):
 
 Sends never block and each receive names its sender and a tag unique to
 the flow, direction, micro-batch and step, so a plan whose replay
-completes (`hp.mpmd.plan.replay`) cannot deadlock here. Programs running
+completes (`hp.mpmd.plan.replay`) cannot deadlock here. Each runtime sends
+on a process group of its own: what one leaves in flight when its steps
+end (a program running ahead has sent for a step that never comes) cannot
+be received by another. Programs running
 ahead work on a later batch: what a stage sends to a stage running less far
 ahead is received that many steps later; before the first step, `step`
 runs the steps before it for the stages far enough ahead to have a batch
@@ -53,8 +56,11 @@ class Runtime:
     one, for the programs running ahead) and returns the losses this rank computed, by micro-batch.
     """
 
-    def __init__(self, plan: Plan, stages: Mapping[Node, StageFn], *, group: Any = None) -> None:
-        self.plan, self.graph, self.stages, self.group = plan, plan.graph, dict(stages), group
+    def __init__(self, plan: Plan, stages: Mapping[Node, StageFn], *, group: Any = None,
+                 device: torch.device | str = "cpu") -> None:
+        self.plan, self.graph, self.stages = plan, plan.graph, dict(stages)
+        self.group = _own_group(group)  # what this runtime leaves in flight no other can take
+        self.device = torch.device(device)  # where received tensors land (nccl and hccl send device tensors)
         self.rank = dist.get_rank(group)
         self.samples: list[tuple[Action, float]] = []  # (action, seconds) measured here
         self.transfers: list[tuple[Node, Node, int]] = []  # (src, dst, bytes) sent from here
@@ -68,6 +74,7 @@ class Runtime:
         self._held: dict = {}  # (node, micro, "out") -> output; (node, micro) -> inputs; grads by (src, dst, micro)
         self._sends: list = []  # (the step that receives it, its work)
         self._waited = 0.0  # seconds of the current action spent receiving (not the action's cost)
+        self._plan_of: dict[int, Plan] = {}  # the plan each recent step ran: a stage running ahead sent by it
 
     def replan(self, plan: Plan) -> None:
         """Run `plan` (of the same graph) from the next step on: a plan made from the first steps' costs.
@@ -103,6 +110,7 @@ class Runtime:
         stages running far enough ahead have a batch); `batches[0]` is the first batch (prologue) or this
         step's."""
         losses: dict[int, torch.Tensor] = {}
+        self._plan_of = {s: p for s, p in self._plan_of.items() if s > step - self._window} | {step: self.plan}
         first = min(step, 0)  # the index in `batches` of step `step`'s own batch
         for action in self.plan.actions[self.rank]:
             index = first + self.graph.ahead_of(action.node)
@@ -130,7 +138,8 @@ class Runtime:
                   for src in self.graph.inputs(node)]
         inputs = [joined[0] if len(joined) == 1 else torch.cat(joined) for joined in pieces]
         for src in self.graph.carried_inputs(node):  # sent in an earlier step: frozen, no gradient back
-            carried = [self._input(src, node, p, step).detach() for p in self.graph.pieces(src, node, m)]
+            sent = step - (self.graph.ahead_of(src) - self.graph.ahead_of(node))
+            carried = [self._input(src, node, p, step, sent).detach() for p in self.graph.pieces(src, node, m)]
             inputs.append(carried[0] if len(carried) == 1 else torch.cat(carried))
         trains = self.graph.trains(node)
         with torch.enable_grad() if trains else torch.no_grad():
@@ -170,8 +179,11 @@ class Runtime:
             self._send(out, to, self._tag(src, dst, m, 0, step), step)
             self.transfers.append((src, dst, out.numel() * out.element_size()))
 
-    def _input(self, src: Node, dst: Node, m: int, step: int) -> torch.Tensor:
-        frm = self._where("F", src, m)
+    def _input(self, src: Node, dst: Node, m: int, step: int, sent: int | None = None) -> torch.Tensor:
+        """Micro-batch m's tensor from `src`, received in step `step`; sent in step `sent` (default: this one)
+        from the rank that step's plan ran it on."""
+        plan = self._plan_of.get(step if sent is None else sent, self.plan)
+        frm = plan.where[Action("F", *src, m)]
         x = self._held.pop((src, dst, m, "fwd", step)) if frm == self.rank else self._recv(frm, self._tag(src, dst, m, 0, step))
         wants_grad = self.graph.trains(src) and self.graph.trains(dst) and x.is_floating_point()
         return x.detach().requires_grad_(wants_grad)
@@ -199,9 +211,8 @@ class Runtime:
     def _send(self, tensor: torch.Tensor, to: int, tag: int, received: int) -> None:
         """Send `tensor` to rank `to`, received in step `received` (the next one's for a program running ahead)."""
         tensor = tensor.contiguous()
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
-        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        header = torch.tensor([_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
+                              + [0] * (_HEADER - 2 - tensor.dim()), dtype=torch.int64, device=self.device)
         peer = dist.get_global_rank(self.group, to) if self.group is not None else to
         self._sends += [(received, dist.isend(header, peer, group=self.group, tag=tag)),
                         (received, dist.isend(tensor, peer, group=self.group, tag=tag + 1)),
@@ -210,19 +221,25 @@ class Runtime:
     def _recv(self, frm: int, tag: int) -> torch.Tensor:
         start = time.perf_counter()
         peer = dist.get_global_rank(self.group, frm) if self.group is not None else frm
-        header = torch.empty(_HEADER, dtype=torch.int64)
+        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
         dist.recv(header, peer, group=self.group, tag=tag)
-        shape = header[2:2 + int(header[1])].tolist()
-        out = torch.empty(shape, dtype=_DTYPES[int(header[0])])
+        code, ndim, *shape = header.tolist()
+        out = torch.empty(shape[:ndim], dtype=_DTYPES[code], device=self.device)
         dist.recv(out, peer, group=self.group, tag=tag + 1)
         self._waited += time.perf_counter() - start
         return out
 
 
-def step_loss(losses: dict[int, torch.Tensor], group: Any = None) -> torch.Tensor:
+def _own_group(group: Any) -> Any:
+    """A process group of its own over `group`'s ranks (default: the world); made by every rank alike."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    return dist.new_group(ranks)
+
+
+def step_loss(losses: dict[int, torch.Tensor], group: Any = None, device: torch.device | str = "cpu") -> torch.Tensor:
     """The step's loss on every rank: the micro-batches' losses each rank's `Runtime.step` returned, summed
     over the micro-batches and the ranks (a collective: every rank calls it)."""
-    total = torch.stack(list(losses.values())).sum().detach().clone() if losses else torch.zeros(())
+    total = torch.stack(list(losses.values())).sum().detach().float() if losses else torch.zeros((), device=device)
     dist.all_reduce(total, group=group)
     return total
 

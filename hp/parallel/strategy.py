@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hp.parallel.placement import Placement, PlacementError
 from hp.parallel.tp2d import TP2D, TP2DError
 
 CP_ALGORITHMS = ("ulysses", "ring")  # how attention runs on a sequence split over cp (hp.ops.context_parallel)
@@ -97,6 +98,7 @@ class Strategy:
     recompute: bool = False  # each decoder block recomputes its activations in backward instead of keeping them
     compile: bool = False  # each decoder block and the loss under torch.compile(fullgraph=True) (hp.parallel.compiled)
     mpmd: int | str | None = None  # hp.mpmd's chunks: a count, "auto" (planned), or None (the step as it is)
+    mpmd_place: Placement | None = None  # hp.mpmd's sub-models on ranks of their own (hp.parallel.placement)
     pp: int = 1  # pipeline parallel: the blocks cut into stages over pp ranks (hp.parallel.pipeline)
     pp_schedule: str = "1F1B"  # one of PP_SCHEDULES
     pp_microbatches: int | None = None  # micro-batches a step's batch is cut into (None: one per stage)
@@ -141,6 +143,20 @@ class Strategy:
         self._refuse_what_is_not_built()
         self._check_tp2d()
         self._check_pipeline()
+        self._check_placement()
+
+    def _check_placement(self) -> None:
+        if self.mpmd_place is None:
+            return
+        try:
+            object.__setattr__(self, "mpmd_place", Placement.of(self.mpmd_place))
+        except PlacementError as e:
+            raise StrategyError(f"mpmd.place.{e.key}", e.value, e.problem) from None
+        for key in PLACED_ALONE:
+            if getattr(self, key) != DEFAULTS[key]:
+                raise StrategyError(key, getattr(self, key), " with mpmd.place: each placed program's stages run "
+                                    "whole on their rank (stages laid out on other axes are not built yet); "
+                                    "leave it out")
 
     def _check_tp2d(self) -> None:
         if self.tp2d is None:
@@ -247,7 +263,7 @@ class Strategy:
         >>> Strategy.of({"zp": 2})
         Traceback (most recent call last):
         ...
-        hp.parallel.strategy.StrategyError: zp = 2: unknown strategy key; expected one of dp, cp, tp, sp, cp_algorithm, fsdp, reshard_after_forward, param_dtype, reduce_dtype, ep, expert_bias_rate, tp2d, offload, offload_budget, vision_tp, recompute, compile, mpmd, pp, pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split
+        hp.parallel.strategy.StrategyError: zp = 2: unknown strategy key; expected one of dp, cp, tp, sp, cp_algorithm, fsdp, reshard_after_forward, param_dtype, reduce_dtype, ep, expert_bias_rate, tp2d, offload, offload_budget, vision_tp, recompute, compile, mpmd, mpmd_place, pp, pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split
         """
         if spec is None:
             return cls()
@@ -264,8 +280,9 @@ class Strategy:
 
     @property
     def world_size(self) -> int:
-        """Ranks the layout needs: pp * dp * cp * tp (x * y * z for tp2d)."""
-        return self.pp * self.dp * self.cp * self.tp * (self.tp2d.ranks if self.tp2d else 1)
+        """Ranks the layout needs: pp * dp * cp * tp (x * y * z for tp2d), plus the placed sub-models' own."""
+        own = self.mpmd_place.own_ranks if self.mpmd_place is not None else 0
+        return self.pp * self.dp * self.cp * self.tp * (self.tp2d.ranks if self.tp2d else 1) + own
 
     @property
     def mesh_axes(self) -> dict[str, int]:
@@ -274,6 +291,8 @@ class Strategy:
         Only axes that split something exist: DTensor's redistribution planner
         slows down sharply with idle size-1 axes.
         """
+        if self.mpmd_place is not None:  # the placed programs' ranks: one group, no layout axis
+            return {PLACED_AXIS: self.world_size}
         degrees = {"dp": self.dp // self.ep, "ep": self.ep, "cp": self.cp,
                    **(self.tp2d.mesh_axes if self.tp2d else {"tp": self.tp})}
         within = {name: n for name, n in degrees.items() if n > 1} or {"tp": 1}
@@ -351,9 +370,14 @@ class Strategy:
         ...
         hp.parallel.strategy.StrategyError: tp = 3 does not divide num_attention_heads = 4 of the model
         """
-        if self.pp > 1 and getattr(config, "vision_config", None) is not None:
+        vision = getattr(config, "vision_config", None) is not None
+        if self.pp > 1 and vision and self.mpmd_place is None:
             raise StrategyError("pp", self.pp, f": {getattr(config, 'model_type', '?')} is a vision-language model, "
-                                "whose vision tower pipeline parallel does not place yet; use tp, dp or FSDP")
+                                "whose vision tower the pipeline places with mpmd: {place: {vision: pp}} (in its "
+                                "bubbles) or {place: {vision: N}} (on N ranks of its own); or use tp, dp or FSDP")
+        if self.mpmd_place is not None and not vision:
+            raise StrategyError("mpmd.place.vision", self.mpmd_place.vision, f": {getattr(config, 'model_type', '?')} "
+                                "has no vision tower to place")
         config = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VL model's decoder
         self._check_experts(config)
         self._check_stages(config)
@@ -434,6 +458,10 @@ def num_experts(config: Any) -> int:
 FIELDS = tuple(f.name for f in dataclasses.fields(Strategy))
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(Strategy)}
 PP_OPTIONS = ("pp_schedule", "pp_microbatches", "pp_stages_per_rank", "pp_split")  # pipeline's own: refused without it
+PLACED_AXIS = "mpmd"  # the mesh of a placed step: every rank, its programs' own
+# What a placed step refuses: its stages run whole (no other axis) and it plans its own order (no pp schedule).
+PLACED_ALONE = ("dp", "cp", "tp", "sp", "ep", "fsdp", "tp2d", "offload", "compile", "vision_tp", "mpmd",
+                "pp_schedule", "pp_microbatches", "pp_stages_per_rank")
 
 
 def _split_sizes(config: Any) -> dict[str, int]:

@@ -66,6 +66,7 @@ from hp.device import bind_local_device, detect
 from hp.parallel.expert_balance import ExpertLoad, measure, nudge_routing_bias
 from hp.parallel.pipeline import pipeline_of
 from hp.parallel.plain_dp import accumulating
+from hp.mpmd.placed import Placed
 from hp.mpmd.transform import Mpmd
 from hp.models import plan_for
 from hp.plot import pyplot
@@ -73,11 +74,13 @@ from hp.train import checkpoint, restarts
 from hp.train.config import PREFERENCE_STAGES, TrainConfig, to_dict
 from hp.train.data import IGNORE_INDEX, TokenBatches, eval_batches, load_splits, load_tokenizer
 from hp.train.data.embedded import model_config
+from hp.train.clipping import clip_gradients, clip_placed, scalar
 from hp.train.errors import TrainingError
 from hp.train.loader import loader
 from hp.train.finetuning import Finetuning
 from hp.train.model import build_model, freeze_parts, resolved_strategy
 from hp.train.pipelined import LENGTH_STEP, pipelined_step
+from hp.train.placed import place, placed_step, placed_summary
 from hp.train.objectives import Dpo, Kto, LanguageModeling, Reference, Reward
 from hp.train.preflight import resume_path
 from hp.train.report import METRICS, TENSORBOARD_DIR, Reporter
@@ -98,6 +101,7 @@ class Progress:
     logged_rewards: dict[str, float] = field(default_factory=dict)  # last metrics line, and that line's mean
     first_rewards: dict[str, float] = field(default_factory=dict)  # the first step's of this run
     mpmd: Mpmd | None = None  # the pipelined step, under parallel.mpmd: its plan and last report
+    placed: Placed | None = None  # the placed step, under parallel.mpmd.place: its plan and cost table
     started: float = field(default_factory=time.perf_counter)  # the loop's start, for each record's elapsed_s
 
     def rewards_window(self) -> dict[str, float]:
@@ -119,8 +123,9 @@ def train(config: TrainConfig) -> dict:
     mesh = hp.strategy_mesh(strategy)
     examples, held_out = load_splits(config, tokenizer)
     dp = config.parallel.dp
+    scheduled = strategy.pp > 1 and strategy.mpmd_place is None  # torch's pipeline schedules: few lengths
     batches = TokenBatches(examples, config.per_device_train_batch_size * dp, config.seed, tokenizer.pad_token_id,
-                           vision=examples.vision, pad_to_multiple_of=LENGTH_STEP if strategy.pp > 1 else 1)
+                           vision=examples.vision, pad_to_multiple_of=LENGTH_STEP if scheduled else 1)
     evaluation = (eval_batches(held_out, config.per_device_eval_batch_size * dp, tokenizer.pad_token_id)
                   if config.evaluates else [])
     model = build_model(config.model_name_or_path, tokenizer.vocab_size, mesh, strategy, seed=config.seed,
@@ -128,6 +133,8 @@ def train(config: TrainConfig) -> dict:
     objective = make_objective(config, model, mesh, tokenizer.vocab_size)
     freeze_parts(model, vision_tower=config.freeze_vision_tower, projector=config.freeze_multi_modal_projector,
                  language_model=config.freeze_language_model)
+    placed = place(model, config) if strategy.mpmd_place is not None else None  # cut to this rank's programs
+    progress = Progress(placed=placed)
     trained = [p for p in model.parameters() if p.requires_grad]  # frozen weights keep no optimizer state
     optimizer = adamw(trained, config)
     total = total_steps(config, len(batches))
@@ -139,7 +146,6 @@ def train(config: TrainConfig) -> dict:
         _prepare_output_dir(config, step)
     report = (Reporter(config.output_dir, config.report_to, resumed_at=step, logging_dir=config.logging_dir)
               if rank0 else None)
-    progress = Progress()
     bar = _progress_bar(total, step) if rank0 else None
     device, first = mesh.device_type, step
     forward_backward = functools.partial(_step, objective, stream, config, device)
@@ -147,6 +153,8 @@ def train(config: TrainConfig) -> dict:
     if pipe is not None:  # the schedule runs forward and backward, micro-batch by micro-batch
         forward_backward = functools.partial(pipelined_step, pipe, stream, config.gradient_accumulation_steps,
                                              config.bf16, device)
+    if placed is not None:  # each rank its own programs' actions, in the order planned from their costs
+        forward_backward = functools.partial(placed_step, placed, stream, config, tokenizer.pad_token_id, device)
     if strategy.offload is not None:  # saved activations under a budget, AdamW's states away between updates
         blocks = tuple(model.get_submodule(plan_for(model.config).blocks))  # the planner may recompute these
         forward_backward = hp.offload(forward_backward, budget=strategy.offload_budget, modules=[model],
@@ -162,8 +170,9 @@ def train(config: TrainConfig) -> dict:
             with _traced() if step == first else nullcontext() as trace:  # every step moves the same bytes
                 loss, tokens, rewards = forward_backward()
                 hp.reduce_gradients(model)
-                norm = clip_gradients(model.parameters(), config.max_grad_norm or math.inf,
-                                      group=pipe.group if pipe is not None else None)
+                norm = clip_placed(placed, config.max_grad_norm or math.inf) if placed is not None else \
+                    clip_gradients(model.parameters(), config.max_grad_norm or math.inf,
+                                   group=pipe.group if pipe is not None else None)
                 _require_finite(config, step + 1, loss, norm, saver)
                 optimizer.step()
                 scheduler.step()
@@ -272,7 +281,7 @@ def evaluate(model: nn.Module, batches, config: TrainConfig, device: str) -> flo
                 pipe = pipeline_of(model)  # under pp the schedule runs the stages' forwards
                 inputs = batch.inputs(device)
                 loss = pipe.evaluate(inputs["input_ids"], inputs["labels"]) if pipe else model(**inputs).loss
-                total += _value(loss) * supervised
+                total += scalar(loss) * supervised
                 tokens += supervised
     model.train()
     measure(model)  # every rank: the evaluation's expert loads are not the next training step's
@@ -357,44 +366,11 @@ def _step(objective, batches, config: TrainConfig, device: str) -> tuple[float, 
         last = micro == accumulate - 1
         with nullcontext() if last else accumulating(objective.model):  # dp sums once, after the last
             (outcome.loss / accumulate).backward()
-        total += _value(outcome.loss) / accumulate
+        total += scalar(outcome.loss) / accumulate
         for key, value in outcome.metrics.items():
             rewards[key] = rewards.get(key, 0.0) + value / accumulate
         tokens += sum(b.input_ids.numel() for b in (batch, batch.kl) if b is not None)  # processed, padding included
     return total, tokens, rewards
-
-
-def clip_gradients(params, max_norm: float, *, group=None) -> float:
-    """Scale gradients so that their global norm is at most `max_norm`; returns the norm before.
-
-    Like `torch.nn.utils.clip_grad_norm_`, for any mix of plain and DTensor gradients on any
-    meshes (each norm is reduced over its own mesh first); `group` is one over whose ranks the
-    parameters differ (pipeline stages), where the squared norms add up.
-
-    >>> p = torch.nn.Parameter(torch.ones(4)); p.grad = torch.full((4,), 3.0)
-    >>> clip_gradients([p], 1.0), p.grad.norm().item()
-    (6.0, 1.0)
-    """
-    groups: dict[tuple, list[torch.Tensor]] = {}  # one reduction per layout, not one per gradient
-    for p in params:
-        if p.grad is not None:
-            layout = (id(p.grad.device_mesh), p.grad.placements) if hasattr(p.grad, "device_mesh") else ()
-            groups.setdefault((layout, p.grad.dtype), []).append(p.grad.detach())
-    squared = sum(_value(torch.nn.utils.get_total_norm([g.float() for g in grads])) ** 2 for grads in groups.values())
-    if group is not None:
-        summed = torch.tensor([float(squared)], dtype=torch.float64)
-        dist.all_reduce(summed, group=group)
-        squared = summed.item()
-    total = squared ** 0.5
-    if total > max_norm:
-        for grads in groups.values():
-            torch._foreach_mul_(grads, max_norm / total)
-    return total
-
-
-def _value(loss) -> float:
-    full = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-    return float(full.detach())
 
 
 def _scheduler(config: TrainConfig, optimizer, total: int):
@@ -446,6 +422,7 @@ def _summary(config: TrainConfig, progress: Progress, step: int, device: str) ->
     moe = {} if progress.expert_load is None else {"expert_imbalance": progress.expert_load.imbalance}
     offload = {} if progress.offload_bytes is None else {"offload_bytes_per_step": progress.offload_bytes}
     mpmd = {} if progress.mpmd is None else {"mpmd": _mpmd_summary(progress.mpmd)}
+    mpmd |= {} if progress.placed is None else {"mpmd_place": placed_summary(progress.placed)}
     rewards = {"rewards": w, "first_rewards": progress.first_rewards} if (w := progress.rewards_window()) else {}
     return {
         "first_loss": progress.losses[0] if progress.losses else None,

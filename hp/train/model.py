@@ -310,7 +310,9 @@ def build_model(name_or_path: str, vocab_size: int, mesh, strategy: Strategy, *,
 
 def _lay_out(model: nn.Module, mesh, strategy: Strategy, plan) -> nn.Module:
     """`model` laid out by `strategy`; under pipeline parallel, cut to this rank's stage first (one stage per
-    rank in `hp train`: the pipeline is `hp.parallel.pipeline.pipeline_of(model)`)."""
+    rank in `hp train`: the pipeline is `hp.parallel.pipeline.pipeline_of(model)`); under mpmd.place, as it is."""
+    if strategy.mpmd_place is not None:  # cut into programs later, by hp.train.placed
+        return model
     if strategy.pp > 1:
         pipeline(model, mesh, strategy, plan, device=torch.device(mesh.device_type))
         return model

@@ -115,7 +115,7 @@ def _timed_out(timeouts: Sequence[Mapping], exit_codes: Mapping[int, int], known
     elif nodes > 1:
         text += "; the ranks that never joined it are on another node"
     elif len({(r.get("collective"), r.get("where")) for r in timeouts}) > 1:
-        text = (f"every rank waited out ddp_timeout, in different collectives (" +
+        text = ("every rank waited out ddp_timeout, in different collectives (" +
                 "; ".join(f"rank {r['rank']} in {_doing(r)}" for r in sorted(timeouts, key=lambda r: r["rank"])) +
                 "): the ranks called collectives in different orders")
     else:

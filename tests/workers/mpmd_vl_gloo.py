@@ -1,9 +1,9 @@
 """Worker for test_mpmd_programs.py: a Qwen2.5-VL's vision tower placed on a sub-mesh by
 `hp.mpmd(model, place=..., mesh=...)` (level 2) on two gloo ranks, against HF's plain step.
 
-Two placements: the tower spread over the pipeline's own two ranks (in its bubbles, held whole on both,
-its gradients summed over them), and the tower on rank 1 alone beside a one-stage language model on rank
-0. A micro-batch is one sample and its images (one or two). Each step's loss and every gradient, the
+Three placements: the tower spread over the pipeline's own two ranks (in its bubbles, held whole on both,
+its gradients summed over them), the tower on rank 1 alone beside a one-stage language model on rank 0,
+and a frozen tower spread over both ranks, run a batch ahead. A micro-batch is one sample and its images (one or two). Each step's loss and every gradient, the
 tower's included, equal the unsharded model's (fp32, relative 1e-5), over three SGD steps: two in unit
 time's plan, then the plan made from the measured costs. Every check raises.
 """
@@ -20,23 +20,27 @@ import hp
 from hp.models import plan_for, tiny_config, tiny_vl_batch
 
 IMAGES = [[(16, 16)], [(16, 8), (8, 8)], [(8, 24)], [(16, 16)]]  # a sample's images: a sample is a micro-batch
-PLACEMENTS = {"in the pipeline's bubbles": {"enc": (0, 1), "pp": (0, 1)}, "on a rank of its own": {"enc": (1,), "pp": (0,)}}
+PLACEMENTS = {"in the pipeline's bubbles": ({"enc": (0, 1), "pp": (0, 1)}, True),
+              "on a rank of its own": ({"enc": (1,), "pp": (0,)}, True),
+              "frozen, a batch ahead in the pipeline's bubbles": ({"enc": (0, 1), "pp": (0, 1)}, False)}
+STEPS = 3
 
 
-def check(mesh: dict) -> None:
+def check(mesh: dict, tower_trains: bool) -> None:
     torch.manual_seed(0)
     config = tiny_config("qwen2_5_vl", layers=2)
     reference = AutoModelForImageTextToText.from_config(config)
-    full = tiny_vl_batch(reference, images=IMAGES, seq=24)
-    batch = {k: v for k, v in full.items() if k != "position_ids"}  # the placed step computes them alike
+    reference.model.visual.requires_grad_(tower_trains)
+    full = [tiny_vl_batch(reference, images=IMAGES, seq=24, seed=n) for n in range(STEPS)]
+    batches = [{k: v for k, v in b.items() if k != "position_ids"} for b in full]  # the placed step computes them
     step = hp.mpmd(copy.deepcopy(reference), place={"model.visual": "enc"}, mesh=mesh, plan=plan_for(config),
                    microbatches=len(IMAGES), warmup=2)
     optimizer = torch.optim.SGD(step.parameters(), lr=0.5)
-    want_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
-    for n in range(3):
-        want = reference(**full).loss
+    want_optimizer = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.5)
+    for n in range(STEPS):
+        want = reference(**full[n]).loss
         want.backward()
-        got = step(batch)
+        got = step(batches[n], *batches[n + 1:n + 2])  # a frozen tower runs a batch ahead
         assert torch.allclose(got, want.detach(), rtol=1e-5), (n, got, want)
         grads = dict(reference.named_parameters())
         for (program, _), module in step.programs.modules.items():
@@ -52,8 +56,8 @@ def check(mesh: dict) -> None:
 
 def main() -> None:
     dist.init_process_group("gloo")
-    for name, mesh in PLACEMENTS.items():
-        check(mesh)
+    for name, (mesh, tower_trains) in PLACEMENTS.items():
+        check(mesh, tower_trains)
         print(f"a vision tower {name} follows HF's step", flush=True)
     dist.destroy_process_group()
 

@@ -25,7 +25,7 @@ from hp.train.config.fold import Fold, launched_ranks
 from hp.train.config.hyper_parallel import (
     HYPER_CHECKED, check_efsdp_size, fold_fsdp_size, fsdp_everywhere, override_cp_size,
 )
-from hp.train.config.rules import HYPER_TO_PARALLEL, PARALLEL_RULES, check_value, refuse, unknown_key
+from hp.train.config.rules import HYPER_TO_PARALLEL, PARALLEL_RULES, PLACE_RULE, check_value, refuse, unknown_key
 from hp.train.config.schema import ConfigError, TrainConfig
 from hp.train.config.sharding_keys import ShardingKeyError, Translation, from_deepspeed, from_hf_fsdp
 
@@ -47,12 +47,16 @@ def parallel_section(section: Any) -> dict[str, Any]:
             raise unknown_key(key, value, tuple(PARALLEL_RULES), "parallel.")
     if isinstance(section.get("offload"), Mapping):
         section = {**section, **_offload_mapping(section["offload"], "offload_budget" in section)}
-    if isinstance(section.get("mpmd"), Mapping):  # {chunks: N}
-        if set(section["mpmd"]) - {"chunks"}:
-            raise refuse("parallel.mpmd", dict(section["mpmd"]), PARALLEL_RULES["mpmd"].allowed)
-        section = {**section, "mpmd": section["mpmd"].get("chunks", "auto")}
-    return {key: check_value(f"parallel.{key}", section[key], rule)
-            for key, rule in PARALLEL_RULES.items() if key in section}
+    place = {}
+    if isinstance(section.get("mpmd"), Mapping):  # {chunks: N} (level 1), or {place: {vision: pp}} (levels 2-3)
+        mpmd = dict(section["mpmd"])
+        if set(mpmd) - {"chunks", "place"} or len(mpmd) != 1:
+            raise refuse("parallel.mpmd", mpmd, PARALLEL_RULES["mpmd"].allowed)
+        if "place" in mpmd:
+            place = {"mpmd_place": check_value("parallel.mpmd.place", mpmd["place"], PLACE_RULE)}
+        section = {**section, "mpmd": mpmd.get("chunks", "auto") if "chunks" in mpmd else None}
+    return {**{key: check_value(f"parallel.{key}", section[key], rule)
+               for key, rule in PARALLEL_RULES.items() if key in section}, **place}
 
 
 def _offload_mapping(value: Mapping, budget_given: bool) -> dict[str, Any]:
@@ -119,9 +123,10 @@ def fold_strategy(given: dict[str, Any], hyper: dict[str, Any] | None, elsewhere
 
 
 def _derive_dp(fold: Fold, values: Mapping[str, Any]) -> None:
-    """dp, when unset, from the launched ranks that cp and tp leave."""
+    """dp, when unset, from the launched ranks that cp and tp leave (none under mpmd.place: its ranks are the
+    pipeline's and the placed sub-models')."""
     world = launched_ranks(values)
-    if "dp" in fold.values or world is None:
+    if "dp" in fold.values or world is None or fold.get("mpmd_place") is not None:
         return
     tensor = tp2d_ranks(fold.get("tp2d")) or fold.get("tp")
     inner = fold.get("pp") * fold.get("cp") * tensor

@@ -151,8 +151,9 @@ PARALLEL_RULES: dict[str, Rule] = {
     "reshard_after_forward": Rule("bool"),
     "param_dtype": Rule("str", choices=DTYPES, optional=True),
     "reduce_dtype": Rule("str", choices=DTYPES, optional=True),
-    "mpmd": Rule("chunks", lambda v: v == "auto" or v >= 1, "a number of chunks >= 1, 'auto', {chunks: N}, or null "
-                 "(hp.mpmd pipelines the step's collectives over that many chunks)", optional=True),
+    "mpmd": Rule("chunks", lambda v: v == "auto" or v >= 1, "a number of chunks >= 1, 'auto', {chunks: N}, "
+                 "{place: {vision: pp or N}}, or null (hp.mpmd pipelines the step's collectives over that many "
+                 "chunks, or places sub-models on ranks of their own)", optional=True),
     "pp": Rule("int", lambda v: v >= 1, "an integer >= 1"),
     "pp_schedule": Rule("str", choices=tuple(PP_SCHEDULES)),
     "pp_microbatches": Rule("int", lambda v: v >= 1, "an integer >= 1, or null (one per stage)", optional=True),
@@ -161,6 +162,9 @@ PARALLEL_RULES: dict[str, Rule] = {
     "pp_split": Rule("ints", lambda v: all(n >= 1 for n in v), "a list of blocks per stage, each >= 1, or null "
                      "(balanced by cost)", optional=True),
 }
+
+# parallel.mpmd.place: the sub-models placed (its keys and values are checked by hp.parallel.placement)
+PLACE_RULE = Rule("mapping", allowed="a mapping of sub-models to where they run, e.g. {vision: pp}")
 
 # LlamaFactory's HyperParallel keys that name a parallel degree, and that degree.
 HYPER_TO_PARALLEL = {"tp_size": "tp", "cp_size": "cp", "ep_size": "ep"}

@@ -156,6 +156,7 @@ def _check_training(config: TrainConfig) -> None:
                           "of them (a held-out split, or datasets of its own)")
     _check_preference(config)
     _check_pipeline(config)
+    _check_placement(config)
     check_tp2d_rows(config, config.parallel)
 
 
@@ -181,7 +182,7 @@ def check_tp2d_rows(config: TrainConfig, strategy: Strategy) -> None:
 def _check_pipeline(config: TrainConfig) -> None:
     """What `hp train` runs under pipeline parallel: language modelling, one stage per rank, whole micro-batches."""
     p = config.parallel
-    if p.pp == 1:
+    if p.pp == 1 or p.mpmd_place is not None:
         return
     if config.stage not in ("pt", "sft"):
         raise ConfigError(f"parallel.pp = {p.pp} with stage = {config.stage!r}: hp train pipelines the pt and sft "
@@ -194,6 +195,19 @@ def _check_pipeline(config: TrainConfig) -> None:
         raise ConfigError(f"parallel.pp_microbatches = {p.microbatches}: a step's batch of per_device_train_batch_size "
                           f"* dp = {config.per_device_train_batch_size} * {p.dp} = {rows} rows does not cut into "
                           "that many micro-batches; expected a divisor of it")
+
+
+def _check_placement(config: TrainConfig) -> None:
+    """What `hp train` runs under `parallel.mpmd.place` (`hp.mpmd`'s level 2): the sft stage, training only."""
+    place = config.parallel.mpmd_place
+    if place is None:
+        return
+    if config.stage != "sft":
+        raise ConfigError(f"parallel.mpmd.place with stage = {config.stage!r}: hp train places a vision-language "
+                          "model's tower in the sft stage so far; leave mpmd.place out")
+    if config.evaluates:
+        raise ConfigError("parallel.mpmd.place with evaluation: evaluating a placed model is not built yet; leave "
+                          "eval_strategy, do_eval and val_size out, or mpmd.place")
 
 
 def _check_preference(config: TrainConfig) -> None:
@@ -228,6 +242,9 @@ def _workers_per_node(config: TrainConfig) -> int:
     degrees = {"pp": p.pp, "dp": p.dp, "cp": p.cp, **(p.tp2d.mesh_axes if p.tp2d else {"tp": p.tp})}
     shown = {k: n for k, n in degrees.items() if k != "pp" or n > 1}
     ranks = f"{'*'.join(shown)} = {'*'.join(map(str, shown.values()))} = {p.world_size}"
+    if p.mpmd_place is not None:  # the pipeline's ranks and the placed tower's own
+        own = p.mpmd_place.own_ranks
+        ranks = f"pp + mpmd.place's own ranks = {p.pp} + {own} = {p.world_size}"
     if config.nproc_per_node is None:
         if p.world_size % config.nnodes:
             raise ConfigError(f"nnodes = {config.nnodes}: the {ranks} ranks do not split evenly over the nodes; "

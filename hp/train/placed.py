@@ -1,0 +1,106 @@
+"""`hp train` under `parallel.mpmd.place`: a vision-language model's tower and its language model as programs.
+
+`hp.mpmd`'s level 2 (`hp.mpmd.placed`): the language model is cut into
+`pp` pipeline stages, one per rank, and the vision tower runs as a program
+of its own, spread over the pipeline's ranks (`vision: pp`, in its bubbles)
+or on ranks of its own (`vision: N`). Each rank's model is cut in place to
+what it runs (parameter names stay the model's own), so the optimizer, the
+checkpoints and their manifests see this rank's share as under pp.
+
+A step is one placed step over the accumulated batches: each sample is a
+micro-batch, and each sample's token loss is divided by its own batch's
+supervised tokens times the accumulation steps, which is `hp train`'s mean
+of per-batch means. A frozen tower (LlamaFactory's default) runs a batch
+ahead, so the step also reads the next step's batches, by position, without
+moving the stream (a resumed run reads them again). The first three steps
+are timed and the order of every rank's work is planned again from them.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from hp.models import plan_for
+from hp.mpmd.placed import Placed
+from hp.mpmd.programs import vision_language
+from hp.parallel.recompute import recompute_blocks
+from hp.train.config import TrainConfig
+from hp.train.data import IGNORE_INDEX, Batch
+
+WARMUP = 3  # steps timed before the order of work is planned from their costs
+
+
+def place(model: nn.Module, config: TrainConfig) -> Placed:
+    """`model` cut in place into this rank's part of the placed programs."""
+    strategy = config.parallel
+    plan = plan_for(model.config)
+    if strategy.recompute:
+        recompute_blocks(model.get_submodule(plan.blocks))
+    programs = vision_language(model, plan, tower_ranks=strategy.mpmd_place.tower_ranks(strategy.pp),
+                               stage_ranks=tuple(range(strategy.pp)), split=strategy.pp_split,
+                               microbatches=config.per_device_train_batch_size * config.gradient_accumulation_steps,
+                               rank=dist.get_rank())
+    return Placed(programs, warmup=WARMUP)
+
+
+def placed_step(step: Placed, batches, config: TrainConfig, pad_id: int, device: str) -> tuple[float, int, dict]:
+    """One optimizer step's forward and backward over the accumulated batches; (loss, tokens, no rewards)."""
+    accumulate = config.gradient_accumulation_steps
+    parts = [next(batches) for _ in range(accumulate)]
+    upcoming = [_merged(_peek(batches, accumulate * k, accumulate), pad_id, device)  # the next steps' batches
+                for k in range(step.graph.furthest_ahead)]
+    autocast = torch.autocast(device, dtype=torch.bfloat16) if config.bf16 else nullcontext()
+    with autocast:
+        loss = step(_merged(parts, pad_id, device), *upcoming)
+    return float(loss), sum(b.input_ids.numel() for b in parts), {}
+
+
+def placed_summary(step: Placed) -> dict:
+    """What the run summary says of a placed step: where each program ran, and its plan's replay with the
+    measured costs (rank 0's, the same on every rank)."""
+    found = {"programs": {p.name: list(p.ranks) for p in step.graph.programs}, "planned_from_costs": step.costs is not None}
+    if step.costs is not None:
+        sim = step.simulation()
+        found |= {"predicted_step_s": sim.step_seconds, "idle_share": [round(i, 4) for i in sim.idle_share]}
+    return found
+
+
+def _peek(batches, skip: int, count: int) -> list[Batch]:
+    """The `count` batches after the next `skip` of the stream, read by position without moving it.
+
+    >>> from hp.train.data import TokenBatches
+    >>> stream = TokenBatches([{"input_ids": [i], "labels": [i]} for i in range(3)], 1, seed=0, pad_id=0)
+    >>> [int(b.input_ids) for b in _peek(stream, 1, 3)] == [int(next(stream).input_ids) for _ in range(4)][1:]
+    True
+    """
+    stream = getattr(batches, "batches", batches)  # a prefetching loader's own stream
+    epoch, index, found = stream.epoch, stream.index + skip, []
+    while len(found) < count:
+        epoch, index = epoch + index // len(stream), index % len(stream)
+        found.append(stream.batch_at(epoch, index))
+        index += 1
+    return found
+
+
+def _merged(parts: list[Batch], pad_id: int, device: str) -> dict:
+    """The accumulated batches as one batch (right-padded to the longest), each sample's loss divisor its own
+    batch's supervised tokens times their count."""
+    longest = max(b.input_ids.shape[1] for b in parts)
+
+    def joined(name: str, fill: int) -> torch.Tensor | None:
+        found = [getattr(b, name) for b in parts if getattr(b, name) is not None]
+        return torch.cat([F.pad(t, (0, longest - t.shape[1]), value=fill) for t in found]) if found else None
+
+    merged = {"input_ids": joined("input_ids", pad_id), "labels": joined("labels", IGNORE_INDEX),
+              "mm_token_type_ids": joined("mm_token_type_ids", 0),
+              "supervised": torch.cat([torch.full((len(b.input_ids),), float((b.labels[:, 1:] != IGNORE_INDEX).sum())
+                                                  * len(parts)) for b in parts])}
+    for name in ("pixel_values", "image_grid_thw"):
+        found = [getattr(b, name) for b in parts if getattr(b, name) is not None]
+        merged[name] = torch.cat(found) if found else None
+    return {k: v.to(device) if v is not None else v for k, v in merged.items()}
