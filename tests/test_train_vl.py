@@ -352,8 +352,8 @@ def assert_hf_loss_and_logits(model, batch, hf: dict, image_token_id: int, out) 
     assert torch.allclose(out.logits, want.logits, atol=1e-6)
 
 
-@pytest.mark.parametrize("pp, place, frozen", [(2, "pp", False), (1, 1, True)],
-                         ids=["tower in the pipeline's bubbles, trained", "tower on a rank of its own, frozen"])
+@pytest.mark.parametrize("pp, place, frozen", [(2, "pp", True), (1, 1, False)],
+                         ids=["tower frozen in the pipeline's bubbles", "tower trained on a rank of its own"])
 def test_a_placed_tower_has_the_plain_runs_losses_and_weights(tmp_path, pp, place, frozen):
     """`parallel.mpmd: {place: {vision: ...}}` (hp.mpmd's level 2) on two gloo workers against one plain worker,
     with two accumulated batches a step: the same losses step by step (the third step planned from the
@@ -364,7 +364,7 @@ def test_a_placed_tower_has_the_plain_runs_losses_and_weights(tmp_path, pp, plac
     from hp.train.checkpoint import load_model_weights
 
     run = ["max_steps=3", "save_steps=3", "logging_steps=1", "per_device_train_batch_size=3",
-           "gradient_accumulation_steps=2", "learning_rate=3e-3", "warmup_ratio=0", "val_size=0", "eval_strategy=no",
+           "gradient_accumulation_steps=2", "learning_rate=3e-3", "warmup_ratio=0", "val_size=0", "eval_strategy='no'",
            f"freeze_vision_tower={frozen}", f"freeze_multi_modal_projector={frozen}",
            f"dataset_dir={ROOT / 'examples' / 'data'}", "parallel.tp=1"]
     summary(hp_train(*run, f"output_dir={tmp_path / 'plain'}", config=QUICKSTART_VL))
@@ -378,5 +378,33 @@ def test_a_placed_tower_has_the_plain_runs_losses_and_weights(tmp_path, pp, plac
         model = Qwen2_5_VLForConditionalGeneration(CONFIG)
         load_model_weights(str(tmp_path / name / "checkpoint-3"), model)
         weights[name] = model.state_dict()
-    for key, value in weights["plain"].items():
-        assert torch.allclose(weights["placed"][key], value, rtol=1e-4, atol=1e-6), key
+    for key, value in weights["plain"].items():  # AdamW moves a weight by about lr whatever its gradient's
+        assert torch.allclose(weights["placed"][key], value, rtol=1e-5, atol=3e-5), key  # size: within lr / 100
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["parallel.tp=2"], "parallel.tp = 2 with mpmd.place: each placed program's stages run whole"),
+    (["parallel.pp_schedule=GPipe"], "parallel.pp_schedule = 'GPipe' with mpmd.place: the placed step orders"),
+    (["parallel.mpmd={place: {audio: 1}}"], "parallel.mpmd.place.audio = 1: no sub-model hp train places"),
+    (["parallel.mpmd={place: {vision: 0}}"], "parallel.mpmd.place.vision = 0: expected 'pp'"),
+    (["parallel.mpmd={place: {vision: pp}, chunks: 2}"], "parallel.mpmd = {'place': {'vision': 'pp'}, 'chunks': 2}"),
+    (["parallel.pp=1", "parallel.mpmd={place: {vision: 1}}", "freeze_vision_tower=true",
+      "freeze_multi_modal_projector=true"], "its own ranks would have nothing to train"),
+    (["val_size=0.1", "eval_strategy=steps"], "parallel.mpmd.place with evaluation"),
+    (["nproc_per_node=3"], "pp + mpmd.place's own ranks = 2 + 0 = 2"),
+], ids=["tp", "pp schedule", "unknown sub-model", "no ranks", "chunks too", "frozen on its own ranks", "eval",
+        "ranks"])
+def test_a_placement_that_cannot_run_is_named_before_any_worker(overrides, words):
+    from hp.train.config import load_config
+
+    placed = ["parallel.tp=1", "parallel.pp=2", "parallel.mpmd={place: {vision: pp}}", "val_size=0",
+              "eval_strategy='no'"]
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        load_config(QUICKSTART_VL, [*placed, *overrides])
+
+
+def test_placing_a_tower_needs_a_model_with_one():
+    from transformers import LlamaConfig
+
+    with pytest.raises(ValueError, match="mpmd.place.vision = 'pp': llama has no vision tower to place"):
+        Strategy(pp=2, mpmd_place={"vision": "pp"}).check_fits(LlamaConfig())

@@ -154,9 +154,11 @@ class Strategy:
             raise StrategyError(f"mpmd.place.{e.key}", e.value, e.problem) from None
         for key in PLACED_ALONE:
             if getattr(self, key) != DEFAULTS[key]:
-                raise StrategyError(key, getattr(self, key), " with mpmd.place: each placed program's stages run "
-                                    "whole on their rank (stages laid out on other axes are not built yet); "
-                                    "leave it out")
+                why = ("the placed step orders its work from measured costs, not by a pipeline schedule"
+                       if key.startswith("pp_") else
+                       "each placed program's stages run whole on their rank (stages laid out on other axes are "
+                       "not built yet)")
+                raise StrategyError(key, getattr(self, key), f" with mpmd.place: {why}; leave it out")
 
     def _check_tp2d(self) -> None:
         if self.tp2d is None:

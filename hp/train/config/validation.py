@@ -205,6 +205,10 @@ def _check_placement(config: TrainConfig) -> None:
     if config.stage != "sft":
         raise ConfigError(f"parallel.mpmd.place with stage = {config.stage!r}: hp train places a vision-language "
                           "model's tower in the sft stage so far; leave mpmd.place out")
+    if place.own_ranks and config.freeze_vision_tower and config.freeze_multi_modal_projector:
+        raise ConfigError(f"parallel.mpmd.place.vision = {place.vision} with the tower and projector frozen (their "
+                          "defaults): its own ranks would have nothing to train; place it in the pipeline's bubbles "
+                          "(vision: pp), where a frozen tower runs a batch ahead, or unfreeze it")
     if config.evaluates:
         raise ConfigError("parallel.mpmd.place with evaluation: evaluating a placed model is not built yet; leave "
                           "eval_strategy, do_eval and val_size out, or mpmd.place")
