@@ -102,7 +102,8 @@ def test_defaults_are_llamafactorys():
         "gradient_accumulation_steps": 1, "learning_rate": 5e-5, "num_train_epochs": 3.0, "max_steps": -1,
         "lr_scheduler_type": "linear", "warmup_ratio": 0.0, "bf16": False, "seed": 42,
         "disable_gradient_checkpointing": False, "torch_compile": False,
-        "parallel": Strategy(recompute=True).as_dict(),
+        "parallel": {k: v for k, v in Strategy(recompute=True).as_dict().items()
+                     if k != "mpmd_place"},  # written as mpmd: {place: ...} when set
         "use_hyper_parallel": False, "hyper_parallel_args": None, "hyper_parallel_cp_size": None,
         "deepspeed": None, "fsdp": None, "fsdp_config": None,
         "nproc_per_node": 1, "nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": None,
@@ -409,7 +410,8 @@ BAD = [
     ({"stage": "dpo", "val_size": 0.1, "eval_strategy": "steps"}, "stage = 'dpo' with evaluation"),
     ({"stage": "dpo", "pref_loss": "simpo", "ref_model": "m"}, "that loss needs no reference model"),
     ({"stage": "rm", "ref_model": "m"}, "a reward model has no reference"),
-    ({"parallel": {"mpmd": 0}}, "parallel.mpmd = 0: expected a number of chunks >= 1, 'auto', {chunks: N}, or null"),
+    ({"parallel": {"mpmd": 0}}, "parallel.mpmd = 0: expected a number of chunks >= 1, 'auto', {chunks: N}, "
+                                "{place: {vision: pp or N}}, or null"),
     ({"parallel": {"mpmd": {"chunk": 2}}}, "parallel.mpmd = {'chunk': 2}: expected a number of chunks"),
     ({"lr_scheduler_type": "polynomial"},
      "lr_scheduler_type = 'polynomial': expected one of 'linear', 'cosine', 'constant', 'constant_with_warmup'"),
@@ -553,6 +555,7 @@ def test_config_error_is_a_value_error():
 def test_the_config_and_its_strategy_import_no_torch():
     """Checked before any worker starts: these modules do no tensor or distributed work."""
     import hp.parallel.finetune
+    import hp.parallel.placement
     import hp.parallel.strategy
     import hp.parallel.tp2d
 
@@ -560,8 +563,8 @@ def test_the_config_and_its_strategy_import_no_torch():
     own = {"hp.train.config", *(f"hp.train.config.{path.stem}" for path in package)}
     # tp2d's layouts and planner are imported when a model is laid out, not with the value
     allowed = {"hp.parallel.strategy", "hp.parallel.finetune", "hp.parallel.tp2d", "hp.parallel.tp_plan", "hp.layouts",
-               *own}
-    modules = (hp.parallel.strategy, hp.parallel.finetune, hp.parallel.tp2d)
+               "hp.parallel.placement", *own}
+    modules = (hp.parallel.strategy, hp.parallel.finetune, hp.parallel.tp2d, hp.parallel.placement)
     for path in (*package, *(Path(m.__file__) for m in modules)):
         tree = ast.parse(path.read_text())
         imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
@@ -617,3 +620,10 @@ def test_every_example_config_validates():
     for path in examples:
         config = load_config(path)
         assert config.world_size == config.parallel.world_size, path
+
+
+def test_a_placement_is_written_as_the_yaml_writes_it_and_read_back():
+    cfg = validate({**MINIMAL, "parallel": {"pp": 2, "mpmd": {"place": {"vision": "pp"}}},
+                    "disable_gradient_checkpointing": True})
+    assert cfg.parallel.mpmd_place.vision == "pp" and to_dict(cfg)["parallel"]["mpmd"] == {"place": {"vision": "pp"}}
+    assert validate(to_dict(cfg)) == cfg

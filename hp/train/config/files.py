@@ -95,6 +95,9 @@ def to_dict(config: TrainConfig) -> dict[str, Any]:
             continue
         if isinstance(value, Strategy):
             value = value.as_dict()
+            place = value.pop("mpmd_place")  # written as the YAML writes it: mpmd: {place: {...}}
+            if place is not None:
+                value["mpmd"] = {"place": place}
         elif isinstance(value, Mapping):
             value = dict(value)
         elif isinstance(value, tuple):
