@@ -87,8 +87,13 @@ class Placed:
         """Forward and backward of `batch`; the loss. `upcoming`: the batches after it, as many as the
         programs run ahead (`graph.furthest_ahead`; fewer at the end of the data)."""
         prepare = self.programs.prepare
+        before = {id(p): p.grad for params in self._spread_parameters().values() for p in params
+                  if p.grad is not None}  # summed over the ranks once: this step's apart
+        for params in self._spread_parameters().values():
+            for p in params:
+                p.grad = None
         losses = self.runtime.step(prepare(batch), *(None if b is None else prepare(b) for b in upcoming))
-        self._sum_spread_gradients()
+        self._sum_spread_gradients(before)
         loss = step_loss(losses, self.group, self.runtime.device)
         if self.runtime.steps == 1:  # first touches: not a cost to plan by
             self.runtime.samples.clear()
@@ -109,9 +114,9 @@ class Placed:
     def counted_parameters(self) -> list[nn.Parameter]:
         """`parameters()`, less those of a program held whole on several ranks but the first of them: over
         every rank, each parameter once (what a global gradient norm sums)."""
-        spread = [p for name in self._spread if self.rank != self.graph.program[name].ranks[0]
-                  for p in self.programs.modules[name, 0].parameters()]
-        return [p for p in self.parameters() if not any(p is q for q in spread)]
+        elsewhere = {id(p) for name, params in self._spread_parameters().items()
+                     if self.rank != self.graph.program[name].ranks[0] for p in params}
+        return [p for p in self.parameters() if id(p) not in elsewhere]
 
     def simulation(self) -> Simulation:
         """The plan replayed with the measured cost table (once planned from it)."""
@@ -126,15 +131,22 @@ class Placed:
         members = [dist.get_global_rank(self.group, r) if self.group is not None else r for r in ranks]
         return dist.new_group(members)
 
-    def _sum_spread_gradients(self) -> None:
-        for name, group in self._spread.items():
-            if self.rank not in self.graph.program[name].ranks:
-                continue
-            for p in self.programs.modules[name, 0].parameters():
-                if p.requires_grad:
-                    if p.grad is None:  # this rank ran none of its micro-batches
-                        p.grad = torch.zeros_like(p)
-                    dist.all_reduce(p.grad, group=group)
+    def _spread_parameters(self) -> dict[str, list[nn.Parameter]]:
+        """The trained parameters of each program held whole on several ranks, where this rank holds it."""
+        return {name: [p for p in self.programs.modules[name, 0].parameters() if p.requires_grad]
+                for name in self._spread if self.rank in self.graph.program[name].ranks}
+
+    def _sum_spread_gradients(self, before: dict[int, torch.Tensor]) -> None:
+        """This step's gradients of each spread program summed over its ranks (one flat all-reduce each),
+        added to what they held before the step (`before`: gradients accumulate over calls)."""
+        for name, params in self._spread_parameters().items():
+            for dtype in sorted({p.dtype for p in params}, key=str):  # the same order on every rank
+                same = [p for p in params if p.dtype == dtype]
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in same]  # none ran here
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                dist.all_reduce(flat, group=self._spread[name])
+                for p, summed in zip(same, flat.split([g.numel() for g in grads])):
+                    p.grad = summed.view_as(p) + before[id(p)] if id(p) in before else summed.view_as(p).clone()
 
 
 def placed(model: nn.Module, place: Mapping[str, str], mesh: Mapping[str, Sequence[int]], *, plan: ModelPlan | None,
