@@ -190,7 +190,7 @@ def train_step(real: bool = True) -> dict:
     """
     from hp.train.config import load_config
     from hp.train.data import TokenBatches, load_examples, load_tokenizer
-    from hp.train.loop import clip_gradients
+    from hp.train.clipping import clip_gradients
     from hp.train.model import build_model
     from hp.parallel.tp2d import layer_blocks
 

@@ -80,7 +80,7 @@ def placed_layout(draw, axes, rank=None, allow_partial=True, shape=None, fused=F
 @st.composite
 def any_layout(draw):
     """A syntactically valid layout, not tied to a mesh, for notation round trips."""
-    pool = list(draw(st.permutations(DIM_NAMES + ("t", "u", "v"))))
+    pool = list(draw(st.permutations(DIM_NAMES + ("t", "u", "v", "w", "k", "m", "n"))))  # 4 dims of 3 names
     axes_pool = list(draw(st.permutations(AXIS_NAMES + ("ep", "fsdp", "tpx", "tpy", "pp", "sp"))))
     dims = []
     ellipsis_at = draw(st.integers(-1, 4))

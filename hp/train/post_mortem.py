@@ -129,7 +129,7 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 
 def _doing(record: Mapping) -> str:
-    """`all_reduce called at hp/train/loop.py:380 in clip_gradients`, from what a rank recorded."""
+    """`all_reduce called at hp/train/clipping.py:38 in clip_gradients`, from what a rank recorded."""
     what = record.get("collective") or "a collective"
     return f"{what} called at {record['where']}" if record.get("where") else what
 
