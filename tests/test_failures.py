@@ -431,7 +431,7 @@ def test_a_killed_worker_is_named_with_its_signal_the_last_checkpoint_and_the_co
                               "killer or a cluster scheduler does); its peak memory when step "), message
     assert "the other ranks stopped when it left (0)" in message and "Connection closed" not in message
     assert f"the last complete checkpoint is {out}/checkpoint-" in message
-    assert message.endswith(f"resume_from_checkpoint=last") and f"output_dir={out}" in message
+    assert message.endswith("resume_from_checkpoint=last") and f"output_dir={out}" in message
 
 
 def test_a_collective_timeout_names_the_collective_and_the_rank_that_never_joined(tmp_path):

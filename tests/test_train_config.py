@@ -554,6 +554,7 @@ def test_config_error_is_a_value_error():
 
 def test_the_config_and_its_strategy_import_no_torch():
     """Checked before any worker starts: these modules do no tensor or distributed work."""
+    import hp.parallel.field_error
     import hp.parallel.finetune
     import hp.parallel.placement
     import hp.parallel.strategy
@@ -563,8 +564,9 @@ def test_the_config_and_its_strategy_import_no_torch():
     own = {"hp.train.config", *(f"hp.train.config.{path.stem}" for path in package)}
     # tp2d's layouts and planner are imported when a model is laid out, not with the value
     allowed = {"hp.parallel.strategy", "hp.parallel.finetune", "hp.parallel.tp2d", "hp.parallel.tp_plan", "hp.layouts",
-               "hp.parallel.placement", *own}
-    modules = (hp.parallel.strategy, hp.parallel.finetune, hp.parallel.tp2d, hp.parallel.placement)
+               "hp.parallel.placement", "hp.parallel.field_error", *own}
+    modules = (hp.parallel.strategy, hp.parallel.finetune, hp.parallel.tp2d, hp.parallel.placement,
+               hp.parallel.field_error)
     for path in (*package, *(Path(m.__file__) for m in modules)):
         tree = ast.parse(path.read_text())
         imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}

@@ -1,6 +1,7 @@
 """Applying a strategy to a model: the strategy and plan values, and every mechanism they drive.
 
-Holds: `strategy` (`hp.Strategy`, torch-free), `model_plan` (`hp.ModelPlan`),
+Holds: `strategy` (`hp.Strategy`, torch-free, with its typed values
+`tp2d`, `placement` and their `field_error`), `model_plan` (`hp.ModelPlan`),
 `parallelize` (parameters laid out by a plan), `apply` (a strategy applied to
 a plan), `data_parallel` (FSDP and the gradient reduction), `sequence`
 (padding, label shift, ring order), `replicated` and `vision_batch` (whole

@@ -26,16 +26,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hp.parallel.field_error import FieldError
+
 PLACEABLE = ("vision",)  # the sub-models hp train places
 SHARED = "pp"  # a sub-model spread over the pipeline's own ranks
 
 
-class PlacementError(ValueError):
+class PlacementError(FieldError):
     """A placement that cannot run; `key` names the sub-model."""
-
-    def __init__(self, key: str, value: Any, problem: str) -> None:
-        super().__init__(f"{key} = {value!r}{problem}")
-        self.key, self.value, self.problem = key, value, problem
 
 
 @dataclass(frozen=True)

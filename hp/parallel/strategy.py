@@ -27,12 +27,13 @@ JSON) can say where the value came from.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hp.parallel.placement import Placement, PlacementError
-from hp.parallel.tp2d import TP2D, TP2DError
+from hp.parallel.field_error import FieldError
+from hp.parallel.placement import Placement
+from hp.parallel.tp2d import TP2D
 
 CP_ALGORITHMS = ("ulysses", "ring")  # how attention runs on a sequence split over cp (hp.ops.context_parallel)
 MESH_AXES = ("pp", "dp", "ep", "cp", "tp")  # mesh order: stages outermost, tensor innermost (neighbouring ranks)
@@ -145,13 +146,17 @@ class Strategy:
         self._check_pipeline()
         self._check_placement()
 
+    def _typed(self, field: str, of: Callable[[Any], Any], prefix: str) -> None:
+        """Field `field` made its typed value by `of`; a bad one named under `prefix` (`tp2d.x`)."""
+        try:
+            object.__setattr__(self, field, of(getattr(self, field)))
+        except FieldError as e:
+            raise StrategyError(f"{prefix}{e.key}", e.value, e.problem) from None
+
     def _check_placement(self) -> None:
         if self.mpmd_place is None:
             return
-        try:
-            object.__setattr__(self, "mpmd_place", Placement.of(self.mpmd_place))
-        except PlacementError as e:
-            raise StrategyError(f"mpmd.place.{e.key}", e.value, e.problem) from None
+        self._typed("mpmd_place", Placement.of, "mpmd.place.")
         for key in PLACED_ALONE:
             if getattr(self, key) != DEFAULTS[key]:
                 why = ("the placed step orders its work from measured costs, not by a pipeline schedule"
@@ -163,10 +168,7 @@ class Strategy:
     def _check_tp2d(self) -> None:
         if self.tp2d is None:
             return
-        try:
-            object.__setattr__(self, "tp2d", TP2D.of(self.tp2d))
-        except TP2DError as e:
-            raise StrategyError(f"tp2d.{e.key}", e.value, e.problem) from None
+        self._typed("tp2d", TP2D.of, "tp2d.")
         for key, problem in (("tp", "2D tensor parallel replaces 1D: its ranks are x * y (* z); set tp to 1"),
                              ("sp", "the 2D layouts already split the residual stream's tokens; leave sp out"),
                              ("ep", "2D tensor parallel runs the dense families; leave ep out"),

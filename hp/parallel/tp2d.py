@@ -38,15 +38,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from hp.parallel.field_error import FieldError
+
 SCHEMES = ("2d", "summa", "3d", "auto")
 
 
-class TP2DError(ValueError):
+class TP2DError(FieldError):
     """A 2D tensor-parallel setting that cannot run: the field at fault, then why."""
 
-    def __init__(self, key: str, value: Any, problem: str) -> None:
-        super().__init__(f"tp2d.{key} = {value!r}{problem}")
-        self.key, self.value, self.problem = key, value, problem
+    prefix = "tp2d."
 
 
 @dataclass(frozen=True)
