@@ -249,9 +249,10 @@ def _idle(slots: list, step: float, world: int) -> float:
 def run_arms(arms: dict[str, Arm], batches, rounds: int) -> None:
     """Warm-up steps (then each arm plans), then `rounds` timed steps, the arms alternating."""
     names = list(arms)
+    ahead = max(arm.graph.furthest_ahead for arm in arms.values())  # the batches after a step's that it reads
     for r in range(WARMUP + rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            arms[name].step([batches(r + k) for k in range(5)], timed=r >= WARMUP)
+            arms[name].step([batches(r + k) for k in range(1 + ahead)], timed=r >= WARMUP)
 
 
 def best_splits(ranks: int, tower: float, spread: bool, keep: int) -> list[tuple[tuple[int, ...], int]]:

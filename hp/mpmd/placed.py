@@ -48,7 +48,7 @@ from hp.mpmd.costs import Costs
 from hp.mpmd.measure import gathered_costs, link
 from hp.mpmd.plan import Plan
 from hp.mpmd.programs import Programs, vision_language
-from hp.mpmd.runtime import Runtime, step_loss
+from hp.mpmd.runtime import Runtime, step_loss, subgroup
 from hp.mpmd.schedule import schedule
 from hp.mpmd.simulate import Simulation, simulate
 from hp.parallel.model_plan import ModelPlan
@@ -76,8 +76,8 @@ class Placed:
         self.runtime = Runtime(schedule(self.graph, Costs.unit(self.graph)), programs.stages, group=group,
                                device=device)
         self.costs: Costs | None = None
-        self._spread = {p.name: self._group_of(p.ranks) for p in self.graph.programs
-                        if p.spread and p.trains and len(p.ranks) > 1}
+        self._spread = {p.name: subgroup(group, p.ranks) for p in self.graph.programs
+                        if p.spread and p.trains and len(p.ranks) > 1}  # where its gradients are summed
 
     @property
     def plan(self) -> Plan:
@@ -87,11 +87,10 @@ class Placed:
         """Forward and backward of `batch`; the loss. `upcoming`: the batches after it, as many as the
         programs run ahead (`graph.furthest_ahead`; fewer at the end of the data)."""
         prepare = self.programs.prepare
-        before = {id(p): p.grad for params in self._spread_parameters().values() for p in params
-                  if p.grad is not None}  # summed over the ranks once: this step's apart
-        for params in self._spread_parameters().values():
-            for p in params:
-                p.grad = None
+        spread = [p for params in self._spread_parameters().values() for p in params]
+        before = {id(p): p.grad for p in spread if p.grad is not None}  # summed over the ranks once: this step's apart
+        for p in spread:
+            p.grad = None
         losses = self.runtime.step(prepare(batch), *(None if b is None else prepare(b) for b in upcoming))
         self._sum_spread_gradients(before)
         loss = step_loss(losses, self.group, self.runtime.device)
@@ -123,13 +122,6 @@ class Placed:
         if self.costs is None:
             raise PlaceError(f"no cost table yet: the step plans from its costs after {self.warmup} steps")
         return simulate(self.plan, self.costs)
-
-    def _group_of(self, ranks: tuple[int, ...]) -> Any:
-        """The process group of `ranks` (group-local), made by every rank of the group alike."""
-        if len(ranks) == dist.get_world_size(self.group):
-            return self.group
-        members = [dist.get_global_rank(self.group, r) if self.group is not None else r for r in ranks]
-        return dist.new_group(members)
 
     def _spread_parameters(self) -> dict[str, list[nn.Parameter]]:
         """The trained parameters of each program held whole on several ranks, where this rank holds it."""

@@ -53,6 +53,7 @@ from hp.mpmd.graph import Flow, Graph, Node, Program
 from hp.parallel.model_plan import ModelPlan
 from hp.parallel.pipeline import Skipped, cut
 from hp.parallel.pipeline_split import StageSplit
+from hp.parallel.sequence import IGNORE_INDEX
 
 
 @dataclass
@@ -108,17 +109,10 @@ def _this_ranks_part(model: nn.Module, plan: ModelPlan, cuts: StageSplit, graph:
         fns["vision", 0] = _tower(modules["vision", 0], tokens, width)
     else:
         model.set_submodule(plan.vision, Skipped())
+    cut(model, plan, cuts, mine[0] if mine else None)  # the tower's rank alone keeps none of the language model
     if mine:
-        s = mine[0]
-        modules["language", s] = cut(model, plan, cuts, s)
-        fns["language", s] = _language(model, s == 0, s == len(stage_ranks) - 1, tokens)
-    else:  # the tower's rank alone: none of the language model
-        blocks = model.get_submodule(plan.blocks)
-        for i in range(len(blocks)):
-            blocks[i] = Skipped()
-        for name in (plan.embedding, plan.norm, plan.head):
-            if name is not None:
-                model.set_submodule(name, Skipped())
+        modules["language", mine[0]] = model
+        fns["language", mine[0]] = _language(model, mine[0] == 0, mine[0] == len(stage_ranks) - 1, tokens)
     return fns, modules
 
 
@@ -130,7 +124,8 @@ def _with_positions(model: nn.Module) -> Callable[[dict], dict]:
         ids = batch["input_ids"]
         types = batch.get("mm_token_type_ids")
         types = (ids == model.config.image_token_id).int() if types is None else types
-        positions, _ = model.model.get_rope_index(ids, image_grid_thw=batch["image_grid_thw"], mm_token_type_ids=types)
+        positions, _ = model.model.get_rope_index(ids, image_grid_thw=batch.get("image_grid_thw"),
+                                                  mm_token_type_ids=types)
         return {**batch, "position_ids": positions}
     return prepare
 
@@ -158,7 +153,7 @@ def sample(batch: dict, m: int, vision_start: int) -> dict:
     return {"ids": ids[m:m + 1], "labels": batch["labels"][m:m + 1], "positions": batch["position_ids"][:, m:m + 1],
             "pixels": pixels[start:start + count] if pixels is not None else None,
             "grid": grids[first:first + images[m]] if grids is not None else ids.new_zeros(0, 3),
-            "supervised": int((batch["labels"][:, 1:] != -100).sum()) if supervised is None else supervised[m]}
+            "supervised": int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()) if supervised is None else supervised[m]}
 
 
 def _tower(tower: nn.Module, tokens: tuple[int, int], width: int) -> Callable:
@@ -184,7 +179,7 @@ def _language(stage: nn.Module, first: bool, last: bool, tokens: tuple[int, int]
         if not last:
             return out  # the norm and the head are skipped: the residual stream
         targets = x["labels"][:, 1:].flatten()
-        loss = nn.functional.cross_entropy(out[:, :-1].flatten(0, 1).float(), targets, ignore_index=-100,
+        loss = nn.functional.cross_entropy(out[:, :-1].flatten(0, 1).float(), targets, ignore_index=IGNORE_INDEX,
                                            reduction="sum")
         return loss / x["supervised"]
     return run

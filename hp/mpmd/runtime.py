@@ -59,7 +59,7 @@ class Runtime:
     def __init__(self, plan: Plan, stages: Mapping[Node, StageFn], *, group: Any = None,
                  device: torch.device | str = "cpu") -> None:
         self.plan, self.graph, self.stages = plan, plan.graph, dict(stages)
-        self.group = _own_group(group)  # what this runtime leaves in flight no other can take
+        self.group = subgroup(group)  # a group of its own: what this runtime leaves in flight no other can take
         self.device = torch.device(device)  # where received tensors land (nccl and hccl send device tensors)
         self.rank = dist.get_rank(group)
         self.samples: list[tuple[Action, float]] = []  # (action, seconds) measured here
@@ -230,10 +230,11 @@ class Runtime:
         return out
 
 
-def _own_group(group: Any) -> Any:
-    """A process group of its own over `group`'s ranks (default: the world); made by every rank alike."""
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    return dist.new_group(ranks)
+def subgroup(group: Any, ranks: tuple[int, ...] | None = None) -> Any:
+    """A new process group over `ranks` of `group` (group-local; default: all of them; `group` None: the
+    world); every rank of `group` makes it alike."""
+    members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    return dist.new_group([members[r] for r in ranks] if ranks is not None else members)
 
 
 def step_loss(losses: dict[int, torch.Tensor], group: Any = None, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -98,17 +98,18 @@ def stages_of_rank(strategy: Strategy, pp_rank: int) -> list[int]:
     return [pp_rank + k * strategy.pp for k in range(strategy.stages_per_rank)]
 
 
-def cut(model: nn.Module, plan: ModelPlan, split: StageSplit, stage: int) -> nn.Module:
-    """`model`, changed in place to hold only what `stage` of `split` runs (the rest `Skipped`)."""
+def cut(model: nn.Module, plan: ModelPlan, split: StageSplit, stage: int | None) -> nn.Module:
+    """`model`, changed in place to hold only what `stage` of `split` runs (the rest `Skipped`; stage None:
+    none of them, what a rank running only another program keeps of the model)."""
     blocks = model.get_submodule(plan.blocks)
     if len(blocks) != split.bounds[-1]:
         raise PipelineError(f"the split {split} covers {split.bounds[-1]} blocks; {plan.blocks} has {len(blocks)}")
     for i in range(len(blocks)):
-        if i not in split.blocks(stage):
+        if stage is None or i not in split.blocks(stage):
             blocks[i] = Skipped()
-    if stage > 0:
+    if stage != 0:
         model.set_submodule(plan.embedding, Skipped())
-    if stage < split.stages - 1:
+    if stage != split.stages - 1:
         for name in (plan.norm, plan.head):
             if name is not None:
                 model.set_submodule(name, Skipped())

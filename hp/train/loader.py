@@ -29,7 +29,8 @@ class _Positions(Dataset):
         return self.batches.batch_at(*position)
 
 
-def _positions_from(epoch: int, index: int, per_epoch: int) -> Iterator[tuple[int, int]]:
+def positions_from(epoch: int, index: int, per_epoch: int) -> Iterator[tuple[int, int]]:
+    """The stream's positions (epoch, index) from the given one on, `per_epoch` batches an epoch."""
     while True:
         yield epoch, index
         index += 1
@@ -51,7 +52,7 @@ class Prefetched:
 
     def __init__(self, batches: TokenBatches, workers: int) -> None:
         self.batches = batches
-        positions = _positions_from(batches.epoch, batches.index, len(batches))
+        positions = positions_from(batches.epoch, batches.index, len(batches))
         loader = DataLoader(_Positions(batches), batch_size=None, sampler=positions, num_workers=workers)
         self._ahead = iter(loader)
 

@@ -18,6 +18,7 @@ are timed and the order of every rank's work is planned again from them.
 
 from __future__ import annotations
 
+import itertools
 from contextlib import nullcontext
 
 import torch
@@ -31,6 +32,7 @@ from hp.mpmd.programs import vision_language
 from hp.parallel.recompute import recompute_blocks
 from hp.train.config import TrainConfig
 from hp.train.data import IGNORE_INDEX, Batch
+from hp.train.loader import positions_from
 
 WARMUP = 3  # steps timed before the order of work is planned from their costs
 
@@ -79,12 +81,8 @@ def _peek(batches, skip: int, count: int) -> list[Batch]:
     True
     """
     stream = getattr(batches, "batches", batches)  # a prefetching loader's own stream
-    epoch, index, found = stream.epoch, stream.index + skip, []
-    while len(found) < count:
-        epoch, index = epoch + index // len(stream), index % len(stream)
-        found.append(stream.batch_at(epoch, index))
-        index += 1
-    return found
+    ahead = itertools.islice(positions_from(stream.epoch, stream.index, len(stream)), skip, skip + count)
+    return [stream.batch_at(epoch, index) for epoch, index in ahead]
 
 
 def _merged(parts: list[Batch], pad_id: int, device: str) -> dict:
