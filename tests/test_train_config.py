@@ -411,7 +411,7 @@ BAD = [
     ({"stage": "dpo", "pref_loss": "simpo", "ref_model": "m"}, "that loss needs no reference model"),
     ({"stage": "rm", "ref_model": "m"}, "a reward model has no reference"),
     ({"parallel": {"mpmd": 0}}, "parallel.mpmd = 0: expected a number of chunks >= 1, 'auto', {chunks: N}, "
-                                "{place: {vision: pp or N}}, or null"),
+                                "{place: {vision: pp or N}}, {place: {reference: pp or N}}, or null"),
     ({"parallel": {"mpmd": {"chunk": 2}}}, "parallel.mpmd = {'chunk': 2}: expected a number of chunks"),
     ({"lr_scheduler_type": "polynomial"},
      "lr_scheduler_type = 'polynomial': expected one of 'linear', 'cosine', 'constant', 'constant_with_warmup'"),
@@ -627,5 +627,5 @@ def test_every_example_config_validates():
 def test_a_placement_is_written_as_the_yaml_writes_it_and_read_back():
     cfg = validate({**MINIMAL, "parallel": {"pp": 2, "mpmd": {"place": {"vision": "pp"}}},
                     "disable_gradient_checkpointing": True})
-    assert cfg.parallel.mpmd_place.vision == "pp" and to_dict(cfg)["parallel"]["mpmd"] == {"place": {"vision": "pp"}}
+    assert cfg.parallel.mpmd_place.as_dict() == {"vision": "pp"} and to_dict(cfg)["parallel"]["mpmd"] == {"place": {"vision": "pp"}}
     assert validate(to_dict(cfg)) == cfg

@@ -12,9 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import rank_pool
 from gloo_launch import assert_finished, clean_env
-from train_runs import ROOT, WORKERS, hp_train, summary
+from train_runs import ROOT, WORKERS, hp_train, losses, summary
 
 QUICKSTART_DPO = str(ROOT / "examples" / "quickstart_dpo.yaml")
 SHORT = ["max_steps=5", "logging_steps=1", "save_steps=5", "parallel.tp=1"]
@@ -53,3 +54,57 @@ def test_a_reward_model_trains_and_exports_its_value_head_as_llamafactory_does(t
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # the language model loads as a plain HF one
     assert not any("v_head" in name for name, _ in model.named_parameters())
+
+
+def test_a_placed_reference_has_the_plain_runs_losses_rewards_and_weights_and_resumes(tmp_path):
+    """`parallel.mpmd: {place: {reference: ...}}` (hp.mpmd's level 3): DPO's reference a batch ahead in a
+    2-stage policy's bubbles, and on a rank of its own beside a whole policy, against one plain worker, with
+    two accumulated batches a step: the same losses and rewards step by step (the last planned from the
+    measured costs) and the same weights in the checkpoint; the second placement, resumed from its step-2
+    checkpoint (its reference rank holds none of the policy), takes the same last steps."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hp.train.checkpoint import load_model_weights
+
+    run = ["max_steps=4", "save_steps=2", "logging_steps=1", "per_device_train_batch_size=4",
+           "gradient_accumulation_steps=2", "warmup_ratio=0", "parallel.tp=1"]
+    places = {"pp": ["parallel.pp=2", "parallel.mpmd={place: {reference: pp}}"],
+              "own": ["parallel.pp=1", "parallel.mpmd={place: {reference: 1}}"]}
+    plain = summary(hp_train(*run, f"output_dir={tmp_path / 'plain'}", config=QUICKSTART_DPO))
+    want = losses(tmp_path / "plain")
+    for name, place in places.items():
+        got = summary(hp_train(*run, *place, f"output_dir={tmp_path / name}", config=QUICKSTART_DPO))
+        assert got["mpmd_place"]["planned_from_costs"], got
+        assert got["mpmd_place"]["programs"]["reference"] == ([0, 1] if name == "pp" else [1]), got
+        assert losses(tmp_path / name) == pytest.approx(want, rel=1e-5), name
+        assert got["rewards"] == pytest.approx(plain["rewards"], rel=1e-4, abs=1e-6), (name, got["rewards"])
+    resumed = tmp_path / "own" / "resumed"
+    summary(hp_train(*run, *places["own"], f"output_dir={resumed}",
+                     f"resume_from_checkpoint={tmp_path / 'own' / 'checkpoint-2'}", config=QUICKSTART_DPO))
+    assert losses(resumed) == pytest.approx({s: v for s, v in want.items() if s > 2}, rel=1e-5)
+    weights = {}
+    for name in ("plain", "pp", "own"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path / "plain" / "checkpoint-4"))
+        load_model_weights(str(tmp_path / name / "checkpoint-4"), model)
+        weights[name] = model.state_dict()
+    for name in ("pp", "own"):
+        for key, value in weights["plain"].items():  # AdamW moves a weight by about lr whatever its gradient's
+            assert torch.allclose(weights[name][key], value, rtol=1e-5, atol=2e-5), (name, key)  # size: lr / 100
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["stage=kto"], "parallel.mpmd.place.reference = 'pp' with stage = 'kto': KTO's reference point"),
+    (["stage=rm"], "with stage = 'rm': that stage has no reference model to place"),
+    (["pref_loss=simpo"], "with pref_loss = 'simpo': that loss compares with no reference model"),
+    (["parallel.mpmd={place: {reference: 1}}"], "mpmd.place.reference = 1: the reference is cut into the policy's "
+                                                "pp = 2 stages"),
+    (["parallel.mpmd={place: {reference: pp, vision: pp}}"], "places one sub-model at a time"),
+    (["parallel.tp=2"], "parallel.tp = 2 with mpmd.place"),
+], ids=["kto", "rm", "reference-free loss", "own ranks not pp", "two sub-models", "tp"])
+def test_a_reference_placement_that_cannot_run_is_named_before_any_worker(overrides, words):
+    from hp.train.config import ConfigError, load_config
+
+    placed = ["parallel.tp=1", "parallel.pp=2", "parallel.mpmd={place: {reference: pp}}"]
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        load_config(QUICKSTART_DPO, [*placed, *overrides])

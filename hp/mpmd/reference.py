@@ -14,14 +14,18 @@ does not change what it computes.
 Both models are cut into pipeline stages by `hp.parallel.pipeline.cut`
 (parameter names stay the model's own): the policy's stage i on
 `policy_ranks[i]`, the reference's on `reference_ranks[i]`: the same ranks
-(in the policy's bubbles) or ranks of their own.
+(in the policy's bubbles) or ranks of their own. Given the `rank` it runs
+on, the policy is cut in place to that rank's stage (none when it runs only
+the reference), so an optimizer over the policy's parameters steps this
+rank's share.
 
 A micro-batch is one group of rows scored together, e.g. a DPO pair (its
 chosen and its rejected answer): the batch is a dict with `input_ids` and
 `labels` of shape (micro-batches, rows, tokens), prompt tokens labelled
--100. The policy's last stage returns `loss(policy_logps, reference_logps)`
-of each micro-batch, the rows' summed log-probabilities of their labels
-(`sequence_logps`); `dpo_loss` is DPO's sigmoid loss for pairs.
+-100. The policy's last stage returns `loss(policy_logps, reference_logps,
+labels)` of each micro-batch, from the rows' summed log-probabilities of
+their labels (`sequence_logps`; a loss on per-token means counts the
+labels); `dpo_loss` is DPO's sigmoid loss for pairs.
 
 >>> import torch
 >>> from transformers import AutoModelForCausalLM
@@ -48,7 +52,8 @@ from hp.parallel.pipeline import cut
 from hp.parallel.pipeline_split import StageSplit
 from hp.parallel.sequence import IGNORE_INDEX
 
-PairLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (policy's, reference's row log-probs) -> loss
+# (policy's, reference's row log-probs, the rows' labels) -> the micro-batch's loss
+PairLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def policy_and_reference(policy: nn.Module, plan: ModelPlan, *, policy_ranks: tuple[int, ...], microbatches: int,
@@ -61,7 +66,8 @@ def policy_and_reference(policy: nn.Module, plan: ModelPlan, *, policy_ranks: tu
     if len(reference_ranks) != len(policy_ranks):
         raise ValueError(f"reference_ranks = {reference_ranks}: the reference is cut into the policy's "
                          f"{len(policy_ranks)} stages")
-    frozen = copy.deepcopy(policy if reference is None else reference).requires_grad_(False)
+    frozen = copy.deepcopy(policy) if reference is None else reference  # before the policy is cut
+    frozen.requires_grad_(False)
     cuts = StageSplit.of_counts(split or even_split(len(policy.get_submodule(plan.blocks)), len(policy_ranks)))
     last = len(policy_ranks) - 1
     graph = Graph((Program("policy", tuple(policy_ranks)),
@@ -70,10 +76,15 @@ def policy_and_reference(policy: nn.Module, plan: ModelPlan, *, policy_ranks: tu
     fns: dict[Node, Callable] = {}
     modules: dict[Node, nn.Module] = {}
     for name, model, ranks in (("policy", policy, policy_ranks), ("reference", frozen, reference_ranks)):
-        for s, on in enumerate(ranks):
-            if rank is None or rank == on:
-                stage = modules[name, s] = cut(copy.deepcopy(model), plan, cuts, s)
-                fns[name, s] = _stage(stage, s == 0, s == last, loss if name == "policy" else None)
+        if rank is not None:  # in place: the rank's own stage, or none of the model
+            mine = ranks.index(rank) if rank in ranks else None
+            cut(model, plan, cuts, mine)
+            stages = {} if mine is None else {mine: model}
+        else:
+            stages = {s: cut(copy.deepcopy(model), plan, cuts, s) for s in range(len(ranks))}
+        for s, stage in stages.items():
+            modules[name, s] = stage
+            fns[name, s] = _stage(stage, s == 0, s == last, loss if name == "policy" else None)
     return Programs(graph, fns, modules)
 
 
@@ -85,8 +96,9 @@ def _stage(stage: nn.Module, first: bool, last: bool, loss: PairLoss | None) -> 
             out = stage(inputs_embeds=inputs[0], use_cache=False).logits
         if not last:
             return out  # the norm and the head are skipped: the residual stream
-        logps = sequence_logps(out, batch["labels"][m])
-        return logps if loss is None else loss(logps, inputs[-1])  # the reference's, received a step before
+        labels = batch["labels"][m]
+        logps = sequence_logps(out, labels)
+        return logps if loss is None else loss(logps, inputs[-1], labels)  # the reference's, received a step before
     return run
 
 
@@ -101,10 +113,11 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def dpo_loss(beta: float, pairs: int) -> PairLoss:
     """DPO's sigmoid loss of one (chosen, rejected) pair, over the batch's `pairs` (their sum is the mean).
 
-    >>> float(dpo_loss(0.1, 2)(torch.tensor([-1.0, -2.0]), torch.tensor([-1.0, -2.0])))  # log 2 / 2
+    >>> logps = torch.tensor([-1.0, -2.0])
+    >>> float(dpo_loss(0.1, 2)(logps, logps, None))  # log 2 / 2
     0.3465735912322998
     """
-    def loss(policy: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    def loss(policy: torch.Tensor, reference: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         margin = (policy[0] - reference[0]) - (policy[1] - reference[1])
         return -nn.functional.logsigmoid(beta * margin) / pairs
     return loss

@@ -32,6 +32,7 @@ gathered under sequence parallel.
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import math
 from collections.abc import Iterator, Mapping
@@ -170,6 +171,26 @@ def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for module in adapted:
             module.lora_off = False
+
+
+def base_copy(model: nn.Module) -> nn.Module:
+    """A frozen copy of `model` computing as its base for good (every adapter skipped, as inside
+    `adapters_off`): a preference stage's reference where the policy and its reference cannot share one
+    module (they run as programs of their own, `hp.mpmd.reference`).
+
+    >>> from hp.models import tiny_config
+    >>> from transformers import AutoModelForCausalLM
+    >>> model = AutoModelForCausalLM.from_config(tiny_config("llama", layers=1))
+    >>> _ = add_lora(model, Lora(rank=2))
+    >>> frozen = base_copy(model)
+    >>> all(m.lora_off for m in frozen.modules() if hasattr(m, "lora_A")), any(p.requires_grad for p in frozen.parameters())
+    (True, False)
+    """
+    frozen = copy.deepcopy(model).requires_grad_(False)
+    for module in frozen.modules():
+        if hasattr(module, "lora_A"):
+            module.lora_off = True
+    return frozen
 
 
 def merge_lora(model: nn.Module) -> None:

@@ -1,19 +1,24 @@
 """Where a model's sub-models run under `hp.mpmd`'s levels 2 and 3: the strategy's `mpmd_place` value.
 
-A vision-language model's vision tower can run as a program of its own
-(`hp.mpmd.programs.vision_language`), beside the language model's pipeline
-of `pp` stages, one per rank:
+One program runs beside a pipeline of `pp` stages, one per rank:
 
-- `vision: pp`: spread over the pipeline's own ranks, its work placed in
-  the pipeline's bubbles (the world is pp ranks);
-- `vision: N`: on N ranks of its own, the last N of the world (the world is
-  pp + N ranks), each image's features sent to the first stage.
+- `vision`: a vision-language model's tower (`hp.mpmd.programs.vision_language`),
+  spread over the pipeline's own ranks (`pp`, its work placed in the
+  pipeline's bubbles; the world is pp ranks) or on N ranks of its own (the
+  last N of the world, pp + N ranks), each image's features sent to the first stage;
+- `reference`: a preference stage's frozen reference model
+  (`hp.mpmd.reference.policy_and_reference`), cut into the policy's `pp`
+  stages and run a batch ahead: on the policy's ranks, in its bubbles
+  (`pp`), or on `pp` ranks of its own (the world is 2 pp ranks), its
+  log-probabilities sent to the policy's last stage.
 
 It is torch-free, like `hp.Strategy`, so that the launcher checks it before
 any worker starts.
 
 >>> Placement.of({"vision": "pp"}).own_ranks, Placement.of({"vision": 2}).own_ranks
 (0, 2)
+>>> Placement.of({"reference": 2}).ranks(pp=2)
+(2, 3)
 >>> Placement.of({"vision": 0})
 Traceback (most recent call last):
 ...
@@ -28,46 +33,54 @@ from typing import Any
 
 from hp.parallel.field_error import FieldError
 
-PLACEABLE = ("vision",)  # the sub-models hp train places
+PLACEABLE = ("vision", "reference")  # the sub-models hp train places
 SHARED = "pp"  # a sub-model spread over the pipeline's own ranks
 
 
 class PlacementError(FieldError):
-    """A placement that cannot run; `key` names the sub-model."""
+    """A placement that cannot run; `key` names the sub-model ("": the whole placement)."""
 
 
 @dataclass(frozen=True)
 class Placement:
-    """Where the vision tower runs: on the pipeline's ranks (`"pp"`) or on that many ranks of its own."""
+    """Which sub-model runs as a program of its own (`program`: one of PLACEABLE) and where: on the pipeline's
+    ranks (`"pp"`) or on that many ranks of its own."""
 
-    vision: int | str
+    program: str
+    where: int | str
 
     @classmethod
     def of(cls, spec: Placement | Mapping[str, Any]) -> Placement:
         if isinstance(spec, Placement):
             return spec
         if not isinstance(spec, Mapping) or not spec:
-            raise PlacementError("place", spec, ": expected a mapping of sub-models to where they run, e.g. "
+            raise PlacementError("", spec, ": expected a mapping of a sub-model to where it runs, e.g. "
                                  "{vision: pp}")
         for key, value in spec.items():
             if key not in PLACEABLE:
                 raise PlacementError(str(key), value, f": no sub-model hp train places; expected one of "
                                      f"{', '.join(PLACEABLE)}")
-        where = spec["vision"]
+        if len(spec) > 1:
+            raise PlacementError("", dict(spec), ": hp train places one sub-model at a time so far; expected one of them")
+        (program, where), = spec.items()
         if where != SHARED and (not isinstance(where, int) or isinstance(where, bool) or where < 1):
-            raise PlacementError("vision", where, f": expected {SHARED!r} (the pipeline's ranks, in its bubbles) or "
+            raise PlacementError(program, where, f": expected {SHARED!r} (the pipeline's ranks, in its bubbles) or "
                                  "a number of ranks of its own >= 1")
-        return cls(where)
+        return cls(program, where)
 
     @property
     def own_ranks(self) -> int:
-        """Ranks the placed sub-models hold of their own, beyond the pipeline's."""
-        return 0 if self.vision == SHARED else int(self.vision)
+        """Ranks the placed sub-model holds of its own, beyond the pipeline's."""
+        return 0 if self.where == SHARED else int(self.where)
 
-    def tower_ranks(self, pp: int) -> tuple[int, ...]:
-        """The global ranks the tower runs on, beside a pipeline on ranks 0 .. pp - 1.
+    def ranks(self, pp: int) -> tuple[int, ...]:
+        """The global ranks the placed sub-model runs on, beside a pipeline on ranks 0 .. pp - 1.
 
-        >>> Placement("pp").tower_ranks(2), Placement(1).tower_ranks(2)
+        >>> Placement("vision", "pp").ranks(2), Placement("vision", 1).ranks(2)
         ((0, 1), (2,))
         """
-        return tuple(range(pp)) if self.vision == SHARED else tuple(range(pp, pp + self.own_ranks))
+        return tuple(range(pp)) if self.where == SHARED else tuple(range(pp, pp + self.own_ranks))
+
+    def as_dict(self) -> dict[str, int | str]:
+        """As written in a config: `{vision: pp}`."""
+        return {self.program: self.where}

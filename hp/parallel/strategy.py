@@ -151,7 +151,7 @@ class Strategy:
         try:
             object.__setattr__(self, field, of(getattr(self, field)))
         except FieldError as e:
-            raise StrategyError(f"{prefix}{e.key}", e.value, e.problem) from None
+            raise StrategyError(f"{prefix}{e.key}".rstrip("."), e.value, e.problem) from None  # key "": the whole
 
     def _check_placement(self) -> None:
         if self.mpmd_place is None:
@@ -164,6 +164,11 @@ class Strategy:
                        "each placed program's stages run whole on their rank (stages laid out on other axes are "
                        "not built yet)")
                 raise StrategyError(key, getattr(self, key), f" with mpmd.place: {why}; leave it out")
+        place = self.mpmd_place
+        if place.program == "reference" and place.own_ranks not in (0, self.pp):
+            raise StrategyError("mpmd.place.reference", place.where, f": the reference is cut into the policy's pp = "
+                                f"{self.pp} stages, one per rank; expected 'pp' (in the policy's bubbles) or {self.pp} "
+                                "ranks of its own")
 
     def _check_tp2d(self) -> None:
         if self.tp2d is None:
@@ -279,8 +284,9 @@ class Strategy:
         return cls(**spec)
 
     def as_dict(self) -> dict[str, Any]:
-        """The fields, in order (what `Strategy.of` takes back)."""
-        return dataclasses.asdict(self)
+        """The fields, in order (what `Strategy.of` takes back; the placement as written, `{vision: pp}`)."""
+        fields = dataclasses.asdict(self)
+        return fields | {"mpmd_place": self.mpmd_place.as_dict() if self.mpmd_place is not None else None}
 
     @property
     def world_size(self) -> int:
@@ -379,8 +385,8 @@ class Strategy:
             raise StrategyError("pp", self.pp, f": {getattr(config, 'model_type', '?')} is a vision-language model, "
                                 "whose vision tower the pipeline places with mpmd: {place: {vision: pp}} (in its "
                                 "bubbles) or {place: {vision: N}} (on N ranks of its own); or use tp, dp or FSDP")
-        if self.mpmd_place is not None and not vision:
-            raise StrategyError("mpmd.place.vision", self.mpmd_place.vision, f": {getattr(config, 'model_type', '?')} "
+        if self.mpmd_place is not None and self.mpmd_place.program == "vision" and not vision:
+            raise StrategyError("mpmd.place.vision", self.mpmd_place.where, f": {getattr(config, 'model_type', '?')} "
                                 "has no vision tower to place")
         config = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VL model's decoder
         self._check_experts(config)

@@ -155,7 +155,7 @@ class Saver:
             shutil.rmtree(partial, ignore_errors=True)  # debris of a crashed save of this step
             os.makedirs(partial)
         _barrier()
-        model_state, optim_state = get_state_dict(model, optimizer, options=_FLAT)
+        model_state, optim_state = _states(model, optimizer, _FLAT)
         state = to_storable({"model": model_state} if model_only else {"model": model_state, "optim": optim_state})
         if rank() == 0:
             _write_beside(partial, model, {"step": step, "rng": _rng_state(), "model_only": model_only, **extra},
@@ -221,14 +221,25 @@ def load(path: str, model: nn.Module, optimizer) -> dict[str, Any]:
     rank reading it all back again would cost the run a reading per rank."""
     trainer = trainer_state(path, check_files=False)
     options = _FLAT if _flat_optimizer(path) else StateDictOptions()
-    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    model_state, optim_state = _states(model, optimizer, options)
     wanted = {"model": model_state, "optim": optim_state}
     state = to_storable(wanted)
     dcp.load(state, checkpoint_id=path, no_dist=not distributed())
     state = from_storable(state, wanted)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
+    if model_state:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=options)
     _set_rng_state(trainer.pop("rng"))
     return trainer
+
+
+def _states(model: nn.Module, optimizer, options: StateDictOptions) -> tuple[dict, dict]:
+    """The model's and optimizer's state dicts, as the checkpoint holds them; none for a rank that holds no
+    part of the model (it runs only a placed frozen program: `hp.train.placed`), which still takes part in
+    the collective save."""
+    if not model.state_dict():
+        return {}, {}
+    return get_state_dict(model, optimizer, options=options)
 
 
 def trainer_state(path: str, *, check_files: bool = True) -> dict[str, Any]:

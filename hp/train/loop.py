@@ -66,7 +66,6 @@ from hp.device import bind_local_device, detect
 from hp.parallel.expert_balance import ExpertLoad, measure, nudge_routing_bias
 from hp.parallel.pipeline import pipeline_of
 from hp.parallel.plain_dp import accumulating
-from hp.mpmd.placed import Placed
 from hp.mpmd.transform import Mpmd
 from hp.models import plan_for
 from hp.plot import pyplot
@@ -80,7 +79,7 @@ from hp.train.loader import loader
 from hp.train.finetuning import Finetuning
 from hp.train.model import build_model, freeze_parts, resolved_strategy
 from hp.train.pipelined import LENGTH_STEP, pipelined_step
-from hp.train.placed import place, placed_step, placed_summary
+from hp.train.placed import PlacedRun, place, placed_step, placed_summary
 from hp.train.objectives import Dpo, Kto, LanguageModeling, Reference, Reward
 from hp.train.preflight import resume_path
 from hp.train.report import METRICS, TENSORBOARD_DIR, Reporter
@@ -101,7 +100,7 @@ class Progress:
     logged_rewards: dict[str, float] = field(default_factory=dict)  # last metrics line, and that line's mean
     first_rewards: dict[str, float] = field(default_factory=dict)  # the first step's of this run
     mpmd: Mpmd | None = None  # the pipelined step, under parallel.mpmd: its plan and last report
-    placed: Placed | None = None  # the placed step, under parallel.mpmd.place: its plan and cost table
+    placed: PlacedRun | None = None  # the placed step, under parallel.mpmd.place: its plan and cost table
     started: float = field(default_factory=time.perf_counter)  # the loop's start, for each record's elapsed_s
 
     def rewards_window(self) -> dict[str, float]:
@@ -133,7 +132,8 @@ def train(config: TrainConfig) -> dict:
     objective = make_objective(config, model, mesh, tokenizer.vocab_size)
     freeze_parts(model, vision_tower=config.freeze_vision_tower, projector=config.freeze_multi_modal_projector,
                  language_model=config.freeze_language_model)
-    placed = place(model, config) if strategy.mpmd_place is not None else None  # cut to this rank's programs
+    placed = (place(model, config, getattr(objective, "reference", None))  # cut to this rank's programs
+              if strategy.mpmd_place is not None else None)
     progress = Progress(placed=placed)
     trained = [p for p in model.parameters() if p.requires_grad]  # frozen weights keep no optimizer state
     optimizer = adamw(trained, config)
@@ -170,7 +170,7 @@ def train(config: TrainConfig) -> dict:
             with _traced() if step == first else nullcontext() as trace:  # every step moves the same bytes
                 loss, tokens, rewards = forward_backward()
                 hp.reduce_gradients(model)
-                norm = clip_placed(placed, config.max_grad_norm or math.inf) if placed is not None else \
+                norm = clip_placed(placed.step, config.max_grad_norm or math.inf) if placed is not None else \
                     clip_gradients(model.parameters(), config.max_grad_norm or math.inf,
                                    group=pipe.group if pipe is not None else None)
                 _require_finite(config, step + 1, loss, norm, saver)
@@ -242,13 +242,15 @@ def _reference(config: TrainConfig, model: nn.Module, mesh, vocab_size: int) -> 
 
 def adamw(params: list[torch.Tensor], config: TrainConfig) -> torch.optim.AdamW:
     """torch's AdamW over `params`, fused (one kernel over every tensor, as HF Trainer's `adamw_torch_fused`)
-    where torch has the kernel for their device (`hp.offload` brings the states back to it before each step)."""
+    where torch has the kernel for their device (`hp.offload` brings the states back to it before each step).
+    No params (a rank running only a placed frozen program) is an optimizer that steps nothing."""
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
     devices = {p.device.type for p in params}
     fused = bool(params) and devices <= set(_get_fused_kernels_supported_devices()) \
         and all(p.is_floating_point() for p in params)
-    return torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay, fused=fused or None)
+    return torch.optim.AdamW(params or [{"params": []}], lr=config.learning_rate, weight_decay=config.weight_decay,
+                             fused=fused or None)
 
 
 def balance_experts(model: nn.Module, rate: float) -> ExpertLoad | None:

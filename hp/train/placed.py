@@ -1,25 +1,33 @@
-"""`hp train` under `parallel.mpmd.place`: a vision-language model's tower and its language model as programs.
+"""`hp train` under `parallel.mpmd.place`: a model's sub-models as programs of their own, one step over the ranks.
 
-`hp.mpmd`'s level 2 (`hp.mpmd.placed`): the language model is cut into
-`pp` pipeline stages, one per rank, and the vision tower runs as a program
-of its own, spread over the pipeline's ranks (`vision: pp`, in its bubbles)
-or on ranks of its own (`vision: N`). Each rank's model is cut in place to
-what it runs (parameter names stay the model's own), so the optimizer, the
-checkpoints and their manifests see this rank's share as under pp.
+Two placements (`hp.parallel.placement`):
 
-A step is one placed step over the accumulated batches: each sample is a
-micro-batch, and each sample's token loss is divided by its own batch's
-supervised tokens times the accumulation steps, which is `hp train`'s mean
-of per-batch means. A frozen tower (LlamaFactory's default) runs a batch
-ahead, so the step also reads the next step's batches, by position, without
-moving the stream (a resumed run reads them again). The first three steps
-are timed and the order of every rank's work is planned again from them.
+- `vision` (`hp.mpmd`'s level 2, `hp.mpmd.placed`): a vision-language
+  model's language model is cut into `pp` pipeline stages, one per rank,
+  and its vision tower runs as a program of its own, spread over the
+  pipeline's ranks (`vision: pp`, in its bubbles) or on ranks of its own
+  (`vision: N`). A step is one placed step over the accumulated batches:
+  each sample is a micro-batch, and each sample's token loss is divided by
+  its own batch's supervised tokens times the accumulation steps, which is
+  `hp train`'s mean of per-batch means. A frozen tower (LlamaFactory's
+  default) runs a batch ahead.
+- `reference` (level 3, `hp.train.placed_reference`): DPO's policy and its
+  frozen reference, the reference a batch ahead.
+
+Each rank's model is cut in place to what it runs (parameter names stay the
+model's own), so the optimizer, the checkpoints and their manifests see
+this rank's share as under pp. A program running ahead reads the next
+steps' batches by position, without moving the stream (a resumed run reads
+them again). The first three steps are timed and the order of every rank's
+work is planned again from them.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -33,38 +41,55 @@ from hp.parallel.recompute import recompute_blocks
 from hp.train.config import TrainConfig
 from hp.train.data import IGNORE_INDEX, Batch
 from hp.train.loader import positions_from
+from hp.train.objectives import Reference
+from hp.train.placed_reference import PairLosses, pairs_batch, policy_programs
 
 WARMUP = 3  # steps timed before the order of work is planned from their costs
 
 
-def place(model: nn.Module, config: TrainConfig) -> Placed:
-    """`model` cut in place into this rank's part of the placed programs."""
+@dataclass
+class PlacedRun:
+    """The placed step, how a step's batches become its batch (`merge(parts, pad_id, device)`), and the
+    rewards a step reports (a dpo step's; a collective)."""
+
+    step: Placed
+    merge: Callable[[list[Batch], int, str], dict]
+    rewards: Callable[[], dict[str, float]] = dict
+
+
+def place(model: nn.Module, config: TrainConfig, reference: Reference | None = None) -> PlacedRun:
+    """`model` cut in place into this rank's part of the placed programs; `reference`: a dpo stage's."""
     strategy = config.parallel
     plan = plan_for(model.config)
     if strategy.recompute:
         recompute_blocks(model.get_submodule(plan.blocks))
-    programs = vision_language(model, plan, tower_ranks=strategy.mpmd_place.tower_ranks(strategy.pp),
+    microbatches = config.per_device_train_batch_size * config.gradient_accumulation_steps
+    if strategy.mpmd_place.program == "reference":
+        pairs = PairLosses(config.preference, microbatches)
+        return PlacedRun(Placed(policy_programs(model, reference, config, pairs), warmup=WARMUP), pairs_batch,
+                         pairs.metrics)
+    programs = vision_language(model, plan, tower_ranks=strategy.mpmd_place.ranks(strategy.pp),
                                stage_ranks=tuple(range(strategy.pp)), split=strategy.pp_split,
-                               microbatches=config.per_device_train_batch_size * config.gradient_accumulation_steps,
-                               rank=dist.get_rank())
-    return Placed(programs, warmup=WARMUP)
+                               microbatches=microbatches, rank=dist.get_rank())
+    return PlacedRun(Placed(programs, warmup=WARMUP), _merged)
 
 
-def placed_step(step: Placed, batches, config: TrainConfig, pad_id: int, device: str) -> tuple[float, int, dict]:
-    """One optimizer step's forward and backward over the accumulated batches; (loss, tokens, no rewards)."""
+def placed_step(run: PlacedRun, batches, config: TrainConfig, pad_id: int, device: str) -> tuple[float, int, dict]:
+    """One optimizer step's forward and backward over the accumulated batches; (loss, tokens, rewards)."""
     accumulate = config.gradient_accumulation_steps
     parts = [next(batches) for _ in range(accumulate)]
-    upcoming = [_merged(_peek(batches, accumulate * k, accumulate), pad_id, device)  # the next steps' batches
-                for k in range(step.graph.furthest_ahead)]
+    upcoming = [run.merge(_peek(batches, accumulate * k, accumulate), pad_id, device)  # the next steps' batches
+                for k in range(run.step.graph.furthest_ahead)]
     autocast = torch.autocast(device, dtype=torch.bfloat16) if config.bf16 else nullcontext()
     with autocast:
-        loss = step(_merged(parts, pad_id, device), *upcoming)
-    return float(loss), sum(b.input_ids.numel() for b in parts), {}
+        loss = run.step(run.merge(parts, pad_id, device), *upcoming)
+    return float(loss), sum(b.input_ids.numel() for b in parts), run.rewards()
 
 
-def placed_summary(step: Placed) -> dict:
+def placed_summary(run: PlacedRun) -> dict:
     """What the run summary says of a placed step: where each program ran, and its plan's replay with the
     measured costs (rank 0's, the same on every rank)."""
+    step = run.step
     found = {"programs": {p.name: list(p.ranks) for p in step.graph.programs}, "planned_from_costs": step.costs is not None}
     if step.costs is not None:
         sim = step.simulation()

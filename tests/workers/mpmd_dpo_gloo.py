@@ -40,7 +40,7 @@ def plain_step(policy, reference, data: dict) -> torch.Tensor:
         ids, labels = data["input_ids"][m], data["labels"][m]
         with torch.no_grad():
             ref = sequence_logps(reference(input_ids=ids).logits, labels)
-        total = total + loss(sequence_logps(policy(input_ids=ids).logits, labels), ref)
+        total = total + loss(sequence_logps(policy(input_ids=ids).logits, labels), ref, labels)
     total.backward()
     return total.detach()
 

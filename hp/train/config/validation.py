@@ -198,20 +198,39 @@ def _check_pipeline(config: TrainConfig) -> None:
 
 
 def _check_placement(config: TrainConfig) -> None:
-    """What `hp train` runs under `parallel.mpmd.place` (`hp.mpmd`'s level 2): the sft stage, training only."""
+    """What `hp train` runs under `parallel.mpmd.place` (`hp.mpmd`'s levels 2 and 3): a vision tower in the sft
+    stage, DPO's reference in the dpo stage; training only."""
     place = config.parallel.mpmd_place
     if place is None:
         return
-    if config.stage != "sft":
-        raise ConfigError(f"parallel.mpmd.place with stage = {config.stage!r}: hp train places a vision-language "
-                          "model's tower in the sft stage so far; leave mpmd.place out")
-    if place.own_ranks and config.freeze_vision_tower and config.freeze_multi_modal_projector:
-        raise ConfigError(f"parallel.mpmd.place.vision = {place.vision} with the tower and projector frozen (their "
+    if place.program == "vision" and config.stage != "sft":
+        raise ConfigError(f"parallel.mpmd.place.vision with stage = {config.stage!r}: hp train places a "
+                          "vision-language model's tower in the sft stage; leave mpmd.place out")
+    if place.program == "reference":
+        _check_placed_reference(config, place.where)
+    if place.program == "vision" and place.own_ranks and config.freeze_vision_tower and \
+            config.freeze_multi_modal_projector:
+        raise ConfigError(f"parallel.mpmd.place.vision = {place.where} with the tower and projector frozen (their "
                           "defaults): its own ranks would have nothing to train; place it in the pipeline's bubbles "
                           "(vision: pp), where a frozen tower runs a batch ahead, or unfreeze it")
     if config.evaluates:
         raise ConfigError("parallel.mpmd.place with evaluation: evaluating a placed model is not built yet; leave "
                           "eval_strategy, do_eval and val_size out, or mpmd.place")
+
+
+def _check_placed_reference(config: TrainConfig, where) -> None:
+    """The reference runs as a program of DPO's losses that compare with one."""
+    named = f"parallel.mpmd.place.reference = {where!r}"
+    if config.stage == "kto":
+        raise ConfigError(f"{named} with stage = 'kto': KTO's reference point (the mean over a batch's mismatched "
+                          "pairs) joins every answer of the batch, so its micro-batches are not independent; hp train "
+                          "places the reference in the dpo stage so far; leave mpmd.place out")
+    if config.stage != "dpo":
+        raise ConfigError(f"{named} with stage = {config.stage!r}: that stage has no reference model to place; "
+                          "expected stage: dpo")
+    if not config.preference.uses_reference:
+        raise ConfigError(f"{named} with pref_loss = {config.pref_loss!r}: that loss compares with no reference "
+                          "model; leave mpmd.place out")
 
 
 def _check_preference(config: TrainConfig) -> None:

@@ -1,0 +1,108 @@
+"""`hp train`'s dpo stage under `parallel.mpmd: {place: {reference: pp | N}}`: the policy and its reference as programs.
+
+`hp.mpmd`'s level 3 (`hp.mpmd.reference.policy_and_reference`): the
+policy is cut into `pp` pipeline stages, one per rank, and its frozen
+reference into as many, on the same ranks (`pp`: its forwards fill the
+policy's bubbles) or on `pp` ranks of their own. The reference's forward
+depends on nothing the policy computes, so it runs a batch ahead, each of
+its stages a further batch ahead than the next (staggered): its
+log-probabilities for a step's pairs were computed in earlier steps and
+reach the policy's last stage when the step needs them. It is frozen, so
+when it runs changes nothing it computes.
+
+A micro-batch is one pair (its chosen and its rejected answer), and a step
+is every pair of the accumulated batches. Each pair's loss is
+`hp.train.preference.dpo`'s (the config's loss, label smoothing and
+`pref_ftx`) divided by the step's pairs: the batches of a step hold as
+many pairs each, so the step's loss is hp train's mean of per-batch means.
+The rewards the reports show are summed on the policy's last stage and
+shared with every rank after the step.
+
+The reference is the one the unplaced stage uses (`ref_model`, or the
+starting model): under LoRA without `ref_model`, a copy of the policy with
+its adapters off (`hp.parallel.lora.base_copy`), taken before any
+checkpoint is restored.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from hp.models import plan_for
+from hp.mpmd.programs import Programs
+from hp.mpmd.reference import policy_and_reference
+from hp.parallel.lora import base_copy
+from hp.train import preference
+from hp.train.config import Preference, TrainConfig
+from hp.train.data import IGNORE_INDEX, Batch
+from hp.train.objectives import Reference
+
+
+class PairLosses:
+    """Each pair's DPO loss over a step of `pairs` pairs, its rewards kept for the report (see the module).
+
+    >>> from hp.train.config import Preference
+    >>> losses = PairLosses(Preference(beta=0.1), pairs=2)
+    >>> labels = torch.tensor([[-100, 5, 6], [-100, 7, -100]])
+    >>> round(float(losses(torch.tensor([-1.0, -2.0]), torch.tensor([-1.0, -2.0]), labels)), 4)  # log 2 / 2
+    0.3466
+    """
+
+    def __init__(self, pref: Preference, pairs: int) -> None:
+        self.pref, self.pairs = pref, pairs
+        self.kept: list[torch.Tensor] = []  # per pair: chosen and rejected rewards, chosen and rejected log-probs
+
+    def __call__(self, policy: torch.Tensor, reference: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        counts = (labels[:, 1:] != IGNORE_INDEX).sum(-1)
+        means = self.pref.loss in preference.MEAN_LOSSES
+        compared, ref = (policy / counts, reference / counts) if means else (policy, reference)
+        judged = preference.dpo(compared[:1], compared[1:], ref[:1], ref[1:], self.pref)
+        loss = judged.losses
+        if self.pref.ftx:
+            loss = loss - self.pref.ftx * policy[:1] / counts[:1]
+        self.kept.append(torch.cat([judged.chosen, judged.rejected, policy.detach()]).float().cpu())
+        return loss.sum() / self.pairs
+
+    def metrics(self) -> dict[str, float]:
+        """The step's rewards and log-probs under LlamaFactory's names, the same on every rank (a collective)."""
+        kept = torch.stack(self.kept) if self.kept else torch.zeros(0, 4)
+        self.kept.clear()
+        sums = torch.cat([kept.sum(0), (kept[:, 0] > kept[:, 1]).sum().view(1), torch.tensor([len(kept)])])
+        sums = sums.double()
+        dist.all_reduce(sums)
+        chosen, rejected, logp_chosen, logp_rejected, right, n = (sums / sums[-1]).tolist()
+        return {"rewards/chosen": chosen, "rewards/rejected": rejected, "rewards/accuracies": right,
+                "rewards/margins": chosen - rejected, "logps/chosen": logp_chosen, "logps/rejected": logp_rejected}
+
+
+def policy_programs(model: nn.Module, reference: Reference, config: TrainConfig, pairs: PairLosses) -> Programs:
+    """`model` (the policy) cut in place to this rank's stage, beside its reference's stages (see the module)."""
+    strategy = config.parallel
+    frozen = base_copy(reference.model) if reference.adapters else reference.model  # before the policy is cut
+    return policy_and_reference(model, plan_for(model.config), policy_ranks=tuple(range(strategy.pp)),
+                                reference_ranks=strategy.mpmd_place.ranks(strategy.pp), microbatches=pairs.pairs,
+                                loss=pairs, reference=frozen, split=strategy.pp_split, rank=dist.get_rank())
+
+
+def pairs_batch(parts: list[Batch], pad_id: int, device: str) -> dict:
+    """The accumulated pairwise batches (chosen rows first, rejected after) as one batch of pairs: `input_ids`
+    and `labels` of shape (pairs, 2, tokens), right-padded to the longest.
+
+    >>> b = Batch(torch.tensor([[1, 2], [3, 4]]), torch.tensor([[-100, 2], [-100, 4]]))
+    >>> pairs_batch([b, b], 0, "cpu")["input_ids"].tolist()
+    [[[1, 2], [3, 4]], [[1, 2], [3, 4]]]
+    """
+    longest = max(b.input_ids.shape[1] for b in parts)
+
+    def paired(name: str, fill: int) -> torch.Tensor:
+        rows = []
+        for b in parts:
+            t = F.pad(getattr(b, name), (0, longest - getattr(b, name).shape[1]), value=fill)
+            half = len(t) // 2
+            rows.append(torch.stack([t[:half], t[half:]], 1))
+        return torch.cat(rows).to(device)
+
+    return {"input_ids": paired("input_ids", pad_id), "labels": paired("labels", IGNORE_INDEX)}
