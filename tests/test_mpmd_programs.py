@@ -214,3 +214,38 @@ def test_a_qwen_vl_tower_placed_by_hp_mpmd_gives_hfs_steps_on_gloo_ranks():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     for placement in ("in the pipeline's bubbles", "on a rank of its own", "frozen, a batch ahead in the pipeline's bubbles"):
         assert f"a vision tower {placement} follows HF's step" in run.stdout
+
+
+@settings(max_examples=25, deadline=None)
+@given(forward=st.floats(0.1, 2.0), backward=st.floats(0.1, 4.0), reference=st.floats(0.05, 2.0),
+       transfer=st.floats(0.0, 6.0), world=st.integers(1, 4), blocks=st.integers(4, 9), micro=st.integers(1, 8))
+def test_the_reference_goes_where_the_replayed_plan_is_shorter(forward, backward, reference, transfer, world, blocks,
+                                                              micro):
+    """`hp.mpmd.choice.choose_reference`: the policy over every rank with its reference in the bubbles, or over
+    half with the reference on the other half, whichever's plan replays shorter; no step beats the work
+    spread evenly over the ranks."""
+    from hp.mpmd.choice import BlockCosts, choose_reference
+
+    choice = choose_reference(BlockCosts(forward, backward, reference, transfer), world=world, blocks=blocks,
+                              microbatches=micro)
+    assert set(choice.steps) == ({"shared", "own"} if world % 2 == 0 else {"shared"})
+    assert choice.steps[choice.where] == min(choice.steps.values())
+    for step in choice.steps.values():
+        assert step >= blocks * micro * (forward + backward + reference) / world - 1e-9
+    policy, ref = choice.ranks(world)
+    assert len(policy) == len(ref) and (policy == ref) == (choice.where == "shared")
+
+
+def test_block_costs_are_measured_on_the_whole_model_without_touching_its_state():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hp.models import plan_for, tiny_config
+    from hp.mpmd.choice import block_costs
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", layers=2)).train()
+    before = torch.random.get_rng_state()
+    costs = block_costs(model, plan_for(model.config), tokens=16, rounds=2)
+    assert costs.forward > 0 and costs.backward > 0 and costs.reference > 0 and costs.transfer == 0.0  # one process
+    assert model.training and all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.random.get_rng_state(), before)

@@ -58,7 +58,8 @@ def test_a_reward_model_trains_and_exports_its_value_head_as_llamafactory_does(t
 
 def test_a_placed_reference_has_the_plain_runs_losses_rewards_and_weights_and_resumes(tmp_path):
     """`parallel.mpmd: {place: {reference: ...}}` (hp.mpmd's level 3): DPO's reference a batch ahead in a
-    2-stage policy's bubbles, and on a rank of its own beside a whole policy, against one plain worker, with
+    2-stage policy's bubbles, on a rank of its own beside a whole policy, and wherever the costs measured
+    before the model is cut say (auto), against one plain worker, with
     two accumulated batches a step: the same losses and rewards step by step (the last planned from the
     measured costs) and the same weights in the checkpoint; the second placement, resumed from its step-2
     checkpoint (its reference rank holds none of the policy), takes the same last steps."""
@@ -70,13 +71,18 @@ def test_a_placed_reference_has_the_plain_runs_losses_rewards_and_weights_and_re
     run = ["max_steps=4", "save_steps=2", "logging_steps=1", "per_device_train_batch_size=4",
            "gradient_accumulation_steps=2", "warmup_ratio=0", "parallel.tp=1"]
     places = {"pp": ["parallel.pp=2", "parallel.mpmd={place: {reference: pp}}"],
-              "own": ["parallel.pp=1", "parallel.mpmd={place: {reference: 1}}"]}
+              "own": ["parallel.pp=1", "parallel.mpmd={place: {reference: 1}}"],
+              "auto": ["parallel.pp=2", "parallel.mpmd={place: {reference: auto}}"]}
     plain = summary(hp_train(*run, f"output_dir={tmp_path / 'plain'}", config=QUICKSTART_DPO))
     want = losses(tmp_path / "plain")
     for name, place in places.items():
         got = summary(hp_train(*run, *place, f"output_dir={tmp_path / name}", config=QUICKSTART_DPO))
         assert got["mpmd_place"]["planned_from_costs"], got
-        assert got["mpmd_place"]["programs"]["reference"] == ([0, 1] if name == "pp" else [1]), got
+        chosen = got["mpmd_place"].get("chosen")  # auto: how the two ranks were shared, and why
+        if name == "auto":
+            assert chosen["where"] == min(chosen["predicted_step_s"], key=chosen["predicted_step_s"].get), chosen
+        where = chosen["where"] if chosen else {"pp": "shared", "own": "own"}[name]
+        assert got["mpmd_place"]["programs"]["reference"] == ([0, 1] if where == "shared" else [1]), got
         assert losses(tmp_path / name) == pytest.approx(want, rel=1e-5), name
         assert got["rewards"] == pytest.approx(plain["rewards"], rel=1e-4, abs=1e-6), (name, got["rewards"])
     resumed = tmp_path / "own" / "resumed"
@@ -101,7 +107,9 @@ def test_a_placed_reference_has_the_plain_runs_losses_rewards_and_weights_and_re
                                                 "pp = 2 stages"),
     (["parallel.mpmd={place: {reference: pp, vision: pp}}"], "places one sub-model at a time"),
     (["parallel.tp=2"], "parallel.tp = 2 with mpmd.place"),
-], ids=["kto", "rm", "reference-free loss", "own ranks not pp", "two sub-models", "tp"])
+    (["parallel.mpmd={place: {reference: auto}}", "parallel.pp_split=[1, 1]"],
+     "parallel.pp_split = (1, 1) with mpmd.place.reference = 'auto': the policy's stages depend on the choice"),
+], ids=["kto", "rm", "reference-free loss", "own ranks not pp", "two sub-models", "tp", "auto with a split"])
 def test_a_reference_placement_that_cannot_run_is_named_before_any_worker(overrides, words):
     from hp.train.config import ConfigError, load_config
 

@@ -11,7 +11,8 @@ table), `schedule` (the planner), `plan` (a plan and its replay),
 `simulate` (replays and projections), `runtime` (running a plan on the
 ranks), `measure` (the cost table of a running step), `programs` (a
 model's sub-models as programs), `reference` (a policy and its frozen
-reference as programs) and `placed` (the step transform of levels 2 and 3).
+reference as programs), `choice` (where the reference runs, from measured
+costs) and `placed` (the step transform of levels 2 and 3).
 
 May import: `hp.parallel` (the strategy's chunk values), `hp.ops` (the
 pipelined kernels and their in-flight collectives) and the base modules at
@@ -21,6 +22,7 @@ names hang on it (`hp.mpmd.Graph`, `hp.mpmd.schedule`, `hp.mpmd.simulate`,
 ...), and the modules are reached with `from hp.mpmd.timeline import ...`.
 """
 
+from hp.mpmd.choice import choose_reference
 from hp.mpmd.costs import Costs
 from hp.mpmd.graph import Flow, Graph, GraphError, Program
 from hp.mpmd.placed import Placed, PlaceError
@@ -35,8 +37,8 @@ for _name, _value in {"Costs": Costs, "Flow": Flow, "Graph": Graph, "GraphError"
                       "Placed": Placed, "PlaceError": PlaceError,
                       "Runtime": Runtime, "schedule": schedule, "simulate": simulate, "project": project,
                       "vision_language": vision_language, "policy_and_reference": policy_and_reference,
-                      "dpo_loss": dpo_loss}.items():
+                      "dpo_loss": dpo_loss, "choose_reference": choose_reference}.items():
     setattr(mpmd, _name, _value)  # hp.mpmd.simulate(...): the transform carries its levels' names
 
 __all__ = ["Costs", "Flow", "Graph", "GraphError", "Mpmd", "MpmdError", "PlaceError", "Placed", "Program", "Runtime",
-           "dpo_loss", "mpmd", "policy_and_reference", "project", "schedule", "simulate", "vision_language"]
+           "choose_reference", "dpo_loss", "mpmd", "policy_and_reference", "project", "schedule", "simulate", "vision_language"]

@@ -70,9 +70,7 @@ def policy_and_reference(policy: nn.Module, plan: ModelPlan, *, policy_ranks: tu
     frozen.requires_grad_(False)
     cuts = StageSplit.of_counts(split or even_split(len(policy.get_submodule(plan.blocks)), len(policy_ranks)))
     last = len(policy_ranks) - 1
-    graph = Graph((Program("policy", tuple(policy_ranks)),
-                   Program("reference", reference_ranks, trains=False, ahead=1, stagger=stagger)),
-                  (Flow(("reference", last), ("policy", last)),), microbatches)
+    graph = pair_graph(policy_ranks, reference_ranks, microbatches, stagger)
     fns: dict[Node, Callable] = {}
     modules: dict[Node, nn.Module] = {}
     for name, model, ranks in (("policy", policy, policy_ranks), ("reference", frozen, reference_ranks)):
@@ -86,6 +84,20 @@ def policy_and_reference(policy: nn.Module, plan: ModelPlan, *, policy_ranks: tu
             modules[name, s] = stage
             fns[name, s] = _stage(stage, s == 0, s == last, loss if name == "policy" else None)
     return Programs(graph, fns, modules)
+
+
+def pair_graph(policy_ranks: tuple[int, ...], reference_ranks: tuple[int, ...], microbatches: int,
+               stagger: bool = True) -> Graph:
+    """The policy's stages on `policy_ranks`, its frozen reference's a batch ahead on `reference_ranks`, the
+    reference's last stage feeding the policy's last.
+
+    >>> [p.ranks for p in pair_graph((0, 1), (2, 3), 4).programs]
+    [(0, 1), (2, 3)]
+    """
+    last = len(policy_ranks) - 1
+    return Graph((Program("policy", tuple(policy_ranks)),
+                  Program("reference", tuple(reference_ranks), trains=False, ahead=1, stagger=stagger)),
+                 (Flow(("reference", last), ("policy", last)),), microbatches)
 
 
 def _stage(stage: nn.Module, first: bool, last: bool, loss: PairLoss | None) -> Callable:

@@ -10,7 +10,11 @@ One program runs beside a pipeline of `pp` stages, one per rank:
   (`hp.mpmd.reference.policy_and_reference`), cut into the policy's `pp`
   stages and run a batch ahead: on the policy's ranks, in its bubbles
   (`pp`), or on `pp` ranks of its own (the world is 2 pp ranks), its
-  log-probabilities sent to the policy's last stage.
+  log-probabilities sent to the policy's last stage; or `auto`: the `pp`
+  ranks shared the faster way by the costs measured on the model before
+  it is cut (`hp.mpmd.choice`): the policy over all of them with the
+  reference in its bubbles, or the policy over half and the reference over
+  the other half.
 
 It is torch-free, like `hp.Strategy`, so that the launcher checks it before
 any worker starts.
@@ -35,6 +39,7 @@ from hp.parallel.field_error import FieldError
 
 PLACEABLE = ("vision", "reference")  # the sub-models hp train places
 SHARED = "pp"  # a sub-model spread over the pipeline's own ranks
+AUTO = "auto"  # the reference: the pp ranks shared as measured costs say (hp.mpmd.choice)
 
 
 class PlacementError(FieldError):
@@ -63,23 +68,42 @@ class Placement:
         if len(spec) > 1:
             raise PlacementError("", dict(spec), ": hp train places one sub-model at a time so far; expected one of them")
         (program, where), = spec.items()
-        if where != SHARED and (not isinstance(where, int) or isinstance(where, bool) or where < 1):
-            raise PlacementError(program, where, f": expected {SHARED!r} (the pipeline's ranks, in its bubbles) or "
-                                 "a number of ranks of its own >= 1")
+        auto = f", {AUTO!r} (as measured costs say)" if program == "reference" else ""
+        if where != SHARED and not (auto and where == AUTO) and \
+                (not isinstance(where, int) or isinstance(where, bool) or where < 1):
+            raise PlacementError(program, where, f": expected {SHARED!r} (the pipeline's ranks, in its bubbles){auto} "
+                                 "or a number of ranks of its own >= 1")
         return cls(program, where)
 
     @property
     def own_ranks(self) -> int:
         """Ranks the placed sub-model holds of its own, beyond the pipeline's."""
-        return 0 if self.where == SHARED else int(self.where)
+        return 0 if self.where in (SHARED, AUTO) else int(self.where)
 
     def ranks(self, pp: int) -> tuple[int, ...]:
-        """The global ranks the placed sub-model runs on, beside a pipeline on ranks 0 .. pp - 1.
+        """The global ranks the placed sub-model runs on, beside a pipeline on ranks 0 .. pp - 1 (`auto`: known
+        once its costs are measured, `hp.mpmd.choice.ReferenceChoice.ranks`).
 
         >>> Placement("vision", "pp").ranks(2), Placement("vision", 1).ranks(2)
         ((0, 1), (2,))
         """
         return tuple(range(pp)) if self.where == SHARED else tuple(range(pp, pp + self.own_ranks))
+
+    def check_pipeline(self, pp: int, split: tuple[int, ...] | None) -> None:
+        """That it fits a pipeline of `pp` stages cut by `split`; the key at fault named under `parallel`.
+
+        >>> Placement("reference", 1).check_pipeline(2, None)
+        Traceback (most recent call last):
+        ...
+        hp.parallel.placement.PlacementError: mpmd.place.reference = 1: the reference is cut into the policy's pp = 2 stages, one per rank; expected 'pp' (in the policy's bubbles), 'auto' or 2 ranks of its own
+        """
+        if self.where == AUTO and split is not None:
+            raise PlacementError("pp_split", split, " with mpmd.place.reference = 'auto': the policy's stages "
+                                 "depend on the choice; leave it out, or place the reference yourself")
+        if self.program == "reference" and self.own_ranks not in (0, pp):
+            raise PlacementError("mpmd.place.reference", self.where, f": the reference is cut into the policy's pp = "
+                                 f"{pp} stages, one per rank; expected 'pp' (in the policy's bubbles), 'auto' or {pp} "
+                                 "ranks of its own")
 
     def as_dict(self) -> dict[str, int | str]:
         """As written in a config: `{vision: pp}`."""

@@ -164,11 +164,10 @@ class Strategy:
                        "each placed program's stages run whole on their rank (stages laid out on other axes are "
                        "not built yet)")
                 raise StrategyError(key, getattr(self, key), f" with mpmd.place: {why}; leave it out")
-        place = self.mpmd_place
-        if place.program == "reference" and place.own_ranks not in (0, self.pp):
-            raise StrategyError("mpmd.place.reference", place.where, f": the reference is cut into the policy's pp = "
-                                f"{self.pp} stages, one per rank; expected 'pp' (in the policy's bubbles) or {self.pp} "
-                                "ranks of its own")
+        try:
+            self.mpmd_place.check_pipeline(self.pp, self.pp_split)
+        except FieldError as e:
+            raise StrategyError(e.key, e.value, e.problem) from None
 
     def _check_tp2d(self) -> None:
         if self.tp2d is None:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hp.models import plan_for
+from hp.mpmd.choice import ReferenceChoice
 from hp.mpmd.placed import Placed
 from hp.mpmd.programs import vision_language
 from hp.parallel.recompute import recompute_blocks
@@ -55,6 +56,7 @@ class PlacedRun:
     step: Placed
     merge: Callable[[list[Batch], int, str], dict]
     rewards: Callable[[], dict[str, float]] = dict
+    choice: ReferenceChoice | None = None  # reference: auto's
 
 
 def place(model: nn.Module, config: TrainConfig, reference: Reference | None = None) -> PlacedRun:
@@ -66,8 +68,8 @@ def place(model: nn.Module, config: TrainConfig, reference: Reference | None = N
     microbatches = config.per_device_train_batch_size * config.gradient_accumulation_steps
     if strategy.mpmd_place.program == "reference":
         pairs = PairLosses(config.preference, microbatches)
-        return PlacedRun(Placed(policy_programs(model, reference, config, pairs), warmup=WARMUP), pairs_batch,
-                         pairs.metrics)
+        programs, choice = policy_programs(model, reference, config, pairs)
+        return PlacedRun(Placed(programs, warmup=WARMUP), pairs_batch, pairs.metrics, choice)
     programs = vision_language(model, plan, tower_ranks=strategy.mpmd_place.ranks(strategy.pp),
                                stage_ranks=tuple(range(strategy.pp)), split=strategy.pp_split,
                                microbatches=microbatches, rank=dist.get_rank())
@@ -94,6 +96,8 @@ def placed_summary(run: PlacedRun) -> dict:
     if step.costs is not None:
         sim = step.simulation()
         found |= {"predicted_step_s": sim.step_seconds, "idle_share": [round(i, 4) for i in sim.idle_share]}
+    if run.choice is not None:  # reference: auto, from the costs measured before the model was cut
+        found["chosen"] = {"where": run.choice.where, "predicted_step_s": run.choice.steps}
     return found
 
 

@@ -18,6 +18,13 @@ many pairs each, so the step's loss is hp train's mean of per-batch means.
 The rewards the reports show are summed on the policy's last stage and
 shared with every rank after the step.
 
+Under `reference: auto` the `pp` ranks are shared the faster way
+(`hp.mpmd.choice`): one block's forward and backward are measured on the
+whole model (a pair of `cutoff_len` tokens) before it is cut, and the
+policy over every rank with the reference in its bubbles is planned and
+replayed against the policy over half of them with the reference on the
+other half.
+
 The reference is the one the unplaced stage uses (`ref_model`, or the
 starting model): under LoRA without `ref_model`, a copy of the policy with
 its adapters off (`hp.parallel.lora.base_copy`), taken before any
@@ -32,9 +39,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hp.models import plan_for
+from hp.mpmd.choice import ReferenceChoice, block_costs, choose_reference
 from hp.mpmd.programs import Programs
 from hp.mpmd.reference import policy_and_reference
 from hp.parallel.lora import base_copy
+from hp.parallel.placement import AUTO
 from hp.train import preference
 from hp.train.config import Preference, TrainConfig
 from hp.train.data import IGNORE_INDEX, Batch
@@ -78,13 +87,25 @@ class PairLosses:
                 "rewards/margins": chosen - rejected, "logps/chosen": logp_chosen, "logps/rejected": logp_rejected}
 
 
-def policy_programs(model: nn.Module, reference: Reference, config: TrainConfig, pairs: PairLosses) -> Programs:
-    """`model` (the policy) cut in place to this rank's stage, beside its reference's stages (see the module)."""
+def policy_programs(model: nn.Module, reference: Reference, config: TrainConfig,
+                    pairs: PairLosses) -> tuple[Programs, ReferenceChoice | None]:
+    """`model` (the policy) cut in place to this rank's stage, beside its reference's stages (see the module);
+    under `reference: auto`, how the ranks were shared and each way's predicted step."""
     strategy = config.parallel
+    plan = plan_for(model.config)
     frozen = base_copy(reference.model) if reference.adapters else reference.model  # before the policy is cut
-    return policy_and_reference(model, plan_for(model.config), policy_ranks=tuple(range(strategy.pp)),
-                                reference_ranks=strategy.mpmd_place.ranks(strategy.pp), microbatches=pairs.pairs,
-                                loss=pairs, reference=frozen, split=strategy.pp_split, rank=dist.get_rank())
+    choice = None
+    if strategy.mpmd_place.where == AUTO:  # measured on the whole model, before it is cut
+        costs = block_costs(model, plan, config.cutoff_len, group=dist.group.WORLD)
+        choice = choose_reference(costs, world=strategy.pp, blocks=len(model.get_submodule(plan.blocks)),
+                                  microbatches=pairs.pairs)
+        policy_ranks, reference_ranks = choice.ranks(strategy.pp)
+    else:
+        policy_ranks, reference_ranks = tuple(range(strategy.pp)), strategy.mpmd_place.ranks(strategy.pp)
+    programs = policy_and_reference(model, plan, policy_ranks=policy_ranks, reference_ranks=reference_ranks,
+                                    microbatches=pairs.pairs, loss=pairs, reference=frozen, split=strategy.pp_split,
+                                    rank=dist.get_rank())
+    return programs, choice
 
 
 def pairs_batch(parts: list[Batch], pad_id: int, device: str) -> dict:
