@@ -13,7 +13,7 @@ Three parts, one run (about three minutes on 2 CPU cores), the arms of each part
    - **B1**: the best static split of the same ranks with the tower in stage 0: every split
      simulated with the measured costs, the three best measured, the fastest kept;
    - **S**: hp's level 2: the tower spread over the ranks (`Program(spread=True)`, each micro-batch's
-     images whole or cut in two), the two best of (the language model's split, the cut) by
+     images whole or cut into 2 or 4 parts), the two best of (the language model's split, the cut) by
      simulation measured, the fastest kept, and the order of every rank's work planned from the cost
      table measured on its first steps.
 2. **DPO, 4 emulated ranks**, pp=4, 8 micro-batches (a policy stage's forward U, backward 2U; the
@@ -23,8 +23,11 @@ Three parts, one run (about three minutes on 2 CPU cores), the arms of each part
      the whole dataset streamed through the reference's pipeline once, over the steps;
    - **S2**: hp's level 3: the reference a batch ahead and staggered (its stage s a further 3 - s
      batches ahead, so that none of its stages waits on another within a step), backfilled into the
-     policy's bubbles; also recorded, the reference a batch ahead unstaggered.
-   The losses of S0 and S2 are compared step by step (`dpo_losses_identical`).
+     policy's bubbles; also recorded, the reference a batch ahead unstaggered, and (S2 own) the
+     policy over ranks 0-1 (2 blocks a stage) with the reference on ranks 2-3.
+   The losses of S0 and S2 are compared step by step (`dpo_losses_identical`); `hp.mpmd.choose_reference`,
+   given S2's measured cost table, picks between S2 and S2 own (`dpo_reference_choice_agrees`: the
+   one it picks measured faster).
 3. **VL, 2 real ranks** (one pinned per core, real matmuls: a block is a 768-wide linear layer over 128
    rows): B0, B1 and S as above.
 
@@ -34,7 +37,7 @@ table measured on its second to fourth steps) predicts the step; `simulator_erro
 
 Last line: `vl_step_vs_best_static` (S / B1, 4 emulated ranks, the 7B share), `vl_step_vs_best_static_real`
 (2 real ranks), `mean_idle_share` (S's, 4 emulated ranks), `dpo_step_vs_sequential` (S2 / S0),
-`dpo_losses_identical`, `simulator_error`.
+`dpo_losses_identical`, `dpo_reference_choice_agrees`, `simulator_error`.
 
     python benchmarks/mpmd_submeshes.py [--rounds 5]
 """
@@ -56,10 +59,12 @@ import torch
 import torch.distributed as dist
 from ranks import DONE, bind_to_cores, emitter, gathered, run_ranks, slowest
 
+from hp.mpmd.choice import BlockCosts, choose_reference
 from hp.mpmd.costs import Costs
 from hp.mpmd.graph import Flow, Graph, Program
 from hp.mpmd.measure import gathered_costs, link
 from hp.mpmd.plan import Plan
+from hp.mpmd.reference import pair_graph
 from hp.mpmd.runtime import Runtime
 from hp.mpmd.schedule import schedule
 from hp.mpmd.simulate import Simulation, draw_arms, simulate
@@ -258,12 +263,13 @@ def run_arms(arms: dict[str, Arm], batches, rounds: int) -> None:
 def best_splits(ranks: int, tower: float, spread: bool, keep: int) -> list[tuple[tuple[int, ...], int]]:
     """The `keep` (split of the LM's blocks, parts of the tower's micro-batches) whose simulated step is
     shortest; the tower is cut into parts only when spread. With the tower in stage 0 every split is
-    tried; spread, the splits within 2 blocks of even (the tower's work no longer sits in one stage)."""
+    tried; spread, the splits within 2 blocks of even (the tower's work no longer sits in one stage), each
+    micro-batch's images whole or cut into 2 or (4 ranks) 4 parts."""
     found = []
     for split in itertools.product(range(0 if not spread else 1, BLOCKS + 1), repeat=ranks):
         if sum(split) != BLOCKS or min(split[1:]) < 1 or (spread and max(split) - min(split) > 2):
             continue
-        for parts in (1, 2) if spread else (1,):
+        for parts in ((1, 2, 4) if ranks >= 4 else (1, 2)) if spread else (1,):
             graph, blocks = vl_graph(ranks, split, tower, spread, parts)
             costs = nominal(graph, blocks)
             found.append((simulate(schedule(graph, costs), costs).step_seconds, split, parts))
@@ -313,8 +319,9 @@ def emulated_worker(rounds: int) -> None:
     arms = dpo_arms(table)
     run_arms({k: v for k, v in arms.items() if k != "S1"}, dpo_batches, rounds)
     emit(precomputed(arms["S1"], table, rounds) | {"part": "dpo emulated", "arm": "S1"})
-    for name in ("S0", "S2", "S2 unstaggered"):
+    for name in ("S0", "S2", "S2 unstaggered", "S2 own"):
         emit(arms[name].record("dpo emulated", name) | {"losses": arms[name].losses})
+    emit({"part": "dpo emulated", "arm": "choice"} | reference_choice(arms["S2"].costs))
     dist.barrier()
     emit({DONE: True})
 
@@ -339,9 +346,12 @@ def real_worker(rounds: int) -> None:
 BETA = 0.1
 
 
-def dpo_graph(ahead: int | None, stagger: bool = False) -> Graph:
+def dpo_graph(ahead: int | None, stagger: bool = False, own: bool = False) -> Graph:
     """The policy's 4 stages; the reference's 4 on the same ranks, in the step (0), a batch ahead (1), or
-    none (None: precomputed); staggered or not."""
+    none (None: precomputed); staggered or not. `own`: the policy's 2 stages on ranks 0-1, the reference's
+    2 on ranks 2-3, a batch ahead and staggered."""
+    if own:
+        return pair_graph((0, 1), (2, 3), MICRO)
     policy = Program("policy", (0, 1, 2, 3))
     if ahead is None:
         return Graph((policy,), (), MICRO)
@@ -349,19 +359,20 @@ def dpo_graph(ahead: int | None, stagger: bool = False) -> Graph:
     return Graph((policy, reference), (Flow(("reference", 3), ("policy", 3)),), MICRO)
 
 
-def dpo_stages(precomputed: dict | None = None) -> dict:
+def dpo_stages(precomputed: dict | None = None, stages: int = 4) -> dict:
+    """Each stage 4 / `stages` emulated blocks."""
     fns = {}
     for program, trains in (("policy", True), ("reference", False)):
-        for s in range(4):
-            module = Blocks(1, 8, emulated=True, seed=s, trains=trains)  # the reference: the policy's initial weights
-            fns[program, s] = _dpo_stage(module, s, program == "policy", precomputed)
+        for s in range(stages):
+            module = Blocks(4 // stages, 8, emulated=True, seed=s, trains=trains)  # the reference: the policy's start
+            fns[program, s] = _dpo_stage(module, s, program == "policy" and s == stages - 1, precomputed)
     return fns
 
 
-def _dpo_stage(module, s: int, policy: bool, precomputed: dict | None):
+def _dpo_stage(module, s: int, last_of_policy: bool, precomputed: dict | None):
     def run(batch, m, inputs):
         out = module(batch[m] if s == 0 else inputs[0])
-        if not (policy and s == 3):
+        if not last_of_policy:
             return out
         reference = precomputed[_key(batch[m])] if precomputed is not None else inputs[1]
         chosen, rejected = (out - reference).sum(-1)  # two rows: a chosen and a rejected answer's log-ratios
@@ -386,7 +397,21 @@ def dpo_arms(table: dict) -> dict[str, Arm]:
                       learning_rate=0.1),
             "S1": Arm(dpo_graph(None), dpo_stages(precomputed=table), plan_from_costs=False, learning_rate=0.1),
             "S2": Arm(dpo_graph(1, stagger=True), dpo_stages(), learning_rate=0.1),
-            "S2 unstaggered": Arm(dpo_graph(1), dpo_stages(), learning_rate=0.1)}
+            "S2 unstaggered": Arm(dpo_graph(1), dpo_stages(), learning_rate=0.1),
+            "S2 own": Arm(dpo_graph(1, own=True), dpo_stages(stages=2), learning_rate=0.1)}
+
+
+def reference_choice(costs: Costs) -> dict:
+    """`hp.mpmd.choose_reference` from S2's measured cost table (a stage is one block): the reference in the
+    policy's bubbles or on ranks of its own, and each way's predicted step."""
+    def median(kind: str, program: str) -> float:
+        return statistics.median(v for (k, (p, _)), v in costs.compute.items() if k == kind and p == program)
+
+    moving = [v for (a, b), v in costs.transfer.items() if a[0] == b[0] == "policy"]
+    block = BlockCosts(median("F", "policy"), median("B", "policy"), median("F", "reference"),
+                       statistics.median(moving) if moving else 0.0)
+    choice = choose_reference(block, world=4, blocks=4, microbatches=MICRO)
+    return {"chosen": choice.where, "predicted_s": choice.steps}
 
 
 def _sequential_plan(graph: Graph) -> Plan:
@@ -440,8 +465,18 @@ def summarize(records: list[dict]) -> dict:
         "dpo_step_vs_sequential": round(dpo["S2"]["step_s"] / dpo["S0"]["step_s"], 3) if dpo else None,
         "dpo_unstaggered_vs_sequential": round(dpo["S2 unstaggered"]["step_s"] / dpo["S0"]["step_s"], 3) if dpo else None,
         "dpo_losses_identical": bool(dpo) and dpo["S0"]["losses"] == dpo["S2"]["losses"] == dpo["S2 unstaggered"]["losses"],
+        "dpo_reference_choice_agrees": _choice_agrees(records),
         "simulator_error": round(max(errors), 3) if errors else None,
     }
+
+
+def _choice_agrees(records: list[dict]) -> bool | None:
+    """Whether `choose_reference` picked the placement whose measured step was shorter."""
+    found = {r["arm"]: r for r in records if r.get("part") == "dpo emulated"}
+    if "choice" not in found:
+        return None
+    faster = "shared" if found["S2"]["step_s"] <= found["S2 own"]["step_s"] else "own"
+    return found["choice"]["chosen"] == faster
 
 
 if __name__ == "__main__":

@@ -15,7 +15,11 @@ A plan is made in passes, as a cluster's batch scheduler fills a machine:
    of their actions goes into the earliest idle gap that fits it on a rank
    it may run on, after its inputs arrive; what fits nowhere runs after
    the rank's last action. A gap may be overrun by a share of the
-   action's length (`OVERLAPS`), each share making a candidate.
+   action's length (`OVERLAPS`), each share making a candidate. A program
+   cutting each micro-batch into parts may, in further candidates, keep the
+   parts of one micro-batch on distinct ranks (`distinct`): a backward runs
+   where its forward ran, so parts placed together early come back
+   together at the step's end, where nothing else can overlap them.
 3. **Each rank's order** follows the planned starts, except that a
    backfilled action runs as soon as its inputs are in (a rank must not
    wait behind work whose inputs came late).
@@ -45,8 +49,14 @@ def schedule(graph: Graph, costs: Costs) -> Plan:
     spread = {p.name for p in graph.programs if p.spread and not p.runs_ahead}
     fills = [frozenset(), frozenset(spread)] if spread else [frozenset()]
     backfilled = any(p.runs_ahead for p in graph.programs) or spread
+    parted = any(p.parts > 1 and p.spread for p in graph.programs)
     candidates = [_plan(graph, costs, level, fill, overlap) for fill in fills
                   for overlap in (OVERLAPS if backfilled else (0.0,))]
+    for fill, overlap in [(f, o) for f in fills for o in OVERLAPS] if parted else []:
+        try:
+            candidates.append(_plan(graph, costs, level, fill, overlap, distinct=True))
+        except GraphError:  # the parts pinned apart can leave a stage's in-flight limit nothing to run
+            continue
     return min(candidates, key=lambda plan: max((s.end for s in replay(plan, costs)), default=0.0))
 
 
@@ -56,15 +66,16 @@ def schedule(graph: Graph, costs: Costs) -> Plan:
 OVERLAPS = (0.0, 0.1, 0.25, 0.5)
 
 
-def _plan(graph: Graph, costs: Costs, level: dict[Action, float], fill: frozenset[str], overlap: float) -> Plan:
+def _plan(graph: Graph, costs: Costs, level: dict[Action, float], fill: frozenset[str], overlap: float,
+          distinct: bool = False) -> Plan:
     """List-schedule the step's own programs but those in `fill`, then backfill `fill`'s and those running
     ahead; each rank's actions in the order of their starts."""
     fill = fill | {p.name for p in graph.programs if p.runs_ahead}
     later = [a for a in graph.actions() if a.program in fill]
     backfilled = set(later)
     first = [a for a in graph.actions() if a not in backfilled]
-    placed = _list_schedule(graph, costs, first, level, fill)
-    _backfill(graph, costs, later, placed, overlap)
+    placed = _list_schedule(graph, costs, first, level, fill, distinct)
+    _backfill(graph, costs, later, placed, overlap, distinct)
     return _in_order(graph, costs, placed, backfilled)
 
 
@@ -97,15 +108,22 @@ def _in_order(graph: Graph, costs: Costs, placed: dict[Action, tuple[int, float]
     return Plan(graph, {r: tuple(acts) for r, acts in by_rank.items()})
 
 
-def _candidates(graph: Graph, action: Action, where: dict[Action, int]) -> tuple[int, ...]:
-    """The ranks `action` may run on: a backward runs where its forward ran (its activations are there)."""
+def _candidates(graph: Graph, action: Action, where: dict[Action, int], distinct: bool = False) -> tuple[int, ...]:
+    """The ranks `action` may run on: a backward runs where its forward ran (its activations are there);
+    with `distinct`, a part of a micro-batch where no other part of it runs, while such a rank is left."""
     if action.kind == "B":
         return (where[Action("F", *action.node, action.micro)],)
-    return graph.ranks_of(action.node)
+    ranks = graph.ranks_of(action.node)
+    parts = graph.program[action.program].parts
+    if distinct and parts > 1:
+        first = action.micro - action.micro % parts
+        taken = {where.get(Action("F", *action.node, m)) for m in range(first, first + parts)}
+        return tuple(r for r in ranks if r not in taken) or ranks
+    return ranks
 
 
 def _list_schedule(graph: Graph, costs: Costs, actions: list[Action], level: dict[Action, float],
-                   later: frozenset[str]) -> dict:
+                   later: frozenset[str], distinct: bool = False) -> dict:
     """{action: (rank, start)} for `actions` by list scheduling (see the module), as if the programs in
     `later` (placed afterwards into the gaps) took no time."""
     placed: dict[Action, tuple[int, float]] = {}
@@ -123,7 +141,7 @@ def _list_schedule(graph: Graph, costs: Costs, actions: list[Action], level: dic
             node = action.node
             if action.kind == "F" and graph.trains(node) and held[node] >= limit[node]:
                 continue
-            for rank in _candidates(graph, action, where):
+            for rank in _candidates(graph, action, where, distinct):
                 start = max(free[rank], ready_at(graph, costs, action, rank, ends, where, _waits(graph, action, later)))
                 key = (start, action.kind != "B", action.micro, -level[action], str(action), rank)
                 if best is None or key < best[0]:
@@ -143,7 +161,8 @@ def _waits(graph: Graph, action: Action, later: frozenset[str]) -> list[Action]:
     return [d for d in graph.dependencies(action) if d.program not in later]
 
 
-def _backfill(graph: Graph, costs: Costs, actions: list[Action], placed: dict, overlap: float = 0.0) -> None:
+def _backfill(graph: Graph, costs: Costs, actions: list[Action], placed: dict, overlap: float = 0.0,
+              distinct: bool = False) -> None:
     """Put each of `actions` (in dependency order) into the earliest gap of a rank it may run on that fits it
     (but for `overlap` of its length)."""
     busy: dict[int, list[tuple[float, float]]] = {r: [] for r in range(graph.world)}
@@ -155,7 +174,7 @@ def _backfill(graph: Graph, costs: Costs, actions: list[Action], placed: dict, o
         length = costs.seconds(action)
         rank, start = min(((r, _first_gap(sorted(busy[r]), ready_at(graph, costs, action, r, ends, where),
                                           length * (1 - overlap)))
-                           for r in _candidates(graph, action, where)), key=lambda found: (found[1], found[0]))
+                           for r in _candidates(graph, action, where, distinct)), key=lambda found: (found[1], found[0]))
         placed[action], where[action] = (rank, start), rank
         ends[action] = start + length
         busy[rank].append((start, start + length))
