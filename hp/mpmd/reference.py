@@ -17,7 +17,7 @@ Both models are cut into pipeline stages by `hp.parallel.pipeline.cut`
 (in the policy's bubbles) or ranks of their own. Given the `rank` it runs
 on, the policy is cut in place to that rank's stage (none when it runs only
 the reference), so an optimizer over the policy's parameters steps this
-rank's share.
+rank's share; a `reference` given is cut in place too.
 
 A micro-batch is one group of rows scored together, e.g. a DPO pair (its
 chosen and its rejected answer): the batch is a dict with `input_ids` and

@@ -87,6 +87,8 @@ class Placement:
         >>> Placement("vision", "pp").ranks(2), Placement("vision", 1).ranks(2)
         ((0, 1), (2,))
         """
+        if self.where == AUTO:
+            raise ValueError("mpmd.place.reference = 'auto': its ranks are chosen from the costs measured in the run")
         return tuple(range(pp)) if self.where == SHARED else tuple(range(pp, pp + self.own_ranks))
 
     def check_pipeline(self, pp: int, split: tuple[int, ...] | None) -> None:

@@ -67,7 +67,7 @@ def place(model: nn.Module, config: TrainConfig, reference: Reference | None = N
         recompute_blocks(model.get_submodule(plan.blocks))
     microbatches = config.per_device_train_batch_size * config.gradient_accumulation_steps
     if strategy.mpmd_place.program == "reference":
-        pairs = PairLosses(config.preference, microbatches)
+        pairs = PairLosses(config.preference, microbatches, next(model.parameters()).device)
         programs, choice = policy_programs(model, reference, config, pairs)
         return PlacedRun(Placed(programs, warmup=WARMUP), pairs_batch, pairs.metrics, choice)
     programs = vision_language(model, plan, tower_ranks=strategy.mpmd_place.ranks(strategy.pp),

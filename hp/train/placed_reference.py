@@ -60,8 +60,8 @@ class PairLosses:
     0.3466
     """
 
-    def __init__(self, pref: Preference, pairs: int) -> None:
-        self.pref, self.pairs = pref, pairs
+    def __init__(self, pref: Preference, pairs: int, device: torch.device | str = "cpu") -> None:
+        self.pref, self.pairs, self.device = pref, pairs, device  # device: where the report's sums are reduced
         self.kept: list[torch.Tensor] = []  # per pair: chosen and rejected rewards, chosen and rejected log-probs
 
     def __call__(self, policy: torch.Tensor, reference: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -80,7 +80,7 @@ class PairLosses:
         kept = torch.stack(self.kept) if self.kept else torch.zeros(0, 4)
         self.kept.clear()
         sums = torch.cat([kept.sum(0), (kept[:, 0] > kept[:, 1]).sum().view(1), torch.tensor([len(kept)])])
-        sums = sums.double()
+        sums = sums.double().to(self.device)
         dist.all_reduce(sums)
         chosen, rejected, logp_chosen, logp_rejected, right, n = (sums / sums[-1]).tolist()
         return {"rewards/chosen": chosen, "rewards/rejected": rejected, "rewards/accuracies": right,
