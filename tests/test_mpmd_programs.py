@@ -233,8 +233,27 @@ def test_the_reference_goes_where_the_replayed_plan_is_shorter(forward, backward
     assert choice.steps[choice.where] == min(choice.steps.values())
     for step in choice.steps.values():
         assert step >= blocks * micro * (forward + backward + reference) / world - 1e-9
-    policy, ref = choice.ranks(world)
+    policy, ref = choice.ranks
     assert len(policy) == len(ref) and (policy == ref) == (choice.where == "shared")
+
+
+@settings(max_examples=20, deadline=None)
+@given(forward=st.floats(0.1, 2.0), backward=st.floats(0.1, 4.0), tower=st.floats(0.1, 8.0), trains=st.booleans(),
+       transfer=st.floats(0.0, 3.0), world=st.integers(1, 4), blocks=st.integers(4, 9), micro=st.integers(1, 8))
+def test_the_tower_goes_where_the_replayed_plan_is_shorter(forward, backward, tower, trains, transfer, world, blocks,
+                                                          micro):
+    """`hp.mpmd.choice.choose_tower`: the language model over every rank with the tower in its bubbles, or
+    over fewer with the tower on the rest, whichever's plan replays shorter."""
+    from hp.mpmd.choice import TowerCosts, choose_tower
+
+    costs = TowerCosts(forward, backward, tower, 2 * tower if trains else 0.0, transfer, transfer / 4)
+    choice = choose_tower(costs, world=world, blocks=blocks, microbatches=micro, trains=trains)
+    assert set(choice.steps) == {"shared", *(f"own {n}" for n in range(1, world))}
+    assert choice.steps[choice.where] == min(choice.steps.values())
+    work = micro * (blocks * (forward + backward) + tower * (3 if trains else 1))
+    assert all(step >= work / world - 1e-9 for step in choice.steps.values())
+    stages, towers = choice.ranks
+    assert (towers == stages) == (choice.where == "shared") and len(stages) + (choice.where != "shared") * len(towers) == world
 
 
 def test_block_costs_are_measured_on_the_whole_model_without_touching_its_state():
@@ -248,5 +267,23 @@ def test_block_costs_are_measured_on_the_whole_model_without_touching_its_state(
     before = torch.random.get_rng_state()
     costs = block_costs(model, plan_for(model.config), tokens=16, rounds=2)
     assert costs.forward > 0 and costs.backward > 0 and costs.reference > 0 and costs.transfer == 0.0  # one process
+    assert model.training and all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_tower_costs_are_measured_on_a_sample_with_images_without_touching_the_model():
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from hp.models import plan_for, tiny_config, tiny_vl_batch
+    from hp.mpmd.choice import tower_costs
+
+    model = AutoModelForImageTextToText.from_config(tiny_config("qwen2_5_vl", layers=2)).train()
+    batch = {k: v for k, v in tiny_vl_batch(model, seq=32, seed=0).items() if k != "position_ids"}
+    before = torch.random.get_rng_state()
+    trained = tower_costs(model, plan_for(model.config), batch, rounds=2)
+    model.get_submodule(plan_for(model.config).vision).requires_grad_(False)
+    frozen = tower_costs(model, plan_for(model.config), batch, rounds=2)
+    assert trained.tower_forward > 0 and trained.tower_backward > 0 and frozen.tower_backward == 0.0
     assert model.training and all(p.grad is None for p in model.parameters())
     assert torch.equal(torch.random.get_rng_state(), before)

@@ -108,7 +108,7 @@ def test_a_placed_reference_has_the_plain_runs_losses_rewards_and_weights_and_re
     (["parallel.mpmd={place: {reference: pp, vision: pp}}"], "places one sub-model at a time"),
     (["parallel.tp=2"], "parallel.tp = 2 with mpmd.place"),
     (["parallel.mpmd={place: {reference: auto}}", "parallel.pp_split=[1, 1]"],
-     "parallel.pp_split = (1, 1) with mpmd.place.reference = 'auto': the policy's stages depend on the choice"),
+     "parallel.pp_split = (1, 1) with mpmd.place.reference = 'auto': the pipeline's stages depend on the choice"),
 ], ids=["kto", "rm", "reference-free loss", "own ranks not pp", "two sub-models", "tp", "auto with a split"])
 def test_a_reference_placement_that_cannot_run_is_named_before_any_worker(overrides, words):
     from hp.train.config import ConfigError, load_config

@@ -352,10 +352,11 @@ def assert_hf_loss_and_logits(model, batch, hf: dict, image_token_id: int, out) 
     assert torch.allclose(out.logits, want.logits, atol=1e-6)
 
 
-@pytest.mark.parametrize("pp, place, frozen", [(2, "pp", True), (1, 1, False)],
-                         ids=["tower frozen in the pipeline's bubbles", "tower trained on a rank of its own"])
+@pytest.mark.parametrize("pp, place, frozen", [(2, "auto", True), (1, 1, False)],
+                         ids=["tower frozen where measured costs say", "tower trained on a rank of its own"])
 def test_a_placed_tower_has_the_plain_runs_losses_and_weights(tmp_path, pp, place, frozen):
-    """`parallel.mpmd: {place: {vision: ...}}` (hp.mpmd's level 2) on two gloo workers against one plain worker,
+    """`parallel.mpmd: {place: {vision: ...}}` (hp.mpmd's level 2) on two gloo workers against one plain worker
+    (a frozen tower placed by the costs measured on the model before it is cut, a trained one on a rank of its own),
     with two accumulated batches a step: the same losses step by step (the third step planned from the
     measured costs), and the same weights in the checkpoint (each rank saved its share under the model's
     own names)."""
@@ -371,6 +372,10 @@ def test_a_placed_tower_has_the_plain_runs_losses_and_weights(tmp_path, pp, plac
     placed = summary(hp_train(*run, f"parallel.pp={pp}", f"parallel.mpmd={{place: {{vision: {place}}}}}",
                               f"output_dir={tmp_path / 'placed'}", config=QUICKSTART_VL))
     assert placed["mpmd_place"]["planned_from_costs"], placed
+    if place == "auto":  # the pipeline over both ranks with the tower in its bubbles, or over one beside it
+        chosen = placed["mpmd_place"]["chosen"]
+        assert chosen["where"] == min(chosen["predicted_step_s"], key=chosen["predicted_step_s"].get), chosen
+        assert placed["mpmd_place"]["programs"]["vision"] == ([0, 1] if chosen["where"] == "shared" else [1]), placed
     want, got = losses(tmp_path / "plain"), losses(tmp_path / "placed")
     assert got.keys() == want.keys() and all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), (got, want)
     weights = {}
@@ -392,8 +397,10 @@ def test_a_placed_tower_has_the_plain_runs_losses_and_weights(tmp_path, pp, plac
       "freeze_multi_modal_projector=true"], "its own ranks would have nothing to train"),
     (["val_size=0.1", "eval_strategy=steps"], "parallel.mpmd.place with evaluation"),
     (["nproc_per_node=3"], "pp + mpmd.place's own ranks = 2 + 0 = 2"),
+    (["parallel.mpmd={place: {vision: auto}}", "parallel.pp_split=[1, 1]"],
+     "parallel.pp_split = (1, 1) with mpmd.place.vision = 'auto': the pipeline's stages depend on the choice"),
 ], ids=["tp", "pp schedule", "unknown sub-model", "no ranks", "chunks too", "frozen on its own ranks", "eval",
-        "ranks"])
+        "ranks", "auto with a split"])
 def test_a_placement_that_cannot_run_is_named_before_any_worker(overrides, words):
     from hp.train.config import load_config
 

@@ -77,12 +77,10 @@ def vision_language(model: nn.Module, plan: ModelPlan, *, tower_ranks: tuple[int
     counts = split or even_split(blocks, len(stage_ranks))
     cuts = StageSplit.of_counts(counts)
     trains = any(p.requires_grad for p in model.get_submodule(plan.vision).parameters())
-    tower_program = Program("vision", tuple(tower_ranks), spread=True, trains=trains, ahead=0 if trains else 1)
-    graph = Graph((tower_program, Program("language", tuple(stage_ranks))), (Flow(("vision", 0), ("language", 0)),),
-                  microbatches)
+    graph = tower_graph(tower_ranks, stage_ranks, microbatches, trains)
     tokens = (model.config.image_token_id, model.config.vision_start_token_id)
     width = model.get_input_embeddings().embedding_dim  # the tower's features are in the embedding's space
-    prepare = _with_positions(model)
+    prepare = with_positions(model)
     if rank is not None:
         return Programs(graph, *_this_ranks_part(model, plan, cuts, graph, rank, tokens, width), prepare)
     fns: dict[Node, Callable] = {("vision", 0): _tower(model.get_submodule(plan.vision), tokens, width)}
@@ -92,6 +90,19 @@ def vision_language(model: nn.Module, plan: ModelPlan, *, tower_ranks: tuple[int
         stage.set_submodule(plan.vision, Skipped())  # the tower is a program of its own
         fns["language", s] = _language(stage, s == 0, s == len(stage_ranks) - 1, tokens)
     return Programs(graph, fns, modules, prepare)
+
+
+def tower_graph(tower_ranks: tuple[int, ...], stage_ranks: tuple[int, ...], microbatches: int,
+                trains: bool = True) -> Graph:
+    """A tower spread over `tower_ranks` (a batch ahead when frozen) feeding the first of the language
+    model's stages on `stage_ranks`.
+
+    >>> [p.ahead for p in tower_graph((2,), (0, 1), 4, trains=False).programs]
+    [1, 0]
+    """
+    tower = Program("vision", tuple(tower_ranks), spread=True, trains=trains, ahead=0 if trains else 1)
+    return Graph((tower, Program("language", tuple(stage_ranks))), (Flow(("vision", 0), ("language", 0)),),
+                 microbatches)
 
 
 def _this_ranks_part(model: nn.Module, plan: ModelPlan, cuts: StageSplit, graph: Graph, rank: int,
@@ -116,7 +127,7 @@ def _this_ranks_part(model: nn.Module, plan: ModelPlan, cuts: StageSplit, graph:
     return fns, modules
 
 
-def _with_positions(model: nn.Module) -> Callable[[dict], dict]:
+def with_positions(model: nn.Module) -> Callable[[dict], dict]:
     """The batch with its M-RoPE positions (the model's own `get_rope_index` on the whole batch) when missing."""
     def prepare(batch: dict) -> dict:
         if "position_ids" in batch:

@@ -10,11 +10,12 @@ One program runs beside a pipeline of `pp` stages, one per rank:
   (`hp.mpmd.reference.policy_and_reference`), cut into the policy's `pp`
   stages and run a batch ahead: on the policy's ranks, in its bubbles
   (`pp`), or on `pp` ranks of its own (the world is 2 pp ranks), its
-  log-probabilities sent to the policy's last stage; or `auto`: the `pp`
-  ranks shared the faster way by the costs measured on the model before
-  it is cut (`hp.mpmd.choice`): the policy over all of them with the
-  reference in its bubbles, or the policy over half and the reference over
-  the other half.
+  log-probabilities sent to the policy's last stage.
+
+Either may be `auto`: the `pp` ranks shared the faster way by the costs
+measured on the model before it is cut (`hp.mpmd.choice`): the pipeline
+over all of them with the placed program in its bubbles, or over fewer
+with the program on the rest (a reference: half of them).
 
 It is torch-free, like `hp.Strategy`, so that the launcher checks it before
 any worker starts.
@@ -26,7 +27,7 @@ any worker starts.
 >>> Placement.of({"vision": 0})
 Traceback (most recent call last):
 ...
-hp.parallel.placement.PlacementError: vision = 0: expected 'pp' (the pipeline's ranks, in its bubbles) or a number of ranks of its own >= 1
+hp.parallel.placement.PlacementError: vision = 0: expected 'pp' (the pipeline's ranks, in its bubbles), 'auto' (as measured costs say) or a number of ranks of its own >= 1
 """
 
 from __future__ import annotations
@@ -68,11 +69,9 @@ class Placement:
         if len(spec) > 1:
             raise PlacementError("", dict(spec), ": hp train places one sub-model at a time so far; expected one of them")
         (program, where), = spec.items()
-        auto = f", {AUTO!r} (as measured costs say)" if program == "reference" else ""
-        if where != SHARED and not (auto and where == AUTO) and \
-                (not isinstance(where, int) or isinstance(where, bool) or where < 1):
-            raise PlacementError(program, where, f": expected {SHARED!r} (the pipeline's ranks, in its bubbles){auto} "
-                                 "or a number of ranks of its own >= 1")
+        if where not in (SHARED, AUTO) and (not isinstance(where, int) or isinstance(where, bool) or where < 1):
+            raise PlacementError(program, where, f": expected {SHARED!r} (the pipeline's ranks, in its bubbles), "
+                                 f"{AUTO!r} (as measured costs say) or a number of ranks of its own >= 1")
         return cls(program, where)
 
     @property
@@ -88,7 +87,8 @@ class Placement:
         ((0, 1), (2,))
         """
         if self.where == AUTO:
-            raise ValueError("mpmd.place.reference = 'auto': its ranks are chosen from the costs measured in the run")
+            raise ValueError(f"mpmd.place.{self.program} = 'auto': its ranks are chosen from the costs measured "
+                             "in the run (hp.mpmd.choice)")
         return tuple(range(pp)) if self.where == SHARED else tuple(range(pp, pp + self.own_ranks))
 
     def check_pipeline(self, pp: int, split: tuple[int, ...] | None) -> None:
@@ -100,8 +100,8 @@ class Placement:
         hp.parallel.placement.PlacementError: mpmd.place.reference = 1: the reference is cut into the policy's pp = 2 stages, one per rank; expected 'pp' (in the policy's bubbles), 'auto' or 2 ranks of its own
         """
         if self.where == AUTO and split is not None:
-            raise PlacementError("pp_split", split, " with mpmd.place.reference = 'auto': the policy's stages "
-                                 "depend on the choice; leave it out, or place the reference yourself")
+            raise PlacementError("pp_split", split, f" with mpmd.place.{self.program} = 'auto': the pipeline's "
+                                 f"stages depend on the choice; leave it out, or place the {self.program} yourself")
         if self.program == "reference" and self.own_ranks not in (0, pp):
             raise PlacementError("mpmd.place.reference", self.where, f": the reference is cut into the policy's pp = "
                                  f"{pp} stages, one per rank; expected 'pp' (in the policy's bubbles), 'auto' or {pp} "

@@ -35,9 +35,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hp.models import plan_for
-from hp.mpmd.choice import ReferenceChoice
+from hp.mpmd.choice import Choice, choose_tower, tower_costs
 from hp.mpmd.placed import Placed
 from hp.mpmd.programs import vision_language
+from hp.parallel.placement import AUTO
 from hp.parallel.recompute import recompute_blocks
 from hp.train.config import TrainConfig
 from hp.train.data import IGNORE_INDEX, Batch
@@ -56,24 +57,43 @@ class PlacedRun:
     step: Placed
     merge: Callable[[list[Batch], int, str], dict]
     rewards: Callable[[], dict[str, float]] = dict
-    choice: ReferenceChoice | None = None  # reference: auto's
+    choice: Choice | None = None  # where `auto` placed the program, and why
 
 
-def place(model: nn.Module, config: TrainConfig, reference: Reference | None = None) -> PlacedRun:
-    """`model` cut in place into this rank's part of the placed programs; `reference`: a dpo stage's."""
+def place(model: nn.Module, config: TrainConfig, reference: Reference | None = None, batches=None,
+          pad_id: int = 0) -> PlacedRun:
+    """`model` cut in place into this rank's part of the placed programs; `reference`: a dpo stage's;
+    `batches`: the stream, whose first step a tower placed `auto` is measured on."""
     strategy = config.parallel
     plan = plan_for(model.config)
     if strategy.recompute:
         recompute_blocks(model.get_submodule(plan.blocks))
     microbatches = config.per_device_train_batch_size * config.gradient_accumulation_steps
+    device = next(model.parameters()).device
     if strategy.mpmd_place.program == "reference":
-        pairs = PairLosses(config.preference, microbatches, next(model.parameters()).device)
-        programs, choice = policy_programs(model, reference, config, pairs)
+        pairs = PairLosses(config.preference, microbatches, device)
+        with _autocast(config, device):
+            programs, choice = policy_programs(model, reference, config, pairs)
         return PlacedRun(Placed(programs, warmup=WARMUP), pairs_batch, pairs.metrics, choice)
-    programs = vision_language(model, plan, tower_ranks=strategy.mpmd_place.ranks(strategy.pp),
-                               stage_ranks=tuple(range(strategy.pp)), split=strategy.pp_split,
-                               microbatches=microbatches, rank=dist.get_rank())
-    return PlacedRun(Placed(programs, warmup=WARMUP), _merged)
+    choice = None
+    stage_ranks, tower_ranks = tuple(range(strategy.pp)), None
+    if strategy.mpmd_place.where == AUTO:  # measured on the whole model and the first step, before the cut
+        first = _merged(_peek(batches, 0, config.gradient_accumulation_steps), pad_id, str(device))
+        with _autocast(config, device):
+            costs = tower_costs(model, plan, first, group=dist.group.WORLD)
+        trains = any(p.requires_grad for p in model.get_submodule(plan.vision).parameters())
+        choice = choose_tower(costs, world=strategy.pp, blocks=len(model.get_submodule(plan.blocks)),
+                              microbatches=microbatches, trains=trains)
+        stage_ranks, tower_ranks = choice.ranks
+    programs = vision_language(model, plan, tower_ranks=tower_ranks or strategy.mpmd_place.ranks(strategy.pp),
+                               stage_ranks=stage_ranks, split=strategy.pp_split, microbatches=microbatches,
+                               rank=dist.get_rank())
+    return PlacedRun(Placed(programs, warmup=WARMUP), _merged, choice=choice)
+
+
+def _autocast(config: TrainConfig, device: torch.device):
+    """bf16 autocast as the step runs under it (`bf16: true`), so that what is measured is what will run."""
+    return torch.autocast(device.type, dtype=torch.bfloat16) if config.bf16 else nullcontext()
 
 
 def placed_step(run: PlacedRun, batches, config: TrainConfig, pad_id: int, device: str) -> tuple[float, int, dict]:
@@ -82,8 +102,7 @@ def placed_step(run: PlacedRun, batches, config: TrainConfig, pad_id: int, devic
     parts = [next(batches) for _ in range(accumulate)]
     upcoming = [run.merge(_peek(batches, accumulate * k, accumulate), pad_id, device)  # the next steps' batches
                 for k in range(run.step.graph.furthest_ahead)]
-    autocast = torch.autocast(device, dtype=torch.bfloat16) if config.bf16 else nullcontext()
-    with autocast:
+    with _autocast(config, torch.device(device)):
         loss = run.step(run.merge(parts, pad_id, device), *upcoming)
     return float(loss), sum(b.input_ids.numel() for b in parts), run.rewards()
 
@@ -96,7 +115,7 @@ def placed_summary(run: PlacedRun) -> dict:
     if step.costs is not None:
         sim = step.simulation()
         found |= {"predicted_step_s": sim.step_seconds, "idle_share": [round(i, 4) for i in sim.idle_share]}
-    if run.choice is not None:  # reference: auto, from the costs measured before the model was cut
+    if run.choice is not None:  # auto, from the costs measured before the model was cut
         found["chosen"] = {"where": run.choice.where, "predicted_step_s": run.choice.steps}
     return found
 

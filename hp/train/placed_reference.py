@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hp.models import plan_for
-from hp.mpmd.choice import ReferenceChoice, block_costs, choose_reference
+from hp.mpmd.choice import Choice, block_costs, choose_reference
 from hp.mpmd.programs import Programs
 from hp.mpmd.reference import policy_and_reference
 from hp.parallel.lora import base_copy
@@ -88,7 +88,7 @@ class PairLosses:
 
 
 def policy_programs(model: nn.Module, reference: Reference, config: TrainConfig,
-                    pairs: PairLosses) -> tuple[Programs, ReferenceChoice | None]:
+                    pairs: PairLosses) -> tuple[Programs, Choice | None]:
     """`model` (the policy) cut in place to this rank's stage, beside its reference's stages (see the module);
     under `reference: auto`, how the ranks were shared and each way's predicted step."""
     strategy = config.parallel
@@ -99,7 +99,7 @@ def policy_programs(model: nn.Module, reference: Reference, config: TrainConfig,
         costs = block_costs(model, plan, config.cutoff_len, group=dist.group.WORLD)
         choice = choose_reference(costs, world=strategy.pp, blocks=len(model.get_submodule(plan.blocks)),
                                   microbatches=pairs.pairs)
-        policy_ranks, reference_ranks = choice.ranks(strategy.pp)
+        policy_ranks, reference_ranks = choice.ranks
     else:
         policy_ranks, reference_ranks = tuple(range(strategy.pp)), strategy.mpmd_place.ranks(strategy.pp)
     programs = policy_and_reference(model, plan, policy_ranks=policy_ranks, reference_ranks=reference_ranks,
