@@ -58,8 +58,9 @@ def test_a_reward_model_trains_and_exports_its_value_head_as_llamafactory_does(t
 
 def test_a_placed_reference_has_the_plain_runs_losses_rewards_and_weights_and_resumes(tmp_path):
     """`parallel.mpmd: {place: {reference: ...}}` (hp.mpmd's level 3): DPO's reference a batch ahead in a
-    2-stage policy's bubbles, on a rank of its own beside a whole policy, and wherever the costs measured
-    before the model is cut say (auto), against one plain worker, with
+    2-stage policy's bubbles, on a rank of its own beside a whole policy, wherever the costs measured
+    before the model is cut say (auto), and in two data parallel replicas of one rank each, against one
+    plain worker, with
     two accumulated batches a step: the same losses and rewards step by step (the last planned from the
     measured costs) and the same weights in the checkpoint; the second placement, resumed from its step-2
     checkpoint (its reference rank holds none of the policy), takes the same last steps."""
@@ -72,7 +73,9 @@ def test_a_placed_reference_has_the_plain_runs_losses_rewards_and_weights_and_re
            "gradient_accumulation_steps=2", "warmup_ratio=0", "parallel.tp=1"]
     places = {"pp": ["parallel.pp=2", "parallel.mpmd={place: {reference: pp}}"],
               "own": ["parallel.pp=1", "parallel.mpmd={place: {reference: 1}}"],
-              "auto": ["parallel.pp=2", "parallel.mpmd={place: {reference: auto}}"]}
+              "auto": ["parallel.pp=2", "parallel.mpmd={place: {reference: auto}}"],
+              "dp": ["parallel.pp=1", "parallel.dp=2", "parallel.mpmd={place: {reference: pp}}",
+                     "per_device_train_batch_size=2"]}  # two replicas, each half of every batch's pairs
     plain = summary(hp_train(*run, f"output_dir={tmp_path / 'plain'}", config=QUICKSTART_DPO))
     want = losses(tmp_path / "plain")
     for name, place in places.items():
@@ -81,8 +84,9 @@ def test_a_placed_reference_has_the_plain_runs_losses_rewards_and_weights_and_re
         chosen = got["mpmd_place"].get("chosen")  # auto: how the two ranks were shared, and why
         if name == "auto":
             assert chosen["where"] == min(chosen["predicted_step_s"], key=chosen["predicted_step_s"].get), chosen
-        where = chosen["where"] if chosen else {"pp": "shared", "own": "own"}[name]
-        assert got["mpmd_place"]["programs"]["reference"] == ([0, 1] if where == "shared" else [1]), got
+        where = chosen["where"] if chosen else {"pp": "shared", "own": "own", "dp": "replicas"}[name]
+        want_ranks = {"shared": [0, 1], "own": [1], "replicas": [0]}[where]  # each replica's, from its first rank
+        assert got["mpmd_place"]["programs"]["reference"] == want_ranks, got
         assert losses(tmp_path / name) == pytest.approx(want, rel=1e-5), name
         assert got["rewards"] == pytest.approx(plain["rewards"], rel=1e-4, abs=1e-6), (name, got["rewards"])
     resumed = tmp_path / "own" / "resumed"

@@ -21,6 +21,14 @@ spread over several ranks (a vision tower held whole on each) has its
 gradients summed over them inside the step, as data parallel's, so the
 caller's optimizer steps over `parameters()` as it would over the model's.
 
+**Data parallel replicas.** `Placed(programs, replicas=dp)` runs the step
+on `dp` blocks of the group's ranks, in order, each block a replica of the
+whole placement (the graph's ranks are block-local) fed its own share of
+the data: every stage is laid out with data parallel over the ranks
+holding it in each replica. After the step each gradient is summed over
+the replicas and the loss is the replicas' sum, so the caller divides each
+micro-batch's loss by the whole batch's count, as one replica would.
+
 **Named sub-meshes.** `mesh` maps names to tuples of global ranks:
 `{"enc": (0, 1), "pp": (0, 1)}`. The model's remainder (its language
 model) is cut into one pipeline stage per rank of `mesh["pp"]`;
@@ -64,36 +72,50 @@ class Placed:
     """A training step over `programs` (`hp.mpmd.programs`), planned again from its measured costs after
     `warmup` steps (see the module). Every rank of `group` (default: the world) calls it."""
 
-    def __init__(self, programs: Programs, *, warmup: int = 3, group: Any = None) -> None:
+    def __init__(self, programs: Programs, *, warmup: int = 3, group: Any = None, replicas: int = 1) -> None:
         if warmup < 2:
             raise PlaceError(f"warmup = {warmup}: the first step's timings are dropped, so at least 2 steps")
-        self.programs, self.graph, self.group, self.warmup = programs, programs.graph, group, warmup
+        self.programs, self.graph, self.warmup, self.replicas = programs, programs.graph, warmup, replicas
         world = dist.get_world_size(group)
-        if self.graph.world > world:
-            raise PlaceError(f"the placement uses ranks up to {self.graph.world - 1}; the group has {world}")
-        self.rank = dist.get_rank(group)
+        if replicas < 1 or world % replicas:
+            raise PlaceError(f"replicas = {replicas}: the group's {world} ranks do not cut into that many blocks")
+        if self.graph.world > world // replicas:
+            raise PlaceError(f"the placement uses ranks up to {self.graph.world - 1}; each of the {replicas} "
+                             f"replicas has {world // replicas}")
+        self.group = group if replicas == 1 else subgroup(group, replicas=replicas)  # this rank's replica
+        self.rank = dist.get_rank(self.group)
         device = next((p.device for m in programs.modules.values() for p in m.parameters()), torch.device("cpu"))
-        self.runtime = Runtime(schedule(self.graph, Costs.unit(self.graph)), programs.stages, group=group,
-                               device=device)
+        self.runtime = Runtime(schedule(self.graph, Costs.unit(self.graph)), programs.stages, group=self.group,
+                               device=device, channel=subgroup(group, replicas=replicas))
         self.costs: Costs | None = None
-        self._spread = {p.name: subgroup(group, p.ranks) for p in self.graph.programs
+        self._spread = {p.name: subgroup(group, p.ranks, replicas) for p in self.graph.programs
                         if p.spread and p.trains and len(p.ranks) > 1}  # where its gradients are summed
+        self._across = _across(group, replicas)  # this rank's stages in every replica: data parallel's group
 
     @property
     def plan(self) -> Plan:
         return self.runtime.plan
 
     def __call__(self, batch: Any, *upcoming: Any) -> torch.Tensor:
-        """Forward and backward of `batch`; the loss. `upcoming`: the batches after it, as many as the
-        programs run ahead (`graph.furthest_ahead`; fewer at the end of the data)."""
+        """Forward and backward of `batch` (this replica's share); the loss, summed over the replicas.
+        `upcoming`: the batches after it, as many as the programs run ahead (`graph.furthest_ahead`; fewer at
+        the end of the data)."""
         prepare = self.programs.prepare
-        spread = [p for params in self._spread_parameters().values() for p in params]
-        before = {id(p): p.grad for p in spread if p.grad is not None}  # summed over the ranks once: this step's apart
-        for p in spread:
+        params = self.parameters()
+        before = {id(p): p.grad for p in params if p.grad is not None}  # summed over ranks once: this step's apart
+        for p in params:
             p.grad = None
         losses = self.runtime.step(prepare(batch), *(None if b is None else prepare(b) for b in upcoming))
-        self._sum_spread_gradients(before)
+        for name, spread in self._spread_parameters().items():
+            _sum_gradients(spread, self._spread[name])
+        if self._across is not None:
+            _sum_gradients(params, self._across)
+        for p in params:
+            if id(p) in before:
+                p.grad = before[id(p)] if p.grad is None else p.grad + before[id(p)]
         loss = step_loss(losses, self.group, self.runtime.device)
+        if self._across is not None:
+            dist.all_reduce(loss, group=self._across)
         if self.runtime.steps == 1:  # first touches: not a cost to plan by
             self.runtime.samples.clear()
             self.runtime.transfers.clear()
@@ -128,17 +150,32 @@ class Placed:
         return {name: [p for p in self.programs.modules[name, 0].parameters() if p.requires_grad]
                 for name in self._spread if self.rank in self.graph.program[name].ranks}
 
-    def _sum_spread_gradients(self, before: dict[int, torch.Tensor]) -> None:
-        """This step's gradients of each spread program summed over its ranks (one flat all-reduce each),
-        added to what they held before the step (`before`: gradients accumulate over calls)."""
-        for name, params in self._spread_parameters().items():
-            for dtype in sorted({p.dtype for p in params}, key=str):  # the same order on every rank
-                same = [p for p in params if p.dtype == dtype]
-                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in same]  # none ran here
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                dist.all_reduce(flat, group=self._spread[name])
-                for p, summed in zip(same, flat.split([g.numel() for g in grads])):
-                    p.grad = summed.view_as(p) + before[id(p)] if id(p) in before else summed.view_as(p).clone()
+
+
+def _sum_gradients(params: list[nn.Parameter], group: Any) -> None:
+    """`params`' gradients summed over `group`, one flat all-reduce per dtype (a rank that ran none of a
+    parameter's work adds zeros)."""
+    for dtype in sorted({p.dtype for p in params}, key=str):  # the same order on every rank
+        same = [p for p in params if p.dtype == dtype]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in same]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        for p, summed in zip(same, flat.split([g.numel() for g in grads])):
+            p.grad = summed.view_as(p).clone()
+
+
+def _across(group: Any, replicas: int) -> Any:
+    """This rank's group across the replicas (the same block-local rank in each); None for one replica.
+    Every rank makes every such group, in order."""
+    if replicas == 1:
+        return None
+    members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    width, me, mine = len(members) // replicas, dist.get_rank(), None
+    for j in range(width):
+        ranks = members[j::width]
+        made = dist.new_group(ranks)
+        mine = made if me in ranks else mine
+    return mine
 
 
 def placed(model: nn.Module, place: Mapping[str, str], mesh: Mapping[str, Sequence[int]], *, plan: ModelPlan | None,

@@ -57,9 +57,11 @@ class Runtime:
     """
 
     def __init__(self, plan: Plan, stages: Mapping[Node, StageFn], *, group: Any = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", channel: Any = None) -> None:
         self.plan, self.graph, self.stages = plan, plan.graph, dict(stages)
-        self.group = subgroup(group)  # a group of its own: what this runtime leaves in flight no other can take
+        # a group of its own (`channel`, default: a new one of `group`'s ranks): what this runtime leaves in
+        # flight no other can take
+        self.group = channel if channel is not None else subgroup(group)
         self.device = torch.device(device)  # where received tensors land (nccl and hccl send device tensors)
         self.rank = dist.get_rank(group)
         self.samples: list[tuple[Action, float]] = []  # (action, seconds) measured here
@@ -230,11 +232,17 @@ class Runtime:
         return out
 
 
-def subgroup(group: Any, ranks: tuple[int, ...] | None = None) -> Any:
+def subgroup(group: Any, ranks: tuple[int, ...] | None = None, replicas: int = 1) -> Any:
     """A new process group over `ranks` of `group` (group-local; default: all of them; `group` None: the
-    world); every rank of `group` makes it alike."""
+    world); every rank of `group` makes it alike. With `replicas`, `group`'s ranks are that many blocks in
+    order, `ranks` block-local: every rank makes each block's group (a collective of the whole group) and
+    keeps its own block's."""
     members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    return dist.new_group([members[r] for r in ranks] if ranks is not None else members)
+    width, me, mine = len(members) // replicas, dist.get_rank(), None
+    for block in (members[i * width:(i + 1) * width] for i in range(replicas)):
+        made = dist.new_group([block[r] for r in ranks] if ranks is not None else block)
+        mine = made if me in block else mine
+    return mine
 
 
 def step_loss(losses: dict[int, torch.Tensor], group: Any = None, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -289,9 +289,10 @@ class Strategy:
 
     @property
     def world_size(self) -> int:
-        """Ranks the layout needs: pp * dp * cp * tp (x * y * z for tp2d), plus the placed sub-models' own."""
-        own = self.mpmd_place.own_ranks if self.mpmd_place is not None else 0
-        return self.pp * self.dp * self.cp * self.tp * (self.tp2d.ranks if self.tp2d else 1) + own
+        """Ranks the layout needs: pp * dp * cp * tp (x * y * z for tp2d); placed, (pp + its own ranks) * dp."""
+        if self.mpmd_place is not None:  # dp replicas of the placed step
+            return (self.pp + self.mpmd_place.own_ranks) * self.dp
+        return self.pp * self.dp * self.cp * self.tp * (self.tp2d.ranks if self.tp2d else 1)
 
     @property
     def mesh_axes(self) -> dict[str, int]:
@@ -469,7 +470,7 @@ DEFAULTS = {f.name: f.default for f in dataclasses.fields(Strategy)}
 PP_OPTIONS = ("pp_schedule", "pp_microbatches", "pp_stages_per_rank", "pp_split")  # pipeline's own: refused without it
 PLACED_AXIS = "mpmd"  # the mesh of a placed step: every rank, its programs' own
 # What a placed step refuses: its stages run whole (no other axis) and it plans its own order (no pp schedule).
-PLACED_ALONE = ("dp", "cp", "tp", "sp", "ep", "fsdp", "tp2d", "offload", "compile", "vision_tp", "mpmd",
+PLACED_ALONE = ("cp", "tp", "sp", "ep", "fsdp", "tp2d", "offload", "compile", "vision_tp", "mpmd",
                 "pp_schedule", "pp_microbatches", "pp_stages_per_rank")
 
 

@@ -53,7 +53,7 @@ def scalar(loss) -> float:
 def clip_placed(step: Placed, max_norm: float) -> float:
     """Clip the gradients of a placed step's parameters on every rank to a global norm of `max_norm`
     (each parameter counted once over the ranks); returns the norm before. A collective."""
-    total = clip_gradients(step.counted_parameters(), math.inf, group=dist.group.WORLD)
+    total = clip_gradients(step.counted_parameters(), math.inf, group=step.group or dist.group.WORLD)  # a replica
     grads = [p.grad for p in step.parameters() if p.grad is not None]  # none on a rank running frozen programs only
     if total > max_norm and grads:
         torch._foreach_mul_(grads, max_norm / total)

@@ -24,6 +24,7 @@ work is planned again from them.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -62,19 +63,22 @@ class PlacedRun:
 
 def place(model: nn.Module, config: TrainConfig, reference: Reference | None = None, batches=None,
           pad_id: int = 0) -> PlacedRun:
-    """`model` cut in place into this rank's part of the placed programs; `reference`: a dpo stage's;
-    `batches`: the stream, whose first step a tower placed `auto` is measured on."""
+    """`model` cut in place into this rank's part of the placed programs (in its data parallel replica: the
+    world is dp blocks of pp + own ranks); `reference`: a dpo stage's; `batches`: the stream, whose first
+    step a tower placed `auto` is measured on."""
     strategy = config.parallel
     plan = plan_for(model.config)
     if strategy.recompute:
         recompute_blocks(model.get_submodule(plan.blocks))
-    microbatches = config.per_device_train_batch_size * config.gradient_accumulation_steps
+    microbatches = config.per_device_train_batch_size * config.gradient_accumulation_steps  # a replica's
     device = next(model.parameters()).device
+    replica = Replica.of(strategy)
     if strategy.mpmd_place.program == "reference":
-        pairs = PairLosses(config.preference, microbatches, device)
+        pairs = PairLosses(config.preference, microbatches * strategy.dp, device)
         with _autocast(config, device):
-            programs, choice = policy_programs(model, reference, config, pairs)
-        return PlacedRun(Placed(programs, warmup=WARMUP), pairs_batch, pairs.metrics, choice)
+            programs, choice = policy_programs(model, reference, config, pairs, microbatches, replica.rank)
+        return PlacedRun(Placed(programs, warmup=WARMUP, replicas=strategy.dp),
+                         functools.partial(pairs_batch, replica=replica.share), pairs.metrics, choice)
     choice = None
     stage_ranks, tower_ranks = tuple(range(strategy.pp)), None
     if strategy.mpmd_place.where == AUTO:  # measured on the whole model and the first step, before the cut
@@ -87,8 +91,23 @@ def place(model: nn.Module, config: TrainConfig, reference: Reference | None = N
         stage_ranks, tower_ranks = choice.ranks
     programs = vision_language(model, plan, tower_ranks=tower_ranks or strategy.mpmd_place.ranks(strategy.pp),
                                stage_ranks=stage_ranks, split=strategy.pp_split, microbatches=microbatches,
-                               rank=dist.get_rank())
-    return PlacedRun(Placed(programs, warmup=WARMUP), _merged, choice=choice)
+                               rank=replica.rank)
+    merge = functools.partial(_merged, replica=replica.share, vision_start=model.config.vision_start_token_id)
+    return PlacedRun(Placed(programs, warmup=WARMUP, replicas=strategy.dp), merge, choice=choice)
+
+
+@dataclass(frozen=True)
+class Replica:
+    """This rank's place among dp replicas of the placed step: its rank within its replica, and its
+    replica's share of each batch's rows (`share`: (index, count))."""
+
+    rank: int
+    share: tuple[int, int]
+
+    @classmethod
+    def of(cls, strategy) -> Replica:
+        width = strategy.pp + strategy.mpmd_place.own_ranks
+        return cls(dist.get_rank() % width, (dist.get_rank() // width, strategy.dp))
 
 
 def _autocast(config: TrainConfig, device: torch.device):
@@ -111,7 +130,8 @@ def placed_summary(run: PlacedRun) -> dict:
     """What the run summary says of a placed step: where each program ran, and its plan's replay with the
     measured costs (rank 0's, the same on every rank)."""
     step = run.step
-    found = {"programs": {p.name: list(p.ranks) for p in step.graph.programs}, "planned_from_costs": step.costs is not None}
+    found = {"programs": {p.name: list(p.ranks) for p in step.graph.programs}, "replicas": step.replicas,
+             "planned_from_costs": step.costs is not None}  # each replica's ranks, from its first
     if step.costs is not None:
         sim = step.simulation()
         found |= {"predicted_step_s": sim.step_seconds, "idle_share": [round(i, 4) for i in sim.idle_share]}
@@ -133,9 +153,14 @@ def _peek(batches, skip: int, count: int) -> list[Batch]:
     return [stream.batch_at(epoch, index) for epoch, index in ahead]
 
 
-def _merged(parts: list[Batch], pad_id: int, device: str) -> dict:
+def _merged(parts: list[Batch], pad_id: int, device: str, replica: tuple[int, int] = (0, 1),
+            vision_start: int | None = None) -> dict:
     """The accumulated batches as one batch (right-padded to the longest), each sample's loss divisor its own
-    batch's supervised tokens times their count."""
+    batch's supervised tokens times their count; of each batch only `replica`'s share of rows ((index, count):
+    the index-th of count equal shares, with their images, each opened by the `vision_start` token)."""
+    divisors = [float((b.labels[:, 1:] != IGNORE_INDEX).sum()) * len(parts) for b in parts]  # the whole batch's
+    if replica[1] > 1:
+        parts = [_share(b, replica, vision_start) for b in parts]
     longest = max(b.input_ids.shape[1] for b in parts)
 
     def joined(name: str, fill: int) -> torch.Tensor | None:
@@ -144,9 +169,32 @@ def _merged(parts: list[Batch], pad_id: int, device: str) -> dict:
 
     merged = {"input_ids": joined("input_ids", pad_id), "labels": joined("labels", IGNORE_INDEX),
               "mm_token_type_ids": joined("mm_token_type_ids", 0),
-              "supervised": torch.cat([torch.full((len(b.input_ids),), float((b.labels[:, 1:] != IGNORE_INDEX).sum())
-                                                  * len(parts)) for b in parts])}
+              "supervised": torch.cat([torch.full((len(b.input_ids),), d) for b, d in zip(parts, divisors)])}
     for name in ("pixel_values", "image_grid_thw"):
         found = [getattr(b, name) for b in parts if getattr(b, name) is not None]
         merged[name] = torch.cat(found) if found else None
     return {k: v.to(device) if v is not None else v for k, v in merged.items()}
+
+
+def _share(batch: Batch, replica: tuple[int, int], vision_start: int | None) -> Batch:
+    """`replica`'s share of `batch`'s rows, with the images and patches of those rows.
+
+    >>> b = Batch(torch.tensor([[7, 1], [2, 3], [7, 7], [2, 2]]), torch.zeros(4, 2, dtype=torch.long),
+    ...           pixel_values=torch.arange(6.0).view(6, 1), image_grid_thw=torch.tensor([[1, 1, 2]] * 3))
+    >>> share = _share(b, (1, 2), vision_start=7)  # rows 2 and 3: the second and third image
+    >>> share.input_ids.tolist(), share.pixel_values.view(-1).tolist()
+    ([[7, 7], [2, 2]], [2.0, 3.0, 4.0, 5.0])
+    """
+    index, count = replica
+    n = len(batch.input_ids) // count
+    rows = slice(index * n, (index + 1) * n)
+    picked = {"input_ids": batch.input_ids[rows], "labels": batch.labels[rows]}
+    if batch.mm_token_type_ids is not None:
+        picked["mm_token_type_ids"] = batch.mm_token_type_ids[rows]
+    if batch.image_grid_thw is not None:
+        images = (batch.input_ids == vision_start).sum(-1).tolist()
+        first, last = sum(images[:rows.start]), sum(images[:rows.stop])
+        sizes = batch.image_grid_thw.prod(-1).tolist()
+        picked["image_grid_thw"] = batch.image_grid_thw[first:last]
+        picked["pixel_values"] = batch.pixel_values[sum(sizes[:first]):sum(sizes[:last])]
+    return Batch(**picked)

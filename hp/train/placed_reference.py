@@ -87,10 +87,11 @@ class PairLosses:
                 "rewards/margins": chosen - rejected, "logps/chosen": logp_chosen, "logps/rejected": logp_rejected}
 
 
-def policy_programs(model: nn.Module, reference: Reference, config: TrainConfig,
-                    pairs: PairLosses) -> tuple[Programs, Choice | None]:
-    """`model` (the policy) cut in place to this rank's stage, beside its reference's stages (see the module);
-    under `reference: auto`, how the ranks were shared and each way's predicted step."""
+def policy_programs(model: nn.Module, reference: Reference, config: TrainConfig, pairs: PairLosses,
+                    microbatches: int, rank: int) -> tuple[Programs, Choice | None]:
+    """`model` (the policy) cut in place to what `rank` (of its replica) runs, beside its reference's stages
+    (see the module), `microbatches` pairs a step; under `reference: auto`, how the ranks were shared and each
+    way's predicted step."""
     strategy = config.parallel
     plan = plan_for(model.config)
     frozen = base_copy(reference.model) if reference.adapters else reference.model  # before the policy is cut
@@ -98,32 +99,36 @@ def policy_programs(model: nn.Module, reference: Reference, config: TrainConfig,
     if strategy.mpmd_place.where == AUTO:  # measured on the whole model, before it is cut
         costs = block_costs(model, plan, config.cutoff_len, group=dist.group.WORLD)
         choice = choose_reference(costs, world=strategy.pp, blocks=len(model.get_submodule(plan.blocks)),
-                                  microbatches=pairs.pairs)
+                                  microbatches=microbatches)
         policy_ranks, reference_ranks = choice.ranks
     else:
         policy_ranks, reference_ranks = tuple(range(strategy.pp)), strategy.mpmd_place.ranks(strategy.pp)
     programs = policy_and_reference(model, plan, policy_ranks=policy_ranks, reference_ranks=reference_ranks,
-                                    microbatches=pairs.pairs, loss=pairs, reference=frozen, split=strategy.pp_split,
-                                    rank=dist.get_rank())
+                                    microbatches=microbatches, loss=pairs, reference=frozen, split=strategy.pp_split,
+                                    rank=rank)
     return programs, choice
 
 
-def pairs_batch(parts: list[Batch], pad_id: int, device: str) -> dict:
+def pairs_batch(parts: list[Batch], pad_id: int, device: str, replica: tuple[int, int] = (0, 1)) -> dict:
     """The accumulated pairwise batches (chosen rows first, rejected after) as one batch of pairs: `input_ids`
-    and `labels` of shape (pairs, 2, tokens), right-padded to the longest.
+    and `labels` of shape (pairs, 2, tokens), right-padded to the longest; of each batch only `replica`'s
+    share of pairs ((index, count): the index-th of count equal shares).
 
     >>> b = Batch(torch.tensor([[1, 2], [3, 4]]), torch.tensor([[-100, 2], [-100, 4]]))
     >>> pairs_batch([b, b], 0, "cpu")["input_ids"].tolist()
     [[[1, 2], [3, 4]], [[1, 2], [3, 4]]]
     """
     longest = max(b.input_ids.shape[1] for b in parts)
+    index, count = replica
 
     def paired(name: str, fill: int) -> torch.Tensor:
         rows = []
         for b in parts:
             t = F.pad(getattr(b, name), (0, longest - getattr(b, name).shape[1]), value=fill)
             half = len(t) // 2
-            rows.append(torch.stack([t[:half], t[half:]], 1))
+            share = half // count
+            pairs = torch.stack([t[:half], t[half:]], 1)
+            rows.append(pairs[index * share:(index + 1) * share])
         return torch.cat(rows).to(device)
 
     return {"input_ids": paired("input_ids", pad_id), "labels": paired("labels", IGNORE_INDEX)}

@@ -265,9 +265,10 @@ def _workers_per_node(config: TrainConfig) -> int:
     degrees = {"pp": p.pp, "dp": p.dp, "cp": p.cp, **(p.tp2d.mesh_axes if p.tp2d else {"tp": p.tp})}
     shown = {k: n for k, n in degrees.items() if k != "pp" or n > 1}
     ranks = f"{'*'.join(shown)} = {'*'.join(map(str, shown.values()))} = {p.world_size}"
-    if p.mpmd_place is not None:  # the pipeline's ranks and the placed tower's own
+    if p.mpmd_place is not None:  # the pipeline's ranks and the placed program's own, in each of dp replicas
         own = p.mpmd_place.own_ranks
-        ranks = f"pp + mpmd.place's own ranks = {p.pp} + {own} = {p.world_size}"
+        ranks = f"pp + mpmd.place's own ranks = {p.pp} + {own} = {p.world_size}" if p.dp == 1 else \
+            f"(pp + mpmd.place's own ranks) * dp = ({p.pp} + {own}) * {p.dp} = {p.world_size}"
     if config.nproc_per_node is None:
         if p.world_size % config.nnodes:
             raise ConfigError(f"nnodes = {config.nnodes}: the {ranks} ranks do not split evenly over the nodes; "
