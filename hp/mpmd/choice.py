@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hp.mpmd.clock import settle
 from hp.mpmd.costs import Costs
 from hp.mpmd.graph import Graph
 from hp.mpmd.measure import link
@@ -154,14 +155,17 @@ def choose_tower(costs: TowerCosts, *, world: int, blocks: int, microbatches: in
 # ---- measuring the model before it is cut ------------------------------------------------------------------
 
 
-def _timed(passes: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
-    """Each pass's median seconds over `rounds` runs after a first dropped (first touches); they run in
-    order, round after round, so a pass may use what the one before it made."""
+def _timed(passes: dict[str, Callable[[], None]], rounds: int, device) -> dict[str, float]:
+    """Each pass's median seconds over `rounds` runs after a first dropped (first touches), its work on
+    `device` waited for (`hp.mpmd.clock`); they run in order, round after round, so a pass may use what the
+    one before it made."""
     timed: dict[str, list[float]] = {name: [] for name in passes}
     for r in range(rounds + 1):
         for name, run in passes.items():
+            settle(device)
             start = time.perf_counter()
             run()
+            settle(device)
             if r:
                 timed[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in timed.items()}
@@ -213,7 +217,7 @@ def block_costs(model: nn.Module, plan: ModelPlan, tokens: int, *, rounds: int =
         seconds = _timed({"forward": lambda: held.append(sequence_logps(model(input_ids=ids, use_cache=False).logits,
                                                                              ids).sum()),
                           "backward": lambda: held.pop().backward(),
-                          "reference": lambda: _no_grad(model, input_ids=ids, use_cache=False)}, rounds)
+                          "reference": lambda: _no_grad(model, input_ids=ids, use_cache=False)}, rounds, device)
     forward, backward, reference = _agreed([seconds[k] / blocks for k in ("forward", "backward", "reference")],
                                            device, group)
     latency, per_byte = _seconds_per_byte(group, device)
@@ -240,7 +244,7 @@ def tower_costs(model: nn.Module, plan: ModelPlan, batch: dict, *, rounds: int =
               "tower": lambda: held.append(_tower_output(tower, x, trains)),
               "tower_backward": lambda: held.pop().backward() if trains else held.pop()}
     with _Measuring(model):
-        seconds = _timed(passes, rounds)
+        seconds = _timed(passes, rounds, model.get_input_embeddings().weight.device)
     blocks = len(model.get_submodule(plan.blocks))
     embedding = model.get_input_embeddings()
     tower_backward = seconds["tower_backward"] if trains else 0.0

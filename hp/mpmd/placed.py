@@ -122,6 +122,7 @@ class Placed:
         elif self.runtime.steps == self.warmup:
             self.costs = gathered_costs(self.runtime, *link(self.group, device=self.runtime.device), group=self.group)
             self.runtime.replan(schedule(self.graph, self.costs))
+            self.runtime.measuring = False  # planned: the device's queue need not drain after each action
         return loss
 
     def parameters(self) -> list[nn.Parameter]:

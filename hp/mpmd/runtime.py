@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hp.mpmd.clock import settle
 from hp.mpmd.graph import Action, Node
 from hp.mpmd.plan import Plan, Slot
 
@@ -63,6 +64,7 @@ class Runtime:
         # flight no other can take
         self.group = channel if channel is not None else subgroup(group)
         self.device = torch.device(device)  # where received tensors land (nccl and hccl send device tensors)
+        self.measuring = True  # each action waits for the device before its end is read (hp.mpmd.clock)
         self.rank = dist.get_rank(group)
         self.samples: list[tuple[Action, float]] = []  # (action, seconds) measured here
         self.transfers: list[tuple[Node, Node, int]] = []  # (src, dst, bytes) sent from here
@@ -125,6 +127,8 @@ class Runtime:
                     losses[action.micro] = out.detach()
             else:
                 self._backward(action)
+            if self.measuring:
+                settle(self.device)
             if step >= 0:  # the prologue is not timed
                 end = time.perf_counter()
                 self.samples.append((action, end - start - self._waited))

@@ -41,6 +41,7 @@ from hp.mpmd.placed import Placed
 from hp.mpmd.programs import vision_language
 from hp.parallel.placement import AUTO
 from hp.parallel.recompute import recompute_blocks
+from hp.parallel.strategy import Strategy
 from hp.train.config import TrainConfig
 from hp.train.data import IGNORE_INDEX, Batch
 from hp.train.loader import positions_from
@@ -67,31 +68,39 @@ def place(model: nn.Module, config: TrainConfig, reference: Reference | None = N
     world is dp blocks of pp + own ranks); `reference`: a dpo stage's; `batches`: the stream, whose first
     step a tower placed `auto` is measured on."""
     strategy = config.parallel
-    plan = plan_for(model.config)
     if strategy.recompute:
-        recompute_blocks(model.get_submodule(plan.blocks))
-    microbatches = config.per_device_train_batch_size * config.gradient_accumulation_steps  # a replica's
-    device = next(model.parameters()).device
+        recompute_blocks(model.get_submodule(plan_for(model.config).blocks))
     replica = Replica.of(strategy)
-    if strategy.mpmd_place.program == "reference":
-        pairs = PairLosses(config.preference, microbatches * strategy.dp, device)
-        with _autocast(config, device):
-            programs, choice = policy_programs(model, reference, config, pairs, microbatches, replica.rank)
-        return PlacedRun(Placed(programs, warmup=WARMUP, replicas=strategy.dp),
-                         functools.partial(pairs_batch, replica=replica.share), pairs.metrics, choice)
-    choice = None
-    stage_ranks, tower_ranks = tuple(range(strategy.pp)), None
+    with _autocast(config, next(model.parameters()).device):  # what `auto` measures is what will run
+        if strategy.mpmd_place.program == "reference":
+            return _policy_and_reference(model, config, reference, replica)
+        return _vision_language(model, config, replica, batches, pad_id)
+
+
+def _policy_and_reference(model: nn.Module, config: TrainConfig, reference: Reference, replica: Replica) -> PlacedRun:
+    microbatches = config.per_device_train_batch_size * config.gradient_accumulation_steps  # a replica's pairs
+    pairs = PairLosses(config.preference, microbatches * config.parallel.dp, next(model.parameters()).device)
+    programs, choice = policy_programs(model, reference, config, pairs, microbatches, replica.rank)
+    return PlacedRun(Placed(programs, warmup=WARMUP, replicas=config.parallel.dp),
+                     functools.partial(pairs_batch, replica=replica.share), pairs.metrics, choice)
+
+
+def _vision_language(model: nn.Module, config: TrainConfig, replica: Replica, batches, pad_id: int) -> PlacedRun:
+    strategy, plan = config.parallel, plan_for(model.config)
+    microbatches = config.per_device_train_batch_size * config.gradient_accumulation_steps  # a replica's samples
+    choice, stage_ranks = None, tuple(range(strategy.pp))
     if strategy.mpmd_place.where == AUTO:  # measured on the whole model and the first step, before the cut
-        first = _merged(_peek(batches, 0, config.gradient_accumulation_steps), pad_id, str(device))
-        with _autocast(config, device):
-            costs = tower_costs(model, plan, first, group=dist.group.WORLD)
+        first = _merged(_peek(batches, 0, config.gradient_accumulation_steps), pad_id,
+                        str(next(model.parameters()).device))
+        costs = tower_costs(model, plan, first, group=dist.group.WORLD)
         trains = any(p.requires_grad for p in model.get_submodule(plan.vision).parameters())
         choice = choose_tower(costs, world=strategy.pp, blocks=len(model.get_submodule(plan.blocks)),
                               microbatches=microbatches, trains=trains)
         stage_ranks, tower_ranks = choice.ranks
-    programs = vision_language(model, plan, tower_ranks=tower_ranks or strategy.mpmd_place.ranks(strategy.pp),
-                               stage_ranks=stage_ranks, split=strategy.pp_split, microbatches=microbatches,
-                               rank=replica.rank)
+    else:
+        tower_ranks = strategy.mpmd_place.ranks(strategy.pp)
+    programs = vision_language(model, plan, tower_ranks=tower_ranks, stage_ranks=stage_ranks,
+                               split=strategy.pp_split, microbatches=microbatches, rank=replica.rank)
     merge = functools.partial(_merged, replica=replica.share, vision_start=model.config.vision_start_token_id)
     return PlacedRun(Placed(programs, warmup=WARMUP, replicas=strategy.dp), merge, choice=choice)
 
@@ -105,13 +114,13 @@ class Replica:
     share: tuple[int, int]
 
     @classmethod
-    def of(cls, strategy) -> Replica:
+    def of(cls, strategy: Strategy) -> Replica:
         width = strategy.pp + strategy.mpmd_place.own_ranks
         return cls(dist.get_rank() % width, (dist.get_rank() // width, strategy.dp))
 
 
 def _autocast(config: TrainConfig, device: torch.device):
-    """bf16 autocast as the step runs under it (`bf16: true`), so that what is measured is what will run."""
+    """bf16 autocast as the step runs under it (`bf16: true`)."""
     return torch.autocast(device.type, dtype=torch.bfloat16) if config.bf16 else nullcontext()
 
 

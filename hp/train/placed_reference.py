@@ -1,4 +1,4 @@
-"""`hp train`'s dpo stage under `parallel.mpmd: {place: {reference: pp | N}}`: the policy and its reference as programs.
+"""`hp train`'s dpo stage under `parallel.mpmd: {place: {reference: pp | N | auto}}`: the policy and its reference as programs.
 
 `hp.mpmd`'s level 3 (`hp.mpmd.reference.policy_and_reference`): the
 policy is cut into `pp` pipeline stages, one per rank, and its frozen
@@ -14,8 +14,9 @@ A micro-batch is one pair (its chosen and its rejected answer), and a step
 is every pair of the accumulated batches. Each pair's loss is
 `hp.train.preference.dpo`'s (the config's loss, label smoothing and
 `pref_ftx`) divided by the step's pairs: the batches of a step hold as
-many pairs each, so the step's loss is hp train's mean of per-batch means.
-The rewards the reports show are summed on the policy's last stage and
+many pairs each, so the step's loss is hp train's mean of per-batch means
+(under dp, a step's pairs are every replica's: each replica takes its
+share of each batch's pairs). The rewards the reports show are summed on the policy's last stage and
 shared with every rank after the step.
 
 Under `reference: auto` the `pp` ranks are shared the faster way
