@@ -361,21 +361,26 @@ def test_a_placed_tower_has_the_plain_runs_losses_and_weights(tmp_path, pp, plac
     or two replicas of a one-rank placement each taking half of every batch's rows and images,
     with two accumulated batches a step: the same losses step by step (the third step planned from the
     measured costs), and the same weights in the checkpoint (each rank saved its share under the model's
-    own names)."""
+    own names); the placements with a trained tower also evaluate a held-out split (forward only, every
+    replica the whole batch) to the plain run's eval loss."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from hp.train.checkpoint import load_model_weights
 
     rows = 4 if dp > 1 else 3  # each batch's, shared by the replicas
     run = ["max_steps=3", "save_steps=3", "logging_steps=1", f"per_device_train_batch_size={rows}",
-           "gradient_accumulation_steps=2", "learning_rate=3e-3", "warmup_ratio=0", "val_size=0", "eval_strategy='no'",
+           "gradient_accumulation_steps=2", "learning_rate=3e-3", "warmup_ratio=0",
+           *(["val_size=0.1", "eval_strategy=steps", "eval_steps=3", "per_device_eval_batch_size=4"] if not frozen
+             else ["val_size=0", "eval_strategy='no'"]),
            f"freeze_vision_tower={frozen}", f"freeze_multi_modal_projector={frozen}",
            f"dataset_dir={ROOT / 'examples' / 'data'}", "parallel.tp=1"]
-    summary(hp_train(*run, f"output_dir={tmp_path / 'plain'}", config=QUICKSTART_VL))
+    plain = summary(hp_train(*run, f"output_dir={tmp_path / 'plain'}", config=QUICKSTART_VL))
     placed = summary(hp_train(*run, f"parallel.pp={pp}", f"parallel.mpmd={{place: {{vision: {place}}}}}",
                               f"parallel.dp={dp}", f"per_device_train_batch_size={rows // dp}",
                               f"output_dir={tmp_path / 'placed'}", config=QUICKSTART_VL))
     assert placed["mpmd_place"]["replicas"] == dp, placed
+    assert placed["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-5) if not frozen else \
+        placed["eval_loss"] is None, (placed["eval_loss"], plain["eval_loss"])
     assert placed["mpmd_place"]["planned_from_costs"], placed
     if place == "auto":  # the pipeline over both ranks with the tower in its bubbles, or over one beside it
         chosen = placed["mpmd_place"]["chosen"]
@@ -400,13 +405,12 @@ def test_a_placed_tower_has_the_plain_runs_losses_and_weights(tmp_path, pp, plac
     (["parallel.mpmd={place: {vision: pp}, chunks: 2}"], "parallel.mpmd = {'place': {'vision': 'pp'}, 'chunks': 2}"),
     (["parallel.pp=1", "parallel.mpmd={place: {vision: 1}}", "freeze_vision_tower=true",
       "freeze_multi_modal_projector=true"], "its own ranks would have nothing to train"),
-    (["val_size=0.1", "eval_strategy=steps"], "parallel.mpmd.place with evaluation"),
     (["nproc_per_node=3"], "pp + mpmd.place's own ranks = 2 + 0 = 2"),
     (["parallel.dp=2", "nproc_per_node=2"], "(pp + mpmd.place's own ranks) * dp = (2 + 0) * 2 = 4"),
     (["parallel.mpmd={place: {vision: auto}}", "parallel.pp_split=[1, 1]"],
      "parallel.pp_split = (1, 1) with mpmd.place.vision = 'auto': the pipeline's stages depend on the choice"),
-], ids=["tp", "pp schedule", "unknown sub-model", "no ranks", "chunks too", "frozen on its own ranks", "eval",
-        "ranks", "ranks of replicas", "auto with a split"])
+], ids=["tp", "pp schedule", "unknown sub-model", "no ranks", "chunks too", "frozen on its own ranks", "ranks",
+        "ranks of replicas", "auto with a split"])
 def test_a_placement_that_cannot_run_is_named_before_any_worker(overrides, words):
     from hp.train.config import load_config
 

@@ -45,6 +45,7 @@ bubbles; a tower on ranks of its own sends its features to the first stage
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -53,6 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hp.mpmd.costs import Costs
+from hp.mpmd.graph import Graph
 from hp.mpmd.measure import gathered_costs, link
 from hp.mpmd.plan import Plan
 from hp.mpmd.programs import Programs, vision_language
@@ -91,6 +93,8 @@ class Placed:
         self._spread = {p.name: subgroup(group, p.ranks, replicas) for p in self.graph.programs
                         if p.spread and p.trains and len(p.ranks) > 1}  # where its gradients are summed
         self._across = _across(group, replicas)  # this rank's stages in every replica: data parallel's group
+        self._parent = group
+        self._evaluators: dict[int, Runtime] = {}  # forward-only runtimes, by micro-batches
 
     @property
     def plan(self) -> Plan:
@@ -124,6 +128,23 @@ class Placed:
             self.runtime.replan(schedule(self.graph, self.costs))
             self.runtime.measuring = False  # planned: the device's queue need not drain after each action
         return loss
+
+    def evaluate(self, batch: Any) -> torch.Tensor:
+        """The loss of `batch` (one micro-batch per sample: `len(batch["input_ids"])`), forward only, every
+        program in the step (none ahead); every replica evaluates the whole batch alike. Every rank calls it."""
+        micro = len(batch["input_ids"])
+        if micro not in self._evaluators:
+            graph = Graph(tuple(dataclasses.replace(p, trains=False, ahead=0, stagger=False)
+                                for p in self.graph.programs), self.graph.flows, micro)
+            runtime = Runtime(schedule(graph, Costs.unit(graph)), self.programs.stages, group=self.group,
+                              device=self.runtime.device, channel=subgroup(self._parent, replicas=self.replicas))
+            runtime.measuring = False
+            self._evaluators[micro] = runtime
+        runtime = self._evaluators[micro]
+        losses = runtime.step(self.programs.prepare(batch))
+        runtime.samples.clear()
+        runtime.transfers.clear()
+        return step_loss(losses, self.group, self.runtime.device)
 
     def parameters(self) -> list[nn.Parameter]:
         """The trained parameters of the stages this rank runs, each once."""

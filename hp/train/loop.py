@@ -79,7 +79,7 @@ from hp.train.loader import loader
 from hp.train.finetuning import Finetuning
 from hp.train.model import build_model, freeze_parts, resolved_strategy
 from hp.train.pipelined import LENGTH_STEP, pipelined_step
-from hp.train.placed import PlacedRun, place, placed_step, placed_summary
+from hp.train.placed import PlacedRun, place, placed_evaluation, placed_step, placed_summary
 from hp.train.objectives import Dpo, Kto, LanguageModeling, Reference, Reward
 from hp.train.preflight import resume_path
 from hp.train.report import METRICS, TENSORBOARD_DIR, Reporter
@@ -193,7 +193,8 @@ def train(config: TrainConfig) -> dict:
             if rank0:
                 _log(config, step, loss, scheduler.get_last_lr()[0], progress, bar, report, device)
             if _evaluates_now(config, step, batches.epoch > epoch, step == total):
-                progress.eval_loss = evaluate(model, evaluation, config, device)
+                forward = placed_evaluation(placed, tokenizer.pad_token_id, device) if placed else None
+                progress.eval_loss = evaluate(model, evaluation, config, device, forward)
                 if rank0:
                     _log_eval(step, progress.eval_loss, bar, report)
             if config.save_steps > 0 and (step % config.save_steps == 0 or step == total):
@@ -271,8 +272,9 @@ def _evaluates_now(config: TrainConfig, step: int, epoch_ended: bool, last: bool
     return every or (config.eval_strategy == "epoch" and epoch_ended) or (last and config.do_eval)
 
 
-def evaluate(model: nn.Module, batches, config: TrainConfig, device: str) -> float:
-    """The mean loss per supervised token over `batches`, computed under the training strategy without gradients."""
+def evaluate(model: nn.Module, batches, config: TrainConfig, device: str, forward=None) -> float:
+    """The mean loss per supervised token over `batches`, computed under the training strategy without gradients
+    (`forward(batch)`: a placed step's loss, `hp.train.placed.placed_evaluation`)."""
     autocast = torch.autocast(device, dtype=torch.bfloat16) if config.bf16 else nullcontext()
     total, tokens = 0.0, 0
     model.eval()
@@ -282,7 +284,8 @@ def evaluate(model: nn.Module, batches, config: TrainConfig, device: str) -> flo
             if supervised:
                 pipe = pipeline_of(model)  # under pp the schedule runs the stages' forwards
                 inputs = batch.inputs(device)
-                loss = pipe.evaluate(inputs["input_ids"], inputs["labels"]) if pipe else model(**inputs).loss
+                loss = forward(batch) if forward else \
+                    pipe.evaluate(inputs["input_ids"], inputs["labels"]) if pipe else model(**inputs).loss
                 total += scalar(loss) * supervised
                 tokens += supervised
     model.train()

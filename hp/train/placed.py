@@ -135,6 +135,12 @@ def placed_step(run: PlacedRun, batches, config: TrainConfig, pad_id: int, devic
     return float(loss), sum(b.input_ids.numel() for b in parts), run.rewards()
 
 
+def placed_evaluation(run: PlacedRun, pad_id: int, device: str) -> Callable[[Batch], torch.Tensor]:
+    """A held-out batch's loss under the placement, forward only (`hp.mpmd.Placed.evaluate`: every replica
+    evaluates the whole batch)."""
+    return lambda batch: run.step.evaluate(_merged([batch], pad_id, device))
+
+
 def placed_summary(run: PlacedRun) -> dict:
     """What the run summary says of a placed step: where each program ran, and its plan's replay with the
     measured costs (rank 0's, the same on every rank)."""

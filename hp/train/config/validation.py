@@ -199,7 +199,7 @@ def _check_pipeline(config: TrainConfig) -> None:
 
 def _check_placement(config: TrainConfig) -> None:
     """What `hp train` runs under `parallel.mpmd.place` (`hp.mpmd`'s levels 2 and 3): a vision tower in the sft
-    stage, DPO's reference in the dpo stage; training only."""
+    stage, DPO's reference in the dpo stage."""
     place = config.parallel.mpmd_place
     if place is None:
         return
@@ -213,9 +213,6 @@ def _check_placement(config: TrainConfig) -> None:
         raise ConfigError(f"parallel.mpmd.place.vision = {place.where} with the tower and projector frozen (their "
                           "defaults): its own ranks would have nothing to train; place it in the pipeline's bubbles "
                           "(vision: pp), where a frozen tower runs a batch ahead, or unfreeze it")
-    if config.evaluates:
-        raise ConfigError("parallel.mpmd.place with evaluation: evaluating a placed model is not built yet; leave "
-                          "eval_strategy, do_eval and val_size out, or mpmd.place")
 
 
 def _check_placed_reference(config: TrainConfig, where) -> None:
