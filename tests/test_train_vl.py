@@ -352,49 +352,52 @@ def assert_hf_loss_and_logits(model, batch, hf: dict, image_token_id: int, out) 
     assert torch.allclose(out.logits, want.logits, atol=1e-6)
 
 
-@pytest.mark.parametrize("pp, place, frozen, dp", [(2, "auto", True, 1), (1, 1, False, 1), (1, "pp", False, 2)],
-                         ids=["tower frozen where measured costs say", "tower trained on a rank of its own",
-                              "two data parallel replicas"])
-def test_a_placed_tower_has_the_plain_runs_losses_and_weights(tmp_path, pp, place, frozen, dp):
-    """`parallel.mpmd: {place: {vision: ...}}` (hp.mpmd's level 2) on two gloo workers against one plain worker
-    (a frozen tower placed by the costs measured on the model before it is cut, a trained one on a rank of its own),
-    or two replicas of a one-rank placement each taking half of every batch's rows and images,
-    with two accumulated batches a step: the same losses step by step (the third step planned from the
-    measured costs), and the same weights in the checkpoint (each rank saved its share under the model's
-    own names); the placements with a trained tower also evaluate a held-out split (forward only, every
-    replica the whole batch) to the plain run's eval loss."""
+@pytest.mark.parametrize("frozen, placements", [
+    (True, [(2, "auto", 1)]),
+    (False, [(1, 1, 1), (1, "pp", 2)]),
+], ids=["tower frozen where measured costs say", "tower trained on a rank of its own, and in two replicas"])
+def test_a_placed_tower_has_the_plain_runs_losses_and_weights(tmp_path, frozen, placements):
+    """`parallel.mpmd: {place: {vision: ...}}` (hp.mpmd's level 2) on two gloo workers against one plain worker:
+    a frozen tower placed by the costs measured on the model before it is cut; a trained one on a rank of its
+    own, and two replicas of a one-rank placement each taking half of every batch's rows and images. With
+    two accumulated batches a step: the same losses step by step (the third step planned from the measured
+    costs), and the same weights in the checkpoint (each rank saved its share under the model's own names);
+    the trained placements also evaluate a held-out split (forward only, every replica the whole batch) to
+    the plain run's eval loss."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from hp.train.checkpoint import load_model_weights
 
-    rows = 4 if dp > 1 else 3  # each batch's, shared by the replicas
+    rows = 4  # each batch's, shared by the replicas
     run = ["max_steps=3", "save_steps=3", "logging_steps=1", f"per_device_train_batch_size={rows}",
            "gradient_accumulation_steps=2", "learning_rate=3e-3", "warmup_ratio=0",
-           *(["val_size=0.1", "eval_strategy=steps", "eval_steps=3", "per_device_eval_batch_size=4"] if not frozen
-             else ["val_size=0", "eval_strategy='no'"]),
+           *(["val_size=0", "eval_strategy='no'"] if frozen else
+             ["val_size=0.1", "eval_strategy=steps", "eval_steps=3", "per_device_eval_batch_size=4"]),
            f"freeze_vision_tower={frozen}", f"freeze_multi_modal_projector={frozen}",
            f"dataset_dir={ROOT / 'examples' / 'data'}", "parallel.tp=1"]
     plain = summary(hp_train(*run, f"output_dir={tmp_path / 'plain'}", config=QUICKSTART_VL))
-    placed = summary(hp_train(*run, f"parallel.pp={pp}", f"parallel.mpmd={{place: {{vision: {place}}}}}",
-                              f"parallel.dp={dp}", f"per_device_train_batch_size={rows // dp}",
-                              f"output_dir={tmp_path / 'placed'}", config=QUICKSTART_VL))
-    assert placed["mpmd_place"]["replicas"] == dp, placed
-    assert placed["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-5) if not frozen else \
-        placed["eval_loss"] is None, (placed["eval_loss"], plain["eval_loss"])
-    assert placed["mpmd_place"]["planned_from_costs"], placed
-    if place == "auto":  # the pipeline over both ranks with the tower in its bubbles, or over one beside it
-        chosen = placed["mpmd_place"]["chosen"]
-        assert chosen["where"] == min(chosen["predicted_step_s"], key=chosen["predicted_step_s"].get), chosen
-        assert placed["mpmd_place"]["programs"]["vision"] == ([0, 1] if chosen["where"] == "shared" else [1]), placed
-    want, got = losses(tmp_path / "plain"), losses(tmp_path / "placed")
-    assert got.keys() == want.keys() and all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), (got, want)
-    weights = {}
-    for name in ("plain", "placed"):
+    want = losses(tmp_path / "plain")
+    weights = Qwen2_5_VLForConditionalGeneration(CONFIG)
+    load_model_weights(str(tmp_path / "plain" / "checkpoint-3"), weights)
+    for pp, place, dp in placements:
+        out = tmp_path / f"{place}-{dp}"
+        placed = summary(hp_train(*run, f"parallel.pp={pp}", f"parallel.mpmd={{place: {{vision: {place}}}}}",
+                                  f"parallel.dp={dp}", f"per_device_train_batch_size={rows // dp}",
+                                  f"output_dir={out}", config=QUICKSTART_VL))
+        summed = placed["mpmd_place"]
+        assert summed["replicas"] == dp and summed["planned_from_costs"], placed
+        assert placed["eval_loss"] is None if frozen else placed["eval_loss"] == pytest.approx(plain["eval_loss"],
+                                                                                             rel=1e-5), placed
+        if place == "auto":  # the pipeline over both ranks with the tower in its bubbles, or over one beside it
+            chosen = summed["chosen"]
+            assert chosen["where"] == min(chosen["predicted_step_s"], key=chosen["predicted_step_s"].get), chosen
+            assert summed["programs"]["vision"] == ([0, 1] if chosen["where"] == "shared" else [1]), placed
+        got = losses(out)
+        assert got.keys() == want.keys() and all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), got
         model = Qwen2_5_VLForConditionalGeneration(CONFIG)
-        load_model_weights(str(tmp_path / name / "checkpoint-3"), model)
-        weights[name] = model.state_dict()
-    for key, value in weights["plain"].items():  # AdamW moves a weight by about lr whatever its gradient's
-        assert torch.allclose(weights["placed"][key], value, rtol=1e-5, atol=3e-5), key  # size: within lr / 100
+        load_model_weights(str(out / "checkpoint-3"), model)
+        for key, value in weights.state_dict().items():  # AdamW moves a weight by about lr whatever its
+            assert torch.allclose(model.state_dict()[key], value, rtol=1e-5, atol=3e-5), key  # gradient's: lr / 100
 
 
 @pytest.mark.parametrize("overrides, words", [
