@@ -73,15 +73,15 @@ class PairLosses:
         loss = judged.losses
         if self.pref.ftx:
             loss = loss - self.pref.ftx * policy[:1] / counts[:1]
-        self.kept.append(torch.cat([judged.chosen, judged.rejected, policy.detach()]).float().cpu())
+        self.kept.append(torch.cat([judged.chosen, judged.rejected, policy.detach()]).float())  # on the device
         return loss.sum() / self.pairs
 
     def metrics(self) -> dict[str, float]:
         """The step's rewards and log-probs under LlamaFactory's names, the same on every rank (a collective)."""
-        kept = torch.stack(self.kept) if self.kept else torch.zeros(0, 4)
+        kept = torch.stack(self.kept).to(self.device) if self.kept else torch.zeros(0, 4, device=self.device)
         self.kept.clear()
-        sums = torch.cat([kept.sum(0), (kept[:, 0] > kept[:, 1]).sum().view(1), torch.tensor([len(kept)])])
-        sums = sums.double().to(self.device)
+        sums = torch.cat([kept.sum(0), (kept[:, 0] > kept[:, 1]).sum().view(1), kept.new_tensor([len(kept)])])
+        sums = sums.double()
         dist.all_reduce(sums)
         chosen, rejected, logp_chosen, logp_rejected, right, n = (sums / sums[-1]).tolist()
         return {"rewards/chosen": chosen, "rewards/rejected": rejected, "rewards/accuracies": right,
