@@ -20,6 +20,8 @@ gradients of the stages it ran (`parameters()`, each once): a program
 spread over several ranks (a vision tower held whole on each) has its
 gradients summed over them inside the step, as data parallel's, so the
 caller's optimizer steps over `parameters()` as it would over the model's.
+`evaluate(batch)` runs a held-out batch forward only through the same
+stages, every program in the step.
 
 **Data parallel replicas.** `Placed(programs, replicas=dp)` runs the step
 on `dp` blocks of the group's ranks, in order, each block a replica of the
