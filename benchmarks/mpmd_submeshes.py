@@ -7,8 +7,9 @@ Three parts, one run (about three minutes on 2 CPU cores), the arms of each part
    and cross over gloo). A language model of 16 blocks and a vision tower worth 3 of them: 15.8% of a
    sample's work, the share of Qwen2.5-VL-7B's (the 675M tower over a 448 x 448 image's 1024 patches,
    the 7.6B LM over its 256 image and 256 text tokens: 1.31 of 8.55 TFLOP, `vl_share`); also the
-   share of Qwen2.5-VL-3B's (29%: 6 blocks' worth). A block's forward takes U (10 ms), its backward 2U;
-   8 micro-batches, 1F1B.
+   share of Qwen2.5-VL-3B's (29%: 6 blocks' worth); and the 7B share's tower frozen (LlamaFactory's
+   default: no backward; in the static splits stage 0 runs its forward only, spread it runs a batch
+   ahead). A block's forward takes U (10 ms), its backward 2U; 8 micro-batches, 1F1B.
    - **B0**: the tower in stage 0 of an even split (torchtitan's placement);
    - **B1**: the best static split of the same ranks with the tower in stage 0: every split
      simulated with the measured costs, the three best measured, the fastest kept;
@@ -35,7 +36,8 @@ For every measured arm the simulator (`hp.mpmd.simulate`, replaying the arm's pl
 table measured on its second to fourth steps) predicts the step; `simulator_error` is the largest
 |predicted - measured| / measured. `benchmarks/mpmd_submeshes.png` draws each arm's measured timeline.
 
-Last line: `vl_step_vs_best_static` (S / B1, 4 emulated ranks, the 7B share), `vl_step_vs_best_static_real`
+Last line: `vl_step_vs_best_static` (S / B1, 4 emulated ranks, the 7B share; `_3b_share`, `_frozen`),
+`vl_step_vs_best_static_real`
 (2 real ranks), `mean_idle_share` (S's, 4 emulated ranks), `dpo_step_vs_sequential` (S2 / S0),
 `dpo_losses_identical`, `dpo_reference_choice_agrees`, `simulator_error`.
 
@@ -132,40 +134,46 @@ class _Slept(torch.autograd.Function):
 
 
 class Blocks(torch.nn.Module):
-    """`n` blocks: emulated (one tiny linear layer, the blocks' time slept) or real (`n` linear layers)."""
+    """`n` blocks: emulated (one tiny linear layer, the blocks' time slept; `backward` of them have a backward,
+    default all) or real (`n` linear layers)."""
 
-    def __init__(self, n: float, width: int, emulated: bool, seed: int, trains: bool = True) -> None:
+    def __init__(self, n: float, width: int, emulated: bool, seed: int, trains: bool = True,
+                 backward: float | None = None) -> None:
         super().__init__()
         torch.manual_seed(seed)
-        self.n, self.emulated = n, emulated
+        self.n, self.emulated, self.backward = n, emulated, n if backward is None else backward
         self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(1 if emulated else round(n)))
         self.requires_grad_(trains)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             x = torch.tanh(layer(x))
-        return _Slept.apply(x, self.n * U, 2 * self.n * U) if self.emulated else x
+        return _Slept.apply(x, self.n * U, 2 * self.backward * U) if self.emulated else x
 
 
-def vl_graph(ranks: int, split: tuple[int, ...], tower: float, spread: bool, parts: int = 1) -> tuple[Graph, dict]:
+def vl_graph(ranks: int, split: tuple[int, ...], tower: float, spread: bool, parts: int = 1,
+             frozen: bool = False) -> tuple[Graph, dict]:
     """The VL step: with `spread`, the tower its own program over every rank (each micro-batch's images cut
-    into `parts`) and the LM cut by `split`; else the tower inside the LM's stage 0. Each stage's blocks
-    per micro-batch (of its own)."""
+    into `parts`; `frozen`: no backward, a batch ahead) and the LM cut by `split`; else the tower inside the
+    LM's stage 0. Each stage's (forward, backward) blocks per micro-batch (of its own)."""
     lm = Program("lm", tuple(range(ranks)))
     if spread:
-        tower_program = Program("vision", tuple(range(ranks)), spread=True, parts=parts)
+        tower_program = Program("vision", tuple(range(ranks)), spread=True, parts=parts, trains=not frozen,
+                                ahead=int(frozen))
         return Graph((tower_program, lm), (Flow(("vision", 0), ("lm", 0)),), MICRO), \
-            {("vision", 0): tower / parts, **{("lm", s): split[s] for s in range(ranks)}}
-    return Graph((lm,), (), MICRO), {("lm", s): split[s] + (tower if s == 0 else 0) for s in range(ranks)}
+            {("vision", 0): (tower / parts,) * 2, **{("lm", s): (split[s],) * 2 for s in range(ranks)}}
+    first = (split[0] + tower, split[0] + (0 if frozen else tower))
+    return Graph((lm,), (), MICRO), {("lm", s): first if s == 0 else (split[s],) * 2 for s in range(ranks)}
 
 
 def vl_stages(graph: Graph, blocks: dict, width: int, emulated: bool) -> dict:
     """Each stage's function; a real tower's piece is fewer rows through the same layers."""
     parts = graph.program["vision"].parts if "vision" in graph.program else 1
     fns = {}
-    for node, n in blocks.items():
+    for node, (n, backward) in blocks.items():
         module = Blocks(n if emulated or node[0] != "vision" else n * parts, width, emulated,
-                        seed=zlib.crc32(repr(node).encode()))  # the same on every rank (hash() is not)
+                        seed=zlib.crc32(repr(node).encode()),  # the same on every rank (hash() is not)
+                        trains=graph.trains(node), backward=backward)
         first = node == ("lm", 0) and len(graph.programs) == 1 or node[0] == "vision"
         last = node == ("lm", graph.program["lm"].stages - 1)
         fns[node] = _stage(module, first, last, parts if node[0] == "vision" else 1)
@@ -187,7 +195,7 @@ def _stage(module: torch.nn.Module, first: bool, last: bool, parts: int):
 
 
 def nominal(graph: Graph, blocks: dict) -> Costs:
-    return Costs({(k, n): blocks[n] * U * (1 if k == "F" else 2) for n in graph.nodes() for k in "FB"})
+    return Costs({(k, n): blocks[n][k == "B"] * U * (1 if k == "F" else 2) for n in graph.nodes() for k in "FB"})
 
 
 # ---- measuring an arm ------------------------------------------------------------------------------------
@@ -260,7 +268,8 @@ def run_arms(arms: dict[str, Arm], batches, rounds: int) -> None:
             arms[name].step([batches(r + k) for k in range(1 + ahead)], timed=r >= WARMUP)
 
 
-def best_splits(ranks: int, tower: float, spread: bool, keep: int) -> list[tuple[tuple[int, ...], int]]:
+def best_splits(ranks: int, tower: float, spread: bool, keep: int,
+                frozen: bool = False) -> list[tuple[tuple[int, ...], int]]:
     """The `keep` (split of the LM's blocks, parts of the tower's micro-batches) whose simulated step is
     shortest; the tower is cut into parts only when spread. With the tower in stage 0 every split is
     tried; spread, the splits within 2 blocks of even (the tower's work no longer sits in one stage), each
@@ -270,7 +279,7 @@ def best_splits(ranks: int, tower: float, spread: bool, keep: int) -> list[tuple
         if sum(split) != BLOCKS or min(split[1:]) < 1 or (spread and max(split) - min(split) > 2):
             continue
         for parts in ((1, 2, 4) if ranks >= 4 else (1, 2)) if spread else (1,):
-            graph, blocks = vl_graph(ranks, split, tower, spread, parts)
+            graph, blocks = vl_graph(ranks, split, tower, spread, parts, frozen)
             costs = nominal(graph, blocks)
             found.append((simulate(schedule(graph, costs), costs).step_seconds, split, parts))
     return [(split, parts) for _, split, parts in sorted(found)[:keep]]
@@ -279,16 +288,16 @@ def best_splits(ranks: int, tower: float, spread: bool, keep: int) -> list[tuple
 # ---- the parts -------------------------------------------------------------------------------------------
 
 
-def vl_arms(ranks: int, tower: float, width: int, emulated: bool) -> dict[str, Arm]:
+def vl_arms(ranks: int, tower: float, width: int, emulated: bool, frozen: bool = False) -> dict[str, Arm]:
     arms = {}
     even = tuple([BLOCKS // ranks] * ranks)
-    graph, blocks = vl_graph(ranks, even, tower, spread=False)
+    graph, blocks = vl_graph(ranks, even, tower, spread=False, frozen=frozen)
     arms["B0"] = Arm(graph, vl_stages(graph, blocks, width, emulated), plan_from_costs=False)
-    for split, _ in _on_rank_zero(lambda: best_splits(ranks, tower, spread=False, keep=3)):
-        graph, blocks = vl_graph(ranks, split, tower, spread=False)
+    for split, _ in _on_rank_zero(lambda: best_splits(ranks, tower, spread=False, keep=3, frozen=frozen)):
+        graph, blocks = vl_graph(ranks, split, tower, spread=False, frozen=frozen)
         arms[f"B1 {split}"] = Arm(graph, vl_stages(graph, blocks, width, emulated), plan_from_costs=False)
-    for split, parts in _on_rank_zero(lambda: best_splits(ranks, tower, spread=True, keep=2)):
-        graph, blocks = vl_graph(ranks, split, tower, spread=True, parts=parts)
+    for split, parts in _on_rank_zero(lambda: best_splits(ranks, tower, spread=True, keep=2, frozen=frozen)):
+        graph, blocks = vl_graph(ranks, split, tower, spread=True, parts=parts, frozen=frozen)
         arms[f"S {split} parts {parts}"] = Arm(graph, vl_stages(graph, blocks, width, emulated))
     return arms
 
@@ -310,8 +319,8 @@ def emulated_worker(rounds: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     LINK = link()
-    for label, tower in (("vl", 3.0), ("vl 3b", 6.0)):
-        arms = vl_arms(4, tower, 8, emulated=True)
+    for label, tower, frozen in (("vl", 3.0, False), ("vl 3b", 6.0, False), ("vl frozen", 3.0, True)):
+        arms = vl_arms(4, tower, 8, emulated=True, frozen=frozen)
         run_arms(arms, vl_batches(8, 2), rounds)
         for name, arm in arms.items():
             emit(arm.record(f"{label} emulated", name))
@@ -459,6 +468,7 @@ def summarize(records: list[dict]) -> dict:
     return {
         "vl_step_vs_best_static": vl_ratio("vl emulated"),
         "vl_step_vs_best_static_3b_share": vl_ratio("vl 3b emulated"),
+        "vl_step_vs_best_static_frozen": vl_ratio("vl frozen emulated"),
         "vl_step_vs_best_static_real": vl_ratio("vl real"),
         "mean_idle_share": s2.get("mean_idle_share"),
         "dpo_step_vs_precomputed": round(dpo["S2"]["step_s"] / dpo["S1"]["step_s"], 3) if dpo else None,
