@@ -129,22 +129,36 @@ class Dpo:
 
     def __call__(self, batch: Batch, device: str) -> Outcome:
         logps, counts = label_logps(self.model, batch, self.strategy, device)
-        means = self.pref.loss in preference.MEAN_LOSSES
-        compared = logps / counts if means else logps
+        reference = self.reference.logps(batch, self.strategy, device) if self.pref.uses_reference else None
+        losses, judged = pair_losses(logps, counts, reference, self.pref)
         pairs = len(counts) // 2
-        chosen, rejected = compared[:pairs], compared[pairs:]
-        ref_chosen = ref_rejected = None
-        if self.pref.uses_reference:
-            ref = self.reference.logps(batch, self.strategy, device)
-            ref = ref / counts if means else ref
-            ref_chosen, ref_rejected = ref[:pairs], ref[pairs:]
-        judged = preference.dpo(chosen, rejected, ref_chosen, ref_rejected, self.pref)
-        losses = judged.losses
-        if self.pref.ftx:
-            losses = losses - self.pref.ftx * logps[:pairs] / counts[:pairs]
         metrics = {**judged.metrics(), "logps/chosen": float(logps[:pairs].detach().mean()),
                    "logps/rejected": float(logps[pairs:].detach().mean())}
         return Outcome(losses.mean(), metrics)
+
+
+def pair_losses(logps: torch.Tensor, counts: torch.Tensor, reference: torch.Tensor | None,
+                pref: Preference) -> tuple[torch.Tensor, preference.Judged]:
+    """Each pair's loss under `pref` and the rewards judged: `logps` the rows' summed label log-probabilities
+    (chosen rows first, rejected after), `counts` their labels, `reference` the reference's (None for the
+    reference-free losses); per-token means where the loss compares them, and `pref_ftx`'s term.
+
+    >>> lp = torch.tensor([-1.0, -3.0])
+    >>> round(pair_losses(lp, torch.tensor([1, 1]), lp, Preference())[0].item(), 4)  # z = 0: log 2
+    0.6931
+    """
+    means = pref.loss in preference.MEAN_LOSSES
+    compared = logps / counts if means else logps
+    pairs = len(counts) // 2
+    ref_chosen = ref_rejected = None
+    if reference is not None:
+        ref = reference / counts if means else reference
+        ref_chosen, ref_rejected = ref[:pairs], ref[pairs:]
+    judged = preference.dpo(compared[:pairs], compared[pairs:], ref_chosen, ref_rejected, pref)
+    losses = judged.losses
+    if pref.ftx:
+        losses = losses - pref.ftx * logps[:pairs] / counts[:pairs]
+    return losses, judged
 
 
 class Kto:

@@ -45,14 +45,13 @@ from hp.mpmd.programs import Programs
 from hp.mpmd.reference import policy_and_reference
 from hp.parallel.lora import base_copy
 from hp.parallel.placement import AUTO
-from hp.train import preference
 from hp.train.config import Preference, TrainConfig
 from hp.train.data import IGNORE_INDEX, Batch
-from hp.train.objectives import Reference
+from hp.train.objectives import Reference, pair_losses
 
 
 class PairLosses:
-    """Each pair's DPO loss over a step of `pairs` pairs, its rewards kept for the report (see the module).
+    """Each pair's DPO loss (`hp.train.objectives.pair_losses`) over a step of `pairs` pairs, its rewards kept for the report (see the module).
 
     >>> from hp.train.config import Preference
     >>> losses = PairLosses(Preference(beta=0.1), pairs=2)
@@ -66,13 +65,7 @@ class PairLosses:
         self.kept: list[torch.Tensor] = []  # per pair: chosen and rejected rewards, chosen and rejected log-probs
 
     def __call__(self, policy: torch.Tensor, reference: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        counts = (labels[:, 1:] != IGNORE_INDEX).sum(-1)
-        means = self.pref.loss in preference.MEAN_LOSSES
-        compared, ref = (policy / counts, reference / counts) if means else (policy, reference)
-        judged = preference.dpo(compared[:1], compared[1:], ref[:1], ref[1:], self.pref)
-        loss = judged.losses
-        if self.pref.ftx:
-            loss = loss - self.pref.ftx * policy[:1] / counts[:1]
+        loss, judged = pair_losses(policy, (labels[:, 1:] != IGNORE_INDEX).sum(-1), reference, self.pref)
         self.kept.append(torch.cat([judged.chosen, judged.rejected, policy.detach()]).float())  # on the device
         return loss.sum() / self.pairs
 
