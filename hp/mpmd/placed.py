@@ -87,7 +87,7 @@ class Placed:
             raise PlaceError(f"the placement uses ranks up to {self.graph.world - 1}; each of the {replicas} "
                              f"replicas has {world // replicas}")
         self.group = group if replicas == 1 else subgroup(group, replicas=replicas)  # this rank's replica
-        self.rank = dist.get_rank(self.group)
+        self.rank = replica_of(replicas, group)[1]
         device = next((p.device for m in programs.modules.values() for p in m.parameters()), torch.device("cpu"))
         self.runtime = Runtime(schedule(self.graph, Costs.unit(self.graph)), programs.stages, group=self.group,
                                device=device, channel=subgroup(group, replicas=replicas))
@@ -174,6 +174,13 @@ class Placed:
         return {name: [p for p in self.programs.modules[name, 0].parameters() if p.requires_grad]
                 for name in self._spread if self.rank in self.graph.program[name].ranks}
 
+
+
+def replica_of(replicas: int, group: Any = None) -> tuple[int, int]:
+    """(this rank's replica, its rank within it), `group`'s ranks (default: the world) being `replicas`
+    consecutive blocks, as `Placed(..., replicas=)` runs them: what a rank's programs are built for."""
+    rank, width = dist.get_rank(group), dist.get_world_size(group) // replicas
+    return rank // width, rank % width
 
 
 def _sum_gradients(params: list[nn.Parameter], group: Any) -> None:

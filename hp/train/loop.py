@@ -80,6 +80,7 @@ from hp.train.finetuning import Finetuning
 from hp.train.model import build_model, freeze_parts, resolved_strategy
 from hp.train.pipelined import LENGTH_STEP, pipelined_step
 from hp.train.placed import PlacedRun, place, placed_evaluation, placed_step, placed_summary
+from hp.train.precision import autocast
 from hp.train.objectives import Dpo, Kto, LanguageModeling, Reference, Reward
 from hp.train.preflight import resume_path
 from hp.train.report import METRICS, TENSORBOARD_DIR, Reporter
@@ -275,10 +276,9 @@ def _evaluates_now(config: TrainConfig, step: int, epoch_ended: bool, last: bool
 def evaluate(model: nn.Module, batches, config: TrainConfig, device: str, forward=None) -> float:
     """The mean loss per supervised token over `batches`, computed under the training strategy without gradients
     (`forward(batch)`: a placed step's loss, `hp.train.placed.placed_evaluation`)."""
-    autocast = torch.autocast(device, dtype=torch.bfloat16) if config.bf16 else nullcontext()
     total, tokens = 0.0, 0
     model.eval()
-    with torch.no_grad(), autocast:
+    with torch.no_grad(), autocast(config.bf16, device):
         for batch in batches:
             supervised = int((batch.labels[:, 1:] != IGNORE_INDEX).sum())  # HF shifts labels by one
             if supervised:
@@ -362,11 +362,10 @@ def _traced():
 def _step(objective, batches, config: TrainConfig, device: str) -> tuple[float, int, dict[str, float]]:
     """One optimizer step's forward and backward over the accumulated micro-batches; (loss, tokens, rewards)."""
     accumulate = config.gradient_accumulation_steps
-    autocast = torch.autocast(device, dtype=torch.bfloat16) if config.bf16 else nullcontext()
     total, tokens, rewards = 0.0, 0, {}
     for micro in range(accumulate):
         batch = next(batches)
-        with autocast:
+        with autocast(config.bf16, device):
             outcome = objective(batch, device)
         last = micro == accumulate - 1
         with nullcontext() if last else accumulating(objective.model):  # dp sums once, after the last

@@ -8,11 +8,8 @@ scale that makes the accumulated gradients the mean over every batch.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
-import torch
-
 from hp.parallel.pipeline import Pipeline
+from hp.train.precision import autocast
 
 # Under pp a batch's tokens are padded to a multiple of this: each length the pipeline meets builds a
 # schedule of its own (torch's stages size their buffers by the first batch), so few lengths, few schedules.
@@ -21,11 +18,11 @@ LENGTH_STEP = 64
 
 def pipelined_step(pipe: Pipeline, batches, accumulate: int, bf16: bool, device: str) -> tuple[float, int, dict]:
     """One optimizer step's forward and backward over `accumulate` batches; (loss, tokens, no rewards)."""
-    autocast = torch.autocast(device, dtype=torch.bfloat16) if bf16 else nullcontext()
+    bf16_autocast = autocast(bf16, device)
     total, tokens = 0.0, 0
     for _ in range(accumulate):
         batch = next(batches)
-        with autocast:
+        with bf16_autocast:
             loss = pipe.step(batch.input_ids.to(device), batch.labels.to(device), scale=1 / accumulate)
         total += float(loss)
         tokens += batch.input_ids.numel()

@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +36,7 @@ from torch import nn
 
 from hp.models import plan_for
 from hp.mpmd.choice import Choice, choose_tower, tower_costs
-from hp.mpmd.placed import Placed
+from hp.mpmd.placed import Placed, replica_of
 from hp.mpmd.programs import vision_language
 from hp.parallel.placement import AUTO
 from hp.parallel.recompute import recompute_blocks
@@ -47,6 +46,7 @@ from hp.train.data import IGNORE_INDEX, Batch
 from hp.train.loader import positions_from
 from hp.train.objectives import Reference
 from hp.train.placed_reference import PairLosses, pairs_batch, policy_programs
+from hp.train.precision import autocast
 
 WARMUP = 3  # steps timed before the order of work is planned from their costs
 
@@ -71,7 +71,7 @@ def place(model: nn.Module, config: TrainConfig, reference: Reference | None = N
     if strategy.recompute:
         recompute_blocks(model.get_submodule(plan_for(model.config).blocks))
     replica = Replica.of(strategy)
-    with _autocast(config, next(model.parameters()).device):  # what `auto` measures is what will run
+    with autocast(config.bf16, next(model.parameters()).device):  # what `auto` measures is what will run
         if strategy.mpmd_place.program == "reference":
             return _policy_and_reference(model, config, reference, replica)
         return _vision_language(model, config, replica, batches, pad_id)
@@ -115,13 +115,8 @@ class Replica:
 
     @classmethod
     def of(cls, strategy: Strategy) -> Replica:
-        width = strategy.pp + strategy.mpmd_place.own_ranks
-        return cls(dist.get_rank() % width, (dist.get_rank() // width, strategy.dp))
-
-
-def _autocast(config: TrainConfig, device: torch.device):
-    """bf16 autocast as the step runs under it (`bf16: true`)."""
-    return torch.autocast(device.type, dtype=torch.bfloat16) if config.bf16 else nullcontext()
+        index, rank = replica_of(strategy.dp)
+        return cls(rank, (index, strategy.dp))
 
 
 def placed_step(run: PlacedRun, batches, config: TrainConfig, pad_id: int, device: str) -> tuple[float, int, dict]:
@@ -130,7 +125,7 @@ def placed_step(run: PlacedRun, batches, config: TrainConfig, pad_id: int, devic
     parts = [next(batches) for _ in range(accumulate)]
     upcoming = [run.merge(_peek(batches, accumulate * k, accumulate), pad_id, device)  # the next steps' batches
                 for k in range(run.step.graph.furthest_ahead)]
-    with _autocast(config, torch.device(device)):
+    with autocast(config.bf16, device):
         loss = run.step(run.merge(parts, pad_id, device), *upcoming)
     return float(loss), sum(b.input_ids.numel() for b in parts), run.rewards()
 
