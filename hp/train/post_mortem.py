@@ -117,7 +117,8 @@ def _timed_out(timeouts: Sequence[Mapping], exit_codes: Mapping[int, int], known
     elif len({(r.get("collective"), r.get("where")) for r in timeouts}) > 1:
         text = ("every rank waited out ddp_timeout, in different collectives (" +
                 "; ".join(f"rank {r['rank']} in {_doing(r)}" for r in sorted(timeouts, key=lambda r: r["rank"])) +
-                "): the ranks called collectives in different orders")
+                "): the ranks called collectives in different orders, or one was held up (a process stopped or "
+                "swapped out) after the others had passed its collective")
     else:
         text += "; every rank was in it, so one was held up inside it (a process stopped or swapped out, a link that broke)"
     hint = "a rank that is slow rather than stuck (a first compile, a slow disk or network) needs a larger ddp_timeout"
