@@ -54,7 +54,13 @@ def graphs(draw):
     ref = Program("ref", tuple(draw(st.lists(ranks, min_size=1, max_size=3))), trains=False,
                   ahead=draw(st.integers(0, 1)))
     flows = (Flow(("enc", 0 if enc.spread else enc.stages - 1), ("lm", 0)), Flow(("ref", ref.stages - 1), ("lm", lm.stages - 1)))
-    graph = Graph((enc, lm, ref), flows, m)
+    programs = (enc, lm, ref)
+    if draw(st.booleans()):  # a frozen program in the step whose groups of micro-batches each loss gathers
+        stat = Program("stat", tuple(draw(st.lists(ranks, min_size=1, max_size=3))), trains=False)
+        group = draw(st.sampled_from([g for g in range(1, m + 1) if m % g == 0]))
+        programs += (stat,)
+        flows += (Flow(("stat", stat.stages - 1), ("lm", lm.stages - 1), gather=group),)
+    graph = Graph(programs, flows, m)
     costs = Costs({(k, n): draw(seconds) for n in graph.nodes() for k in "FB"},
                   {(f.src, f.dst): draw(seconds) for f in flows})
     return graph, costs
@@ -142,6 +148,10 @@ def test_projection_adds_the_gradients_ring_all_reduce():
     (lambda: Graph((Program("a", (0,)), Program("b", (1,), ahead=1)), (Flow(("a", 0), ("b", 0)),), 1),
      "a program cannot feed one that runs further ahead"),
     (lambda: Graph((Program("a", (0,)),), (), 0), "microbatches = 0"),
+    (lambda: Graph((Program("a", (0,)), Program("b", (1,))), (Flow(("a", 0), ("b", 0), gather=2),), 2),
+     "a gathering flow comes from a frozen program in the same step"),
+    (lambda: Graph((Program("a", (0,), trains=False), Program("b", (1,))), (Flow(("a", 0), ("b", 0), gather=2),), 3),
+     "microbatches = 3 does not cut into groups of gather = 2"),
 ])
 def test_a_graph_that_cannot_run_is_refused_by_name(build, words):
     with pytest.raises(GraphError, match=re.escape(words)):
@@ -179,16 +189,18 @@ def test_a_placement_that_cannot_run_is_refused_by_name(change, words):
     "micro": st.integers(1, 4), "seed": st.integers(0, 2**16), "parts": st.sampled_from([1, 2]),
     "ref_parts": st.sampled_from([1, 2]), "stagger": st.booleans(), "frozen_enc": st.booleans(),
     "enc": st.sampled_from([[0], [1], [0, 1]]), "lm": st.sampled_from([[0, 1], [1, 0], [1, 1], [0, 0]]),
-    "ref": st.sampled_from([[0, 1], [1, 0], [1, 1]]), "ahead": st.integers(0, 1),
-    "seconds": st.lists(seconds, min_size=10, max_size=10)}), min_size=4, max_size=4))
+    "ref": st.sampled_from([[0, 1], [1, 0], [1, 1]]), "ahead": st.integers(0, 1), "stat": st.sampled_from([None, 0, 1]),
+    "seconds": st.lists(seconds, min_size=12, max_size=12)}), min_size=4, max_size=4))
 def test_plans_run_on_gloo_ranks_give_the_plain_steps_loss_and_gradients(cases):
     """Four drawn cases per run: placements, micro-batches, the reference in the step or a batch ahead,
     each cut into parts or whole, staggered or not, the encoder trained or frozen (then a batch ahead),
+    a frozen program in the step whose outputs each group of micro-batches' loss gathers, or none,
     and costs (so the planned orders differ); two steps each, planned again from other costs after the
     first. Two more are always the cases with the most to get wrong: the reference a batch ahead,
     staggered, in parts, the encoder spread in parts, trained and frozen."""
     always = {"micro": 3, "seed": 7, "parts": 2, "ref_parts": 2, "stagger": True, "enc": [0, 1], "lm": [0, 1],
-              "ref": [1, 0], "ahead": 1, "seconds": [1.0, 2.0, 0.5, 1.0, 1.0, 2.0, 0.6, 0.0, 0.4, 0.0]}
+              "ref": [1, 0], "ahead": 1, "stat": 1,
+              "seconds": [1.0, 2.0, 0.5, 1.0, 1.0, 2.0, 0.6, 0.0, 0.4, 0.0, 0.3, 0.0]}
     both = [always | {"frozen_enc": frozen} for frozen in (False, True)]
     run = rank_pool.run(str(HERE / "workers" / "mpmd_gloo.py"), 2, json.dumps([*cases, *both]), timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -199,11 +211,13 @@ def test_dpo_with_its_reference_ahead_gives_the_plain_steps_on_gloo_ranks():
     """Level 3 on real models (`hp.mpmd.policy_and_reference`, run by `hp.mpmd.Placed`): a tiny Llama policy
     and its frozen reference, each cut into two pipeline stages over two ranks, the reference's forward
     of the next batch run in this step's gaps, staggered or not: four SGD steps (the last two planned from
-    the measured costs) give the plain DPO step's losses and gradients (`workers/mpmd_dpo_gloo.py`)."""
+    the measured costs) give the plain DPO step's losses and gradients; KTO's likewise, each batch's reference
+point gathered from the policy's forward of its mismatched pairs (`workers/mpmd_dpo_gloo.py`)."""
     run = rank_pool.run(str(HERE / "workers" / "mpmd_dpo_gloo.py"), 2, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     for stagger in (False, True):
         assert f"dpo with its reference ahead (staggered: {stagger}) follows the plain step" in run.stdout
+    assert "kto with its reference ahead and its reference point gathered follows the plain step" in run.stdout
 
 
 def test_a_qwen_vl_tower_placed_by_hp_mpmd_gives_hfs_steps_on_gloo_ranks():

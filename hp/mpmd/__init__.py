@@ -28,7 +28,7 @@ from hp.mpmd.costs import Costs
 from hp.mpmd.graph import Flow, Graph, GraphError, Program
 from hp.mpmd.placed import Placed, PlaceError
 from hp.mpmd.programs import vision_language
-from hp.mpmd.reference import dpo_loss, policy_and_reference
+from hp.mpmd.reference import dpo_loss, kto_loss, policy_and_reference
 from hp.mpmd.runtime import Runtime
 from hp.mpmd.schedule import schedule
 from hp.mpmd.simulate import project, simulate
@@ -38,8 +38,9 @@ for _name, _value in {"Costs": Costs, "Flow": Flow, "Graph": Graph, "GraphError"
                       "Placed": Placed, "PlaceError": PlaceError,
                       "Runtime": Runtime, "schedule": schedule, "simulate": simulate, "project": project,
                       "vision_language": vision_language, "policy_and_reference": policy_and_reference,
-                      "dpo_loss": dpo_loss, "choose_reference": choose_reference}.items():
+                      "dpo_loss": dpo_loss, "kto_loss": kto_loss, "choose_reference": choose_reference}.items():
     setattr(mpmd, _name, _value)  # hp.mpmd.simulate(...): the transform carries its levels' names
 
 __all__ = ["Costs", "Flow", "Graph", "GraphError", "Mpmd", "MpmdError", "PlaceError", "Placed", "Program", "Runtime",
-           "choose_reference", "dpo_loss", "mpmd", "policy_and_reference", "project", "schedule", "simulate", "vision_language"]
+           "choose_reference", "dpo_loss", "kto_loss", "mpmd", "policy_and_reference", "project", "schedule", "simulate",
+           "vision_language"]

@@ -8,6 +8,11 @@ stage of another (a vision tower's features to the language model's first
 stage; a reference's log-probabilities to the policy's last); between the
 stages of one program the stream flows in order. A program that trains
 sends the gradients of what it received back along the same flows. A
+**gathering** flow carries a statistic of a group of micro-batches instead:
+each micro-batch of its destination receives every micro-batch of its
+group from the source (KTO's reference point, a mean over a batch's
+mismatched pairs, reaching each answer's loss); its source is frozen and in
+the same step, so nothing flows back. A
 program may run **ahead**: its micro-batches belong to the next batch (a
 frozen reference depends on nothing the policy computes, so its forward
 for batch t + 1 can run during step t). A frozen program may also be
@@ -98,10 +103,12 @@ class Program:
 @dataclass(frozen=True)
 class Flow:
     """A micro-batch's tensor from stage `src` of one program to stage `dst` of another (its gradient back
-    when both train)."""
+    when both train). `gather` > 0: micro-batch m of `dst` receives, joined, every micro-batch of `src` in
+    m's group of `gather` (micro-batches `m // gather * gather` on), from a frozen `src` in the same step."""
 
     src: Node
     dst: Node
+    gather: int = 0
 
 
 @dataclass(frozen=True)
@@ -126,12 +133,23 @@ class Graph:
                     raise GraphError(f"flow {flow.src} -> {flow.dst}: {end} is no stage of the graph")
             if self.ahead_of(flow.src) < self.ahead_of(flow.dst):
                 raise GraphError(f"flow {flow.src} -> {flow.dst}: a program cannot feed one that runs further ahead")
+            if flow.gather:
+                self._check_gather(flow)
             src, dst = self.program[flow.src[0]].parts, self.program[flow.dst[0]].parts
             if src % dst:
                 raise GraphError(f"flow {flow.src} -> {flow.dst}: parts = {src} does not cut into parts = {dst}")
         if self.microbatches < 1:
             raise GraphError(f"microbatches = {self.microbatches}: expected at least 1")
         self.order  # noqa: B018 - refuses a cycle now
+
+    def _check_gather(self, flow: Flow) -> None:
+        src, dst = self.program[flow.src[0]], self.program[flow.dst[0]]
+        if src.trains or self.ahead_of(flow.src) != self.ahead_of(flow.dst) or src.parts != 1 or dst.parts != 1:
+            raise GraphError(f"flow {flow.src} -> {flow.dst}: a gathering flow comes from a frozen program in the "
+                             "same step, neither cut into parts (nothing flows back)")
+        if self.microbatches % flow.gather:
+            raise GraphError(f"flow {flow.src} -> {flow.dst}: microbatches = {self.microbatches} does not cut into "
+                             f"groups of gather = {flow.gather}")
 
     @cached_property
     def program(self) -> dict[str, Program]:
@@ -192,12 +210,27 @@ class Graph:
 
     def pieces(self, src: Node, dst: Node, m: int) -> range:
         """The micro-batches of `src` whose outputs make micro-batch `m` of `dst` (joined in this order)."""
+        group = self._gathers.get((src, dst))
+        if group:
+            return range(m // group * group, (m // group + 1) * group)
         ratio = self.program[src[0]].parts // self.program[dst[0]].parts
         return range(m * ratio, (m + 1) * ratio)
 
     def consumer(self, src: Node, dst: Node, m: int) -> int:
-        """The micro-batch of `dst` that micro-batch `m` of `src` is a piece of."""
-        return m // (self.program[src[0]].parts // self.program[dst[0]].parts)
+        """The micro-batch of `dst` that micro-batch `m` of `src` is a piece of (the first, for a gathering flow)."""
+        return self.consumers(src, dst, m)[0]
+
+    def consumers(self, src: Node, dst: Node, m: int) -> range:
+        """Every micro-batch of `dst` that receives micro-batch `m` of `src`: one, or a gathering flow's group."""
+        group = self._gathers.get((src, dst))
+        if group:
+            return range(m // group * group, (m // group + 1) * group)
+        first = m // (self.program[src[0]].parts // self.program[dst[0]].parts)
+        return range(first, first + 1)
+
+    @cached_property
+    def _gathers(self) -> dict[tuple[Node, Node], int]:
+        return {(f.src, f.dst): f.gather for f in self.flows if f.gather}
 
     def actions(self) -> list[Action]:
         """Every action of the step, in an order that respects its dependencies."""

@@ -27,6 +27,19 @@ labels)` of each micro-batch, from the rows' summed log-probabilities of
 their labels (`sequence_logps`; a loss on per-token means counts the
 labels); `dpo_loss` is DPO's sigmoid loss for pairs.
 
+KTO (`reference_point`: a batch's micro-batches) judges single answers,
+against a reference point: the mean over the batch's mismatched pairs (the
+prompt with another example's answer) of the policy's log-probability less
+the reference's, without gradient, at least 0. A micro-batch's rows are an
+answer and its mismatched pair, and `desirable` says whether the answer
+is. The reference scores both rows. The policy trains on the answer, and
+its forward of the pair without gradient is a third program, `kl`: the
+policy's own stages, in the step (it needs the step's weights). Its last
+stage subtracts the reference's log-probability and a gathering flow
+(`hp.mpmd.graph.Flow.gather`) brings each batch's terms to every loss of
+the batch: `loss(policy_logp, reference_logp, terms, batch, m)`;
+`kto_loss` is KTO's loss with weights 1.
+
 >>> import torch
 >>> from transformers import AutoModelForCausalLM
 >>> from hp.models import plan_for, tiny_config
@@ -54,14 +67,21 @@ from hp.parallel.sequence import IGNORE_INDEX
 
 # (policy's, reference's row log-probs, the rows' labels) -> the micro-batch's loss
 PairLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (policy's, reference's log-prob of the answer, the group's reference point terms, the batch, the micro-batch)
+# -> the micro-batch's loss
+KtoLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, dict, int], torch.Tensor]
+
+_BOTH, _ANSWER, _MISMATCHED = slice(None), slice(0, 1), slice(1, 2)  # a micro-batch's rows each program reads
 
 
 def policy_and_reference(policy: nn.Module, plan: ModelPlan, *, policy_ranks: tuple[int, ...], microbatches: int,
-                         loss: PairLoss, reference: nn.Module | None = None,
+                         loss: PairLoss | KtoLoss, reference: nn.Module | None = None,
                          reference_ranks: tuple[int, ...] | None = None, stagger: bool = True,
-                         split: tuple[int, ...] | None = None, rank: int | None = None) -> Programs:
+                         split: tuple[int, ...] | None = None, rank: int | None = None,
+                         reference_point: int = 0) -> Programs:
     """`policy` and its frozen `reference` (default: a copy of the policy as it is now) as programs (see the
-    module); `split`: blocks per stage (even by default); `rank`: build only the stages it runs."""
+    module); `split`: blocks per stage (even by default); `rank`: build only the stages it runs;
+    `reference_point` > 0: KTO's, over groups of that many micro-batches (see the module)."""
     reference_ranks = tuple(reference_ranks or policy_ranks)
     if len(reference_ranks) != len(policy_ranks):
         raise ValueError(f"reference_ranks = {reference_ranks}: the reference is cut into the policy's "
@@ -69,48 +89,69 @@ def policy_and_reference(policy: nn.Module, plan: ModelPlan, *, policy_ranks: tu
     frozen = copy.deepcopy(policy) if reference is None else reference  # before the policy is cut
     frozen.requires_grad_(False)
     cuts = StageSplit.of_counts(split or even_split(len(policy.get_submodule(plan.blocks)), len(policy_ranks)))
+    graph = pair_graph(policy_ranks, reference_ranks, microbatches, stagger, reference_point)
+    held = {"policy": _stages(policy, plan, cuts, policy_ranks, rank),
+            "reference": _stages(frozen, plan, cuts, reference_ranks, rank)}
+    held["kl"] = held["policy"]  # KTO's forward of the mismatched pairs runs the policy's own stages
+    if reference_point:
+        ends = {"policy": (_ANSWER, lambda lp, batch, m, inputs: loss(lp, inputs[-1][:1], inputs[-2], batch, m)),
+                "kl": (_MISMATCHED, lambda lp, batch, m, inputs: lp - inputs[-1][1:])}
+    else:
+        ends = {"policy": (_BOTH, lambda lp, batch, m, inputs: loss(lp, inputs[-1], batch["labels"][m]))}
+    ends["reference"] = (_BOTH, lambda lp, batch, m, inputs: lp)
     last = len(policy_ranks) - 1
-    graph = pair_graph(policy_ranks, reference_ranks, microbatches, stagger)
     fns: dict[Node, Callable] = {}
     modules: dict[Node, nn.Module] = {}
-    for name, model, ranks in (("policy", policy, policy_ranks), ("reference", frozen, reference_ranks)):
-        if rank is not None:  # in place: the rank's own stage, or none of the model
-            mine = ranks.index(rank) if rank in ranks else None
-            cut(model, plan, cuts, mine)
-            stages = {} if mine is None else {mine: model}
-        else:
-            stages = {s: cut(copy.deepcopy(model), plan, cuts, s) for s in range(len(ranks))}
-        for s, stage in stages.items():
-            modules[name, s] = stage
-            fns[name, s] = _stage(stage, s == 0, s == last, loss if name == "policy" else None)
+    for program in graph.programs:
+        rows, finish = ends[program.name]
+        for s, stage in held[program.name].items():
+            modules[program.name, s] = stage
+            fns[program.name, s] = _stage(stage, s == 0, s == last, rows, finish)
     return Programs(graph, fns, modules)
 
 
+def _stages(model: nn.Module, plan: ModelPlan, cuts: StageSplit, ranks: tuple[int, ...],
+            rank: int | None) -> dict[int, nn.Module]:
+    """`model`'s pipeline stages by index: `rank`'s own (`model` cut in place; none when it holds no stage of
+    it), or every stage, each a copy."""
+    if rank is None:
+        return {s: cut(copy.deepcopy(model), plan, cuts, s) for s in range(len(ranks))}
+    mine = ranks.index(rank) if rank in ranks else None
+    cut(model, plan, cuts, mine)
+    return {} if mine is None else {mine: model}
+
+
 def pair_graph(policy_ranks: tuple[int, ...], reference_ranks: tuple[int, ...], microbatches: int,
-               stagger: bool = True) -> Graph:
+               stagger: bool = True, reference_point: int = 0) -> Graph:
     """The policy's stages on `policy_ranks`, its frozen reference's a batch ahead on `reference_ranks`, the
-    reference's last stage feeding the policy's last.
+    reference's last stage feeding the policy's last; with `reference_point` (KTO), the policy's forward of the
+    mismatched pairs on the policy's ranks, its groups gathered by the policy's last stage.
 
     >>> [p.ranks for p in pair_graph((0, 1), (2, 3), 4).programs]
     [(0, 1), (2, 3)]
+    >>> [f.gather for f in pair_graph((0, 1), (0, 1), 4, reference_point=2).flows]
+    [0, 0, 2]
     """
     last = len(policy_ranks) - 1
-    return Graph((Program("policy", tuple(policy_ranks)),
-                  Program("reference", tuple(reference_ranks), trains=False, ahead=1, stagger=stagger)),
-                 (Flow(("reference", last), ("policy", last)),), microbatches)
+    programs = [Program("policy", tuple(policy_ranks)),
+                Program("reference", tuple(reference_ranks), trains=False, ahead=1, stagger=stagger)]
+    flows = [Flow(("reference", last), ("policy", last))]
+    if reference_point:
+        programs.append(Program("kl", tuple(policy_ranks), trains=False))
+        flows += [Flow(("reference", last), ("kl", last)), Flow(("kl", last), ("policy", last), gather=reference_point)]
+    return Graph(tuple(programs), tuple(flows), microbatches)
 
 
-def _stage(stage: nn.Module, first: bool, last: bool, loss: PairLoss | None) -> Callable:
+def _stage(stage: nn.Module, first: bool, last: bool, rows: slice, finish: Callable) -> Callable:
+    """A stage's function on `rows` of each micro-batch: the last's ends in `finish(log-probs, batch, m, inputs)`."""
     def run(batch: dict, m: int, inputs: list[torch.Tensor]) -> torch.Tensor:
         if first:
-            out = stage(input_ids=batch["input_ids"][m], use_cache=False).logits
+            out = stage(input_ids=batch["input_ids"][m][rows], use_cache=False).logits
         else:
             out = stage(inputs_embeds=inputs[0], use_cache=False).logits
         if not last:
             return out  # the norm and the head are skipped: the residual stream
-        labels = batch["labels"][m]
-        logps = sequence_logps(out, labels)
-        return logps if loss is None else loss(logps, inputs[-1], labels)  # the reference's, received a step before
+        return finish(sequence_logps(out, batch["labels"][m][rows]), batch, m, inputs)
     return run
 
 
@@ -133,3 +174,19 @@ def dpo_loss(beta: float, pairs: int) -> PairLoss:
         margin = (policy[0] - reference[0]) - (policy[1] - reference[1])
         return -nn.functional.logsigmoid(beta * margin) / pairs
     return loss
+
+
+def kto_loss(beta: float, examples: int) -> KtoLoss:
+    """KTO's loss of one answer (desirable or not: the batch's `desirable`), weights 1, over the step's
+    `examples` (their sum is the mean), its reference point the mean of its group's terms, at least 0.
+
+    >>> zero = torch.zeros(1)
+    >>> float(kto_loss(0.1, 2)(zero, zero, torch.zeros(2), {"desirable": torch.tensor([True])}, 0))  # 0.5 / 2
+    0.25
+    """
+    def loss(policy: torch.Tensor, reference: torch.Tensor, kl: torch.Tensor, batch: dict, m: int) -> torch.Tensor:
+        point, ratio = kl.mean().clamp(min=0), policy[0] - reference[0]
+        margin = ratio - point if bool(batch["desirable"][m]) else point - ratio
+        return (1 - torch.sigmoid(beta * margin)) / examples
+    return loss
+

@@ -178,19 +178,30 @@ class Runtime:
         return self.plan.where[Action(kind, *node, m)]
 
     def _hand_on(self, out: torch.Tensor, src: Node, dst: Node, m: int, step: int) -> None:
-        to = self._where("F", dst, self.graph.consumer(src, dst, m))
-        if to == self.rank:
-            self._held[src, dst, m, "fwd", step] = out
-        else:
-            self._send(out, to, self._tag(src, dst, m, 0, step), step)
-            self.transfers.append((src, dst, out.numel() * out.element_size()))
+        """Micro-batch m's output to each rank consuming it (a gathering flow's group may span several), once."""
+        for to in sorted({self._where("F", dst, c) for c in self.graph.consumers(src, dst, m)}):
+            if to == self.rank:
+                self._held[src, dst, m, "fwd", step] = [out, self._uses(src, dst, m)]
+            else:
+                self._send(out, to, self._tag(src, dst, m, 0, step), step)
+                self.transfers.append((src, dst, out.numel() * out.element_size()))
+
+    def _uses(self, src: Node, dst: Node, m: int) -> int:
+        """How many of this rank's actions read micro-batch m of `src` on the flow to `dst`."""
+        return sum(self._where("F", dst, c) == self.rank for c in self.graph.consumers(src, dst, m))
 
     def _input(self, src: Node, dst: Node, m: int, step: int, sent: int | None = None) -> torch.Tensor:
         """Micro-batch m's tensor from `src`, received in step `step`; sent in step `sent` (default: this one)
-        from the rank that step's plan ran it on."""
+        from the rank that step's plan ran it on. Received once, kept until its last reader here."""
         plan = self._plan_of.get(step if sent is None else sent, self.plan)
         frm = plan.where[Action("F", *src, m)]
-        x = self._held.pop((src, dst, m, "fwd", step)) if frm == self.rank else self._recv(frm, self._tag(src, dst, m, 0, step))
+        key = (src, dst, m, "fwd", step)
+        if frm != self.rank and key not in self._held:
+            self._held[key] = [self._recv(frm, self._tag(src, dst, m, 0, step)), self._uses(src, dst, m)]
+        held = self._held[key]
+        x, held[1] = held[0], held[1] - 1
+        if not held[1]:
+            del self._held[key]
         wants_grad = self.graph.trains(src) and self.graph.trains(dst) and x.is_floating_point()
         return x.detach().requires_grad_(wants_grad)
 

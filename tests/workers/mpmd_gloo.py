@@ -3,7 +3,8 @@
 Each case (argv[1], a JSON list drawn by the test) is a graph of three programs: an encoder (fixed on a
 rank, or spread over the ranks; each micro-batch whole or cut in two), a two-stage model whose last stage computes the loss, and a frozen
 two-stage reference feeding that loss, run in the same step or a batch ahead, its first stage another
-batch ahead when staggered. The plan comes from the
+batch ahead when staggered; and, when drawn, a frozen one-stage program in the step whose micro-batches'
+outputs each group of micro-batches' loss gathers (a batch's statistic). The plan comes from the
 case's drawn costs. Over two steps (the second uses what the reference computed ahead in the first),
 each step's loss and every gradient (summed over the ranks that hold a copy) equal the plain step's
 over the same batch (fp32, relative 1e-5). Every check raises on failure.
@@ -39,16 +40,28 @@ def rows(batch: torch.Tensor, m: int) -> torch.Tensor:
     return batch[m * ROWS:(m + 1) * ROWS]
 
 
-def loss_of(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    return ((out - ref) ** 2).mean() + out.sum() / 7
+def loss_of(out: torch.Tensor, ref: torch.Tensor, stats: torch.Tensor | None) -> torch.Tensor:
+    gathered = 0.0 if stats is None else stats.mean() * out.mean()
+    return ((out - ref) ** 2).mean() + out.sum() / 7 + gathered
 
 
-def plain(mods: dict[str, nn.Module], batch: torch.Tensor, micro: int) -> torch.Tensor:
-    total = torch.zeros(())
+def statistic(batch: torch.Tensor, m: int) -> torch.Tensor:
+    return rows(batch, m).sum().view(1)
+
+
+def group_of(micro: int) -> int:
+    """How many micro-batches a gathered statistic spans."""
+    return micro // 2 if micro % 2 == 0 else micro
+
+
+def plain(mods: dict[str, nn.Module], batch: torch.Tensor, micro: int, stat: bool) -> torch.Tensor:
+    total, group = torch.zeros(()), group_of(micro)
     for m in range(micro):
         x = rows(batch, m)
         ref = mods["ref1"](torch.tanh(mods["ref0"](x)))
-        total = total + loss_of(mods["lm1"](torch.tanh(mods["lm0"](mods["enc"](x)))), ref)
+        first = m // group * group
+        stats = torch.cat([statistic(batch, k) for k in range(first, first + group)]) if stat else None
+        total = total + loss_of(mods["lm1"](torch.tanh(mods["lm0"](mods["enc"](x)))), ref, stats)
     return total
 
 
@@ -58,11 +71,12 @@ def piece(batch: torch.Tensor, m: int, parts: int) -> torch.Tensor:
     return whole[(m % parts) * size:(m % parts + 1) * size]
 
 
-def stages(mods: dict[str, nn.Module], parts: int, ref_parts: int) -> dict:
-    return {
+def stages(mods: dict[str, nn.Module], parts: int, ref_parts: int, stat: bool) -> dict:
+    return {  # the last stage's inputs: the stream, the gathered statistics (when drawn), the reference's
         ("enc", 0): lambda batch, m, inputs: mods["enc"](piece(batch, m, parts)),
         ("lm", 0): lambda batch, m, inputs: torch.tanh(mods["lm0"](inputs[0])),
-        ("lm", 1): lambda batch, m, inputs: loss_of(mods["lm1"](inputs[0]), inputs[1]),
+        ("lm", 1): lambda batch, m, inputs: loss_of(mods["lm1"](inputs[0]), inputs[-1], inputs[1] if stat else None),
+        ("stat", 0): lambda batch, m, inputs: statistic(batch, m),
         ("ref", 0): lambda batch, m, inputs: torch.tanh(mods["ref0"](piece(batch, m, ref_parts))),
         ("ref", 1): lambda batch, m, inputs: mods["ref1"](inputs[0]),
     }
@@ -73,10 +87,15 @@ def check(case: dict) -> None:
     frozen = case["frozen_enc"]  # then it runs a batch ahead
     enc = Program("enc", tuple(case["enc"]), spread=len(case["enc"]) > 1, parts=case["parts"], trains=not frozen,
                   ahead=int(frozen))
-    graph = Graph((enc, Program("lm", tuple(case["lm"])),
-                   Program("ref", tuple(case["ref"]), trains=False, ahead=case["ahead"], parts=case["ref_parts"],
-                           stagger=case["stagger"])),
-                  (Flow(("enc", 0), ("lm", 0)), Flow(("ref", 1), ("lm", 1))), micro)
+    stat = case["stat"] is not None
+    programs = (enc, Program("lm", tuple(case["lm"])),
+                Program("ref", tuple(case["ref"]), trains=False, ahead=case["ahead"], parts=case["ref_parts"],
+                        stagger=case["stagger"]))
+    flows = (Flow(("enc", 0), ("lm", 0)),)
+    if stat:  # before the reference's flow: the last stage's inputs are the stream, the statistics, the reference's
+        programs += (Program("stat", (case["stat"],), trains=False),)
+        flows += (Flow(("stat", 0), ("lm", 1), gather=group_of(micro)),)
+    graph = Graph(programs, (*flows, Flow(("ref", 1), ("lm", 1))), micro)
     costs = Costs({(kind, node): seconds for (kind, node), seconds in zip(
         [(k, n) for n in graph.nodes() for k in "FB"], case["seconds"])}, {})
     plan = schedule(graph, costs)
@@ -84,13 +103,13 @@ def check(case: dict) -> None:
     for m in (mods, want_mods):
         m["enc"].requires_grad_(not frozen)
     replanned = Costs(dict(zip(costs.compute, reversed(costs.compute.values()))), {})  # another order, other ranks
-    runtime = Runtime(plan, stages(mods, case["parts"], case["ref_parts"]))
+    runtime = Runtime(plan, stages(mods, case["parts"], case["ref_parts"], stat))
     g = torch.Generator().manual_seed(case["seed"])
     batches = [torch.randn(micro * ROWS, 4, generator=g) for _ in range(4)]
     for step in range(2):
         for module in (*mods.values(), *want_mods.values()):
             module.zero_grad(set_to_none=True)
-        want = plain(want_mods, batches[step], micro)
+        want = plain(want_mods, batches[step], micro, stat)
         want.backward()
         losses = runtime.step(batches[step], *batches[step + 1:step + 1 + graph.furthest_ahead])
         got = step_loss(losses)
