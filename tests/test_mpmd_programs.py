@@ -233,20 +233,23 @@ def test_a_qwen_vl_tower_placed_by_hp_mpmd_gives_hfs_steps_on_gloo_ranks():
 
 @settings(max_examples=25, deadline=None)
 @given(forward=st.floats(0.1, 2.0), backward=st.floats(0.1, 4.0), reference=st.floats(0.05, 2.0),
-       transfer=st.floats(0.0, 6.0), world=st.integers(1, 4), blocks=st.integers(4, 9), micro=st.integers(1, 8))
+       transfer=st.floats(0.0, 6.0), world=st.integers(1, 4), blocks=st.integers(4, 9), micro=st.integers(1, 8),
+       kto=st.booleans())
 def test_the_reference_goes_where_the_replayed_plan_is_shorter(forward, backward, reference, transfer, world, blocks,
-                                                              micro):
+                                                              micro, kto):
     """`hp.mpmd.choice.choose_reference`: the policy over every rank with its reference in the bubbles, or over
     half with the reference on the other half, whichever's plan replays shorter; no step beats the work
-    spread evenly over the ranks."""
+    spread evenly over the ranks. KTO's (one reference point a step) trains on one row of each pair and
+    runs the other without gradient."""
     from hp.mpmd.choice import BlockCosts, choose_reference
 
     choice = choose_reference(BlockCosts(forward, backward, reference, transfer), world=world, blocks=blocks,
-                              microbatches=micro)
+                              microbatches=micro, reference_point=micro if kto else 0)
     assert set(choice.steps) == ({"shared", "own"} if world % 2 == 0 else {"shared"})
     assert choice.steps[choice.where] == min(choice.steps.values())
+    work = (forward + backward + 3 * reference) / 2 if kto else forward + backward + reference
     for step in choice.steps.values():
-        assert step >= blocks * micro * (forward + backward + reference) / world - 1e-9
+        assert step >= blocks * micro * work / world - 1e-9
     policy, ref = choice.ranks
     assert len(policy) == len(ref) and (policy == ref) == (choice.where == "shared")
 

@@ -103,8 +103,41 @@ def test_a_placed_reference_has_the_plain_runs_losses_rewards_and_weights_and_re
             assert torch.allclose(weights[name][key], value, rtol=1e-5, atol=2e-5), (name, key)  # size: lr / 100
 
 
+def test_a_placed_kto_reference_has_the_plain_runs_losses_rewards_and_weights(tmp_path):
+    """KTO under `parallel.mpmd: {place: {reference: ...}}`: each batch's reference point gathered from the
+    policy's forward of its mismatched pairs (a program of its own in the step), the reference a batch ahead
+    in a 2-stage policy's bubbles and on a rank of its own, against one plain worker, two accumulated batches a
+    step: the same losses, rewards and reference points step by step, and the same weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hp.train.checkpoint import load_model_weights
+
+    run = ["stage=kto", "dataset=quickstart_kto", "pref_ftx=0.2", "kto_rejected_weight=1.5", "max_steps=4",
+           "save_steps=4", "logging_steps=1", "per_device_train_batch_size=4", "gradient_accumulation_steps=2",
+           "warmup_ratio=0", "parallel.tp=1"]
+    places = {"pp": ["parallel.pp=2", "parallel.mpmd={place: {reference: pp}}"],
+              "own": ["parallel.pp=1", "parallel.mpmd={place: {reference: 1}}"]}
+    plain = summary(hp_train(*run, f"output_dir={tmp_path / 'plain'}", config=QUICKSTART_DPO))
+    want = losses(tmp_path / "plain")
+    assert plain["rewards"]["kl"] > 0, plain["rewards"]  # the reference points count
+    for name, place in places.items():
+        got = summary(hp_train(*run, *place, f"output_dir={tmp_path / name}", config=QUICKSTART_DPO))
+        assert got["mpmd_place"]["planned_from_costs"], got
+        assert got["mpmd_place"]["programs"]["kl"] == got["mpmd_place"]["programs"]["policy"], got
+        assert losses(tmp_path / name) == pytest.approx(want, rel=1e-5), name
+        assert got["rewards"] == pytest.approx(plain["rewards"], rel=1e-4, abs=1e-6), (name, got["rewards"])
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path / "plain" / "checkpoint-4"))
+        load_model_weights(str(tmp_path / name / "checkpoint-4"), model)
+        plain_model = AutoModelForCausalLM.from_config(model.config)
+        load_model_weights(str(tmp_path / "plain" / "checkpoint-4"), plain_model)
+        for (key, value), mine in zip(plain_model.state_dict().items(), model.state_dict().values()):
+            assert torch.allclose(mine, value, rtol=1e-5, atol=2e-5), (name, key)
+
+
 @pytest.mark.parametrize("overrides, words", [
-    (["stage=kto"], "parallel.mpmd.place.reference = 'pp' with stage = 'kto': KTO's reference point"),
+    (["stage=kto", "parallel.pp=1", "parallel.dp=2", "parallel.mpmd={place: {reference: pp}}"],
+     "parallel.mpmd.place.reference = 'pp' with stage = 'kto' and parallel.dp = 2: KTO's reference point"),
     (["stage=rm"], "with stage = 'rm': that stage has no reference model to place"),
     (["pref_loss=simpo"], "with pref_loss = 'simpo': that loss compares with no reference model"),
     (["parallel.mpmd={place: {reference: 1}}"], "mpmd.place.reference = 1: the reference is cut into the policy's "
@@ -113,7 +146,7 @@ def test_a_placed_reference_has_the_plain_runs_losses_rewards_and_weights_and_re
     (["parallel.tp=2"], "parallel.tp = 2 with mpmd.place"),
     (["parallel.mpmd={place: {reference: auto}}", "parallel.pp_split=[1, 1]"],
      "parallel.pp_split = (1, 1) with mpmd.place.reference = 'auto': the pipeline's stages depend on the choice"),
-], ids=["kto", "rm", "reference-free loss", "own ranks not pp", "two sub-models", "tp", "auto with a split"])
+], ids=["kto with replicas", "rm", "reference-free loss", "own ranks not pp", "two sub-models", "tp", "auto with a split"])
 def test_a_reference_placement_that_cannot_run_is_named_before_any_worker(overrides, words):
     from hp.train.config import ConfigError, load_config
 

@@ -105,10 +105,13 @@ def _pipeline(compute: dict, transfer: dict, program: str, split: tuple[int, ...
             transfer[(program, s), (program, s + 1)] = moving
 
 
-def choose_reference(costs: BlockCosts, *, world: int, blocks: int, microbatches: int) -> Choice:
+def choose_reference(costs: BlockCosts, *, world: int, blocks: int, microbatches: int,
+                     reference_point: int = 0) -> Choice:
     """The faster way for a policy of `blocks` blocks and its frozen reference to share `world` ranks: `shared`
     (the policy over every rank, the reference in its bubbles) or `own` (when `world` is even: the policy
-    over half, the reference on the other half)."""
+    over half, the reference on the other half). With `reference_point` (KTO, `hp.mpmd.reference`) the
+    policy trains on one row of each micro-batch's two and runs the other without gradient: each half a
+    pair's cost."""
     ways = {SHARED: (tuple(range(world)), tuple(range(world)))}
     if world % 2 == 0:
         ways[OWN] = (tuple(range(world // 2)), tuple(range(world // 2, world)))
@@ -118,10 +121,16 @@ def choose_reference(costs: BlockCosts, *, world: int, blocks: int, microbatches
             continue  # fewer blocks than stages: that cut cannot be made
         split = even_split(blocks, len(policy))
         compute, transfer = {}, {}
-        _pipeline(compute, transfer, "policy", split, costs.forward, costs.backward, costs.transfer)
+        share = 0.5 if reference_point else 1.0  # of a pair's rows, what the policy's programs each run
+        _pipeline(compute, transfer, "policy", split, share * costs.forward, share * costs.backward, costs.transfer)
         _pipeline(compute, transfer, "reference", split, costs.reference, 0.0, costs.transfer)
-        transfer[("reference", len(split) - 1), ("policy", len(split) - 1)] = costs.latency
-        candidates[name] = ((policy, reference), pair_graph(policy, reference, microbatches), Costs(compute, transfer))
+        last = len(split) - 1
+        transfer[("reference", last), ("policy", last)] = costs.latency
+        if reference_point:
+            _pipeline(compute, transfer, "kl", split, share * costs.reference, 0.0, costs.transfer)
+            transfer[("reference", last), ("kl", last)] = transfer[("kl", last), ("policy", last)] = costs.latency
+        graph = pair_graph(policy, reference, microbatches, reference_point=reference_point)
+        candidates[name] = ((policy, reference), graph, Costs(compute, transfer))
     if not candidates:
         raise ValueError(f"{blocks} blocks cannot be cut into a stage for each of {world // 2} ranks")
     return _fastest(candidates)

@@ -11,8 +11,8 @@ Two placements (`hp.parallel.placement`):
   its own batch's supervised tokens times the accumulation steps, which is
   `hp train`'s mean of per-batch means. A frozen tower (LlamaFactory's
   default) runs a batch ahead.
-- `reference` (level 3, `hp.train.placed_reference`): DPO's policy and its
-  frozen reference, the reference a batch ahead.
+- `reference` (level 3, `hp.train.placed_reference`): DPO's or KTO's
+  policy and its frozen reference, the reference a batch ahead.
 
 Each rank's model is cut in place to what it runs (parameter names stay the
 model's own), so the optimizer, the checkpoints and their manifests see
@@ -45,7 +45,7 @@ from hp.train.config import TrainConfig
 from hp.train.data import IGNORE_INDEX, Batch
 from hp.train.loader import positions_from
 from hp.train.objectives import Reference
-from hp.train.placed_reference import PairLosses, pairs_batch, policy_programs
+from hp.train.placed_reference import KtoLosses, PairLosses, feedback_batch, pairs_batch, policy_programs
 from hp.train.precision import autocast
 
 WARMUP = 3  # steps timed before the order of work is planned from their costs
@@ -54,7 +54,7 @@ WARMUP = 3  # steps timed before the order of work is planned from their costs
 @dataclass
 class PlacedRun:
     """The placed step, how a step's batches become its batch (`merge(parts, pad_id, device)`), and the
-    rewards a step reports (a dpo step's; a collective)."""
+    rewards a step reports (a dpo or kto step's; a collective)."""
 
     step: Placed
     merge: Callable[[list[Batch], int, str], dict]
@@ -65,7 +65,7 @@ class PlacedRun:
 def place(model: nn.Module, config: TrainConfig, reference: Reference | None = None, batches=None,
           pad_id: int = 0) -> PlacedRun:
     """`model` cut in place into this rank's part of the placed programs (in its data parallel replica: the
-    world is dp blocks of pp + own ranks); `reference`: a dpo stage's; `batches`: the stream, whose first
+    world is dp blocks of pp + own ranks); `reference`: a dpo or kto stage's; `batches`: the stream, whose first
     step a tower placed `auto` is measured on."""
     strategy = config.parallel
     if strategy.recompute:
@@ -79,10 +79,16 @@ def place(model: nn.Module, config: TrainConfig, reference: Reference | None = N
 
 def _policy_and_reference(model: nn.Module, config: TrainConfig, reference: Reference, replica: Replica) -> PlacedRun:
     microbatches = config.per_device_train_batch_size * config.gradient_accumulation_steps  # a replica's pairs
-    pairs = PairLosses(config.preference, microbatches * config.parallel.dp, next(model.parameters()).device)
-    programs, choice = policy_programs(model, reference, config, pairs, microbatches, replica.rank)
-    return PlacedRun(Placed(programs, warmup=WARMUP, replicas=config.parallel.dp),
-                     functools.partial(pairs_batch, replica=replica.share), pairs.metrics, choice)
+    device = next(model.parameters()).device
+    if config.stage == "kto":  # each batch's answers against its own reference point (no replicas)
+        losses = KtoLosses(config.preference, config.per_device_train_batch_size, config.gradient_accumulation_steps,
+                           device)
+        merge = feedback_batch
+    else:
+        losses = PairLosses(config.preference, microbatches * config.parallel.dp, device)
+        merge = functools.partial(pairs_batch, replica=replica.share)
+    programs, choice = policy_programs(model, reference, config, losses, microbatches, replica.rank)
+    return PlacedRun(Placed(programs, warmup=WARMUP, replicas=config.parallel.dp), merge, losses.metrics, choice)
 
 
 def _vision_language(model: nn.Module, config: TrainConfig, replica: Replica, batches, pad_id: int) -> PlacedRun:
@@ -127,7 +133,8 @@ def placed_step(run: PlacedRun, batches, config: TrainConfig, pad_id: int, devic
                 for k in range(run.step.graph.furthest_ahead)]
     with autocast(config.bf16, device):
         loss = run.step(run.merge(parts, pad_id, device), *upcoming)
-    return float(loss), sum(b.input_ids.numel() for b in parts), run.rewards()
+    tokens = sum(b.input_ids.numel() for batch in parts for b in (batch, batch.kl) if b is not None)  # as processed
+    return float(loss), tokens, run.rewards()
 
 
 def placed_evaluation(run: PlacedRun, pad_id: int, device: str) -> Callable[[Batch], torch.Tensor]:

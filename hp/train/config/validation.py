@@ -199,7 +199,7 @@ def _check_pipeline(config: TrainConfig) -> None:
 
 def _check_placement(config: TrainConfig) -> None:
     """What `hp train` runs under `parallel.mpmd.place` (`hp.mpmd`'s levels 2 and 3): a vision tower in the sft
-    stage, DPO's reference in the dpo stage."""
+    stage, DPO's or KTO's reference in the dpo or kto stage."""
     place = config.parallel.mpmd_place
     if place is None:
         return
@@ -216,16 +216,16 @@ def _check_placement(config: TrainConfig) -> None:
 
 
 def _check_placed_reference(config: TrainConfig, where) -> None:
-    """The reference runs as a program of DPO's losses that compare with one."""
+    """The reference runs as a program of the losses that compare with one: DPO's (but SimPO and ORPO) and KTO's."""
     named = f"parallel.mpmd.place.reference = {where!r}"
-    if config.stage == "kto":
-        raise ConfigError(f"{named} with stage = 'kto': KTO's reference point (the mean over a batch's mismatched "
-                          "pairs) joins every answer of the batch, so its micro-batches are not independent; hp train "
-                          "places the reference in the dpo stage so far; leave mpmd.place out")
-    if config.stage != "dpo":
+    if config.stage == "kto" and config.parallel.dp > 1:
+        raise ConfigError(f"{named} with stage = 'kto' and parallel.dp = {config.parallel.dp}: KTO's reference point "
+                          "is the mean over a whole batch's mismatched pairs, which no replica holds; expected "
+                          "parallel.dp: 1")
+    if config.stage not in ("dpo", "kto"):
         raise ConfigError(f"{named} with stage = {config.stage!r}: that stage has no reference model to place; "
-                          "expected stage: dpo")
-    if not config.preference.uses_reference:
+                          "expected stage: dpo or kto")
+    if config.stage == "dpo" and not config.preference.uses_reference:
         raise ConfigError(f"{named} with pref_loss = {config.pref_loss!r}: that loss compares with no reference "
                           "model; leave mpmd.place out")
 
