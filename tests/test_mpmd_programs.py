@@ -220,6 +220,18 @@ point gathered from the policy's forward of its mismatched pairs (`workers/mpmd_
     assert "kto with its reference ahead and its reference point gathered follows the plain step" in run.stdout
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_policy_and_reference_with_tp_inside_their_stages_give_the_plain_steps_on_gloo_ranks(ranks):
+    """`hp.mpmd.Placed(planes=2)`: both models laid out tp=2 inside their stages (sequence parallel when cut in
+    two), the ranks two tensor parallel planes of the placement, DPO and KTO against the plain step of
+    unsharded models: losses and whole gradients over three steps, the last planned from the costs every
+    plane agreed on (`workers/mpmd_tp_gloo.py`)."""
+    run = rank_pool.run(str(HERE / "workers" / "mpmd_tp_gloo.py"), ranks, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for stage in ("dpo", "kto"):
+        assert f"{stage} with tp inside {ranks // 2} stage(s) follows the plain step" in run.stdout
+
+
 def test_a_qwen_vl_tower_placed_by_hp_mpmd_gives_hfs_steps_on_gloo_ranks():
     """Level 2 on a real model through `hp.mpmd(model, place=..., mesh=...)`: a tiny Qwen2.5-VL's vision
     tower spread over the pipeline's two ranks, on a rank of its own, and frozen a batch ahead; three SGD

@@ -59,8 +59,8 @@ def test_a_reward_model_trains_and_exports_its_value_head_as_llamafactory_does(t
 def test_a_placed_reference_has_the_plain_runs_losses_rewards_and_weights_and_resumes(tmp_path):
     """`parallel.mpmd: {place: {reference: ...}}` (hp.mpmd's level 3): DPO's reference a batch ahead in a
     2-stage policy's bubbles, on a rank of its own beside a whole policy, wherever the costs measured
-    before the model is cut say (auto), and in two data parallel replicas of one rank each, against one
-    plain worker, with
+    before the model is cut say (auto), in two data parallel replicas of one rank each, and with both models
+    laid out tp=2 over two ranks (the placement's two planes), against one plain worker, with
     two accumulated batches a step: the same losses and rewards step by step (the last planned from the
     measured costs) and the same weights in the checkpoint; the second placement, resumed from its step-2
     checkpoint (its reference rank holds none of the policy), takes the same last steps."""
@@ -75,7 +75,8 @@ def test_a_placed_reference_has_the_plain_runs_losses_rewards_and_weights_and_re
               "own": ["parallel.pp=1", "parallel.mpmd={place: {reference: 1}}"],
               "auto": ["parallel.pp=2", "parallel.mpmd={place: {reference: auto}}"],
               "dp": ["parallel.pp=1", "parallel.dp=2", "parallel.mpmd={place: {reference: pp}}",
-                     "per_device_train_batch_size=2"]}  # two replicas, each half of every batch's pairs
+                     "per_device_train_batch_size=2"],  # two replicas, each half of every batch's pairs
+              "tp": ["parallel.pp=1", "parallel.tp=2", "parallel.mpmd={place: {reference: pp}}"]}
     plain = summary(hp_train(*run, f"output_dir={tmp_path / 'plain'}", config=QUICKSTART_DPO))
     want = losses(tmp_path / "plain")
     for name, place in places.items():
@@ -84,7 +85,7 @@ def test_a_placed_reference_has_the_plain_runs_losses_rewards_and_weights_and_re
         chosen = got["mpmd_place"].get("chosen")  # auto: how the two ranks were shared, and why
         if name == "auto":
             assert chosen["where"] == min(chosen["predicted_step_s"], key=chosen["predicted_step_s"].get), chosen
-        where = chosen["where"] if chosen else {"pp": "shared", "own": "own", "dp": "replicas"}[name]
+        where = chosen["where"] if chosen else {"pp": "shared", "own": "own", "dp": "replicas", "tp": "replicas"}[name]
         want_ranks = {"shared": [0, 1], "own": [1], "replicas": [0]}[where]  # each replica's, from its first rank
         assert got["mpmd_place"]["programs"]["reference"] == want_ranks, got
         assert losses(tmp_path / name) == pytest.approx(want, rel=1e-5), name
@@ -94,11 +95,11 @@ def test_a_placed_reference_has_the_plain_runs_losses_rewards_and_weights_and_re
                      f"resume_from_checkpoint={tmp_path / 'own' / 'checkpoint-2'}", config=QUICKSTART_DPO))
     assert losses(resumed) == pytest.approx({s: v for s, v in want.items() if s > 2}, rel=1e-5)
     weights = {}
-    for name in ("plain", "pp", "own"):
+    for name in ("plain", "pp", "own", "tp"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path / "plain" / "checkpoint-4"))
         load_model_weights(str(tmp_path / name / "checkpoint-4"), model)
         weights[name] = model.state_dict()
-    for name in ("pp", "own"):
+    for name in ("pp", "own", "tp"):
         for key, value in weights["plain"].items():  # AdamW moves a weight by about lr whatever its gradient's
             assert torch.allclose(weights[name][key], value, rtol=1e-5, atol=2e-5), (name, key)  # size: lr / 100
 
@@ -143,10 +144,10 @@ def test_a_placed_kto_reference_has_the_plain_runs_losses_rewards_and_weights(tm
     (["parallel.mpmd={place: {reference: 1}}"], "mpmd.place.reference = 1: the reference is cut into the policy's "
                                                 "pp = 2 stages"),
     (["parallel.mpmd={place: {reference: pp, vision: pp}}"], "places one sub-model at a time"),
-    (["parallel.tp=2"], "parallel.tp = 2 with mpmd.place"),
+    (["parallel.cp=2"], "parallel.cp = 2 with mpmd.place: a placed program's stages are laid out over tp alone"),
     (["parallel.mpmd={place: {reference: auto}}", "parallel.pp_split=[1, 1]"],
      "parallel.pp_split = (1, 1) with mpmd.place.reference = 'auto': the pipeline's stages depend on the choice"),
-], ids=["kto with replicas", "rm", "reference-free loss", "own ranks not pp", "two sub-models", "tp", "auto with a split"])
+], ids=["kto with replicas", "rm", "reference-free loss", "own ranks not pp", "two sub-models", "cp", "auto with a split"])
 def test_a_reference_placement_that_cannot_run_is_named_before_any_worker(overrides, words):
     from hp.train.config import ConfigError, load_config
 

@@ -401,7 +401,9 @@ def test_a_placed_tower_has_the_plain_runs_losses_and_weights(tmp_path, frozen, 
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (["parallel.tp=2"], "parallel.tp = 2 with mpmd.place: each placed program's stages run whole"),
+    (["parallel.tp=2"], "parallel.tp = 2 with mpmd.place.vision: a placed tower's and language model's stages run "
+                        "whole on their rank"),
+    (["parallel.cp=2"], "parallel.cp = 2 with mpmd.place: a placed program's stages are laid out over tp alone"),
     (["parallel.pp_schedule=GPipe"], "parallel.pp_schedule = 'GPipe' with mpmd.place: the placed step orders"),
     (["parallel.mpmd={place: {audio: 1}}"], "parallel.mpmd.place.audio = 1: no sub-model hp train places"),
     (["parallel.mpmd={place: {vision: 0}}"], "parallel.mpmd.place.vision = 0: expected 'pp'"),
@@ -412,7 +414,7 @@ def test_a_placed_tower_has_the_plain_runs_losses_and_weights(tmp_path, frozen, 
     (["parallel.dp=2", "nproc_per_node=2"], "(pp + mpmd.place's own ranks) * dp = (2 + 0) * 2 = 4"),
     (["parallel.mpmd={place: {vision: auto}}", "parallel.pp_split=[1, 1]"],
      "parallel.pp_split = (1, 1) with mpmd.place.vision = 'auto': the pipeline's stages depend on the choice"),
-], ids=["tp", "pp schedule", "unknown sub-model", "no ranks", "chunks too", "frozen on its own ranks", "ranks",
+], ids=["tp", "cp", "pp schedule", "unknown sub-model", "no ranks", "chunks too", "frozen on its own ranks", "ranks",
         "ranks of replicas", "auto with a split"])
 def test_a_placement_that_cannot_run_is_named_before_any_worker(overrides, words):
     from hp.train.config import load_config

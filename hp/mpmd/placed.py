@@ -31,6 +31,16 @@ holding it in each replica. After the step each gradient is summed over
 the replicas and the loss is the replicas' sum, so the caller divides each
 micro-batch's loss by the whole batch's count, as one replica would.
 
+**Tensor parallel planes.** `Placed(programs, planes=tp)` runs the
+placement on `tp` planes: graph rank r of plane j is global rank
+`r * tp + j` (in each replica: the planes innermost, as tp is a mesh's
+innermost axis), each plane runs the same plan, and the `tp` ranks of one
+graph rank hold one stage laid out over them (build the programs with
+`strategy=`, `mesh=` that tensor parallel group's mesh): each plane sends
+its own block of the stream to its counterpart, and DTensor's collectives
+run across the planes inside each action. The loss is each plane's (the
+same in all).
+
 **Named sub-meshes.** `mesh` maps names to tuples of global ranks:
 `{"enc": (0, 1), "pp": (0, 1)}`. The model's remainder (its language
 model) is cut into one pipeline stage per rank of `mesh["pp"]`;
@@ -49,18 +59,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hp.mpmd.costs import Costs
 from hp.mpmd.graph import Graph
 from hp.mpmd.measure import gathered_costs, link
 from hp.mpmd.plan import Plan
 from hp.mpmd.programs import Programs, vision_language
-from hp.mpmd.runtime import Runtime, step_loss, subgroup
+from hp.mpmd.runtime import Runtime, members, own_group, step_loss
 from hp.mpmd.schedule import schedule
 from hp.mpmd.simulate import Simulation, simulate
 from hp.parallel.model_plan import ModelPlan
@@ -76,26 +88,29 @@ class Placed:
     """A training step over `programs` (`hp.mpmd.programs`), planned again from its measured costs after
     `warmup` steps (see the module). Every rank of `group` (default: the world) calls it."""
 
-    def __init__(self, programs: Programs, *, warmup: int = 3, group: Any = None, replicas: int = 1) -> None:
+    def __init__(self, programs: Programs, *, warmup: int = 3, group: Any = None, replicas: int = 1,
+                 planes: int = 1) -> None:
         if warmup < 2:
             raise PlaceError(f"warmup = {warmup}: the first step's timings are dropped, so at least 2 steps")
         self.programs, self.graph, self.warmup, self.replicas = programs, programs.graph, warmup, replicas
         world = dist.get_world_size(group)
-        if replicas < 1 or world % replicas:
-            raise PlaceError(f"replicas = {replicas}: the group's {world} ranks do not cut into that many blocks")
-        if self.graph.world > world // replicas:
+        if replicas < 1 or planes < 1 or world % (replicas * planes):
+            raise PlaceError(f"replicas = {replicas}, planes = {planes}: the group's {world} ranks do not cut into "
+                             "that many blocks")
+        self.grid = Grid(tuple(members(group)), replicas, planes)
+        if self.graph.world > self.grid.width:
             raise PlaceError(f"the placement uses ranks up to {self.graph.world - 1}; each of the {replicas} "
-                             f"replicas has {world // replicas}")
-        self.group = group if replicas == 1 else subgroup(group, replicas=replicas)  # this rank's replica
-        self.rank = replica_of(replicas, group)[1]
+                             f"replicas has {self.grid.width} in each of its {planes} planes")
+        self.group = group if replicas == planes == 1 else self.grid.group()  # this rank's replica's plane
+        self.rank = self.grid.where(dist.get_rank())[1]
         device = next((p.device for m in programs.modules.values() for p in m.parameters()), torch.device("cpu"))
         self.runtime = Runtime(schedule(self.graph, Costs.unit(self.graph)), programs.stages, group=self.group,
-                               device=device, channel=subgroup(group, replicas=replicas))
+                               device=device, channel=self.grid.group())
         self.costs: Costs | None = None
-        self._spread = {p.name: subgroup(group, p.ranks, replicas) for p in self.graph.programs
+        self._spread = {p.name: self.grid.group(p.ranks) for p in self.graph.programs
                         if p.spread and p.trains and len(p.ranks) > 1}  # where its gradients are summed
-        self._across = _across(group, replicas)  # this rank's stages in every replica: data parallel's group
-        self._parent = group
+        self._across = self.grid.across()  # this rank's stage in every replica: data parallel's group
+        self._planes = self.grid.across_planes()  # this rank's stage in every plane: its tensor parallel group
         self._evaluators: dict[int, Runtime] = {}  # forward-only runtimes, by micro-batches
 
     @property
@@ -126,10 +141,19 @@ class Placed:
             self.runtime.samples.clear()
             self.runtime.transfers.clear()
         elif self.runtime.steps == self.warmup:
-            self.costs = gathered_costs(self.runtime, *link(self.group, device=self.runtime.device), group=self.group)
+            self.costs = self._agreed(gathered_costs(self.runtime, *link(self.group, device=self.runtime.device),
+                                                     group=self.group))
             self.runtime.replan(schedule(self.graph, self.costs))
             self.runtime.measuring = False  # planned: the device's queue need not drain after each action
         return loss
+
+    def _agreed(self, costs: Costs) -> Costs:
+        """The first plane's cost table on every plane: the planes run one plan, their collectives in step."""
+        if self._planes is None:
+            return costs
+        box = [costs]
+        dist.broadcast_object_list(box, dist.get_process_group_ranks(self._planes)[0], group=self._planes)
+        return box[0]
 
     def evaluate(self, batch: Any) -> torch.Tensor:
         """The loss of `batch` (one micro-batch per sample: `len(batch["input_ids"])`), forward only, every
@@ -139,7 +163,7 @@ class Placed:
             graph = Graph(tuple(dataclasses.replace(p, trains=False, ahead=0, stagger=False)
                                 for p in self.graph.programs), self.graph.flows, micro)
             runtime = Runtime(schedule(graph, Costs.unit(graph)), self.programs.stages, group=self.group,
-                              device=self.runtime.device, channel=subgroup(self._parent, replicas=self.replicas))
+                              device=self.runtime.device, channel=self.grid.group())
             runtime.measuring = False
             self._evaluators[micro] = runtime
         runtime = self._evaluators[micro]
@@ -176,37 +200,74 @@ class Placed:
 
 
 
-def replica_of(replicas: int, group: Any = None) -> tuple[int, int]:
-    """(this rank's replica, its rank within it), `group`'s ranks (default: the world) being `replicas`
-    consecutive blocks, as `Placed(..., replicas=)` runs them: what a rank's programs are built for."""
-    rank, width = dist.get_rank(group), dist.get_world_size(group) // replicas
-    return rank // width, rank % width
+@dataclass(frozen=True)
+class Grid:
+    """How a placed step's ranks (`members`, global) are laid out: `replicas` blocks in order, each the graph's
+    `width` ranks times `planes` tensor parallel planes, the planes innermost: graph rank r of plane j in
+    replica b is `members[(b * width + r) * planes + j]`.
+
+    >>> grid = Grid(tuple(range(8)), replicas=2, planes=2)
+    >>> grid.width, grid.where(7), grid.rank(1, 0, 1)
+    (2, (1, 1, 1), 5)
+    """
+
+    members: tuple[int, ...]
+    replicas: int = 1
+    planes: int = 1
+
+    @property
+    def width(self) -> int:
+        return len(self.members) // (self.replicas * self.planes)
+
+    def rank(self, replica: int, r: int, plane: int) -> int:
+        return self.members[(replica * self.width + r) * self.planes + plane]
+
+    def where(self, rank: int) -> tuple[int, int, int]:
+        """(replica, graph rank, plane) of global rank `rank`."""
+        i = self.members.index(rank)
+        return i // (self.width * self.planes), i // self.planes % self.width, i % self.planes
+
+    def group(self, ranks: Sequence[int] | None = None) -> Any:
+        """This rank's group of graph ranks `ranks` (default all) in its replica's plane; every rank makes
+        every replica's and plane's, in order (a collective)."""
+        ranks = range(self.width) if ranks is None else ranks
+        return own_group([[self.rank(b, r, j) for r in ranks] for b in range(self.replicas)
+                          for j in range(self.planes)])
+
+    def across_planes(self) -> Any:
+        """This rank's group over the planes (its replica's graph rank in each); None for one plane."""
+        if self.planes == 1:
+            return None
+        return own_group([[self.rank(b, r, j) for j in range(self.planes)] for b in range(self.replicas)
+                          for r in range(self.width)])
+
+    def across(self) -> Any:
+        """This rank's group over the replicas (its graph rank and plane in each); None for one replica."""
+        if self.replicas == 1:
+            return None
+        return own_group([[self.rank(b, r, j) for b in range(self.replicas)] for r in range(self.width)
+                          for j in range(self.planes)])
+
+
+def replica_of(replicas: int, group: Any = None, planes: int = 1) -> tuple[int, int]:
+    """(this rank's replica, its graph rank), `group`'s ranks (default: the world) laid out as `Placed(...,
+    replicas=, planes=)` runs them (`Grid`): what a rank's programs are built for."""
+    replica, rank, _ = Grid(tuple(members(group)), replicas, planes).where(dist.get_rank())
+    return replica, rank
 
 
 def _sum_gradients(params: list[nn.Parameter], group: Any) -> None:
     """`params`' gradients summed over `group`, one flat all-reduce per dtype (a rank that ran none of a
-    parameter's work adds zeros)."""
+    parameter's work adds zeros); a laid-out gradient's own block."""
     for dtype in sorted({p.dtype for p in params}, key=str):  # the same order on every rank
         same = [p for p in params if p.dtype == dtype]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in same]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        for p in same:
+            p.grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        blocks = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in same]
+        flat = torch.cat([b.reshape(-1) for b in blocks])
         dist.all_reduce(flat, group=group)
-        for p, summed in zip(same, flat.split([g.numel() for g in grads])):
-            p.grad = summed.view_as(p).clone()
-
-
-def _across(group: Any, replicas: int) -> Any:
-    """This rank's group across the replicas (the same block-local rank in each); None for one replica.
-    Every rank makes every such group, in order."""
-    if replicas == 1:
-        return None
-    members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    width, me, mine = len(members) // replicas, dist.get_rank(), None
-    for j in range(width):
-        ranks = members[j::width]
-        made = dist.new_group(ranks)
-        mine = made if me in ranks else mine
-    return mine
+        for block, summed in zip(blocks, flat.split([b.numel() for b in blocks])):
+            block.copy_(summed.view_as(block))
 
 
 def placed(model: nn.Module, place: Mapping[str, str], mesh: Mapping[str, Sequence[int]], *, plan: ModelPlan | None,

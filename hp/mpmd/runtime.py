@@ -247,15 +247,22 @@ class Runtime:
         return out
 
 
-def subgroup(group: Any, ranks: tuple[int, ...] | None = None, replicas: int = 1) -> Any:
-    """A new process group over `ranks` of `group` (group-local; default: all of them; `group` None: the
-    world); every rank of `group` makes it alike. With `replicas`, `group`'s ranks are that many blocks in
-    order, `ranks` block-local: every rank makes each block's group (a collective of the whole group) and
-    keeps its own block's."""
-    members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    width, me, mine = len(members) // replicas, dist.get_rank(), None
-    for block in (members[i * width:(i + 1) * width] for i in range(replicas)):
-        made = dist.new_group([block[r] for r in ranks] if ranks is not None else block)
+def subgroup(group: Any) -> Any:
+    """A new process group of `group`'s ranks (None: the world's); every rank of the world makes it alike."""
+    return own_group([members(group)])
+
+
+def members(group: Any) -> list[int]:
+    """`group`'s global ranks (None: the world's)."""
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+
+
+def own_group(blocks: list[list[int]]) -> Any:
+    """Every rank makes each block's process group (of global ranks), in order (a new group is a collective
+    of the world); this rank's, or None."""
+    me, mine = dist.get_rank(), None
+    for block in blocks:
+        made = dist.new_group(block)
         mine = made if me in block else mine
     return mine
 

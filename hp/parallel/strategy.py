@@ -161,8 +161,8 @@ class Strategy:
             if getattr(self, key) != DEFAULTS[key]:
                 why = ("the placed step orders its work from measured costs, not by a pipeline schedule"
                        if key.startswith("pp_") else
-                       "each placed program's stages run whole on their rank (stages laid out on other axes are "
-                       "not built yet)")
+                       "a placed program's stages are laid out over tp alone (other axes inside them are not "
+                       "built yet)")
                 raise StrategyError(key, getattr(self, key), f" with mpmd.place: {why}; leave it out")
         try:
             self.mpmd_place.check_pipeline(self.pp, self.pp_split)
@@ -289,9 +289,9 @@ class Strategy:
 
     @property
     def world_size(self) -> int:
-        """Ranks the layout needs: pp * dp * cp * tp (x * y * z for tp2d); placed, (pp + its own ranks) * dp."""
-        if self.mpmd_place is not None:  # dp replicas of the placed step
-            return (self.pp + self.mpmd_place.own_ranks) * self.dp
+        """Ranks the layout needs: pp * dp * cp * tp (x * y * z for tp2d); placed, (pp + its own ranks) * dp * tp."""
+        if self.mpmd_place is not None:  # dp replicas of the placed step, each of tp planes
+            return (self.pp + self.mpmd_place.own_ranks) * self.dp * self.tp
         return self.pp * self.dp * self.cp * self.tp * (self.tp2d.ranks if self.tp2d else 1)
 
     @property
@@ -301,8 +301,8 @@ class Strategy:
         Only axes that split something exist: DTensor's redistribution planner
         slows down sharply with idle size-1 axes.
         """
-        if self.mpmd_place is not None:  # the placed programs' ranks: one group, no layout axis
-            return {PLACED_AXIS: self.world_size}
+        if self.mpmd_place is not None:  # the placed programs' ranks, each stage laid out over tp of them
+            return {PLACED_AXIS: self.world_size // self.tp, **({"tp": self.tp} if self.tp > 1 else {})}
         degrees = {"dp": self.dp // self.ep, "ep": self.ep, "cp": self.cp,
                    **(self.tp2d.mesh_axes if self.tp2d else {"tp": self.tp})}
         within = {name: n for name, n in degrees.items() if n > 1} or {"tp": 1}
@@ -470,7 +470,7 @@ DEFAULTS = {f.name: f.default for f in dataclasses.fields(Strategy)}
 PP_OPTIONS = ("pp_schedule", "pp_microbatches", "pp_stages_per_rank", "pp_split")  # pipeline's own: refused without it
 PLACED_AXIS = "mpmd"  # the mesh of a placed step: every rank, its programs' own
 # What a placed step refuses: its stages run whole (no other axis) and it plans its own order (no pp schedule).
-PLACED_ALONE = ("cp", "tp", "sp", "ep", "fsdp", "tp2d", "offload", "compile", "vision_tp", "mpmd",
+PLACED_ALONE = ("cp", "ep", "fsdp", "tp2d", "offload", "compile", "vision_tp", "mpmd",
                 "pp_schedule", "pp_microbatches", "pp_stages_per_rank")
 
 

@@ -133,7 +133,7 @@ def train(config: TrainConfig) -> dict:
     objective = make_objective(config, model, mesh, tokenizer.vocab_size)
     freeze_parts(model, vision_tower=config.freeze_vision_tower, projector=config.freeze_multi_modal_projector,
                  language_model=config.freeze_language_model)
-    placed = (place(model, config, getattr(objective, "reference", None), batches, tokenizer.pad_token_id)
+    placed = (place(model, config, getattr(objective, "reference", None), batches, tokenizer.pad_token_id, mesh)
               if strategy.mpmd_place is not None else None)  # cut to this rank's programs
     progress = Progress(placed=placed)
     trained = [p for p in model.parameters() if p.requires_grad]  # frozen weights keep no optimizer state

@@ -63,21 +63,22 @@ class PlacedRun:
 
 
 def place(model: nn.Module, config: TrainConfig, reference: Reference | None = None, batches=None,
-          pad_id: int = 0) -> PlacedRun:
+          pad_id: int = 0, mesh=None) -> PlacedRun:
     """`model` cut in place into this rank's part of the placed programs (in its data parallel replica: the
-    world is dp blocks of pp + own ranks); `reference`: a dpo or kto stage's; `batches`: the stream, whose first
-    step a tower placed `auto` is measured on."""
+    world is dp blocks of (pp + own ranks) x tp, each stage laid out over tp ranks of `mesh`); `reference`: a
+    dpo or kto stage's; `batches`: the stream, whose first step a tower placed `auto` is measured on."""
     strategy = config.parallel
     if strategy.recompute:
         recompute_blocks(model.get_submodule(plan_for(model.config).blocks))
     replica = Replica.of(strategy)
     with autocast(config.bf16, next(model.parameters()).device):  # what `auto` measures is what will run
         if strategy.mpmd_place.program == "reference":
-            return _policy_and_reference(model, config, reference, replica)
+            return _policy_and_reference(model, config, reference, replica, mesh)
         return _vision_language(model, config, replica, batches, pad_id)
 
 
-def _policy_and_reference(model: nn.Module, config: TrainConfig, reference: Reference, replica: Replica) -> PlacedRun:
+def _policy_and_reference(model: nn.Module, config: TrainConfig, reference: Reference, replica: Replica,
+                          mesh) -> PlacedRun:
     microbatches = config.per_device_train_batch_size * config.gradient_accumulation_steps  # a replica's pairs
     device = next(model.parameters()).device
     if config.stage == "kto":  # each batch's answers against its own reference point (no replicas)
@@ -87,8 +88,10 @@ def _policy_and_reference(model: nn.Module, config: TrainConfig, reference: Refe
     else:
         losses = PairLosses(config.preference, microbatches * config.parallel.dp, device)
         merge = functools.partial(pairs_batch, replica=replica.share)
-    programs, choice = policy_programs(model, reference, config, losses, microbatches, replica.rank)
-    return PlacedRun(Placed(programs, warmup=WARMUP, replicas=config.parallel.dp), merge, losses.metrics, choice)
+    programs, choice = policy_programs(model, reference, config, losses, microbatches, replica.rank,
+                                       mesh["tp"] if config.parallel.tp > 1 else None)
+    step = Placed(programs, warmup=WARMUP, replicas=config.parallel.dp, planes=config.parallel.tp)
+    return PlacedRun(step, merge, losses.metrics, choice)
 
 
 def _vision_language(model: nn.Module, config: TrainConfig, replica: Replica, batches, pad_id: int) -> PlacedRun:
@@ -121,7 +124,7 @@ class Replica:
 
     @classmethod
     def of(cls, strategy: Strategy) -> Replica:
-        index, rank = replica_of(strategy.dp)
+        index, rank = replica_of(strategy.dp, planes=strategy.tp)
         return cls(rank, (index, strategy.dp))
 
 

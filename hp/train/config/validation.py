@@ -203,6 +203,10 @@ def _check_placement(config: TrainConfig) -> None:
     place = config.parallel.mpmd_place
     if place is None:
         return
+    if place.program == "vision" and config.parallel.tp > 1:
+        raise ConfigError(f"parallel.tp = {config.parallel.tp} with mpmd.place.vision: a placed tower's and language "
+                          "model's stages run whole on their rank (tp inside placed stages is built for a reference "
+                          "placement); leave tp out")
     if place.program == "vision" and config.stage != "sft":
         raise ConfigError(f"parallel.mpmd.place.vision with stage = {config.stage!r}: hp train places a "
                           "vision-language model's tower in the sft stage; leave mpmd.place out")
@@ -262,10 +266,11 @@ def _workers_per_node(config: TrainConfig) -> int:
     degrees = {"pp": p.pp, "dp": p.dp, "cp": p.cp, **(p.tp2d.mesh_axes if p.tp2d else {"tp": p.tp})}
     shown = {k: n for k, n in degrees.items() if k != "pp" or n > 1}
     ranks = f"{'*'.join(shown)} = {'*'.join(map(str, shown.values()))} = {p.world_size}"
-    if p.mpmd_place is not None:  # the pipeline's ranks and the placed program's own, in each of dp replicas
-        own = p.mpmd_place.own_ranks
-        ranks = f"pp + mpmd.place's own ranks = {p.pp} + {own} = {p.world_size}" if p.dp == 1 else \
-            f"(pp + mpmd.place's own ranks) * dp = ({p.pp} + {own}) * {p.dp} = {p.world_size}"
+    if p.mpmd_place is not None:  # the pipeline's ranks and the placed program's own, times dp and tp
+        own, times = p.mpmd_place.own_ranks, {k: n for k, n in (("dp", p.dp), ("tp", p.tp)) if n > 1}
+        ranks = f"pp + mpmd.place's own ranks = {p.pp} + {own} = {p.world_size}" if not times else \
+            (f"(pp + mpmd.place's own ranks) * {' * '.join(times)} = ({p.pp} + {own}) * "
+             f"{' * '.join(map(str, times.values()))} = {p.world_size}")
     if config.nproc_per_node is None:
         if p.world_size % config.nnodes:
             raise ConfigError(f"nnodes = {config.nnodes}: the {ranks} ranks do not split evenly over the nodes; "
