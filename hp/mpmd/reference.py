@@ -57,7 +57,6 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-
 from torch.distributed.tensor import DTensor
 
 from hp.layouts import from_local

@@ -36,7 +36,8 @@ from torch import nn
 
 from hp.models import plan_for
 from hp.mpmd.choice import Choice, choose_tower, tower_costs
-from hp.mpmd.placed import Placed, replica_of
+from hp.mpmd.grid import replica_of
+from hp.mpmd.placed import Placed
 from hp.mpmd.programs import vision_language
 from hp.parallel.placement import AUTO
 from hp.parallel.recompute import recompute_blocks
@@ -45,7 +46,13 @@ from hp.train.config import TrainConfig
 from hp.train.data import IGNORE_INDEX, Batch
 from hp.train.loader import positions_from
 from hp.train.objectives import Reference
-from hp.train.placed_reference import KtoLosses, PairLosses, feedback_batch, pairs_batch, policy_programs
+from hp.train.placed_reference import (
+    KtoLosses,
+    PairLosses,
+    feedback_batch,
+    pairs_batch,
+    policy_programs,
+)
 from hp.train.precision import autocast
 
 WARMUP = 3  # steps timed before the order of work is planned from their costs

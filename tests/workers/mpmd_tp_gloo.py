@@ -16,12 +16,13 @@ import copy
 
 import torch
 import torch.distributed as dist
+from hp.models import plan_for, tiny_config
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 import hp
-from hp.models import plan_for, tiny_config
-from hp.mpmd.placed import Placed, replica_of
+from hp.mpmd.grid import replica_of
+from hp.mpmd.placed import Placed
 from hp.mpmd.reference import dpo_loss, kto_loss, policy_and_reference, sequence_logps
 from hp.train.config import Preference
 from hp.train.preference import kto
