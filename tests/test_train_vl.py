@@ -353,13 +353,14 @@ def assert_hf_loss_and_logits(model, batch, hf: dict, image_token_id: int, out) 
 
 
 @pytest.mark.parametrize("frozen, placements", [
-    (True, [(2, "auto", 1)]),
-    (False, [(1, 1, 1), (1, "pp", 2)]),
-], ids=["tower frozen where measured costs say", "tower trained on a rank of its own, and in two replicas"])
+    (True, [(2, "auto", 1, 1)]),
+    (False, [(1, 1, 1, 1), (1, "pp", 2, 1), (1, "pp", 1, 2)]),
+], ids=["tower frozen where measured costs say", "tower trained on a rank of its own, in two replicas, and at tp=2"])
 def test_a_placed_tower_has_the_plain_runs_losses_and_weights(tmp_path, frozen, placements):
     """`parallel.mpmd: {place: {vision: ...}}` (hp.mpmd's level 2) on two gloo workers against one plain worker:
     a frozen tower placed by the costs measured on the model before it is cut; a trained one on a rank of its
-    own, and two replicas of a one-rank placement each taking half of every batch's rows and images. With
+    own, two replicas of a one-rank placement each taking half of every batch's rows and images, and a
+    one-rank placement laid out tp=2 with sequence parallel over two ranks (two planes). With
     two accumulated batches a step: the same losses step by step (the third step planned from the measured
     costs), and the same weights in the checkpoint (each rank saved its share under the model's own names);
     the trained placements also evaluate a held-out split (forward only, every replica the whole batch) to
@@ -379,11 +380,12 @@ def test_a_placed_tower_has_the_plain_runs_losses_and_weights(tmp_path, frozen, 
     want = losses(tmp_path / "plain")
     weights = Qwen2_5_VLForConditionalGeneration(CONFIG)
     load_model_weights(str(tmp_path / "plain" / "checkpoint-3"), weights)
-    for pp, place, dp in placements:
-        out = tmp_path / f"{place}-{dp}"
+    for pp, place, dp, tp in placements:
+        out = tmp_path / f"{place}-{dp}-{tp}"
         placed = summary(hp_train(*run, f"parallel.pp={pp}", f"parallel.mpmd={{place: {{vision: {place}}}}}",
                                   f"parallel.dp={dp}", f"per_device_train_batch_size={rows // dp}",
-                                  f"output_dir={out}", config=QUICKSTART_VL))
+                                  f"parallel.tp={tp}", f"parallel.sp={tp > 1}", f"output_dir={out}",
+                                  config=QUICKSTART_VL))
         summed = placed["mpmd_place"]
         assert summed["replicas"] == dp and summed["planned_from_costs"], placed
         assert placed["eval_loss"] is None if frozen else placed["eval_loss"] == pytest.approx(plain["eval_loss"],
@@ -401,8 +403,6 @@ def test_a_placed_tower_has_the_plain_runs_losses_and_weights(tmp_path, frozen, 
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (["parallel.tp=2"], "parallel.tp = 2 with mpmd.place.vision: a placed tower's and language model's stages run "
-                        "whole on their rank"),
     (["parallel.cp=2"], "parallel.cp = 2 with mpmd.place: a placed program's stages are laid out over tp alone"),
     (["parallel.pp_schedule=GPipe"], "parallel.pp_schedule = 'GPipe' with mpmd.place: the placed step orders"),
     (["parallel.mpmd={place: {audio: 1}}"], "parallel.mpmd.place.audio = 1: no sub-model hp train places"),
@@ -414,7 +414,7 @@ def test_a_placed_tower_has_the_plain_runs_losses_and_weights(tmp_path, frozen, 
     (["parallel.dp=2", "nproc_per_node=2"], "(pp + mpmd.place's own ranks) * dp = (2 + 0) * 2 = 4"),
     (["parallel.mpmd={place: {vision: auto}}", "parallel.pp_split=[1, 1]"],
      "parallel.pp_split = (1, 1) with mpmd.place.vision = 'auto': the pipeline's stages depend on the choice"),
-], ids=["tp", "cp", "pp schedule", "unknown sub-model", "no ranks", "chunks too", "frozen on its own ranks", "ranks",
+], ids=["cp", "pp schedule", "unknown sub-model", "no ranks", "chunks too", "frozen on its own ranks", "ranks",
         "ranks of replicas", "auto with a split"])
 def test_a_placement_that_cannot_run_is_named_before_any_worker(overrides, words):
     from hp.train.config import load_config

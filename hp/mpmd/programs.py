@@ -43,17 +43,23 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from hp.layouts import from_local
 from hp.mpmd.graph import Flow, Graph, Node, Program
+from hp.ops.region import region
+from hp.parallel.apply import apply_strategy, stream_layout
 from hp.parallel.model_plan import ModelPlan
 from hp.parallel.pipeline import Skipped, cut
 from hp.parallel.pipeline_split import StageSplit
-from hp.parallel.sequence import IGNORE_INDEX
+from hp.parallel.sequence import IGNORE_INDEX, arrange, shift
+from hp.parallel.strategy import Strategy
 
 
 @dataclass
@@ -69,10 +75,12 @@ class Programs:
 
 def vision_language(model: nn.Module, plan: ModelPlan, *, tower_ranks: tuple[int, ...],
                     stage_ranks: tuple[int, ...], microbatches: int, split: tuple[int, ...] | None = None,
-                    rank: int | None = None) -> Programs:
+                    rank: int | None = None, strategy: Strategy | None = None, mesh=None) -> Programs:
     """`model`'s tower and language model as programs (see the module); `split`: blocks per stage (even
     by default); `rank`: `model` cut in place to what that rank runs (None: every stage a copy, the tower
-    shared: one process holding all)."""
+    shared: one process holding all); `strategy` (tp, sp, vision_tp) and `mesh`, with `rank`: what the rank
+    holds laid out by it on `mesh` (`hp.mpmd.Placed(planes=tp)`'s tensor parallel group), its tensors
+    crossing as each rank's own block."""
     blocks = len(model.get_submodule(plan.blocks))
     counts = split or even_split(blocks, len(stage_ranks))
     cuts = StageSplit.of_counts(counts)
@@ -82,7 +90,8 @@ def vision_language(model: nn.Module, plan: ModelPlan, *, tower_ranks: tuple[int
     width = model.get_input_embeddings().embedding_dim  # the tower's features are in the embedding's space
     prepare = with_positions(model)
     if rank is not None:
-        return Programs(graph, *_this_ranks_part(model, plan, cuts, graph, rank, tokens, width), prepare)
+        laid_out = Layout(strategy, mesh) if strategy is not None else None
+        return Programs(graph, *_this_ranks_part(model, plan, cuts, graph, rank, tokens, width, laid_out), prepare)
     fns: dict[Node, Callable] = {("vision", 0): _tower(model.get_submodule(plan.vision), tokens, width)}
     modules: dict[Node, nn.Module] = {("vision", 0): model.get_submodule(plan.vision)}
     for s in range(len(stage_ranks)):
@@ -106,9 +115,10 @@ def tower_graph(tower_ranks: tuple[int, ...], stage_ranks: tuple[int, ...], micr
 
 
 def _this_ranks_part(model: nn.Module, plan: ModelPlan, cuts: StageSplit, graph: Graph, rank: int,
-                     tokens: tuple[int, int], width: int) -> tuple[dict, dict]:
-    """`model` cut in place to what `rank` runs: its language stage (if any) and the tower (if it runs it).
-    Its parameter names stay the model's own, so its state dict is this rank's share of a checkpoint."""
+                     tokens: tuple[int, int], width: int, laid_out: Layout | None) -> tuple[dict, dict]:
+    """`model` cut in place to what `rank` runs: its language stage (if any) and the tower (if it runs it),
+    laid out when `laid_out` says. Its parameter names stay the model's own, so its state dict is this rank's
+    share of a checkpoint."""
     stage_ranks, tower_ranks = graph.program["language"].ranks, graph.program["vision"].ranks
     mine = [s for s, on in enumerate(stage_ranks) if on == rank]
     if len(mine) > 1:
@@ -117,13 +127,16 @@ def _this_ranks_part(model: nn.Module, plan: ModelPlan, cuts: StageSplit, graph:
     modules: dict[Node, nn.Module] = {}
     if rank in tower_ranks:
         modules["vision", 0] = model.get_submodule(plan.vision)
-        fns["vision", 0] = _tower(modules["vision", 0], tokens, width)
     else:
         model.set_submodule(plan.vision, Skipped())
     cut(model, plan, cuts, mine[0] if mine else None)  # the tower's rank alone keeps none of the language model
+    if laid_out is not None:
+        apply_strategy(model, laid_out.mesh, laid_out.strategy, plan)
+    if ("vision", 0) in modules:
+        fns["vision", 0] = _tower(modules["vision", 0], tokens, width)
     if mine:
         modules["language", mine[0]] = model
-        fns["language", mine[0]] = _language(model, mine[0] == 0, mine[0] == len(stage_ranks) - 1, tokens)
+        fns["language", mine[0]] = _language(model, mine[0] == 0, mine[0] == len(stage_ranks) - 1, tokens, laid_out)
     return fns, modules
 
 
@@ -167,30 +180,49 @@ def sample(batch: dict, m: int, vision_start: int) -> dict:
             "supervised": int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()) if supervised is None else supervised[m]}
 
 
+@dataclass(frozen=True)
+class Layout:
+    """What a rank's stages are laid out by, on which mesh (its tensor parallel group)."""
+
+    strategy: Strategy
+    mesh: Any
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What crosses to another rank: a laid-out tensor's own block."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _tower(tower: nn.Module, tokens: tuple[int, int], width: int) -> Callable:
     def run(batch: dict, m: int, inputs: list[torch.Tensor]) -> torch.Tensor:
         x = sample(batch, m, tokens[1])
+        anchor = next(tower.parameters())
         if len(x["grid"]) == 0:  # a sample without images: no features, but a backward to run
-            anchor = next(tower.parameters())
-            return anchor.new_zeros(0, width) + 0 * anchor.sum()
-        return tower(x["pixels"], grid_thw=x["grid"]).pooler_output  # one feature per image token
+            return _local(anchor).new_zeros(0, width) + 0 * _local(anchor).sum()
+        return _local(tower(x["pixels"], grid_thw=x["grid"]).pooler_output)  # one feature per image token
     return run
 
 
-def _language(stage: nn.Module, first: bool, last: bool, tokens: tuple[int, int]) -> Callable:
+def _language(stage: nn.Module, first: bool, last: bool, tokens: tuple[int, int],
+              laid_out: Layout | None = None) -> Callable:
     def run(batch: dict, m: int, inputs: list[torch.Tensor]) -> torch.Tensor:
         x = sample(batch, m, tokens[1])
-        if first:
-            embeds = stage.get_input_embeddings()(x["ids"])
-            places = (x["ids"] == tokens[0]).unsqueeze(-1).expand_as(embeds)
-            stream = embeds.masked_scatter(places, inputs[0].to(embeds.dtype))
-        else:
-            stream = inputs[0]
-        out = stage(inputs_embeds=stream, position_ids=x["positions"], use_cache=False).logits
-        if not last:
-            return out  # the norm and the head are skipped: the residual stream
-        targets = x["labels"][:, 1:].flatten()
-        loss = nn.functional.cross_entropy(out[:, :-1].flatten(0, 1).float(), targets, ignore_index=IGNORE_INDEX,
-                                           reduction="sum")
+        with region() if laid_out is not None else nullcontext():
+            if first:
+                embeds = stage.get_input_embeddings()(x["ids"])
+                places = (x["ids"] == tokens[0]).unsqueeze(-1).expand(*x["ids"].shape, embeds.shape[-1])
+                stream = embeds.masked_scatter(places, inputs[0].to(embeds.dtype))
+            elif laid_out is not None:
+                stream = from_local(inputs[0], stream_layout(laid_out.strategy), laid_out.mesh)
+            else:
+                stream = inputs[0]
+            out = stage(inputs_embeds=stream, position_ids=x["positions"], use_cache=False).logits
+            if not last:
+                return _local(out)  # the norm and the head are skipped: the residual stream
+            strategy = laid_out.strategy if laid_out is not None else Strategy()
+            targets = arrange(shift(x["labels"]), strategy, IGNORE_INDEX)  # as the (vocab-split) logits come
+            loss = nn.functional.cross_entropy(out.flatten(0, 1).float(), targets.flatten(),
+                                               ignore_index=IGNORE_INDEX, reduction="sum")
+        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
         return loss / x["supervised"]
     return run

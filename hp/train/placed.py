@@ -81,7 +81,7 @@ def place(model: nn.Module, config: TrainConfig, reference: Reference | None = N
     with autocast(config.bf16, next(model.parameters()).device):  # what `auto` measures is what will run
         if strategy.mpmd_place.program == "reference":
             return _policy_and_reference(model, config, reference, replica, mesh)
-        return _vision_language(model, config, replica, batches, pad_id)
+        return _vision_language(model, config, replica, batches, pad_id, mesh)
 
 
 def _policy_and_reference(model: nn.Module, config: TrainConfig, reference: Reference, replica: Replica,
@@ -96,12 +96,13 @@ def _policy_and_reference(model: nn.Module, config: TrainConfig, reference: Refe
         losses = PairLosses(config.preference, microbatches * config.parallel.dp, device)
         merge = functools.partial(pairs_batch, replica=replica.share)
     programs, choice = policy_programs(model, reference, config, losses, microbatches, replica.rank,
-                                       mesh["tp"] if config.parallel.tp > 1 else None)
+                                       _laid_out(config.parallel, mesh))
     step = Placed(programs, warmup=WARMUP, replicas=config.parallel.dp, planes=config.parallel.tp)
     return PlacedRun(step, merge, losses.metrics, choice)
 
 
-def _vision_language(model: nn.Module, config: TrainConfig, replica: Replica, batches, pad_id: int) -> PlacedRun:
+def _vision_language(model: nn.Module, config: TrainConfig, replica: Replica, batches, pad_id: int,
+                     mesh) -> PlacedRun:
     strategy, plan = config.parallel, plan_for(model.config)
     microbatches = config.per_device_train_batch_size * config.gradient_accumulation_steps  # a replica's samples
     choice, stage_ranks = None, tuple(range(strategy.pp))
@@ -116,9 +117,15 @@ def _vision_language(model: nn.Module, config: TrainConfig, replica: Replica, ba
     else:
         tower_ranks = strategy.mpmd_place.ranks(strategy.pp)
     programs = vision_language(model, plan, tower_ranks=tower_ranks, stage_ranks=stage_ranks,
-                               split=strategy.pp_split, microbatches=microbatches, rank=replica.rank)
+                               split=strategy.pp_split, microbatches=microbatches, rank=replica.rank,
+                               **_laid_out(strategy, mesh))
     merge = functools.partial(_merged, replica=replica.share, vision_start=model.config.vision_start_token_id)
-    return PlacedRun(Placed(programs, warmup=WARMUP, replicas=strategy.dp), merge, choice=choice)
+    return PlacedRun(Placed(programs, warmup=WARMUP, replicas=strategy.dp, planes=strategy.tp), merge, choice=choice)
+
+
+def _laid_out(strategy: Strategy, mesh) -> dict:
+    """How a rank's stages are laid out under tp (over its tensor parallel group), as programs take it."""
+    return {"strategy": Strategy(tp=strategy.tp, sp=strategy.sp), "mesh": mesh["tp"]} if strategy.tp > 1 else {}
 
 
 @dataclass(frozen=True)

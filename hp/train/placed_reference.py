@@ -57,7 +57,6 @@ from hp.mpmd.programs import Programs
 from hp.mpmd.reference import policy_and_reference
 from hp.parallel.lora import base_copy
 from hp.parallel.placement import AUTO
-from hp.parallel.strategy import Strategy
 from hp.train import preference
 from hp.train.config import Preference, TrainConfig
 from hp.train.data import IGNORE_INDEX, Batch
@@ -141,10 +140,11 @@ class KtoLosses:
 
 
 def policy_programs(model: nn.Module, reference: Reference, config: TrainConfig, losses: PairLosses | KtoLosses,
-                    microbatches: int, rank: int, tp_mesh=None) -> tuple[Programs, Choice | None]:
+                    microbatches: int, rank: int, laid_out: dict | None = None) -> tuple[Programs, Choice | None]:
     """`model` (the policy) cut in place to what `rank` (of its replica) runs, beside its reference's stages
-    (see the module), `microbatches` pairs (kto: answers) a step, each stage laid out over `tp_mesh` under
-    tp; under `reference: auto`, how the ranks were shared and each way's predicted step."""
+    (see the module), `microbatches` pairs (kto: answers) a step, each stage laid out as `laid_out` says
+    (`strategy`, `mesh`: under tp); under `reference: auto`, how the ranks were shared and each way's
+    predicted step."""
     strategy = config.parallel
     plan = plan_for(model.config)
     frozen = base_copy(reference.model) if reference.adapters else reference.model  # before the policy is cut
@@ -159,8 +159,7 @@ def policy_programs(model: nn.Module, reference: Reference, config: TrainConfig,
         policy_ranks, reference_ranks = tuple(range(strategy.pp)), strategy.mpmd_place.ranks(strategy.pp)
     programs = policy_and_reference(model, plan, policy_ranks=policy_ranks, reference_ranks=reference_ranks,
                                     microbatches=microbatches, loss=losses, reference=frozen, split=strategy.pp_split,
-                                    rank=rank, reference_point=point, mesh=tp_mesh,
-                                    strategy=Strategy(tp=strategy.tp, sp=strategy.sp) if tp_mesh is not None else None)
+                                    rank=rank, reference_point=point, **(laid_out or {}))
     return programs, choice
 
 

@@ -203,10 +203,6 @@ def _check_placement(config: TrainConfig) -> None:
     place = config.parallel.mpmd_place
     if place is None:
         return
-    if place.program == "vision" and config.parallel.tp > 1:
-        raise ConfigError(f"parallel.tp = {config.parallel.tp} with mpmd.place.vision: a placed tower's and language "
-                          "model's stages run whole on their rank (tp inside placed stages is built for a reference "
-                          "placement); leave tp out")
     if place.program == "vision" and config.stage != "sft":
         raise ConfigError(f"parallel.mpmd.place.vision with stage = {config.stage!r}: hp train places a "
                           "vision-language model's tower in the sft stage; leave mpmd.place out")
