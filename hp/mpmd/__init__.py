@@ -13,8 +13,9 @@ ranks), `clock` (timing work on an accelerator), `measure` (the cost table
 of a running step), `programs` (a
 model's sub-models as programs), `reference` (a policy and its frozen
 reference as programs), `choice` (where the reference runs, from measured
-costs), `grid` (a placed step's replicas and tensor parallel planes) and
-`placed` (the step transform of levels 2 and 3).
+costs), `grid` (a placed step's replicas and tensor parallel planes),
+`layout` (a stage laid out over its planes: what crosses, its log-probs)
+and `placed` (the step transform of levels 2 and 3).
 
 May import: `hp.parallel` (the strategy's chunk values), `hp.ops` (the
 pipelined kernels and their in-flight collectives) and the base modules at

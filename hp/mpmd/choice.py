@@ -40,9 +40,10 @@ from torch import nn
 from hp.mpmd.clock import settle
 from hp.mpmd.costs import Costs
 from hp.mpmd.graph import Graph
+from hp.mpmd.layout import sequence_logps
 from hp.mpmd.measure import link
 from hp.mpmd.programs import even_split, sample, tower_graph, with_positions
-from hp.mpmd.reference import pair_graph, sequence_logps
+from hp.mpmd.reference import pair_graph
 from hp.mpmd.schedule import schedule
 from hp.mpmd.simulate import simulate
 from hp.parallel.model_plan import ModelPlan

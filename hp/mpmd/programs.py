@@ -49,16 +49,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from hp.layouts import from_local
 from hp.mpmd.graph import Flow, Graph, Node, Program
+from hp.mpmd.layout import Layout, local, sequence_logps
 from hp.ops.region import region
-from hp.parallel.apply import apply_strategy, stream_layout
+from hp.parallel.apply import apply_strategy
 from hp.parallel.model_plan import ModelPlan
 from hp.parallel.pipeline import Skipped, cut
 from hp.parallel.pipeline_split import StageSplit
-from hp.parallel.sequence import IGNORE_INDEX, arrange, shift
+from hp.parallel.sequence import IGNORE_INDEX
 from hp.parallel.strategy import Strategy
 
 
@@ -90,8 +89,8 @@ def vision_language(model: nn.Module, plan: ModelPlan, *, tower_ranks: tuple[int
     width = model.get_input_embeddings().embedding_dim  # the tower's features are in the embedding's space
     prepare = with_positions(model)
     if rank is not None:
-        laid_out = Layout(strategy, mesh) if strategy is not None else None
-        return Programs(graph, *_this_ranks_part(model, plan, cuts, graph, rank, tokens, width, laid_out), prepare)
+        layout = Layout(strategy, mesh) if strategy is not None else None
+        return Programs(graph, *_this_ranks_part(model, plan, cuts, graph, rank, tokens, width, layout), prepare)
     fns: dict[Node, Callable] = {("vision", 0): _tower(model.get_submodule(plan.vision), tokens, width)}
     modules: dict[Node, nn.Module] = {("vision", 0): model.get_submodule(plan.vision)}
     for s in range(len(stage_ranks)):
@@ -115,9 +114,9 @@ def tower_graph(tower_ranks: tuple[int, ...], stage_ranks: tuple[int, ...], micr
 
 
 def _this_ranks_part(model: nn.Module, plan: ModelPlan, cuts: StageSplit, graph: Graph, rank: int,
-                     tokens: tuple[int, int], width: int, laid_out: Layout | None) -> tuple[dict, dict]:
+                     tokens: tuple[int, int], width: int, layout: Layout | None) -> tuple[dict, dict]:
     """`model` cut in place to what `rank` runs: its language stage (if any) and the tower (if it runs it),
-    laid out when `laid_out` says. Its parameter names stay the model's own, so its state dict is this rank's
+    laid out by `layout` when given. Its parameter names stay the model's own, so its state dict is this rank's
     share of a checkpoint."""
     stage_ranks, tower_ranks = graph.program["language"].ranks, graph.program["vision"].ranks
     mine = [s for s, on in enumerate(stage_ranks) if on == rank]
@@ -130,13 +129,13 @@ def _this_ranks_part(model: nn.Module, plan: ModelPlan, cuts: StageSplit, graph:
     else:
         model.set_submodule(plan.vision, Skipped())
     cut(model, plan, cuts, mine[0] if mine else None)  # the tower's rank alone keeps none of the language model
-    if laid_out is not None:
-        apply_strategy(model, laid_out.mesh, laid_out.strategy, plan)
+    if layout is not None:
+        apply_strategy(model, layout.mesh, layout.strategy, plan)
     if ("vision", 0) in modules:
         fns["vision", 0] = _tower(modules["vision", 0], tokens, width)
     if mine:
         modules["language", mine[0]] = model
-        fns["language", mine[0]] = _language(model, mine[0] == 0, mine[0] == len(stage_ranks) - 1, tokens, laid_out)
+        fns["language", mine[0]] = _language(model, mine[0] == 0, mine[0] == len(stage_ranks) - 1, tokens, layout)
     return fns, modules
 
 
@@ -180,49 +179,29 @@ def sample(batch: dict, m: int, vision_start: int) -> dict:
             "supervised": int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()) if supervised is None else supervised[m]}
 
 
-@dataclass(frozen=True)
-class Layout:
-    """What a rank's stages are laid out by, on which mesh (its tensor parallel group)."""
-
-    strategy: Strategy
-    mesh: Any
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """What crosses to another rank: a laid-out tensor's own block."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _tower(tower: nn.Module, tokens: tuple[int, int], width: int) -> Callable:
     def run(batch: dict, m: int, inputs: list[torch.Tensor]) -> torch.Tensor:
         x = sample(batch, m, tokens[1])
         anchor = next(tower.parameters())
         if len(x["grid"]) == 0:  # a sample without images: no features, but a backward to run
-            return _local(anchor).new_zeros(0, width) + 0 * _local(anchor).sum()
-        return _local(tower(x["pixels"], grid_thw=x["grid"]).pooler_output)  # one feature per image token
+            return local(anchor).new_zeros(0, width) + 0 * local(anchor).sum()
+        return local(tower(x["pixels"], grid_thw=x["grid"]).pooler_output)  # one feature per image token
     return run
 
 
 def _language(stage: nn.Module, first: bool, last: bool, tokens: tuple[int, int],
-              laid_out: Layout | None = None) -> Callable:
+              layout: Layout | None = None) -> Callable:
     def run(batch: dict, m: int, inputs: list[torch.Tensor]) -> torch.Tensor:
         x = sample(batch, m, tokens[1])
-        with region() if laid_out is not None else nullcontext():
-            if first:
+        if first:  # laid out, the embedding and the features' scatter run as in HF's forward, under hp's rules
+            with region() if layout is not None else nullcontext():
                 embeds = stage.get_input_embeddings()(x["ids"])
                 places = (x["ids"] == tokens[0]).unsqueeze(-1).expand(*x["ids"].shape, embeds.shape[-1])
                 stream = embeds.masked_scatter(places, inputs[0].to(embeds.dtype))
-            elif laid_out is not None:
-                stream = from_local(inputs[0], stream_layout(laid_out.strategy), laid_out.mesh)
-            else:
-                stream = inputs[0]
-            out = stage(inputs_embeds=stream, position_ids=x["positions"], use_cache=False).logits
-            if not last:
-                return _local(out)  # the norm and the head are skipped: the residual stream
-            strategy = laid_out.strategy if laid_out is not None else Strategy()
-            targets = arrange(shift(x["labels"]), strategy, IGNORE_INDEX)  # as the (vocab-split) logits come
-            loss = nn.functional.cross_entropy(out.flatten(0, 1).float(), targets.flatten(),
-                                               ignore_index=IGNORE_INDEX, reduction="sum")
-        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
-        return loss / x["supervised"]
+        else:
+            stream = inputs[0] if layout is None else layout.stream(inputs[0])
+        out = stage(inputs_embeds=stream, position_ids=x["positions"], use_cache=False).logits
+        if not last:
+            return local(out)  # the norm and the head are skipped: the residual stream
+        return -sequence_logps(out, x["labels"], layout).sum() / x["supervised"]
     return run

@@ -57,17 +57,14 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from hp.layouts import from_local
 from hp.mpmd.graph import Flow, Graph, Node, Program
+from hp.mpmd.layout import Layout, local, sequence_logps
 from hp.mpmd.programs import Programs, even_split
-from hp.ops.region import region
-from hp.parallel.apply import apply_strategy, stream_layout
+from hp.parallel.apply import apply_strategy
 from hp.parallel.model_plan import ModelPlan
 from hp.parallel.pipeline import cut
 from hp.parallel.pipeline_split import StageSplit
-from hp.parallel.sequence import IGNORE_INDEX, arrange, shift
 from hp.parallel.strategy import Strategy
 
 # (policy's, reference's row log-probs, the rows' labels) -> the micro-batch's loss
@@ -103,7 +100,7 @@ def policy_and_reference(policy: nn.Module, plan: ModelPlan, *, policy_ranks: tu
         for stages in held.values():
             for stage in stages.values():
                 apply_strategy(stage, mesh, strategy, plan)
-    laid_out = (strategy, mesh) if strategy is not None else None
+    layout = Layout(strategy, mesh) if strategy is not None else None
     held["kl"] = held["policy"]  # KTO's forward of the mismatched pairs runs the policy's own stages
     if reference_point:
         ends = {"policy": (_ANSWER, lambda lp, batch, m, inputs: loss(lp, inputs[-1][:1], inputs[-2], batch, m)),
@@ -118,7 +115,7 @@ def policy_and_reference(policy: nn.Module, plan: ModelPlan, *, policy_ranks: tu
         rows, finish = ends[program.name]
         for s, stage in held[program.name].items():
             modules[program.name, s] = stage
-            fns[program.name, s] = _stage(stage, s == 0, s == last, rows, finish, laid_out)
+            fns[program.name, s] = _stage(stage, s == 0, s == last, rows, finish, layout)
     return Programs(graph, fns, modules)
 
 
@@ -155,39 +152,18 @@ def pair_graph(policy_ranks: tuple[int, ...], reference_ranks: tuple[int, ...], 
 
 
 def _stage(stage: nn.Module, first: bool, last: bool, rows: slice, finish: Callable,
-           laid_out: tuple[Strategy, object] | None) -> Callable:
+           layout: Layout | None) -> Callable:
     """A stage's function on `rows` of each micro-batch: the last's ends in `finish(log-probs, batch, m, inputs)`;
-    `laid_out` (strategy, mesh): the stream comes and goes as this rank's block of its layout."""
+    a laid-out stage's stream comes and goes as this rank's block (`hp.mpmd.layout`)."""
     def run(batch: dict, m: int, inputs: list[torch.Tensor]) -> torch.Tensor:
         if first:
             out = stage(input_ids=batch["input_ids"][m][rows], use_cache=False).logits
         else:
-            stream = inputs[0] if laid_out is None else from_local(inputs[0], stream_layout(laid_out[0]), laid_out[1])
-            out = stage(inputs_embeds=stream, use_cache=False).logits
-        if not last:  # the norm and the head are skipped: the residual stream
-            return out.to_local() if isinstance(out, DTensor) else out
-        labels = batch["labels"][m][rows]
-        logps = sequence_logps(out, labels) if laid_out is None else _laid_out_logps(out, labels, laid_out[0])
-        return finish(logps, batch, m, inputs)
+            out = stage(inputs_embeds=inputs[0] if layout is None else layout.stream(inputs[0]), use_cache=False).logits
+        if not last:
+            return local(out)  # the norm and the head are skipped: the residual stream
+        return finish(sequence_logps(out, batch["labels"][m][rows], layout), batch, m, inputs)
     return run
-
-
-def _laid_out_logps(logits: DTensor, labels: torch.Tensor, strategy: Strategy) -> torch.Tensor:
-    """`sequence_logps` of laid-out logits (the vocabulary split over tp: cross-entropy never gathers them),
-    whole on every rank."""
-    targets = arrange(shift(labels), strategy, IGNORE_INDEX)
-    with region():
-        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
-        sums = -nll.view(targets.shape).sum(-1)
-    return sums.full_tensor() if isinstance(sums, DTensor) else sums
-
-
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Each row's summed log-probability of its labels (the next token's; -100 not counted), in fp32."""
-    targets = labels[:, 1:]
-    logp = torch.log_softmax(logits[:, :-1].float(), -1)
-    picked = logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return (picked * (targets != IGNORE_INDEX)).sum(-1)
 
 
 def dpo_loss(beta: float, pairs: int) -> PairLoss:

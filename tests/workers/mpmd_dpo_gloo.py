@@ -19,11 +19,12 @@ import copy
 
 import torch
 import torch.distributed as dist
+from hp.models import plan_for, tiny_config
 from transformers import AutoModelForCausalLM
 
-from hp.models import plan_for, tiny_config
+from hp.mpmd.layout import sequence_logps
 from hp.mpmd.placed import Placed
-from hp.mpmd.reference import dpo_loss, kto_loss, policy_and_reference, sequence_logps
+from hp.mpmd.reference import dpo_loss, kto_loss, policy_and_reference
 from hp.train.config import Preference
 from hp.train.preference import kto
 

@@ -22,8 +22,9 @@ from transformers import AutoModelForCausalLM
 
 import hp
 from hp.mpmd.grid import replica_of
+from hp.mpmd.layout import sequence_logps
 from hp.mpmd.placed import Placed
-from hp.mpmd.reference import dpo_loss, kto_loss, policy_and_reference, sequence_logps
+from hp.mpmd.reference import dpo_loss, kto_loss, policy_and_reference
 from hp.train.config import Preference
 from hp.train.preference import kto
 

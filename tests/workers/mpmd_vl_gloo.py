@@ -15,10 +15,10 @@ import copy
 
 import torch
 import torch.distributed as dist
+from hp.models import plan_for, tiny_config, tiny_vl_batch
 from transformers import AutoModelForImageTextToText
 
 import hp
-from hp.models import plan_for, tiny_config, tiny_vl_batch
 
 IMAGES = [[(16, 16)], [(16, 8), (8, 8)], [(8, 24)], [(16, 16)]]  # a sample's images: a sample is a micro-batch
 PLACEMENTS = {"in the pipeline's bubbles": ({"enc": (0, 1), "pp": (0, 1)}, True),
