@@ -22,6 +22,7 @@ from hp.mpmd.graph import Action, Flow, Graph, GraphError, Program
 from hp.mpmd.plan import replay
 from hp.mpmd.schedule import schedule
 from hp.mpmd.simulate import project, simulate
+from hp.parallel.strategy import Strategy
 
 HERE = Path(__file__).resolve().parent
 seconds = st.floats(min_value=0.1, max_value=3.0, allow_nan=False)
@@ -167,6 +168,7 @@ PLACE_ERRORS = [
     (dict(plan=None), "place needs the model's plan"),
     (dict(microbatches=0), "microbatches = 0"),
     (dict(chunks=2), "chunks = 2 with place"),
+    (dict(strategy=Strategy(cp=2)), "strategy: {'cp': 2} inside placed stages"),
 ]
 
 
@@ -174,9 +176,9 @@ PLACE_ERRORS = [
 def test_a_placement_that_cannot_run_is_refused_by_name(change, words):
     """`hp.mpmd(model, place=..., mesh=...)` names what is wrong before any rank works."""
     import torch
+    from hp.models import plan_for, tiny_config
 
     import hp
-    from hp.models import plan_for, tiny_config
 
     config = tiny_config("qwen2_5_vl", layers=2)
     asked = dict(place={"model.visual": "enc"}, mesh={"enc": (0,), "pp": (0,)}, plan=plan_for(config), microbatches=2)
@@ -234,12 +236,14 @@ def test_a_policy_and_reference_with_tp_inside_their_stages_give_the_plain_steps
 
 def test_a_qwen_vl_tower_placed_by_hp_mpmd_gives_hfs_steps_on_gloo_ranks():
     """Level 2 on a real model through `hp.mpmd(model, place=..., mesh=...)`: a tiny Qwen2.5-VL's vision
-    tower spread over the pipeline's two ranks, on a rank of its own, and frozen a batch ahead; three SGD
+    tower spread over the pipeline's two ranks, on a rank of its own, frozen a batch ahead, and laid out tp=2
+    (sp) with a one-stage language model over the two ranks (two planes); three SGD
     steps (the last planned from the measured costs) give HF's loss and every gradient, the tower's included
     (`workers/mpmd_vl_gloo.py`)."""
     run = rank_pool.run(str(HERE / "workers" / "mpmd_vl_gloo.py"), 2, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    for placement in ("in the pipeline's bubbles", "on a rank of its own", "frozen, a batch ahead in the pipeline's bubbles"):
+    for placement in ("in the pipeline's bubbles", "on a rank of its own", "frozen, a batch ahead in the pipeline's bubbles",
+                      "laid out tp=2 beside its language model"):
         assert f"a vision tower {placement} follows HF's step" in run.stdout
 
 
@@ -287,9 +291,9 @@ def test_the_tower_goes_where_the_replayed_plan_is_shorter(forward, backward, to
 
 def test_block_costs_are_measured_on_the_whole_model_without_touching_its_state():
     import torch
+    from hp.models import plan_for, tiny_config
     from transformers import AutoModelForCausalLM
 
-    from hp.models import plan_for, tiny_config
     from hp.mpmd.choice import block_costs
 
     model = AutoModelForCausalLM.from_config(tiny_config("llama", layers=2)).train()
@@ -302,9 +306,9 @@ def test_block_costs_are_measured_on_the_whole_model_without_touching_its_state(
 
 def test_tower_costs_are_measured_on_a_sample_with_images_without_touching_the_model():
     import torch
+    from hp.models import plan_for, tiny_config, tiny_vl_batch
     from transformers import AutoModelForImageTextToText
 
-    from hp.models import plan_for, tiny_config, tiny_vl_batch
     from hp.mpmd.choice import tower_costs
 
     model = AutoModelForImageTextToText.from_config(tiny_config("qwen2_5_vl", layers=2)).train()

@@ -39,7 +39,8 @@ graph rank hold one stage laid out over them (build the programs with
 `strategy=`, `mesh=` that tensor parallel group's mesh): each plane sends
 its own block of the stream to its counterpart, and DTensor's collectives
 run across the planes inside each action. The loss is each plane's (the
-same in all).
+same in all). `hp.mpmd(model, place=..., mesh=..., strategy=hp.Strategy(tp=2))`
+does this for the step transform, `mesh` naming each plane's ranks.
 
 **Named sub-meshes.** `mesh` maps names to tuples of global ranks:
 `{"enc": (0, 1), "pp": (0, 1)}`. The model's remainder (its language
@@ -66,9 +67,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hp.mesh import mesh as make_mesh
 from hp.mpmd.costs import Costs
 from hp.mpmd.graph import Graph
-from hp.mpmd.grid import Grid
+from hp.mpmd.grid import Grid, replica_of
 from hp.mpmd.measure import gathered_costs, link
 from hp.mpmd.plan import Plan
 from hp.mpmd.programs import Programs, vision_language
@@ -76,6 +78,7 @@ from hp.mpmd.runtime import Runtime, members, step_loss
 from hp.mpmd.schedule import schedule
 from hp.mpmd.simulate import Simulation, simulate
 from hp.parallel.model_plan import ModelPlan
+from hp.parallel.strategy import PLACED_AXIS, Strategy
 
 PIPELINE = "pp"  # the sub-mesh the model's remainder is cut into stages over
 
@@ -215,15 +218,18 @@ def _sum_gradients(params: list[nn.Parameter], group: Any) -> None:
 
 
 def placed(model: nn.Module, place: Mapping[str, str], mesh: Mapping[str, Sequence[int]], *, plan: ModelPlan | None,
-           microbatches: int | None, warmup: int = 3, split: tuple[int, ...] | None = None) -> Placed:
-    """`model`'s sub-models placed on `mesh`'s named sub-meshes (see the module), checked before any rank works."""
+           microbatches: int | None, warmup: int = 3, split: tuple[int, ...] | None = None,
+           strategy: Strategy | None = None) -> Placed:
+    """`model`'s sub-models placed on `mesh`'s named sub-meshes (see the module), checked before any rank works;
+    `strategy` (tp, sp): each stage laid out over tp ranks, the world tp planes of `mesh`'s ranks."""
     if plan is None:
         raise PlaceError("place needs the model's plan (plan=hp.models.plan_for(model.config)): it names the "
                          "sub-models and the blocks the pipeline is cut along")
     if not microbatches or microbatches < 1:
         raise PlaceError(f"microbatches = {microbatches!r}: expected the samples of a step's batch (one "
                          "micro-batch each), at least 1")
-    submeshes = _submeshes(mesh)
+    planes = _planes(strategy)
+    submeshes = _submeshes(mesh, planes)
     placeable = {plan.vision: "the vision tower"} if plan.vision else {}
     for path, where in place.items():
         if path not in placeable:
@@ -236,23 +242,39 @@ def placed(model: nn.Module, place: Mapping[str, str], mesh: Mapping[str, Sequen
         raise PlaceError(f"mesh: no {PIPELINE!r} sub-mesh: the model's remainder is cut into a pipeline stage per "
                          f"rank of mesh[{PIPELINE!r}]")
     tower = submeshes[place[plan.vision]] if plan.vision in place else submeshes[PIPELINE]
-    rank = dist.get_rank() if dist.is_initialized() else None
+    rank = replica_of(1, planes=planes)[1] if dist.is_initialized() else None
+    laid_out = {}
+    if planes > 1:  # every rank makes the mesh: graph ranks by tp planes, tp innermost
+        world = dist.get_world_size()
+        laid_out = {"strategy": strategy, "mesh": make_mesh(**{PLACED_AXIS: world // planes, "tp": planes})["tp"]}
     programs = vision_language(model, plan, tower_ranks=tower, stage_ranks=submeshes[PIPELINE],
-                               microbatches=microbatches, split=split, rank=rank)
-    return Placed(programs, warmup=warmup)
+                               microbatches=microbatches, split=split, rank=rank, **laid_out)
+    return Placed(programs, warmup=warmup, planes=planes)
 
 
-def _submeshes(mesh: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
-    """`mesh`'s sub-meshes as tuples of ranks, each a distinct list of ranks of the world."""
+def _planes(strategy: Strategy | None) -> int:
+    """The tensor parallel planes `strategy` lays each stage out over (tp and sp are what a placed stage takes)."""
+    if strategy is None:
+        return 1
+    others = {k: v for k, v in strategy.as_dict().items() if k not in ("tp", "sp") and v != getattr(Strategy(), k)}
+    if others:
+        raise PlaceError(f"strategy: {others} inside placed stages; a placed stage is laid out over tp (and sp) "
+                         "alone")
+    return strategy.tp
+
+
+def _submeshes(mesh: Mapping[str, Sequence[int]], planes: int = 1) -> dict[str, tuple[int, ...]]:
+    """`mesh`'s sub-meshes as tuples of ranks, each a distinct list of ranks of each of the world's `planes`."""
     if not isinstance(mesh, Mapping) or not mesh:
         raise PlaceError(f"mesh = {mesh!r}: expected named sub-meshes, e.g. {{'enc': (0, 1), 'pp': (0, 1)}}")
-    world = dist.get_world_size() if dist.is_initialized() else None
+    world = dist.get_world_size() // planes if dist.is_initialized() else None
     found = {}
     for name, ranks in mesh.items():
         ranks = tuple(ranks)
         if not ranks or len(set(ranks)) != len(ranks) or not all(isinstance(r, int) and r >= 0 for r in ranks):
             raise PlaceError(f"mesh[{name!r}] = {ranks}: expected distinct ranks >= 0")
         if world is not None and max(ranks) >= world:
-            raise PlaceError(f"mesh[{name!r}] = {ranks}: rank {max(ranks)} is outside the world of {world}")
+            where = "the world" if planes == 1 else f"each of the world's {planes} tensor parallel planes"
+            raise PlaceError(f"mesh[{name!r}] = {ranks}: rank {max(ranks)} is outside the {world} ranks of {where}")
         found[name] = ranks
     return found
