@@ -15,7 +15,9 @@ Two placements (`hp.parallel.placement`):
   policy and its frozen reference, the reference a batch ahead.
 
 Each rank's model is cut in place to what it runs (parameter names stay the
-model's own), so the optimizer, the checkpoints and their manifests see
+model's own), and under `tp` laid out over its tensor parallel group (the
+world is (pp + own ranks) x dp x tp: dp replicas of tp planes,
+`hp.mpmd.grid`), so the optimizer, the checkpoints and their manifests see
 this rank's share as under pp. A program running ahead reads the next
 steps' batches by position, without moving the stream (a resumed run reads
 them again). The first three steps are timed and the order of every rank's
