@@ -468,8 +468,8 @@ def num_experts(config: Any) -> int:
 FIELDS = tuple(f.name for f in dataclasses.fields(Strategy))
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(Strategy)}
 PP_OPTIONS = ("pp_schedule", "pp_microbatches", "pp_stages_per_rank", "pp_split")  # pipeline's own: refused without it
-PLACED_AXIS = "mpmd"  # the mesh of a placed step: every rank, its programs' own
-# What a placed step refuses: its stages run whole (no other axis) and it plans its own order (no pp schedule).
+PLACED_AXIS = "mpmd"  # the mesh of a placed step: its graph's ranks (by tp planes), its programs' own
+# What a placed step refuses: its stages are laid out over tp alone and it plans its own order (no pp schedule).
 PLACED_ALONE = ("cp", "ep", "fsdp", "tp2d", "offload", "compile", "vision_tp", "mpmd",
                 "pp_schedule", "pp_microbatches", "pp_stages_per_rank")
 
