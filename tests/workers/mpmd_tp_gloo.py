@@ -17,51 +17,28 @@ import copy
 import torch
 import torch.distributed as dist
 from hp.models import plan_for, tiny_config
+from mpmd_dpo_gloo import (  # the batches and the plain steps of the unsharded models
+    BETA,
+    GROUP,
+    MICRO,
+    batch,
+    plain_kto_step,
+)
+from mpmd_dpo_gloo import plain_step as plain_dpo_step
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 import hp
 from hp.mpmd.grid import replica_of
-from hp.mpmd.layout import sequence_logps
 from hp.mpmd.placed import Placed
 from hp.mpmd.reference import dpo_loss, kto_loss, policy_and_reference
-from hp.train.config import Preference
-from hp.train.preference import kto
 
-MICRO, BETA, PROMPT, STEPS, GROUP = 4, 0.1, 6, 3, 2
-
-
-def batch(step: int) -> dict:
-    g = torch.Generator().manual_seed(step)
-    ids = torch.randint(0, 256, (MICRO, 2, 12), generator=g)
-    labels = ids.clone()
-    labels[..., :PROMPT] = -100
-    return {"input_ids": ids, "labels": labels, "desirable": torch.tensor([True, False, False, True])}
-
-
-def logps(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return sequence_logps(model(input_ids=ids).logits, labels)
+STEPS = 3
 
 
 def plain_step(policy, reference, data: dict, point: int) -> torch.Tensor:
     """DPO's pairs, or KTO's answers in batches of GROUP against their own reference points."""
-    total = torch.zeros(())
-    ids, labels = data["input_ids"], data["labels"]
-    if not point:
-        for m in range(MICRO):
-            with torch.no_grad():
-                ref = logps(reference, ids[m], labels[m])
-            total = total + dpo_loss(BETA, MICRO)(logps(policy, ids[m], labels[m]), ref, labels[m])
-    for first in range(0, MICRO if point else 0, GROUP):
-        part = slice(first, first + GROUP)
-        answers = logps(policy, ids[part, 0], labels[part, 0])
-        with torch.no_grad():
-            pairs = logps(policy, ids[part, 1], labels[part, 1])
-            ref = [logps(reference, ids[part, row], labels[part, row]) for row in (0, 1)]
-        judged = kto(answers, ref[0], pairs, ref[1], data["desirable"][part], Preference(beta=BETA))
-        total = total + judged.losses.sum() / MICRO
-    total.backward()
-    return total.detach()
+    return (plain_kto_step if point else plain_dpo_step)(policy, reference, data)
 
 
 def check(stages: int, point: int) -> None:
