@@ -127,7 +127,7 @@ class KtoLosses:
         """The step's mean over its batches of each batch's rewards and reference point, as the plain kto stage
         reports them (`hp.train.preference.Judged.metrics`), the same on every rank (a collective)."""
         sums = torch.zeros(self.batches, 5, dtype=torch.float64, device=self.device)  # per batch
-        for batch, desirable, reward, kl in (k.tolist() for k in self.kept):
+        for batch, desirable, reward, kl in (torch.stack(self.kept).tolist() if self.kept else []):  # one copy
             sums[int(batch)] += torch.tensor([reward * desirable, desirable, reward * (1 - desirable), 1 - desirable,
                                               kl], dtype=torch.float64, device=self.device)
         self.kept.clear()
