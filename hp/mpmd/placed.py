@@ -78,7 +78,7 @@ from hp.mpmd.runtime import Runtime, members, step_loss
 from hp.mpmd.schedule import schedule
 from hp.mpmd.simulate import Simulation, simulate
 from hp.parallel.model_plan import ModelPlan
-from hp.parallel.strategy import PLACED_AXIS, Strategy
+from hp.parallel.strategy import DEFAULTS, PLACED_AXIS, Strategy
 
 PIPELINE = "pp"  # the sub-mesh the model's remainder is cut into stages over
 
@@ -256,7 +256,7 @@ def _planes(strategy: Strategy | None) -> int:
     """The tensor parallel planes `strategy` lays each stage out over (tp and sp are what a placed stage takes)."""
     if strategy is None:
         return 1
-    others = {k: v for k, v in strategy.as_dict().items() if k not in ("tp", "sp") and v != getattr(Strategy(), k)}
+    others = {k: v for k, v in strategy.as_dict().items() if k not in ("tp", "sp") and v != DEFAULTS[k]}
     if others:
         raise PlaceError(f"strategy: {others} inside placed stages; a placed stage is laid out over tp (and sp) "
                          "alone")

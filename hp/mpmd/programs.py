@@ -182,8 +182,8 @@ def sample(batch: dict, m: int, vision_start: int) -> dict:
 def _tower(tower: nn.Module, tokens: tuple[int, int], width: int) -> Callable:
     def run(batch: dict, m: int, inputs: list[torch.Tensor]) -> torch.Tensor:
         x = sample(batch, m, tokens[1])
-        anchor = next(tower.parameters())
         if len(x["grid"]) == 0:  # a sample without images: no features, but a backward to run
+            anchor = next(tower.parameters())
             return local(anchor).new_zeros(0, width) + 0 * local(anchor).sum()
         return local(tower(x["pixels"], grid_thw=x["grid"]).pooler_output)  # one feature per image token
     return run

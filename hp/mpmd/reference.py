@@ -101,8 +101,8 @@ def policy_and_reference(policy: nn.Module, plan: ModelPlan, *, policy_ranks: tu
             for stage in stages.values():
                 apply_strategy(stage, mesh, strategy, plan)
     layout = Layout(strategy, mesh) if strategy is not None else None
-    held["kl"] = held["policy"]  # KTO's forward of the mismatched pairs runs the policy's own stages
     if reference_point:
+        held["kl"] = held["policy"]  # KTO's forward of the mismatched pairs runs the policy's own stages
         ends = {"policy": (_ANSWER, lambda lp, batch, m, inputs: loss(lp, inputs[-1][:1], inputs[-2], batch, m)),
                 "kl": (_MISMATCHED, lambda lp, batch, m, inputs: lp - inputs[-1][1:])}
     else:

@@ -118,7 +118,7 @@ class KtoLosses:
         if self.pref.ftx and bool(desirable[m]):  # over the batch's desirable answers, per token
             counted = (batch["labels"][m][0, 1:] != IGNORE_INDEX).sum()
             loss = loss - self.pref.ftx * policy.sum() / counted / desirable[first:first + self.answers].sum()
-        reward = self.pref.beta * (policy - reference).detach()
+        reward = torch.cat([judged.chosen, judged.rejected])  # the one answer's, desirable or not
         self.kept.append(torch.cat([policy.new_tensor([m // self.answers, bool(desirable[m])]), reward.float(),
                                     judged.kl.view(1).float()]))
         return loss / self.batches
