@@ -15,7 +15,10 @@ Each rank runs its list of actions in order (`hp.mpmd.plan.Plan`):
 
 Sends never block and each receive names its sender and a tag unique to
 the flow, direction, micro-batch and step, so a plan whose replay
-completes (`hp.mpmd.plan.replay`) cannot deadlock here. Each runtime sends
+completes (`hp.mpmd.plan.replay`) cannot deadlock here. The receives of
+the next few actions are posted before each action runs
+(`hp.mpmd.mailbox`): what they read crosses while the actions before them
+run. Each runtime sends
 on a process group of its own: what one leaves in flight when its steps
 end (a program running ahead has sent for a step that never comes) cannot
 be received by another. Programs running
@@ -42,12 +45,12 @@ import torch.distributed as dist
 
 from hp.mpmd.clock import settle
 from hp.mpmd.graph import Action, Node
+from hp.mpmd.mailbox import Mailbox
 from hp.mpmd.plan import Plan, Slot
 
 # What a stage runs: (the batch, the micro-batch index, its inputs in `Graph.inputs` order) -> its output.
 StageFn = Callable[[Any, int, list[torch.Tensor]], torch.Tensor]
-_HEADER = 8  # int64s: dtype code, ndim, then the shape
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
+LOOKAHEAD = 3  # actions whose receives are posted before each action runs
 
 
 class Runtime:
@@ -77,7 +80,7 @@ class Runtime:
         self._window = self.graph.furthest_ahead + 1  # steps a tag tells apart: sends in flight span that many
         self._held: dict = {}  # (node, micro, "out") -> output; (node, micro) -> inputs; grads by (src, dst, micro)
         self._sends: list = []  # (the step that receives it, its work)
-        self._waited = 0.0  # seconds of the current action spent receiving (not the action's cost)
+        self._mailbox = Mailbox(self.group, self.device)
         self._plan_of: dict[int, Plan] = {}  # the plan each recent step ran: a stage running ahead sent by it
 
     def replan(self, plan: Plan) -> None:
@@ -116,13 +119,16 @@ class Runtime:
         losses: dict[int, torch.Tensor] = {}
         self._plan_of = {s: p for s, p in self._plan_of.items() if s > step - self._window} | {step: self.plan}
         first = min(step, 0)  # the index in `batches` of step `step`'s own batch
-        for action in self.plan.actions[self.rank]:
-            index = first + self.graph.ahead_of(action.node)
-            if not 0 <= index < len(batches):
-                continue
-            start = time.perf_counter()
+        actions = [a for a in self.plan.actions[self.rank] if 0 <= first + self.graph.ahead_of(a.node) < len(batches)]
+        for later in actions[:LOOKAHEAD]:
+            self._expect(later, step)
+        for i, action in enumerate(actions):
+            if i + LOOKAHEAD < len(actions):
+                self._expect(actions[i + LOOKAHEAD], step)
+            batch = batches[first + self.graph.ahead_of(action.node)]
+            start, waited = time.perf_counter(), self._mailbox.waited
             if action.kind == "F":
-                out = self._forward(action, batches[index], step)
+                out = self._forward(action, batch, step)
                 if not self.graph.outputs(action.node) and not self.graph.carried_outputs(action.node):
                     losses[action.micro] = out.detach()
             else:
@@ -130,16 +136,15 @@ class Runtime:
             if self.measuring:
                 settle(self.device)
             if step >= 0:  # the prologue is not timed
-                end = time.perf_counter()
-                self.samples.append((action, end - start - self._waited))
-                self.slots.append(Slot(action, self.rank, start + self._waited - self._started, end - self._started))
+                end, waited = time.perf_counter(), self._mailbox.waited - waited
+                self.samples.append((action, end - start - waited))
+                self.slots.append(Slot(action, self.rank, start + waited - self._started, end - self._started))
         return losses
 
     # ---- forward and backward ----------------------------------------------------------------------------
 
     def _forward(self, action: Action, batch: Any, step: int) -> torch.Tensor:
         node, m = action.node, action.micro
-        self._waited = 0.0
         pieces = [[self._input(src, node, p, step) for p in self.graph.pieces(src, node, m)]
                   for src in self.graph.inputs(node)]
         inputs = [joined[0] if len(joined) == 1 else torch.cat(joined) for joined in pieces]
@@ -159,7 +164,6 @@ class Runtime:
 
     def _backward(self, action: Action) -> None:
         node, m = action.node, action.micro
-        self._waited = 0.0
         pieces, out = self._held.pop((node, m)), self._held.pop((node, m, "out"))
         consumers = [dst for dst in self.graph.outputs(node) if self.graph.trains(dst)]
         if consumers:
@@ -190,14 +194,37 @@ class Runtime:
         """How many of this rank's actions read micro-batch m of `src` on the flow to `dst`."""
         return sum(self._where("F", dst, c) == self.rank for c in self.graph.consumers(src, dst, m))
 
-    def _input(self, src: Node, dst: Node, m: int, step: int, sent: int | None = None) -> torch.Tensor:
-        """Micro-batch m's tensor from `src`, received in step `step`; sent in step `sent` (default: this one)
-        from the rank that step's plan ran it on. Received once, kept until its last reader here."""
+    def _origin(self, src: Node, dst: Node, m: int, step: int, sent: int | None = None) -> tuple[int, int]:
+        """(the rank, the tag) of micro-batch m's tensor from `src` to `dst`, received in step `step`; sent in
+        step `sent` (default: this one) from the rank that step's plan ran it on."""
         plan = self._plan_of.get(step if sent is None else sent, self.plan)
-        frm = plan.where[Action("F", *src, m)]
+        return plan.where[Action("F", *src, m)], self._tag(src, dst, m, 0, step)
+
+    def _gradient_origin(self, src: Node, dst: Node, m: int) -> tuple[int, int]:
+        """(the rank, the tag) of the gradient `dst` sends back to `src` for micro-batch m."""
+        return self._where("B", dst, self.graph.consumer(src, dst, m)), self._tag(src, dst, m, 1, self.steps)
+
+    def _expect(self, action: Action, step: int) -> None:
+        """Post the receives `action` of step `step` will read from other ranks (`hp.mpmd.mailbox`)."""
+        node, m = action.node, action.micro
+        if action.kind == "F":
+            sent = {src: None for src in self.graph.inputs(node)} | {
+                src: step - (self.graph.ahead_of(src) - self.graph.ahead_of(node)) for src in self.graph.carried_inputs(node)}
+            wanted = [((src, node, p, "fwd", step), self._origin(src, node, p, step, when))
+                      for src, when in sent.items() for p in self.graph.pieces(src, node, m)]
+        else:
+            wanted = [(None, self._gradient_origin(node, dst, m)) for dst in self.graph.outputs(node) if self.graph.trains(dst)]
+        for key, (frm, tag) in wanted:
+            if frm != self.rank and key not in self._held:
+                self._mailbox.expect(frm, tag)
+
+    def _input(self, src: Node, dst: Node, m: int, step: int, sent: int | None = None) -> torch.Tensor:
+        """Micro-batch m's tensor from `src`, received in step `step` (see `_origin`). Received once, kept until
+        its last reader here."""
+        frm, tag = self._origin(src, dst, m, step, sent)
         key = (src, dst, m, "fwd", step)
         if frm != self.rank and key not in self._held:
-            self._held[key] = [self._recv(frm, self._tag(src, dst, m, 0, step)), self._uses(src, dst, m)]
+            self._held[key] = [self._mailbox.take(frm, tag), self._uses(src, dst, m)]
         held = self._held[key]
         x, held[1] = held[0], held[1] - 1
         if not held[1]:
@@ -214,37 +241,20 @@ class Runtime:
             self.transfers.append((dst, src, grad.numel() * grad.element_size()))
 
     def _gradient(self, src: Node, dst: Node, m: int) -> torch.Tensor:
-        frm = self._where("B", dst, self.graph.consumer(src, dst, m))
+        frm, tag = self._gradient_origin(src, dst, m)
         if frm == self.rank:
             return self._held.pop((src, dst, m, "bwd"))
-        return self._recv(frm, self._tag(src, dst, m, 1, self.steps))
+        return self._mailbox.take(frm, tag)
 
     def _tag(self, src: Node, dst: Node, m: int, backward: int, step: int) -> int:
         """A tag unique to the flow, its direction, the micro-batch and the receiving step (modulo the steps
-        whose sends can be in flight at once); even for the header, odd for the data."""
+        whose sends can be in flight at once); even for the envelope, odd for the data."""
         pair = self._tags[src, dst]
         return 2 * (((pair * 2 + backward) * self._span + m) * max(self._window, 2) + step % max(self._window, 2))
 
     def _send(self, tensor: torch.Tensor, to: int, tag: int, received: int) -> None:
         """Send `tensor` to rank `to`, received in step `received` (the next one's for a program running ahead)."""
-        tensor = tensor.contiguous()
-        header = torch.tensor([_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
-                              + [0] * (_HEADER - 2 - tensor.dim()), dtype=torch.int64, device=self.device)
-        peer = dist.get_global_rank(self.group, to) if self.group is not None else to
-        self._sends += [(received, dist.isend(header, peer, group=self.group, tag=tag)),
-                        (received, dist.isend(tensor, peer, group=self.group, tag=tag + 1)),
-                        (received, _Keep(header, tensor))]
-
-    def _recv(self, frm: int, tag: int) -> torch.Tensor:
-        start = time.perf_counter()
-        peer = dist.get_global_rank(self.group, frm) if self.group is not None else frm
-        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        dist.recv(header, peer, group=self.group, tag=tag)
-        code, ndim, *shape = header.tolist()
-        out = torch.empty(shape[:ndim], dtype=_DTYPES[code], device=self.device)
-        dist.recv(out, peer, group=self.group, tag=tag + 1)
-        self._waited += time.perf_counter() - start
-        return out
+        self._sends += [(received, work) for work in self._mailbox.send(tensor, to, tag)]
 
 
 def subgroup(group: Any) -> Any:
@@ -273,13 +283,3 @@ def step_loss(losses: dict[int, torch.Tensor], group: Any = None, device: torch.
     total = torch.stack(list(losses.values())).sum().detach().float() if losses else torch.zeros((), device=device)
     dist.all_reduce(total, group=group)
     return total
-
-
-class _Keep:
-    """Holds a sent tensor until the step's sends are waited for (`isend` does not keep it alive)."""
-
-    def __init__(self, *tensors: torch.Tensor) -> None:
-        self.tensors = tensors
-
-    def wait(self) -> None:
-        self.tensors = ()

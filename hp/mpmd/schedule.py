@@ -57,7 +57,42 @@ def schedule(graph: Graph, costs: Costs) -> Plan:
             candidates.append(_plan(graph, costs, level, fill, overlap, distinct=True))
         except GraphError:  # the parts pinned apart can leave a stage's in-flight limit nothing to run
             continue
-    return min(candidates, key=lambda plan: max((s.end for s in replay(plan, costs)), default=0.0))
+    best = min(candidates, key=lambda plan: _length(plan, costs))
+    return _moved(best, costs) if spread else best
+
+
+def _length(plan: Plan, costs: Costs) -> float:
+    return max((s.end for s in replay(plan, costs)), default=0.0)
+
+
+def _moved(plan: Plan, costs: Costs, passes: int = 3) -> Plan:
+    """`plan` with spread micro-batches moved, each forward with its backward, to another of the program's
+    ranks while the replay shortens: the backfill puts each forward into the earliest gap, blind to where
+    its backward must then go. At most `passes` sweeps, each move re-ordered as the backfilled work is."""
+    graph, length = plan.graph, _length(plan, costs)
+    placed = {s.action: (s.rank, s.start) for s in replay(plan, costs)}
+    movable = {a for a in placed if graph.program[a.program].spread or graph.program[a.program].runs_ahead}
+    spread = [a for a in graph.actions() if a.kind == "F" and graph.program[a.program].spread]
+    for _ in range(passes):
+        improved = False
+        for forward in spread:
+            backward = Action("B", *forward.node, forward.micro)
+            for rank in graph.ranks_of(forward.node):
+                if rank == placed[forward][0]:
+                    continue
+                trial = dict(placed)
+                for action in (forward, backward) if backward in placed else (forward,):
+                    trial[action] = (rank, placed[action][1])
+                try:
+                    moved = _in_order(graph, costs, trial, movable)
+                except GraphError:
+                    continue
+                if (moved_length := _length(moved, costs)) < length - 1e-12:
+                    plan, placed, length, improved = moved, trial, moved_length, True
+                    break
+        if not improved:
+            break
+    return plan
 
 
 # How far a backfilled action may run past the gap it is put in, as a share of its own length: measured

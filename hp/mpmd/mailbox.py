@@ -1,0 +1,112 @@
+"""Tensors between two ranks of an MPMD step, each with the header that says its shape.
+
+A receiver cannot size a tensor before it knows its shape, so every tensor
+travels behind a fixed-size envelope: the dtype, the shape and, for a tensor
+of at most `INLINE` bytes (a log-probability per sequence, a loss, a small
+activation), the tensor itself. A small tensor is then one message; a
+larger one is its envelope and then its data.
+
+gloo, like MPI's rendezvous protocol, moves a message only once its receive
+is posted: a receive posted when its reader starts costs a round trip on the
+critical path. The runtime therefore tells the mailbox, a few actions
+ahead, which envelopes it will read (`expect`); their receives are posted at
+once, and an envelope sent meanwhile lands while the actions before its
+reader run. `take` then waits for what is still in flight.
+
+>>> box = Mailbox(group=None, device="cpu")
+>>> box.pending
+0
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+INLINE = 4096  # bytes: a tensor up to this size travels inside its envelope
+_META = 8  # int64s: dtype code, ndim, then the shape (at most 6 dimensions)
+_ENVELOPE = _META * 8 + INLINE  # bytes
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool)
+
+
+class Mailbox:
+    """Sends and receives tensors with their envelopes on process group `group` (None: the world), peers by
+    group rank; received tensors land on `device`. `waited` adds up the seconds spent waiting in `take`."""
+
+    def __init__(self, group: Any, device: torch.device | str) -> None:
+        self.group, self.device = group, torch.device(device)
+        self.waited = 0.0
+        self._posted: dict[tuple[int, int], tuple[torch.Tensor, Any]] = {}  # (peer, tag) -> envelope, its receive
+
+    @property
+    def pending(self) -> int:
+        """Envelopes whose receives are posted and not yet taken."""
+        return len(self._posted)
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> list:
+        """Send `tensor` to `peer` with tags `tag` (the envelope) and `tag + 1` (the data, when it does not fit
+        inside); what must be waited on, and kept alive, until the sends complete."""
+        tensor = tensor.contiguous()
+        if tensor.dim() > _META - 2:
+            raise ValueError(f"mpmd: a tensor of {tensor.dim()} dimensions between stages (at most {_META - 2})")
+        meta = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape] + [0] * (_META - 2 - tensor.dim())
+        nbytes = tensor.numel() * tensor.element_size()
+        inline = nbytes <= INLINE
+        envelope = _envelope(meta, tensor if inline else None, self.device)
+        global_peer = self._global(peer)
+        works = [dist.isend(envelope, global_peer, group=self.group, tag=tag)]
+        if not inline:
+            works.append(dist.isend(tensor, global_peer, group=self.group, tag=tag + 1))
+        return works + [_Keep(envelope, tensor)]
+
+    def expect(self, peer: int, tag: int) -> None:
+        """Post the receive of the envelope `peer` sends with `tag`, if not posted yet."""
+        if (peer, tag) not in self._posted:
+            envelope = torch.empty(_ENVELOPE, dtype=torch.uint8, device=self.device)
+            self._posted[peer, tag] = envelope, dist.irecv(envelope, self._global(peer), group=self.group, tag=tag)
+
+    def take(self, peer: int, tag: int) -> torch.Tensor:
+        """The tensor `peer` sent with `tag`, waiting for what has not arrived."""
+        start = time.perf_counter()
+        self.expect(peer, tag)
+        envelope, work = self._posted.pop((peer, tag))
+        work.wait()
+        code, ndim, *shape = envelope[:_META * 8].view(torch.int64).tolist()
+        dtype, shape = _DTYPES[code], shape[:ndim]
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        nbytes = out.numel() * out.element_size()
+        if nbytes <= INLINE:
+            out.reshape(-1).view(torch.uint8).copy_(envelope[_META * 8:_META * 8 + nbytes])
+        else:
+            dist.recv(out, self._global(peer), group=self.group, tag=tag + 1)
+        self.waited += time.perf_counter() - start
+        return out
+
+    def _global(self, peer: int) -> int:
+        return dist.get_global_rank(self.group, peer) if self.group is not None else peer
+
+
+def _envelope(meta: list[int], tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The envelope's bytes: `meta` as int64s, then `tensor`'s bytes (None: none), zero-padded."""
+    head = torch.tensor(meta, dtype=torch.int64).view(torch.uint8)
+    if device.type == "cpu":  # one buffer built on the host: a handful of torch ops cost more than the send
+        body = b"" if tensor is None else tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+        return torch.frombuffer(bytearray(head.numpy().tobytes() + body + bytes(INLINE - len(body))), dtype=torch.uint8)
+    envelope = torch.zeros(_ENVELOPE, dtype=torch.uint8, device=device)
+    envelope[:_META * 8] = head.to(device)
+    if tensor is not None:
+        envelope[_META * 8:_META * 8 + tensor.numel() * tensor.element_size()] = tensor.reshape(-1).view(torch.uint8)
+    return envelope
+
+
+class _Keep:
+    """Holds sent tensors until the sends are waited for (`isend` does not keep them alive)."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self.tensors = tensors
+
+    def wait(self) -> None:
+        self.tensors = ()
