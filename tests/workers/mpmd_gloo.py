@@ -5,7 +5,7 @@ rank, or spread over the ranks; each micro-batch whole or cut in two), a two-sta
 two-stage reference feeding that loss, run in the same step or a batch ahead, its first stage another
 batch ahead when staggered; and, when drawn, a frozen one-stage program in the step whose micro-batches'
 outputs each group of micro-batches' loss gathers (a batch's statistic). The plan comes from the
-case's drawn costs. Over two steps (the second uses what the reference computed ahead in the first),
+case's drawn costs. First, tensors of every kind cross in their envelopes (`hp.mpmd.mailbox`). Over two steps (the second uses what the reference computed ahead in the first),
 each step's loss and every gradient (summed over the ranks that hold a copy) equal the plain step's
 over the same batch (fp32, relative 1e-5). Every check raises on failure.
 """
@@ -21,6 +21,7 @@ from torch import nn
 
 from hp.mpmd.costs import Costs
 from hp.mpmd.graph import Flow, Graph, Program
+from hp.mpmd.mailbox import INLINE, Mailbox
 from hp.mpmd.runtime import Runtime, step_loss
 from hp.mpmd.schedule import schedule
 
@@ -125,8 +126,32 @@ def check(case: dict) -> None:
         print(f"case {case['seed']}: {plan}".replace("\n", " | "), flush=True)
 
 
+def mailbox_round_trip() -> None:
+    """Tensors of every kind the runtime moves, inside their envelope or after it, cross both ways intact,
+    their receives posted before they are sent (out of order) or when they are read."""
+    draw = torch.Generator().manual_seed(0)  # the same tensors on both ranks
+    made = [torch.randn((), generator=draw), torch.arange(6, dtype=torch.int64).view(2, 3),
+            torch.rand(3, 4, generator=draw) > 0.5, torch.randn(5, 7, generator=draw).bfloat16(),
+            torch.randn(INLINE // 4, generator=draw), torch.randn(INLINE // 4 + 1, generator=draw),
+            torch.randn(3, 33, 65, generator=draw).transpose(0, 2)]  # not contiguous, over the envelope
+    box, rank = Mailbox(None, "cpu"), dist.get_rank()
+    for sender in (0, 1):
+        if rank == sender:
+            works = [w for k, t in enumerate(made) for w in box.send(t, 1 - sender, 10 * k)]
+            for work in works:
+                work.wait()
+        else:
+            for k in range(0, len(made), 2):
+                box.expect(sender, 10 * k)
+            for k, tensor in reversed(list(enumerate(made))):
+                got = box.take(sender, 10 * k)
+                assert got.dtype == tensor.dtype and torch.equal(got, tensor), (k, got, tensor)
+            assert box.pending == 0
+
+
 def main() -> None:
     dist.init_process_group("gloo")
+    mailbox_round_trip()
     for case in json.loads(sys.argv[1]):
         check(case)
     print("mpmd plans follow the plain step", flush=True)
