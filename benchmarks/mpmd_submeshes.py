@@ -1,10 +1,10 @@
 """hp.mpmd levels 2 and 3 against static placements: a vision tower spread into a language model's pipeline
 bubbles, and a DPO reference run a batch ahead in the policy's bubbles.
 
-Three parts, one run (about three minutes on 2 CPU cores), the arms of each part alternating:
+Three parts, one run (about nine minutes on 2 CPU cores), the arms of each part alternating:
 
-1. **VL, 4 emulated ranks** (each action sleeps its measured duration; the tensors between ranks are real
-   and cross over gloo). A language model of 16 blocks and a vision tower worth 3 of them: 15.8% of a
+1. **VL, 4 emulated ranks** (each block a tiny real layer whose forward and backward last exactly the
+   block's cost, the rest slept; the tensors between ranks are real and cross over gloo). A language model of 16 blocks and a vision tower worth 3 of them: 15.8% of a
    sample's work, the share of Qwen2.5-VL-7B's (the 675M tower over a 448 x 448 image's 1024 patches,
    the 7.6B LM over its 256 image and 256 text tokens: 1.31 of 8.55 TFLOP, `vl_share`); also the
    share of Qwen2.5-VL-3B's (29%: 6 blocks' worth); and the 7B share's tower frozen (LlamaFactory's

@@ -1,4 +1,4 @@
-"""Tensors between two ranks of an MPMD step, each with the header that says its shape.
+"""Tensors between two ranks of an MPMD step, each behind the envelope that says its shape.
 
 A receiver cannot size a tensor before it knows its shape, so every tensor
 travels behind a fixed-size envelope: the dtype, the shape and, for a tensor

@@ -3,8 +3,8 @@
 Each rank runs its list of actions in order (`hp.mpmd.plan.Plan`):
 
 - **F** of a stage: its inputs are what the stages it receives from handed
-  on for this micro-batch, taken from this rank or received (a header with
-  the shape and dtype, then the tensor); each becomes a leaf that records
+  on for this micro-batch, taken from this rank or received (an envelope
+  with the shape and dtype, the tensor inside it or after it); each becomes a leaf that records
   its gradient when both ends train. The stage's function computes its
   output (the last stage of a trained program: the micro-batch's loss),
   which is sent at once (non-blocking) to every rank that consumes it.

@@ -26,6 +26,10 @@ A plan is made in passes, as a cluster's batch scheduler fills a machine:
 
 Of the candidate plans, the one whose replay (`hp.mpmd.plan.replay`) under
 the table is shortest is kept, so `hp.mpmd.simulate` gives its times.
+4. **Moves.** The backfill puts a spread forward into the earliest gap,
+   blind to where its backward must then go (where the forward ran), so
+   the kept plan's spread micro-batches are moved, each forward with its
+   backward, to another of their ranks while the replay shortens.
 
 >>> from hp.mpmd.graph import Graph, Program
 >>> plan = schedule(Graph((Program("lm", (0, 1)),), (), 2), Costs.unit(Graph((Program("lm", (0, 1)),), (), 2)))
