@@ -11,7 +11,9 @@ is posted: a receive posted when its reader starts costs a round trip on the
 critical path. The runtime therefore tells the mailbox, a few actions
 ahead, which envelopes it will read (`expect`); their receives are posted at
 once, and an envelope sent meanwhile lands while the actions before its
-reader run. `take` then waits for what is still in flight.
+reader run (on gloo: nccl and hccl ignore tags and match a pair's messages
+in order, see `hp.mpmd.runtime`). `take` then waits for what is still in
+flight.
 
 >>> box = Mailbox(group=None, device="cpu")
 >>> box.pending

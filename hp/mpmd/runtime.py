@@ -15,8 +15,8 @@ Each rank runs its list of actions in order (`hp.mpmd.plan.Plan`):
 
 Sends never block and each receive names its sender and a tag unique to
 the flow, direction, micro-batch and step, so a plan whose replay
-completes (`hp.mpmd.plan.replay`) cannot deadlock here. The receives of
-the next few actions are posted before each action runs
+completes (`hp.mpmd.plan.replay`) cannot deadlock here. On gloo the
+receives of the next few actions are posted before each action runs
 (`hp.mpmd.mailbox`): what they read crosses while the actions before them
 run. Each runtime sends
 on a process group of its own: what one leaves in flight when its steps
@@ -50,7 +50,10 @@ from hp.mpmd.plan import Plan, Slot
 
 # What a stage runs: (the batch, the micro-batch index, its inputs in `Graph.inputs` order) -> its output.
 StageFn = Callable[[Any, int, list[torch.Tensor]], torch.Tensor]
-LOOKAHEAD = 3  # actions whose receives are posted before each action runs
+# Actions whose receives are posted before each action runs, on gloo. nccl and hccl match a pair's sends and
+# receives in the order they are posted (tags ignored) on one stream: a receive posted ahead would hold up
+# the sends queued behind it, so there each receive is posted when its reader runs.
+LOOKAHEAD = 3
 
 
 class Runtime:
@@ -81,6 +84,7 @@ class Runtime:
         self._held: dict = {}  # (node, micro, "out") -> output; (node, micro) -> inputs; grads by (src, dst, micro)
         self._sends: list = []  # (the step that receives it, its work)
         self._mailbox = Mailbox(self.group, self.device)
+        self._lookahead = LOOKAHEAD if dist.get_backend(self.group) == "gloo" else 0
         self._plan_of: dict[int, Plan] = {}  # the plan each recent step ran: a stage running ahead sent by it
 
     def replan(self, plan: Plan) -> None:
@@ -120,11 +124,11 @@ class Runtime:
         self._plan_of = {s: p for s, p in self._plan_of.items() if s > step - self._window} | {step: self.plan}
         first = min(step, 0)  # the index in `batches` of step `step`'s own batch
         actions = [a for a in self.plan.actions[self.rank] if 0 <= first + self.graph.ahead_of(a.node) < len(batches)]
-        for later in actions[:LOOKAHEAD]:
+        for later in actions[:self._lookahead]:
             self._expect(later, step)
         for i, action in enumerate(actions):
-            if i + LOOKAHEAD < len(actions):
-                self._expect(actions[i + LOOKAHEAD], step)
+            if self._lookahead and i + self._lookahead < len(actions):
+                self._expect(actions[i + self._lookahead], step)
             batch = batches[first + self.graph.ahead_of(action.node)]
             start, waited = time.perf_counter(), self._mailbox.waited
             if action.kind == "F":
