@@ -55,6 +55,15 @@ class Action:
     stage: int
     micro: int
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.kind, self.program, self.stage, self.micro)))
+
+    def __hash__(self) -> int:  # kept: planning hashes actions millions of times
+        return self._hash
+
+    def __reduce__(self):  # rebuilt from its fields: another process hashes strings differently
+        return Action, (self.kind, self.program, self.stage, self.micro)
+
     @property
     def node(self) -> Node:
         return self.program, self.stage
@@ -242,8 +251,17 @@ class Graph:
                 found += [Action("B", *node, m) for m in range(self.micros(node))]
         return found
 
-    def dependencies(self, action: Action) -> list[Action]:
+    def dependencies(self, action: Action) -> tuple[Action, ...]:
         """The actions `action` waits for (on its own rank or another)."""
+        known = self._dependencies.get(action)
+        return known if known is not None else tuple(self._dependencies_of(action))
+
+    @cached_property
+    def _dependencies(self) -> dict[Action, tuple[Action, ...]]:
+        """Every action's dependencies, worked out once: planning asks for them millions of times."""
+        return {action: tuple(self._dependencies_of(action)) for action in self.actions()}
+
+    def _dependencies_of(self, action: Action) -> list[Action]:
         node, m = action.node, action.micro
         if action.kind == "F":
             return [Action("F", *src, piece) for src in self.inputs(node) for piece in self.pieces(src, node, m)]

@@ -124,24 +124,27 @@ def _in_order(graph: Graph, costs: Costs, placed: dict[Action, tuple[int, float]
     waits on it must not wait behind it. The others keep the list schedule's order (its 1F1B bound)."""
     ends: dict[Action, float] = {}
     where = {a: rank for a, (rank, _) in placed.items()}
+    waits = {a: graph.dependencies(a) for a in placed}
     free = Counter()
     by_rank: dict[int, list[Action]] = {r: [] for r in range(graph.world)}
-    todo = sorted(placed, key=lambda a: placed[a][1])
-    while todo:
+    todo = {r: [] for r in by_rank}  # each rank's actions left, in the order of their planned starts
+    for action in sorted(placed, key=lambda a: placed[a][1]):
+        todo[where[action]].append(action)
+    while any(todo.values()):
         best = None
-        for rank in by_rank:
-            mine = [a for a in todo if where[a] == rank]
+        for rank, mine in todo.items():
             fixed = next((a for a in mine if a not in movable), None)
             action = next((a for a in mine if (a in movable or a is fixed)
-                           and all(d in ends for d in graph.dependencies(a))), None)  # the earliest planned
+                           and all(d in ends for d in waits[a])), None)  # the earliest planned
             if action is not None:
-                start = max(free[rank], ready_at(graph, costs, action, rank, ends, where))
+                start = max(free[rank], ready_at(graph, costs, action, rank, ends, where, waits[action]))
                 if best is None or (start, placed[action][1]) < best[0]:
                     best = ((start, placed[action][1]), action, rank, start)
         if best is None:
-            raise GraphError(f"no action of {sorted(map(str, todo))} has its inputs: the graph has a cycle")
+            left = sorted(str(a) for mine in todo.values() for a in mine)
+            raise GraphError(f"no action of {left} has its inputs: the graph has a cycle")
         _, action, rank, start = best
-        todo.remove(action)
+        todo[rank].remove(action)
         by_rank[rank].append(action)
         ends[action] = free[rank] = start + costs.seconds(action)
     return Plan(graph, {r: tuple(acts) for r, acts in by_rank.items()})
