@@ -51,7 +51,7 @@ class Mailbox:
     def send(self, tensor: torch.Tensor, peer: int, tag: int) -> list:
         """Send `tensor` to `peer` with tags `tag` (the envelope) and `tag + 1` (the data, when it does not fit
         inside); what must be waited on, and kept alive, until the sends complete."""
-        tensor = tensor.contiguous()
+        tensor = tensor.detach().contiguous()
         if tensor.dim() > _META - 2:
             raise ValueError(f"mpmd: a tensor of {tensor.dim()} dimensions between stages (at most {_META - 2})")
         meta = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape] + [0] * (_META - 2 - tensor.dim())
