@@ -48,12 +48,12 @@ class Grid:
         i = self.members.index(rank)
         return i // (self.width * self.planes), i // self.planes % self.width, i % self.planes
 
-    def group(self, ranks: Sequence[int] | None = None) -> Any:
-        """This rank's group of graph ranks `ranks` (default all) in its replica's plane; every rank makes
-        every replica's and plane's, in order (a collective)."""
+    def group(self, ranks: Sequence[int] | None = None, backend: str | None = None) -> Any:
+        """This rank's group of graph ranks `ranks` (default all) in its replica's plane, of `backend` (None:
+        the world's); every rank makes every replica's and plane's, in order (a collective)."""
         ranks = range(self.width) if ranks is None else ranks
         return own_group([[self.rank(b, r, j) for r in ranks] for b in range(self.replicas)
-                          for j in range(self.planes)])
+                          for j in range(self.planes)], backend)
 
     def across_planes(self) -> Any:
         """This rank's group over the planes (its replica's graph rank in each); None for one plane."""

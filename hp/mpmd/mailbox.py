@@ -6,14 +6,20 @@ of at most `INLINE` bytes (a log-probability per sequence, a loss, a small
 activation), the tensor itself. A small tensor is then one message; a
 larger one is its envelope and then its data.
 
+The tensors cross on a gloo group (`CHANNEL_BACKEND`) through host memory,
+on accelerators too. A plan sends between two ranks on several flows, in
+an order of its own on each rank, and only tags tell the messages apart:
+nccl and hccl ignore tags and match a pair's messages in the order they
+are posted, on one stream for both directions, so a receive posted before
+the peer's matching send (or a send queued behind a receive) mismatches or
+hangs. gloo honours tags.
+
 gloo, like MPI's rendezvous protocol, moves a message only once its receive
 is posted: a receive posted when its reader starts costs a round trip on the
 critical path. The runtime therefore tells the mailbox, a few actions
 ahead, which envelopes it will read (`expect`); their receives are posted at
 once, and an envelope sent meanwhile lands while the actions before its
-reader run (on gloo: nccl and hccl ignore tags and match a pair's messages
-in order, see `hp.mpmd.runtime`). `take` then waits for what is still in
-flight.
+reader run. `take` then waits for what is still in flight.
 
 >>> box = Mailbox(group=None, device="cpu")
 >>> box.pending
@@ -28,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+CHANNEL_BACKEND = "gloo"  # the backend of the groups the tensors cross on
 INLINE = 4096  # bytes: a tensor up to this size travels inside its envelope
 _META = 8  # int64s: dtype code, ndim, then the shape (at most 6 dimensions)
 _ENVELOPE = _META * 8 + INLINE  # bytes
@@ -35,8 +42,9 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.in
 
 
 class Mailbox:
-    """Sends and receives tensors with their envelopes on process group `group` (None: the world), peers by
-    group rank; received tensors land on `device`. `waited` adds up the seconds spent waiting in `take`."""
+    """Sends and receives tensors with their envelopes on gloo process group `group` (None: the world),
+    peers by group rank; received tensors land on `device`. `waited` adds up the seconds spent waiting in
+    `take`."""
 
     def __init__(self, group: Any, device: torch.device | str) -> None:
         self.group, self.device = group, torch.device(device)
@@ -51,13 +59,13 @@ class Mailbox:
     def send(self, tensor: torch.Tensor, peer: int, tag: int) -> list:
         """Send `tensor` to `peer` with tags `tag` (the envelope) and `tag + 1` (the data, when it does not fit
         inside); what must be waited on, and kept alive, until the sends complete."""
-        tensor = tensor.detach().contiguous()
+        tensor = tensor.detach().to("cpu").contiguous()
         if tensor.dim() > _META - 2:
             raise ValueError(f"mpmd: a tensor of {tensor.dim()} dimensions between stages (at most {_META - 2})")
         meta = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape] + [0] * (_META - 2 - tensor.dim())
         nbytes = tensor.numel() * tensor.element_size()
         inline = nbytes <= INLINE
-        envelope = _envelope(meta, tensor if inline else None, self.device)
+        envelope = _envelope(meta, tensor if inline else None)
         global_peer = self._global(peer)
         works = [dist.isend(envelope, global_peer, group=self.group, tag=tag)]
         if not inline:
@@ -67,7 +75,7 @@ class Mailbox:
     def expect(self, peer: int, tag: int) -> None:
         """Post the receive of the envelope `peer` sends with `tag`, if not posted yet."""
         if (peer, tag) not in self._posted:
-            envelope = torch.empty(_ENVELOPE, dtype=torch.uint8, device=self.device)
+            envelope = torch.empty(_ENVELOPE, dtype=torch.uint8)
             self._posted[peer, tag] = envelope, dist.irecv(envelope, self._global(peer), group=self.group, tag=tag)
 
     def take(self, peer: int, tag: int) -> torch.Tensor:
@@ -78,30 +86,25 @@ class Mailbox:
         work.wait()
         code, ndim, *shape = envelope[:_META * 8].view(torch.int64).tolist()
         dtype, shape = _DTYPES[code], shape[:ndim]
-        out = torch.empty(shape, dtype=dtype, device=self.device)
+        out = torch.empty(shape, dtype=dtype)
         nbytes = out.numel() * out.element_size()
         if nbytes <= INLINE:
             out.reshape(-1).view(torch.uint8).copy_(envelope[_META * 8:_META * 8 + nbytes])
         else:
             dist.recv(out, self._global(peer), group=self.group, tag=tag + 1)
         self.waited += time.perf_counter() - start
-        return out
+        return out.to(self.device)
 
     def _global(self, peer: int) -> int:
         return dist.get_global_rank(self.group, peer) if self.group is not None else peer
 
 
-def _envelope(meta: list[int], tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """The envelope's bytes: `meta` as int64s, then `tensor`'s bytes (None: none), zero-padded."""
-    head = torch.tensor(meta, dtype=torch.int64).view(torch.uint8)
-    if device.type == "cpu":  # one buffer built on the host: a handful of torch ops cost more than the send
-        body = b"" if tensor is None else tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
-        return torch.frombuffer(bytearray(head.numpy().tobytes() + body + bytes(INLINE - len(body))), dtype=torch.uint8)
-    envelope = torch.zeros(_ENVELOPE, dtype=torch.uint8, device=device)
-    envelope[:_META * 8] = head.to(device)
-    if tensor is not None:
-        envelope[_META * 8:_META * 8 + tensor.numel() * tensor.element_size()] = tensor.reshape(-1).view(torch.uint8)
-    return envelope
+def _envelope(meta: list[int], tensor: torch.Tensor | None) -> torch.Tensor:
+    """The envelope's bytes: `meta` as int64s, then host tensor `tensor`'s bytes (None: none), zero-padded; one
+    buffer built in Python (a handful of torch ops would cost more than the send)."""
+    head = torch.tensor(meta, dtype=torch.int64).view(torch.uint8).numpy().tobytes()
+    body = b"" if tensor is None else tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return torch.frombuffer(bytearray(head + body + bytes(INLINE - len(body))), dtype=torch.uint8)
 
 
 class _Keep:

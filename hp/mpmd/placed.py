@@ -74,6 +74,7 @@ from hp.mpmd.grid import Grid, replica_of
 from hp.mpmd.measure import gathered_costs, link
 from hp.mpmd.plan import Plan
 from hp.mpmd.programs import Programs, vision_language
+from hp.mpmd.mailbox import CHANNEL_BACKEND
 from hp.mpmd.runtime import Runtime, members, step_loss
 from hp.mpmd.schedule import schedule
 from hp.mpmd.simulate import Simulation, simulate
@@ -108,7 +109,7 @@ class Placed:
         self.rank = self.grid.where(dist.get_rank())[1]
         device = next((p.device for m in programs.modules.values() for p in m.parameters()), torch.device("cpu"))
         self.runtime = Runtime(schedule(self.graph, Costs.unit(self.graph)), programs.stages, group=self.group,
-                               device=device, channel=self.grid.group())
+                               device=device, channel=self.grid.group(backend=CHANNEL_BACKEND))
         self.costs: Costs | None = None
         self._spread = {p.name: self.grid.group(p.ranks) for p in self.graph.programs
                         if p.spread and p.trains and len(p.ranks) > 1}  # where its gradients are summed
@@ -166,7 +167,7 @@ class Placed:
             graph = Graph(tuple(dataclasses.replace(p, trains=False, ahead=0, stagger=False)
                                 for p in self.graph.programs), self.graph.flows, micro)
             runtime = Runtime(schedule(graph, Costs.unit(graph)), self.programs.stages, group=self.group,
-                              device=self.runtime.device, channel=self.grid.group())
+                              device=self.runtime.device, channel=self.grid.group(backend=CHANNEL_BACKEND))
             runtime.measuring = False
             self._evaluators[micro] = runtime
         runtime = self._evaluators[micro]

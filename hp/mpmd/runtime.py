@@ -15,9 +15,10 @@ Each rank runs its list of actions in order (`hp.mpmd.plan.Plan`):
 
 Sends never block and each receive names its sender and a tag unique to
 the flow, direction, micro-batch and step, so a plan whose replay
-completes (`hp.mpmd.plan.replay`) cannot deadlock here. On gloo the
-receives of the next few actions are posted before each action runs
-(`hp.mpmd.mailbox`): what they read crosses while the actions before them
+completes (`hp.mpmd.plan.replay`) cannot deadlock here: the tensors cross
+on a gloo group through host memory on every device (`hp.mpmd.mailbox`
+says why), and the receives of the next few actions are posted before
+each action runs, so what they read crosses while the actions before them
 run. Each runtime sends
 on a process group of its own: what one leaves in flight when its steps
 end (a program running ahead has sent for a step that never comes) cannot
@@ -45,15 +46,12 @@ import torch.distributed as dist
 
 from hp.mpmd.clock import settle
 from hp.mpmd.graph import Action, Node
-from hp.mpmd.mailbox import Mailbox
+from hp.mpmd.mailbox import CHANNEL_BACKEND, Mailbox
 from hp.mpmd.plan import Plan, Slot
 
 # What a stage runs: (the batch, the micro-batch index, its inputs in `Graph.inputs` order) -> its output.
 StageFn = Callable[[Any, int, list[torch.Tensor]], torch.Tensor]
-# Actions whose receives are posted before each action runs, on gloo. nccl and hccl match a pair's sends and
-# receives in the order they are posted (tags ignored) on one stream: a receive posted ahead would hold up
-# the sends queued behind it, so there each receive is posted when its reader runs.
-LOOKAHEAD = 3
+LOOKAHEAD = 3  # actions whose receives are posted before each action runs
 
 
 class Runtime:
@@ -66,10 +64,10 @@ class Runtime:
     def __init__(self, plan: Plan, stages: Mapping[Node, StageFn], *, group: Any = None,
                  device: torch.device | str = "cpu", channel: Any = None) -> None:
         self.plan, self.graph, self.stages = plan, plan.graph, dict(stages)
-        # a group of its own (`channel`, default: a new one of `group`'s ranks): what this runtime leaves in
-        # flight no other can take
-        self.group = channel if channel is not None else subgroup(group)
-        self.device = torch.device(device)  # where received tensors land (nccl and hccl send device tensors)
+        # a gloo group of its own (`channel`, default: a new one of `group`'s ranks): what this runtime leaves
+        # in flight no other can take, and tags are honoured (see `hp.mpmd.mailbox`)
+        self.group = channel if channel is not None else subgroup(group, backend=CHANNEL_BACKEND)
+        self.device = torch.device(device)  # where received tensors land
         self.measuring = True  # each action waits for the device before its end is read (hp.mpmd.clock)
         self.rank = dist.get_rank(group)
         self.samples: list[tuple[Action, float]] = []  # (action, seconds) measured here
@@ -84,7 +82,6 @@ class Runtime:
         self._held: dict = {}  # (node, micro, "out") -> output; (node, micro) -> inputs; grads by (src, dst, micro)
         self._sends: list = []  # (the step that receives it, its work)
         self._mailbox = Mailbox(self.group, self.device)
-        self._lookahead = LOOKAHEAD if dist.get_backend(self.group) == "gloo" else 0
         self._plan_of: dict[int, Plan] = {}  # the plan each recent step ran: a stage running ahead sent by it
 
     def replan(self, plan: Plan) -> None:
@@ -124,11 +121,11 @@ class Runtime:
         self._plan_of = {s: p for s, p in self._plan_of.items() if s > step - self._window} | {step: self.plan}
         first = min(step, 0)  # the index in `batches` of step `step`'s own batch
         actions = [a for a in self.plan.actions[self.rank] if 0 <= first + self.graph.ahead_of(a.node) < len(batches)]
-        for later in actions[:self._lookahead]:
+        for later in actions[:LOOKAHEAD]:
             self._expect(later, step)
         for i, action in enumerate(actions):
-            if self._lookahead and i + self._lookahead < len(actions):
-                self._expect(actions[i + self._lookahead], step)
+            if i + LOOKAHEAD < len(actions):
+                self._expect(actions[i + LOOKAHEAD], step)
             batch = batches[first + self.graph.ahead_of(action.node)]
             start, waited = time.perf_counter(), self._mailbox.waited
             if action.kind == "F":
@@ -261,9 +258,10 @@ class Runtime:
         self._sends += [(received, work) for work in self._mailbox.send(tensor, to, tag)]
 
 
-def subgroup(group: Any) -> Any:
-    """A new process group of `group`'s ranks (None: the world's); every rank of the world makes it alike."""
-    return own_group([members(group)])
+def subgroup(group: Any, backend: str | None = None) -> Any:
+    """A new process group of `group`'s ranks (None: the world's), of `backend` (None: the world's); every
+    rank of the world makes it alike."""
+    return own_group([members(group)], backend)
 
 
 def members(group: Any) -> list[int]:
@@ -271,12 +269,12 @@ def members(group: Any) -> list[int]:
     return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
 
 
-def own_group(blocks: list[list[int]]) -> Any:
-    """Every rank makes each block's process group (of global ranks), in order (a new group is a collective
-    of the world); this rank's, or None."""
+def own_group(blocks: list[list[int]], backend: str | None = None) -> Any:
+    """Every rank makes each block's process group (of global ranks, of `backend`; None: the world's), in
+    order (a new group is a collective of the world); this rank's, or None."""
     me, mine = dist.get_rank(), None
     for block in blocks:
-        made = dist.new_group(block)
+        made = dist.new_group(block, backend=backend)
         mine = made if me in block else mine
     return mine
 
