@@ -4,10 +4,11 @@ Each rank runs its list of actions in order (`hp.mpmd.plan.Plan`):
 
 - **F** of a stage: its inputs are what the stages it receives from handed
   on for this micro-batch, taken from this rank or received (an envelope
-  with the shape and dtype, the tensor inside it or after it); each becomes a leaf that records
-  its gradient when both ends train. The stage's function computes its
-  output (the last stage of a trained program: the micro-batch's loss),
-  which is sent at once (non-blocking) to every rank that consumes it.
+  with the shape and dtype, the tensor inside it or after it); each
+  becomes a leaf that records its gradient when both ends train. The
+  stage's function computes its output (the last stage of a trained
+  program: the micro-batch's loss), which is sent at once (non-blocking)
+  to every rank that consumes it.
 - **B** of a stage: the gradient of its output is the sum of what its
   trained consumers sent back (the last stage starts from its loss);
   autograd runs the stage's backward, and each input's gradient goes back to
@@ -19,11 +20,10 @@ completes (`hp.mpmd.plan.replay`) cannot deadlock here: the tensors cross
 on a gloo group through host memory on every device (`hp.mpmd.mailbox`
 says why), and the receives of the next few actions are posted before
 each action runs, so what they read crosses while the actions before them
-run. Each runtime sends
-on a process group of its own: what one leaves in flight when its steps
-end (a program running ahead has sent for a step that never comes) cannot
-be received by another. Programs running
-ahead work on a later batch: what a stage sends to a stage running less far
+run. Each runtime sends on a process group of its own: what one leaves in
+flight when its steps end (a program running ahead has sent for a step
+that never comes) cannot be received by another. Programs running ahead
+work on a later batch: what a stage sends to a stage running less far
 ahead is received that many steps later; before the first step, `step`
 runs the steps before it for the stages far enough ahead to have a batch
 (the prologue).
