@@ -14,11 +14,13 @@ from pathlib import Path
 
 import pytest
 import rank_pool
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hp.mpmd.costs import Costs
 from hp.mpmd.graph import Action, Flow, Graph, GraphError, Program
+from hp.mpmd.mailbox import Mailbox
 from hp.mpmd.plan import replay
 from hp.mpmd.schedule import schedule
 from hp.mpmd.simulate import project, simulate
@@ -185,6 +187,12 @@ def test_a_placement_that_cannot_run_is_refused_by_name(change, words):
     asked = dict(place={"model.visual": "enc"}, mesh={"enc": (0,), "pp": (0,)}, plan=plan_for(config), microbatches=2)
     with pytest.raises(ValueError, match=re.escape(words)):
         hp.mpmd(torch.nn.Linear(1, 1), **(asked | change))  # refused before the model is looked at
+
+
+def test_a_tensor_the_envelope_cannot_describe_is_refused_by_name():
+    """An envelope holds at most 6 dimensions: a tensor of more is refused before anything is sent."""
+    with pytest.raises(ValueError, match="7 dimensions between stages"):
+        Mailbox(None, "cpu").send(torch.zeros([1] * 7), 1, 0)
 
 
 @settings(max_examples=1, deadline=None)
