@@ -190,9 +190,12 @@ def test_a_placement_that_cannot_run_is_refused_by_name(change, words):
 
 
 def test_a_tensor_the_envelope_cannot_describe_is_refused_by_name():
-    """An envelope holds at most 6 dimensions: a tensor of more is refused before anything is sent."""
+    """An envelope holds at most 6 dimensions and the dtypes it names: another tensor is refused before
+    anything is sent."""
     with pytest.raises(ValueError, match="7 dimensions between stages"):
         Mailbox(None, "cpu").send(torch.zeros([1] * 7), 1, 0)
+    with pytest.raises(ValueError, match="a torch.complex64 tensor between stages"):
+        Mailbox(None, "cpu").send(torch.zeros(2, dtype=torch.complex64), 1, 0)
 
 
 @settings(max_examples=1, deadline=None)

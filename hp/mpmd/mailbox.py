@@ -62,6 +62,9 @@ class Mailbox:
         tensor = tensor.detach().to("cpu").contiguous()
         if tensor.dim() > _META - 2:
             raise ValueError(f"mpmd: a tensor of {tensor.dim()} dimensions between stages (at most {_META - 2})")
+        if tensor.dtype not in _DTYPES:
+            raise ValueError(f"mpmd: a {tensor.dtype} tensor between stages; an envelope carries "
+                             f"{', '.join(str(d) for d in _DTYPES)}")
         meta = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape] + [0] * (_META - 2 - tensor.dim())
         nbytes = tensor.numel() * tensor.element_size()
         inline = nbytes <= INLINE

@@ -71,10 +71,10 @@ from hp.mesh import mesh as make_mesh
 from hp.mpmd.costs import Costs
 from hp.mpmd.graph import Graph
 from hp.mpmd.grid import Grid, replica_of
+from hp.mpmd.mailbox import CHANNEL_BACKEND
 from hp.mpmd.measure import gathered_costs, link
 from hp.mpmd.plan import Plan
 from hp.mpmd.programs import Programs, vision_language
-from hp.mpmd.mailbox import CHANNEL_BACKEND
 from hp.mpmd.runtime import Runtime, members, step_loss
 from hp.mpmd.schedule import schedule
 from hp.mpmd.simulate import Simulation, simulate
