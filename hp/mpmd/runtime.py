@@ -67,6 +67,9 @@ class Runtime:
         # a gloo group of its own (`channel`, default: a new one of `group`'s ranks): what this runtime leaves
         # in flight no other can take, and tags are honoured (see `hp.mpmd.mailbox`)
         self.group = channel if channel is not None else subgroup(group, backend=CHANNEL_BACKEND)
+        if dist.get_backend(self.group) != CHANNEL_BACKEND:
+            raise ValueError(f"Runtime: channel is a {dist.get_backend(self.group)} group; the tensors between stages "
+                             f"cross on {CHANNEL_BACKEND} (see hp.mpmd.mailbox)")
         self.device = torch.device(device)  # where received tensors land
         self.measuring = True  # each action waits for the device before its end is read (hp.mpmd.clock)
         self.rank = dist.get_rank(group)
