@@ -55,12 +55,14 @@ import statistics
 import sys
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from ranks import DONE, bind_to_cores, emitter, gathered, run_ranks, slowest
 
+from hp.mpmd.backward import input_gradients
 from hp.mpmd.choice import BlockCosts, choose_reference
 from hp.mpmd.costs import Costs
 from hp.mpmd.graph import Flow, Graph, Program
@@ -121,28 +123,34 @@ def _slot(action: list, rank: int, start: float, end: float):
 SPIN = 3e-4  # seconds an emulated action spins before its deadline, rather than oversleep it
 
 
-class _Emulated(torch.autograd.Function):
-    """A tiny real layer, tanh(x W^T + b), whose forward lasts `forward_s` in all and whose backward lasts
-    `backward_s`: the layer's own time is part of the duration and the rest is slept, to a deadline (the
-    last `SPIN` spun: a sleep wakes up to 0.1 ms late). The tensors are real, the time is the block's."""
+class _Lasting(torch.autograd.Function):
+    """The identity, whose backward lasts `seconds` (slept to a deadline, the last `SPIN` spun: a sleep wakes
+    up to 0.1 ms late): an emulated block's backward time, placed on the path autograd takes for the
+    gradient it stands for (the input's or the weight's), so a split backward pays each where it runs."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, forward_s: float, backward_s: float):
-        deadline = time.perf_counter() + forward_s
-        y = torch.tanh(x @ weight.t() + bias)
-        ctx.save_for_backward(x, weight, y)
-        ctx.backward_s = backward_s
-        _until(deadline)
-        return y
+    def forward(ctx, t, seconds: float):
+        ctx.seconds = seconds
+        return t.view_as(t)
 
     @staticmethod
     def backward(ctx, grad):
-        deadline = time.perf_counter() + ctx.backward_s
-        x, weight, y = ctx.saved_tensors
-        g = (grad * (1 - y * y)).reshape(-1, weight.shape[0])
-        grads = (g @ weight).reshape(x.shape), g.t() @ x.reshape(-1, weight.shape[1]), g.sum(0)
-        _until(deadline)
-        return *(d if need else None for d, need in zip(grads, ctx.needs_input_grad)), None, None
+        _until(time.perf_counter() + ctx.seconds)
+        return grad, None
+
+
+def _emulated(x: torch.Tensor, layer: torch.nn.Linear, forward_s: float, backward_s: float) -> torch.Tensor:
+    """A tiny real layer, tanh(x W^T + b), whose forward lasts `forward_s` in all (its own time included, the
+    rest slept) and whose backward lasts `backward_s`: half for the input's gradient and half for the
+    weight's (a linear layer's two products), all of it the weight's when the input wants none."""
+    deadline = time.perf_counter() + forward_s
+    into_input = backward_s / 2 if x.requires_grad else 0.0
+    if x.requires_grad:
+        x = _Lasting.apply(x, into_input)
+    weight = _Lasting.apply(layer.weight, backward_s - into_input) if layer.weight.requires_grad else layer.weight
+    y = torch.tanh(torch.nn.functional.linear(x, weight, layer.bias))
+    _until(deadline)
+    return y
 
 
 def _until(deadline: float) -> None:
@@ -153,7 +161,7 @@ def _until(deadline: float) -> None:
 
 
 class Blocks(torch.nn.Module):
-    """`n` blocks: emulated (one tiny linear layer lasting the blocks' time, `_Emulated`; `backward` of them
+    """`n` blocks: emulated (one tiny linear layer lasting the blocks' time, `_emulated`; `backward` of them
     have a backward, default all) or real (`n` linear layers)."""
 
     def __init__(self, n: float, width: int, emulated: bool, seed: int, trains: bool = True,
@@ -166,19 +174,19 @@ class Blocks(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.emulated:
-            layer = self.layers[0]
-            return _Emulated.apply(x, layer.weight, layer.bias, self.n * U, 2 * self.backward * U)
+            return _emulated(x, self.layers[0], self.n * U, 2 * self.backward * U)
         for layer in self.layers:
             x = torch.tanh(layer(x))
         return x
 
 
 def vl_graph(ranks: int, split: tuple[int, ...], tower: float, spread: bool, parts: int = 1,
-             frozen: bool = False) -> tuple[Graph, dict]:
+             frozen: bool = False, zero_bubble: bool = False) -> tuple[Graph, dict]:
     """The VL step: with `spread`, the tower its own program over every rank (each micro-batch's images cut
     into `parts`; `frozen`: no backward, a batch ahead) and the LM cut by `split`; else the tower inside the
-    LM's stage 0. Each stage's (forward, backward) blocks per micro-batch (of its own)."""
-    lm = Program("lm", tuple(range(ranks)))
+    LM's stage 0. `zero_bubble`: the LM's stages split their backward (`Program(split=True)`). Each stage's
+    (forward, backward) blocks per micro-batch (of its own)."""
+    lm = Program("lm", tuple(range(ranks)), split=zero_bubble)
     if spread:
         tower_program = Program("vision", tuple(range(ranks)), spread=True, parts=parts, trains=not frozen,
                                 ahead=int(frozen))
@@ -216,8 +224,49 @@ def _stage(module: torch.nn.Module, first: bool, last: bool, parts: int):
     return run
 
 
-def nominal(graph: Graph, blocks: dict) -> Costs:
-    return Costs({(k, n): blocks[n][k == "B"] * U * (1 if k == "F" else 2) for n in graph.nodes() for k in "FB"})
+@dataclass(frozen=True)
+class BlockTimes:
+    """One block's seconds: its forward, its input's gradient and its weight's; `saved_first`: what a stage
+    whose input wants no gradient saves (a real stage skips its first layer's input gradient; an emulated
+    one puts that time on the weight's path)."""
+
+    forward: float = U
+    input_grad: float = U
+    weight_grad: float = U
+    saved_first: float = 0.0
+
+
+def nominal(graph: Graph, blocks: dict, block: BlockTimes = BlockTimes()) -> Costs:
+    """Each stage's costs from its blocks (an emulated block's forward U, its backward 2U: U for its input's
+    gradient, U for its weight's)."""
+    costs = {}
+    for node in graph.nodes():
+        forward, backward = blocks[node]
+        costs["F", node] = forward * block.forward
+        if graph.splits(node):
+            costs["B", node], costs["W", node] = backward * block.input_grad, backward * block.weight_grad
+        else:
+            wants = any(graph.trains(src) for src in graph.inputs(node))
+            costs["B", node] = backward * (block.input_grad + block.weight_grad) - (0 if wants else block.saved_first)
+    return Costs(costs)
+
+
+def calibrated(width: int, rows: int, repeats: int = 15) -> BlockTimes:
+    """A real block's times, measured here: the median over `repeats` of 4 blocks' forward, input gradients
+    (`hp.mpmd.backward`) and weight gradients, per block."""
+    module = Blocks(4, width, emulated=False, seed=0)
+    times = []
+    for _ in range(repeats + 2):
+        x = torch.randn(rows, width, requires_grad=True)
+        start = time.perf_counter()
+        out = module(x)
+        forward = time.perf_counter()
+        later = input_gradients(out, torch.ones_like(out), [x])
+        inputs = time.perf_counter()
+        later()
+        times.append((forward - start, inputs - forward, time.perf_counter() - inputs))
+    f, dx, dw = (statistics.median(t[i] for t in times[2:]) / 4 for i in range(3))
+    return BlockTimes(f, dx, dw, saved_first=dx)
 
 
 # ---- measuring an arm ------------------------------------------------------------------------------------
@@ -290,37 +339,43 @@ def run_arms(arms: dict[str, Arm], batches, rounds: int) -> None:
             arms[name].step([batches(r + k) for k in range(1 + ahead)], timed=r >= WARMUP)
 
 
-def best_splits(ranks: int, tower: float, spread: bool, keep: int,
-                frozen: bool = False) -> list[tuple[tuple[int, ...], int]]:
-    """The `keep` (split of the LM's blocks, parts of the tower's micro-batches) whose simulated step is
-    shortest; the tower is cut into parts only when spread. With the tower in stage 0 every split is
-    tried; spread, the splits within 2 blocks of even (the tower's work no longer sits in one stage), each
-    micro-batch's images whole or cut into 2 or (4 ranks) 4 parts."""
+def best_splits(ranks: int, tower: float, spread: bool, keep: int, frozen: bool = False,
+                block: BlockTimes = BlockTimes()) -> list[tuple[tuple[int, ...], int, bool]]:
+    """The `keep` (split of the LM's blocks, parts of the tower's micro-batches, zero bubble) whose simulated
+    step is shortest; the tower is cut into parts only when spread. With the tower in stage 0 every split
+    is tried; spread, the splits within 2 blocks of even (the tower's work no longer sits in one stage),
+    each micro-batch's images whole or cut into 2 or (4 ranks) 4 parts. Either way, the LM's backward
+    whole (1F1B) or split (zero bubble)."""
     found = []
     for split in itertools.product(range(0 if not spread else 1, BLOCKS + 1), repeat=ranks):
         if sum(split) != BLOCKS or min(split[1:]) < 1 or (spread and max(split) - min(split) > 2):
             continue
         for parts in ((1, 2, 4) if ranks >= 4 else (1, 2)) if spread else (1,):
-            graph, blocks = vl_graph(ranks, split, tower, spread, parts, frozen)
-            costs = nominal(graph, blocks)
-            found.append((simulate(schedule(graph, costs), costs).step_seconds, split, parts))
-    return [(split, parts) for _, split, parts in sorted(found)[:keep]]
+            for zero_bubble in (False, True):
+                graph, blocks = vl_graph(ranks, split, tower, spread, parts, frozen, zero_bubble)
+                costs = nominal(graph, blocks, block)
+                found.append((simulate(schedule(graph, costs), costs).step_seconds, split, parts, zero_bubble))
+    return [(split, parts, zero_bubble) for _, split, parts, zero_bubble in sorted(found)[:keep]]
 
 
 # ---- the parts -------------------------------------------------------------------------------------------
 
 
-def vl_arms(ranks: int, tower: float, width: int, emulated: bool, frozen: bool = False) -> dict[str, Arm]:
+def vl_arms(ranks: int, tower: float, width: int, emulated: bool, frozen: bool = False,
+            block: BlockTimes = BlockTimes()) -> dict[str, Arm]:
     arms = {}
     even = tuple([BLOCKS // ranks] * ranks)
     graph, blocks = vl_graph(ranks, even, tower, spread=False, frozen=frozen)
     arms["B0"] = Arm(graph, vl_stages(graph, blocks, width, emulated), plan_from_costs=False)
-    for split, _ in _on_rank_zero(lambda: best_splits(ranks, tower, spread=False, keep=3, frozen=frozen)):
-        graph, blocks = vl_graph(ranks, split, tower, spread=False, frozen=frozen)
-        arms[f"B1 {split}"] = Arm(graph, vl_stages(graph, blocks, width, emulated), plan_from_costs=False)
-    for split, parts in _on_rank_zero(lambda: best_splits(ranks, tower, spread=True, keep=2, frozen=frozen)):
-        graph, blocks = vl_graph(ranks, split, tower, spread=True, parts=parts, frozen=frozen)
-        arms[f"S {split} parts {parts}"] = Arm(graph, vl_stages(graph, blocks, width, emulated))
+    for split, _, zero_bubble in _on_rank_zero(lambda: best_splits(ranks, tower, spread=False, keep=3, frozen=frozen,
+                                                                                  block=block)):
+        graph, blocks = vl_graph(ranks, split, tower, spread=False, frozen=frozen, zero_bubble=zero_bubble)
+        arms[f"B1 {split}{' zb' * zero_bubble}"] = Arm(graph, vl_stages(graph, blocks, width, emulated),
+                                                       plan_from_costs=zero_bubble)
+    for split, parts, zero_bubble in _on_rank_zero(lambda: best_splits(ranks, tower, spread=True, keep=2, frozen=frozen,
+                                                                                         block=block)):
+        graph, blocks = vl_graph(ranks, split, tower, spread=True, parts=parts, frozen=frozen, zero_bubble=zero_bubble)
+        arms[f"S {split} parts {parts}{' zb' * zero_bubble}"] = Arm(graph, vl_stages(graph, blocks, width, emulated))
     return arms
 
 
@@ -364,7 +419,8 @@ def real_worker(rounds: int) -> None:
     emit = emitter(int(os.environ["RANK"]))
     dist.init_process_group("gloo")
     LINK = link()
-    arms = vl_arms(2, 3.0, REAL_WIDTH, emulated=False)
+    block = calibrated(REAL_WIDTH, REAL_ROWS)  # every rank at once, each on its core; rank 0's times search
+    arms = vl_arms(2, 3.0, REAL_WIDTH, emulated=False, block=block)
     run_arms(arms, vl_batches(REAL_WIDTH, REAL_ROWS), rounds)
     for name, arm in arms.items():
         emit(arm.record("vl real", name))

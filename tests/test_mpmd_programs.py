@@ -204,16 +204,17 @@ def test_a_tensor_the_envelope_cannot_describe_is_refused_by_name():
     "ref_parts": st.sampled_from([1, 2]), "stagger": st.booleans(), "frozen_enc": st.booleans(),
     "enc": st.sampled_from([[0], [1], [0, 1]]), "lm": st.sampled_from([[0, 1], [1, 0], [1, 1], [0, 0]]),
     "ref": st.sampled_from([[0, 1], [1, 0], [1, 1]]), "ahead": st.integers(0, 1), "stat": st.sampled_from([None, 0, 1]),
-    "seconds": st.lists(seconds, min_size=12, max_size=12)}), min_size=4, max_size=4))
+    "split": st.booleans(), "seconds": st.lists(seconds, min_size=12, max_size=12)}), min_size=4, max_size=4))
 def test_plans_run_on_gloo_ranks_give_the_plain_steps_loss_and_gradients(cases):
     """Four drawn cases per run: placements, micro-batches, the reference in the step or a batch ahead,
-    each cut into parts or whole, staggered or not, the encoder trained or frozen (then a batch ahead),
+    each cut into parts or whole, staggered or not, the encoder trained or frozen (then a batch ahead), the
+    model's backward whole or split into input and weight gradients,
     a frozen program in the step whose outputs each group of micro-batches' loss gathers, or none,
     and costs (so the planned orders differ); two steps each, planned again from other costs after the
     first. Two more are always the cases with the most to get wrong: the reference a batch ahead,
-    staggered, in parts, the encoder spread in parts, trained and frozen."""
+    staggered, in parts, the encoder spread in parts, trained and frozen, the model's backward split."""
     always = {"micro": 3, "seed": 7, "parts": 2, "ref_parts": 2, "stagger": True, "enc": [0, 1], "lm": [0, 1],
-              "ref": [1, 0], "ahead": 1, "stat": 1,
+              "ref": [1, 0], "ahead": 1, "stat": 1, "split": True,
               "seconds": [1.0, 2.0, 0.5, 1.0, 1.0, 2.0, 0.6, 0.0, 0.4, 0.0, 0.3, 0.0]}
     both = [always | {"frozen_enc": frozen} for frozen in (False, True)]
     run = rank_pool.run(str(HERE / "workers" / "mpmd_gloo.py"), 2, json.dumps([*cases, *both]), timeout=300)
@@ -248,13 +249,13 @@ def test_a_policy_and_reference_with_tp_inside_their_stages_give_the_plain_steps
 
 def test_a_qwen_vl_tower_placed_by_hp_mpmd_gives_hfs_steps_on_gloo_ranks():
     """Level 2 on a real model through `hp.mpmd(model, place=..., mesh=...)`: a tiny Qwen2.5-VL's vision
-    tower spread over the pipeline's two ranks, on a rank of its own, frozen a batch ahead, and laid out tp=2
+    tower spread over the pipeline's two ranks (the language model's backward split), on a rank of its own, frozen a batch ahead, and laid out tp=2
     (sp) with a one-stage language model over the two ranks (two planes); three SGD
     steps (the last planned from the measured costs) give HF's loss and every gradient, the tower's included
     (`workers/mpmd_vl_gloo.py`)."""
     run = rank_pool.run(str(HERE / "workers" / "mpmd_vl_gloo.py"), 2, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    for placement in ("in the pipeline's bubbles", "on a rank of its own", "frozen, a batch ahead in the pipeline's bubbles",
+    for placement in ("in the pipeline's bubbles, the backward split", "on a rank of its own", "frozen, a batch ahead in the pipeline's bubbles",
                       "laid out tp=2 beside its language model"):
         assert f"a vision tower {placement} follows HF's step" in run.stdout
 

@@ -43,8 +43,9 @@ class Costs:
 
     @classmethod
     def unit(cls, graph: Graph) -> Costs:
-        """Every forward and backward one unit, transfers free: the time PyTorch's schedules assume."""
-        return cls({(kind, node): 1.0 for node in graph.nodes() for kind in ("F", "B")})
+        """Every forward and backward (and each half of a split one) one unit, transfers free: the time
+        PyTorch's schedules assume."""
+        return cls({(kind, node): 1.0 for node in graph.nodes() for kind in ("F", "B", "W")})
 
     @classmethod
     def measured(cls, samples: Iterable[tuple[Action, float]], transfers: Iterable[tuple[Node, Node, float]] = (),

@@ -22,7 +22,11 @@ stage's output is received by the next stage in the next step), and every
 one of its forwards can go wherever a rank is idle.
 
 The graph's actions are each stage's forward `F` and (when it trains)
-backward `B` per micro-batch; `dependencies` says what each waits for.
+backward `B` per micro-batch; `dependencies` says what each waits for. A
+program may **split** its backward, as zero-bubble pipeline schedules do:
+then `B` of a stage that received trained inputs computes only their
+gradients (what the stage before waits for) and `W`, its parameters'
+gradients, runs later on the same rank, wherever it leaves no one waiting.
 Scheduling them is `hp.mpmd.schedule`'s business, running them
 `hp.mpmd.runtime`'s, replaying them against a cost table
 `hp.mpmd.simulate`'s.
@@ -48,7 +52,8 @@ class GraphError(ValueError):
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One stage's forward (`F`) or backward (`B`) of one micro-batch."""
+    """One stage's forward (`F`), backward (`B`) or, when its program splits it, the weight gradient (`W`) of
+    one micro-batch."""
 
     kind: str
     program: str
@@ -94,6 +99,7 @@ class Program:
     spread: bool = False
     parts: int = 1
     stagger: bool = False
+    split: bool = False
 
     @property
     def stages(self) -> int:
@@ -133,6 +139,8 @@ class Graph:
         if len(set(names)) != len(names):
             raise GraphError(f"program names repeat: {names}")
         for program in self.programs:
+            if program.split and not program.trains:
+                raise GraphError(f"program {program.name!r}: only a trained program's backward can be split")
             if program.stagger and program.trains:
                 raise GraphError(f"program {program.name!r}: only a frozen program can be staggered (a trained "
                                  "one's gradients flow back within the step)")
@@ -213,6 +221,11 @@ class Graph:
     def trains(self, node: Node) -> bool:
         return self.program[node[0]].trains
 
+    def splits(self, node: Node) -> bool:
+        """Whether stage `node` runs its backward as `B` (its inputs' gradients) and `W` (its parameters'): its
+        program splits it and it receives a trained input (else its whole backward is a weight gradient)."""
+        return self.program[node[0]].split and any(self.trains(src) for src in self.inputs(node))
+
     def micros(self, node: Node) -> int:
         """How many micro-batches stage `node` runs a step: the step's, times its program's parts."""
         return self.microbatches * self.program[node[0]].parts
@@ -249,7 +262,7 @@ class Graph:
         for node in reversed(self.order):
             if self.trains(node):
                 found += [Action("B", *node, m) for m in range(self.micros(node))]
-        return found
+        return found + [Action("W", *node, m) for node in self.order if self.splits(node) for m in range(self.micros(node))]
 
     def dependencies(self, action: Action) -> tuple[Action, ...]:
         """The actions `action` waits for (on its own rank or another)."""
@@ -265,6 +278,8 @@ class Graph:
         node, m = action.node, action.micro
         if action.kind == "F":
             return [Action("F", *src, piece) for src in self.inputs(node) for piece in self.pieces(src, node, m)]
+        if action.kind == "W":
+            return [Action("B", *node, m)]
         grads = [Action("B", *dst, self.consumer(node, dst, m)) for dst in self.outputs(node) if self.trains(dst)]
         return [Action("F", *node, m), *grads]
 

@@ -220,9 +220,10 @@ def _sum_gradients(params: list[nn.Parameter], group: Any) -> None:
 
 def placed(model: nn.Module, place: Mapping[str, str], mesh: Mapping[str, Sequence[int]], *, plan: ModelPlan | None,
            microbatches: int | None, warmup: int = 3, split: tuple[int, ...] | None = None,
-           strategy: Strategy | None = None) -> Placed:
+           strategy: Strategy | None = None, zero_bubble: bool = False) -> Placed:
     """`model`'s sub-models placed on `mesh`'s named sub-meshes (see the module), checked before any rank works;
-    `strategy` (tp, sp): each stage laid out over tp ranks, the world tp planes of `mesh`'s ranks."""
+    `strategy` (tp, sp): each stage laid out over tp ranks, the world tp planes of `mesh`'s ranks;
+    `zero_bubble`: the language model's stages split their backward (`hp.mpmd.backward`)."""
     if plan is None:
         raise PlaceError("place needs the model's plan (plan=hp.models.plan_for(model.config)): it names the "
                          "sub-models and the blocks the pipeline is cut along")
@@ -249,7 +250,8 @@ def placed(model: nn.Module, place: Mapping[str, str], mesh: Mapping[str, Sequen
         world = dist.get_world_size()
         laid_out = {"strategy": strategy, "mesh": make_mesh(**{PLACED_AXIS: world // planes, "tp": planes})["tp"]}
     programs = vision_language(model, plan, tower_ranks=tower, stage_ranks=submeshes[PIPELINE],
-                               microbatches=microbatches, split=split, rank=rank, **laid_out)
+                               microbatches=microbatches, split=split, rank=rank, zero_bubble=zero_bubble,
+                               **laid_out)
     return Placed(programs, warmup=warmup, planes=planes)
 
 

@@ -74,17 +74,19 @@ class Programs:
 
 def vision_language(model: nn.Module, plan: ModelPlan, *, tower_ranks: tuple[int, ...],
                     stage_ranks: tuple[int, ...], microbatches: int, split: tuple[int, ...] | None = None,
-                    rank: int | None = None, strategy: Strategy | None = None, mesh=None) -> Programs:
+                    rank: int | None = None, strategy: Strategy | None = None, mesh=None,
+                    zero_bubble: bool = False) -> Programs:
     """`model`'s tower and language model as programs (see the module); `split`: blocks per stage (even
     by default); `rank`: `model` cut in place to what that rank runs (None: every stage a copy, the tower
     shared: one process holding all); `strategy` (tp, sp, vision_tp) and `mesh`, with `rank`: what the rank
     holds laid out by it on `mesh` (`hp.mpmd.Placed(planes=tp)`'s tensor parallel group), its tensors
-    crossing as each rank's own block."""
+    crossing as each rank's own block; `zero_bubble`: the language model's stages split their backward
+    (`Program.split`)."""
     blocks = len(model.get_submodule(plan.blocks))
     counts = split or even_split(blocks, len(stage_ranks))
     cuts = StageSplit.of_counts(counts)
     trains = any(p.requires_grad for p in model.get_submodule(plan.vision).parameters())
-    graph = tower_graph(tower_ranks, stage_ranks, microbatches, trains)
+    graph = tower_graph(tower_ranks, stage_ranks, microbatches, trains, zero_bubble)
     tokens = (model.config.image_token_id, model.config.vision_start_token_id)
     width = model.get_input_embeddings().embedding_dim  # the tower's features are in the embedding's space
     prepare = with_positions(model)
@@ -101,15 +103,15 @@ def vision_language(model: nn.Module, plan: ModelPlan, *, tower_ranks: tuple[int
 
 
 def tower_graph(tower_ranks: tuple[int, ...], stage_ranks: tuple[int, ...], microbatches: int,
-                trains: bool = True) -> Graph:
+                trains: bool = True, zero_bubble: bool = False) -> Graph:
     """A tower spread over `tower_ranks` (a batch ahead when frozen) feeding the first of the language
-    model's stages on `stage_ranks`.
+    model's stages on `stage_ranks` (their backward split with `zero_bubble`).
 
     >>> [p.ahead for p in tower_graph((2,), (0, 1), 4, trains=False).programs]
     [1, 0]
     """
     tower = Program("vision", tuple(tower_ranks), spread=True, trains=trains, ahead=0 if trains else 1)
-    return Graph((tower, Program("language", tuple(stage_ranks))), (Flow(("vision", 0), ("language", 0)),),
+    return Graph((tower, Program("language", tuple(stage_ranks), split=zero_bubble)), (Flow(("vision", 0), ("language", 0)),),
                  microbatches)
 
 

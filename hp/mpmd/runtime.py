@@ -12,7 +12,9 @@ Each rank runs its list of actions in order (`hp.mpmd.plan.Plan`):
 - **B** of a stage: the gradient of its output is the sum of what its
   trained consumers sent back (the last stage starts from its loss);
   autograd runs the stage's backward, and each input's gradient goes back to
-  the stage it came from.
+  the stage it came from. Where the graph splits the stage's backward,
+  B runs only as far as its inputs (`hp.mpmd.backward`) and **W**, later,
+  the rest: its parameters' gradients.
 
 Sends never block and each receive names its sender and a tag unique to
 the flow, direction, micro-batch and step, so a plan whose replay
@@ -44,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hp.mpmd.backward import input_gradients
 from hp.mpmd.clock import settle
 from hp.mpmd.graph import Action, Node
 from hp.mpmd.mailbox import CHANNEL_BACKEND, Mailbox
@@ -135,8 +138,10 @@ class Runtime:
                 out = self._forward(action, batch, step)
                 if not self.graph.outputs(action.node) and not self.graph.carried_outputs(action.node):
                     losses[action.micro] = out.detach()
-            else:
+            elif action.kind == "B":
                 self._backward(action)
+            else:
+                self._held.pop((action.node, action.micro, "W"))()
             if self.measuring:
                 settle(self.device)
             if step >= 0:  # the prologue is not timed
@@ -170,11 +175,11 @@ class Runtime:
         node, m = action.node, action.micro
         pieces, out = self._held.pop((node, m)), self._held.pop((node, m, "out"))
         consumers = [dst for dst in self.graph.outputs(node) if self.graph.trains(dst)]
-        if consumers:
-            grad = sum(self._gradient(node, dst, m) for dst in consumers)
-            torch.autograd.backward(out, grad)
+        grad = sum(self._gradient(node, dst, m) for dst in consumers) if consumers else None
+        if self.graph.splits(node):
+            self._held[node, m, "W"] = input_gradients(out, grad, [x for joined in pieces for x in joined])
         else:
-            torch.autograd.backward(out)
+            torch.autograd.backward(out, grad)
         for src, joined in zip(self.graph.inputs(node), pieces):
             for p, x in zip(self.graph.pieces(src, node, m), joined):
                 if x.requires_grad:
@@ -216,8 +221,10 @@ class Runtime:
                 src: step - (self.graph.ahead_of(src) - self.graph.ahead_of(node)) for src in self.graph.carried_inputs(node)}
             wanted = [((src, node, p, "fwd", step), self._origin(src, node, p, step, when))
                       for src, when in sent.items() for p in self.graph.pieces(src, node, m)]
-        else:
+        elif action.kind == "B":
             wanted = [(None, self._gradient_origin(node, dst, m)) for dst in self.graph.outputs(node) if self.graph.trains(dst)]
+        else:
+            wanted = []
         for key, (frm, tag) in wanted:
             if frm != self.rank and key not in self._held:
                 self._mailbox.expect(frm, tag)

@@ -153,7 +153,7 @@ def _in_order(graph: Graph, costs: Costs, placed: dict[Action, tuple[int, float]
 def _candidates(graph: Graph, action: Action, where: dict[Action, int], distinct: bool = False) -> tuple[int, ...]:
     """The ranks `action` may run on: a backward runs where its forward ran (its activations are there);
     with `distinct`, a part of a micro-batch where no other part of it runs, while such a rank is left."""
-    if action.kind == "B":
+    if action.kind != "F":
         return (where[Action("F", *action.node, action.micro)],)
     ranks = graph.ranks_of(action.node)
     parts = graph.program[action.program].parts
@@ -185,7 +185,7 @@ def _list_schedule(graph: Graph, costs: Costs, actions: list[Action], level: dic
                 continue
             for rank in _candidates(graph, action, where, distinct):
                 start = max(free[rank], ready_at(graph, costs, action, rank, ends, where, _waits(graph, action, later)))
-                key = (start, action.kind != "B", action.micro, -level[action], str(action), rank)
+                key = (start, PRIORITY[action.kind], action.micro, -level[action], str(action), rank)
                 if best is None or key < best[0]:
                     best = (key, action, rank, start)
         if best is None:
@@ -194,9 +194,14 @@ def _list_schedule(graph: Graph, costs: Costs, actions: list[Action], level: dic
         todo.remove(action)
         placed[action], where[action] = (rank, start), rank
         ends[action] = free[rank] = start + costs.seconds(action)
-        if graph.trains(action.node):
-            held[action.node] += 1 if action.kind == "F" else -1
+        if action.kind == "F" and graph.trains(action.node):
+            held[action.node] += 1
+        elif action.kind == ("W" if graph.splits(action.node) else "B"):
+            held[action.node] -= 1
     return placed
+
+
+PRIORITY = {"B": 0, "F": 1, "W": 2}  # of actions that can start at once: a backward frees what waits on it
 
 
 def _waits(graph: Graph, action: Action, later: frozenset[str]) -> list[Action]:

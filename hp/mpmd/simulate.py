@@ -58,7 +58,7 @@ class Simulation:
         return sum(self.idle_share) / self.world
 
     def draw(self, path: str, title: str = "") -> None:
-        """Each rank's actions on one time axis (a PNG): one color per program, backward darker."""
+        """Each rank's actions on one time axis (a PNG): one color per program, backward darker (weight gradients darkest)."""
         draw_arms({title or f"step {self.step_seconds:.3f} s": self}, path)
 
 
@@ -72,13 +72,13 @@ def draw_arms(arms: Mapping[str, Simulation], path: str) -> None:
                              gridspec_kw={"height_ratios": rows})
     for ax, (title, sim) in zip(axes[:, 0], arms.items()):
         for s in sim.slots:
-            shade = 0.55 if s.action.kind == "B" else 1.0
+            shade = {"F": 1.0, "B": 0.55, "W": 0.3}[s.action.kind]
             ax.barh(s.rank, s.end - s.start, left=s.start, color=tuple(c * shade for c in colors[s.action.program]),
                     edgecolor="white", linewidth=0.3)
         ax.set_yticks(range(sim.world), [f"rank {r}" for r in range(sim.world)], fontsize=7)
         ax.invert_yaxis()
         ax.set_title(f"{title}: step {sim.step_seconds:.3f} s, mean idle {sim.mean_idle_share:.0%}", fontsize=8)
-    axes[-1, 0].set_xlabel("seconds (backward darker)")
+    axes[-1, 0].set_xlabel("seconds (backward darker, a split backward's weight gradients darkest)")
     axes[0, 0].legend([plt.Rectangle((0, 0), 1, 1, color=colors[p]) for p in programs], programs, fontsize=7,
                       loc="upper right")
     fig.tight_layout()

@@ -201,7 +201,8 @@ def _slowest(*seconds: float) -> tuple[float, ...]:
 
 def mpmd(step: Callable | nn.Module, *, chunks: int | str | None = None, place: Mapping[str, str] | None = None,
          mesh: Mapping[str, Sequence[int]] | None = None, plan: ModelPlan | None = None,
-         microbatches: int | None = None, warmup: int = 3, strategy: Strategy | None = None) -> Mpmd | Placed:
+         microbatches: int | None = None, warmup: int = 3, strategy: Strategy | None = None,
+         zero_bubble: bool = False) -> Mpmd | Placed:
     """Level 1: `step` (any function running forward and backward) with hp's collectives pipelined over
     `chunks`; levels 2 and 3, given `place`: the model `step`'s sub-models on the named sub-meshes of `mesh`.
 
@@ -213,7 +214,8 @@ def mpmd(step: Callable | nn.Module, *, chunks: int | str | None = None, place: 
     `microbatches` the samples of a step's batch; the result is called with a batch, runs its forward
     and backward over the ranks, and returns its loss, its order of work planned from the costs its
     first `warmup` steps measured; `strategy` (tp, sp): each stage laid out over tp ranks, the world that
-    many planes of `mesh`'s ranks.
+    many planes of `mesh`'s ranks; `zero_bubble`: the language model's stages split their backward into
+    their inputs' gradients and their weights' (`hp.mpmd.backward`), the latter planned into the gaps.
 
     >>> import torch
     >>> step = mpmd(lambda: torch.ones(2).sum(), chunks="auto")
@@ -227,4 +229,5 @@ def mpmd(step: Callable | nn.Module, *, chunks: int | str | None = None, place: 
                         "step's stages run no collectives of their own")
     if not isinstance(step, nn.Module):
         raise MpmdError(f"place: the step to place is the model itself (an nn.Module), not {type(step).__name__}")
-    return placed(step, place, mesh or {}, plan=plan, microbatches=microbatches, warmup=warmup, strategy=strategy)
+    return placed(step, place, mesh or {}, plan=plan, microbatches=microbatches, warmup=warmup, strategy=strategy,
+                  zero_bubble=zero_bubble)

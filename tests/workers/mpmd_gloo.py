@@ -1,7 +1,8 @@
 """Worker for test_mpmd_programs.py: plans of MPMD steps run on gloo ranks against the same step in one process.
 
 Each case (argv[1], a JSON list drawn by the test) is a graph of three programs: an encoder (fixed on a
-rank, or spread over the ranks; each micro-batch whole or cut in two), a two-stage model whose last stage computes the loss, and a frozen
+rank, or spread over the ranks; each micro-batch whole or cut in two), a two-stage model whose last stage
+computes the loss (its backward whole or split into input and weight gradients), and a frozen
 two-stage reference feeding that loss, run in the same step or a batch ahead, its first stage another
 batch ahead when staggered; and, when drawn, a frozen one-stage program in the step whose micro-batches'
 outputs each group of micro-batches' loss gathers (a batch's statistic). The plan comes from the
@@ -89,7 +90,7 @@ def check(case: dict) -> None:
     enc = Program("enc", tuple(case["enc"]), spread=len(case["enc"]) > 1, parts=case["parts"], trains=not frozen,
                   ahead=int(frozen))
     stat = case["stat"] is not None
-    programs = (enc, Program("lm", tuple(case["lm"])),
+    programs = (enc, Program("lm", tuple(case["lm"]), split=case["split"]),
                 Program("ref", tuple(case["ref"]), trains=False, ahead=case["ahead"], parts=case["ref_parts"],
                         stagger=case["stagger"]))
     flows = (Flow(("enc", 0), ("lm", 0)),)
@@ -97,8 +98,8 @@ def check(case: dict) -> None:
         programs += (Program("stat", (case["stat"],), trains=False),)
         flows += (Flow(("stat", 0), ("lm", 1), gather=group_of(micro)),)
     graph = Graph(programs, (*flows, Flow(("ref", 1), ("lm", 1))), micro)
-    costs = Costs({(kind, node): seconds for (kind, node), seconds in zip(
-        [(k, n) for n in graph.nodes() for k in "FB"], case["seconds"])}, {})
+    drawn = dict(zip([(k, n) for n in graph.nodes() for k in "FB"], case["seconds"]))
+    costs = Costs(drawn | {("W", n): drawn["B", n] / 2 for n in graph.nodes() if graph.splits(n)}, {})
     plan = schedule(graph, costs)
     mods, want_mods = modules(), modules()
     for m in (mods, want_mods):
