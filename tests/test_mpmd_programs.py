@@ -152,6 +152,8 @@ def test_projection_adds_the_gradients_ring_all_reduce():
     (lambda: Graph((Program("a", (0,)), Program("b", (1,), ahead=1)), (Flow(("a", 0), ("b", 0)),), 1),
      "a program cannot feed one that runs further ahead"),
     (lambda: Graph((Program("a", (0,)),), (), 0), "microbatches = 0"),
+    (lambda: Graph((Program("a", (0,), trains=False, split=True),), (), 1),
+     "only a trained program's backward can be split"),
     (lambda: Graph((Program("a", (0,)), Program("b", (1,))), (Flow(("a", 0), ("b", 0), gather=2),), 2),
      "a gathering flow comes from a frozen program in the same step"),
     (lambda: Graph((Program("a", (0,), trains=False), Program("b", (1,))), (Flow(("a", 0), ("b", 0), gather=2),), 3),
