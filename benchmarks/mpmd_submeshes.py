@@ -33,8 +33,9 @@ Three parts, one run (about nine minutes on 2 CPU cores), the arms of each part 
    rows): B0, B1 and S as above.
 
 For every measured arm the simulator (`hp.mpmd.simulate`, replaying the arm's plan with the cost
-table measured on its second to fourth steps) predicts the step; `simulator_error` is the largest
-|predicted - measured| / measured. `benchmarks/mpmd_submeshes.png` draws each arm's measured timeline.
+table measured on its timed steps) predicts the step; `simulator_error` is the largest
+|predicted - measured| / measured (`planned_s`: the replay with the warm-up's table the plan was made
+from; the machine may drift between the two). `benchmarks/mpmd_submeshes.png` draws each arm's measured timeline.
 
 Last line: `vl_step_vs_best_static` (S / B1, 4 emulated ranks, the 7B share; `_3b_share`, `_frozen`),
 `vl_step_vs_best_static_real`
@@ -284,7 +285,7 @@ class Arm:
         self.times: list[float] = []
         self.losses: list[float] = []
         self.costs: Costs | None = None
-        self.predicted = 0.0
+        self.planned = 0.0  # the step the plan's own cost table (its warm-up's) replays to
 
     def step(self, batches: list, timed: bool) -> None:
         """One step of `batches[0]`; the rest are the batches after it, for the programs running ahead."""
@@ -310,14 +311,21 @@ class Arm:
         self.costs = gathered_costs(self.runtime, *LINK)
         if self.replan:
             self.runtime.replan(schedule(self.graph, self.costs))
-        self.predicted = simulate(self.runtime.plan, self.costs).step_seconds
+        self.planned = simulate(self.runtime.plan, self.costs).step_seconds
+        self.runtime.samples.clear()  # from here the timed steps' own: the table the simulator is checked with
+        self.runtime.transfers.clear()
 
     def record(self, part: str, name: str) -> dict:
+        """The arm's median step; the simulator's replay of its plan with the cost table of its timed steps
+        (the machine drifts between warm-up and timing: the check is of the replay, not of the drift); its
+        last step's idle share, from the slots of that step."""
         step = statistics.median(self.times)
+        predicted = simulate(self.runtime.plan, gathered_costs(self.runtime, *LINK)).step_seconds
         slots = gathered([(dataclasses.astuple(s.action), s.rank, s.start, s.end) for s in self.runtime.slots])
         return {"bench": "mpmd_submeshes", "part": part, "arm": name, "step_s": round(step, 4),
-                "predicted_s": round(self.predicted, 4), "simulator_error": round(abs(self.predicted - step) / step, 4),
-                "mean_idle_share": round(_idle(slots, step, self.graph.world), 4),
+                "planned_s": round(self.planned, 4), "predicted_s": round(predicted, 4),
+                "simulator_error": round(abs(predicted - step) / step, 4),
+                "mean_idle_share": round(_idle(slots, self.times[-1], self.graph.world), 4),
                 "timeline": [self.graph.world, [s for rank in slots for s in rank]]}
 
 

@@ -4,11 +4,14 @@ A plan is made in passes, as a cluster's batch scheduler fills a machine:
 
 1. **The step's own programs** by list scheduling: repeatedly, of every
    action whose inputs are scheduled, the one that can start earliest on
-   its rank runs next there (a backward before a forward, an earlier
-   micro-batch first, then the longest path to the step's end). A stage
-   holds at most `Graph.in_flight_limit` micro-batches between forward and
-   backward, so a pipeline keeps 1F1B's memory, and a stage placed before
-   it (a vision tower) runs ahead of it only that far.
+   its rank runs next there (a backward before a forward before a split
+   backward's weight gradient, an earlier micro-batch first, then the
+   longest path to the step's end). A stage holds at most
+   `Graph.in_flight_limit` micro-batches between forward and backward (its
+   weight gradient, when split), so a pipeline keeps 1F1B's memory, and a
+   stage placed before it (a vision tower) runs ahead of it only that far.
+   Split, a pipeline's drain passes its backwards up in the input
+   gradients' time, and the weight gradients fill the gaps that leaves.
 2. **Programs running ahead** (a frozen reference's forward of the next
    batch), and in a second candidate also the **spread** programs (a
    tower whose micro-batches may run on any of its ranks), backfill: each
@@ -70,9 +73,9 @@ def _length(plan: Plan, costs: Costs) -> float:
 
 
 def _moved(plan: Plan, costs: Costs, passes: int = 3) -> Plan:
-    """`plan` with spread micro-batches moved, each forward with its backward, to another of the program's
-    ranks while the replay shortens: the backfill puts each forward into the earliest gap, blind to where
-    its backward must then go. At most `passes` sweeps, each move re-ordered as the backfilled work is."""
+    """`plan` with spread micro-batches moved, each forward with its backward (both halves, when split), to
+    another of the program's ranks while the replay shortens: the backfill puts each forward into the
+    earliest gap, blind to where its backward must then go. At most `passes` sweeps, each move re-ordered as the backfilled work is."""
     graph, length = plan.graph, _length(plan, costs)
     placed = {s.action: (s.rank, s.start) for s in replay(plan, costs)}
     movable = {a for a in placed if graph.program[a.program].spread or graph.program[a.program].runs_ahead}
@@ -80,12 +83,12 @@ def _moved(plan: Plan, costs: Costs, passes: int = 3) -> Plan:
     for _ in range(passes):
         improved = False
         for forward in spread:
-            backward = Action("B", *forward.node, forward.micro)
+            together = [a for a in (Action(k, *forward.node, forward.micro) for k in "FBW") if a in placed]
             for rank in graph.ranks_of(forward.node):
                 if rank == placed[forward][0]:
                     continue
                 trial = dict(placed)
-                for action in (forward, backward) if backward in placed else (forward,):
+                for action in together:
                     trial[action] = (rank, placed[action][1])
                 try:
                     moved = _in_order(graph, costs, trial, movable)
