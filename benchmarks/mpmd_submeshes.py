@@ -1,7 +1,7 @@
 """hp.mpmd levels 2 and 3 against static placements: a vision tower spread into a language model's pipeline
 bubbles, and a DPO reference run a batch ahead in the policy's bubbles.
 
-Three parts, one run (about nine minutes on 2 CPU cores), the arms of each part alternating:
+Three parts, one run (about eleven minutes on 2 CPU cores), the arms of each part alternating:
 
 1. **VL, 4 emulated ranks** (each block a tiny real layer whose forward and backward last exactly the
    block's cost, the rest slept; the tensors between ranks are real and cross over gloo). A language model of 16 blocks and a vision tower worth 3 of them: 15.8% of a
@@ -9,14 +9,16 @@ Three parts, one run (about nine minutes on 2 CPU cores), the arms of each part 
    the 7.6B LM over its 256 image and 256 text tokens: 1.31 of 8.55 TFLOP, `vl_share`); also the
    share of Qwen2.5-VL-3B's (29%: 6 blocks' worth); and the 7B share's tower frozen (LlamaFactory's
    default: no backward; in the static splits stage 0 runs its forward only, spread it runs a batch
-   ahead). A block's forward takes U (10 ms), its backward 2U; 8 micro-batches, 1F1B.
-   - **B0**: the tower in stage 0 of an even split (torchtitan's placement);
-   - **B1**: the best static split of the same ranks with the tower in stage 0: every split
-     simulated with the measured costs, the three best measured, the fastest kept;
+   ahead). A block's forward takes U (10 ms), its backward 2U (U for its input's gradient, U for its
+   weight's); 8 micro-batches.
+   - **B0**: the tower in stage 0 of an even split (torchtitan's placement), 1F1B;
+   - **B1**: the best static split of the same ranks with the tower in stage 0: every split, with the
+     language model's backward whole (1F1B) or split (zero bubble: `Program(split=True)`, planned
+     from the measured costs), simulated, the three best measured, the fastest kept;
    - **S**: hp's level 2: the tower spread over the ranks (`Program(spread=True)`, each micro-batch's
-     images whole or cut into 2 or 4 parts), the two best of (the language model's split, the cut) by
-     simulation measured, the fastest kept, and the order of every rank's work planned from the cost
-     table measured on its first steps.
+     images whole or cut into 2 or 4 parts), the two best of (the language model's split, the cut,
+     its backward whole or split) by simulation measured, the fastest kept, and the order of every
+     rank's work planned from the cost table measured on its first steps.
 2. **DPO, 4 emulated ranks**, pp=4, 8 micro-batches (a policy stage's forward U, backward 2U; the
    frozen reference's stage forward U), each stage's tiny real layer computing the loss:
    - **S0**: the reference's forward pipelined before the policy's in each step;
@@ -30,7 +32,9 @@ Three parts, one run (about nine minutes on 2 CPU cores), the arms of each part 
    given S2's measured cost table, picks between S2 and S2 own (`dpo_reference_choice_agrees`: the
    one it picks measured faster).
 3. **VL, 2 real ranks** (one pinned per core, real matmuls: a block is a 768-wide linear layer over 128
-   rows): B0, B1 and S as above.
+   rows): B0, B1 and S as above, the splits searched with a real block's times measured first
+   (`calibrated`: its forward, input gradient and weight gradient), three times the timed steps (real
+   matmuls on a shared machine drift more than sleeps).
 
 For every measured arm the simulator (`hp.mpmd.simulate`, replaying the arm's plan with the cost
 table measured on its timed steps) predicts the step; `simulator_error` is the largest
@@ -56,14 +60,13 @@ import statistics
 import sys
 import time
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from mpmd_blocks import Blocks, BlockTimes, calibrated, nominal
 from ranks import DONE, bind_to_cores, emitter, gathered, run_ranks, slowest
 
-from hp.mpmd.backward import input_gradients
 from hp.mpmd.choice import BlockCosts, choose_reference
 from hp.mpmd.costs import Costs
 from hp.mpmd.graph import Flow, Graph, Program
@@ -74,7 +77,6 @@ from hp.mpmd.runtime import Runtime
 from hp.mpmd.schedule import schedule
 from hp.mpmd.simulate import Simulation, draw_arms, simulate
 
-U = 0.01  # an emulated block's forward, seconds
 MICRO = 8
 BLOCKS = 16
 REAL_WIDTH, REAL_ROWS = 768, 128  # a real block: a linear layer of this width over this many rows
@@ -92,7 +94,7 @@ def vl_share(vision_params: float = 0.675e9, patches: int = 1024, merged_ops: fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5, help="timed steps per arm")
+    parser.add_argument("--rounds", type=int, default=5, help="timed steps per arm (the real part: 3x)")
     parser.add_argument("--part", choices=("emulated", "real"), help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -101,7 +103,8 @@ def main() -> None:
         return
     started = time.perf_counter()
     records = run_ranks(__file__, 4, ["--rounds", str(args.rounds), "--part", "emulated"], "mpmd (emulated)")[0]
-    records += run_ranks(__file__, 2, ["--rounds", str(args.rounds), "--part", "real"], "mpmd (real)")[0]
+    # real matmuls on a shared machine drift more than sleeps: three times the timed steps
+    records += run_ranks(__file__, 2, ["--rounds", str(3 * args.rounds), "--part", "real"], "mpmd (real)")[0]
     timelines = {f"{r['part']} {r['arm']}": r.pop("timeline") for r in records if "timeline" in r}
     try:
         draw_arms({name: Simulation(tuple(_slot(*s) for s in slots), world)
@@ -119,67 +122,6 @@ def _slot(action: list, rank: int, start: float, end: float):
 
 
 # ---- stages ---------------------------------------------------------------------------------------------
-
-
-SPIN = 3e-4  # seconds an emulated action spins before its deadline, rather than oversleep it
-
-
-class _Lasting(torch.autograd.Function):
-    """The identity, whose backward lasts `seconds` (slept to a deadline, the last `SPIN` spun: a sleep wakes
-    up to 0.1 ms late): an emulated block's backward time, placed on the path autograd takes for the
-    gradient it stands for (the input's or the weight's), so a split backward pays each where it runs."""
-
-    @staticmethod
-    def forward(ctx, t, seconds: float):
-        ctx.seconds = seconds
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad):
-        _until(time.perf_counter() + ctx.seconds)
-        return grad, None
-
-
-def _emulated(x: torch.Tensor, layer: torch.nn.Linear, forward_s: float, backward_s: float) -> torch.Tensor:
-    """A tiny real layer, tanh(x W^T + b), whose forward lasts `forward_s` in all (its own time included, the
-    rest slept) and whose backward lasts `backward_s`: half for the input's gradient and half for the
-    weight's (a linear layer's two products), all of it the weight's when the input wants none."""
-    deadline = time.perf_counter() + forward_s
-    into_input = backward_s / 2 if x.requires_grad else 0.0
-    if x.requires_grad:
-        x = _Lasting.apply(x, into_input)
-    weight = _Lasting.apply(layer.weight, backward_s - into_input) if layer.weight.requires_grad else layer.weight
-    y = torch.tanh(torch.nn.functional.linear(x, weight, layer.bias))
-    _until(deadline)
-    return y
-
-
-def _until(deadline: float) -> None:
-    if (left := deadline - time.perf_counter() - SPIN) > 0:
-        time.sleep(left)
-    while time.perf_counter() < deadline:
-        pass
-
-
-class Blocks(torch.nn.Module):
-    """`n` blocks: emulated (one tiny linear layer lasting the blocks' time, `_emulated`; `backward` of them
-    have a backward, default all) or real (`n` linear layers)."""
-
-    def __init__(self, n: float, width: int, emulated: bool, seed: int, trains: bool = True,
-                 backward: float | None = None) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.n, self.emulated, self.backward = n, emulated, n if backward is None else backward
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(1 if emulated else round(n)))
-        self.requires_grad_(trains)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.emulated:
-            return _emulated(x, self.layers[0], self.n * U, 2 * self.backward * U)
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
-
 
 def vl_graph(ranks: int, split: tuple[int, ...], tower: float, spread: bool, parts: int = 1,
              frozen: bool = False, zero_bubble: bool = False) -> tuple[Graph, dict]:
@@ -223,51 +165,6 @@ def _stage(module: torch.nn.Module, first: bool, last: bool, parts: int):
         return out.square().mean() if last else out
     run.module = module
     return run
-
-
-@dataclass(frozen=True)
-class BlockTimes:
-    """One block's seconds: its forward, its input's gradient and its weight's; `saved_first`: what a stage
-    whose input wants no gradient saves (a real stage skips its first layer's input gradient; an emulated
-    one puts that time on the weight's path)."""
-
-    forward: float = U
-    input_grad: float = U
-    weight_grad: float = U
-    saved_first: float = 0.0
-
-
-def nominal(graph: Graph, blocks: dict, block: BlockTimes = BlockTimes()) -> Costs:
-    """Each stage's costs from its blocks (an emulated block's forward U, its backward 2U: U for its input's
-    gradient, U for its weight's)."""
-    costs = {}
-    for node in graph.nodes():
-        forward, backward = blocks[node]
-        costs["F", node] = forward * block.forward
-        if graph.splits(node):
-            costs["B", node], costs["W", node] = backward * block.input_grad, backward * block.weight_grad
-        else:
-            wants = any(graph.trains(src) for src in graph.inputs(node))
-            costs["B", node] = backward * (block.input_grad + block.weight_grad) - (0 if wants else block.saved_first)
-    return Costs(costs)
-
-
-def calibrated(width: int, rows: int, repeats: int = 15) -> BlockTimes:
-    """A real block's times, measured here: the median over `repeats` of 4 blocks' forward, input gradients
-    (`hp.mpmd.backward`) and weight gradients, per block."""
-    module = Blocks(4, width, emulated=False, seed=0)
-    times = []
-    for _ in range(repeats + 2):
-        x = torch.randn(rows, width, requires_grad=True)
-        start = time.perf_counter()
-        out = module(x)
-        forward = time.perf_counter()
-        later = input_gradients(out, torch.ones_like(out), [x])
-        inputs = time.perf_counter()
-        later()
-        times.append((forward - start, inputs - forward, time.perf_counter() - inputs))
-    f, dx, dw = (statistics.median(t[i] for t in times[2:]) / 4 for i in range(3))
-    return BlockTimes(f, dx, dw, saved_first=dx)
 
 
 # ---- measuring an arm ------------------------------------------------------------------------------------

@@ -56,7 +56,10 @@ def test_a_split_backward_gives_the_plain_backwards_gradients(kinds, width, rows
 def test_a_real_decoder_layer_split_gives_its_plain_gradients():
     """Two tiny Llama decoder layers (attention, rotary embeddings, a gated MLP, RMS norms)."""
     from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+    from transformers.models.llama.modeling_llama import (
+        LlamaDecoderLayer,
+        LlamaRotaryEmbedding,
+    )
 
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
