@@ -103,7 +103,7 @@ def test_defaults_are_llamafactorys():
         "lr_scheduler_type": "linear", "warmup_ratio": 0.0, "bf16": False, "seed": 42,
         "disable_gradient_checkpointing": False, "torch_compile": False,
         "parallel": {k: v for k, v in Strategy(recompute=True).as_dict().items()
-                     if k != "mpmd_place"},  # written as mpmd: {place: ...} when set
+                     if k not in ("mpmd_place", "mpmd_zero_bubble")},  # written as mpmd: {place: ...} when set
         "use_hyper_parallel": False, "hyper_parallel_args": None, "hyper_parallel_cp_size": None,
         "deepspeed": None, "fsdp": None, "fsdp_config": None,
         "nproc_per_node": 1, "nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": None,
@@ -411,8 +411,15 @@ BAD = [
     ({"stage": "dpo", "pref_loss": "simpo", "ref_model": "m"}, "that loss needs no reference model"),
     ({"stage": "rm", "ref_model": "m"}, "a reward model has no reference"),
     ({"parallel": {"mpmd": 0}}, "parallel.mpmd = 0: expected a number of chunks >= 1, 'auto', {chunks: N}, "
-                                "{place: {vision: pp or N}}, {place: {reference: pp or N}}, or null"),
+                                "{place: {vision: pp or N}}, {place: {reference: pp or N}} (with zero_bubble: true, the "
+                                "pipeline's backward split), or null"),
     ({"parallel": {"mpmd": {"chunk": 2}}}, "parallel.mpmd = {'chunk': 2}: expected a number of chunks"),
+    ({"parallel": {"mpmd": {"chunks": 2, "zero_bubble": True}}}, "parallel.mpmd = {'chunks': 2, 'zero_bubble': True}: "
+                                                                 "expected a number of chunks"),
+    ({"parallel": {"pp": 2, "mpmd": {"zero_bubble": True}}}, "mpmd.zero_bubble = True: only a placed step (mpmd.place) "
+                                                            "splits its pipeline's backward"),
+    ({"parallel": {"pp": 2, "mpmd": {"place": {"vision": "pp"}, "zero_bubble": 1}}},
+     "parallel.mpmd.zero_bubble = 1: expected true or false"),
     ({"lr_scheduler_type": "polynomial"},
      "lr_scheduler_type = 'polynomial': expected one of 'linear', 'cosine', 'constant', 'constant_with_warmup'"),
     ({"template": "llama30"}, "template = 'llama30': expected one of 'default', 'empty', 'alpaca', 'chatml', 'qwen'"),
@@ -624,8 +631,9 @@ def test_every_example_config_validates():
         assert config.world_size == config.parallel.world_size, path
 
 
-def test_a_placement_is_written_as_the_yaml_writes_it_and_read_back():
-    cfg = validate({**MINIMAL, "parallel": {"pp": 2, "mpmd": {"place": {"vision": "pp"}}},
-                    "disable_gradient_checkpointing": True})
-    assert cfg.parallel.mpmd_place.as_dict() == {"vision": "pp"} and to_dict(cfg)["parallel"]["mpmd"] == {"place": {"vision": "pp"}}
+@pytest.mark.parametrize("mpmd", [{"place": {"vision": "pp"}}, {"place": {"vision": "pp"}, "zero_bubble": True}])
+def test_a_placement_is_written_as_the_yaml_writes_it_and_read_back(mpmd):
+    cfg = validate({**MINIMAL, "parallel": {"pp": 2, "mpmd": mpmd}, "disable_gradient_checkpointing": True})
+    assert cfg.parallel.mpmd_place.as_dict() == {"vision": "pp"} and to_dict(cfg)["parallel"]["mpmd"] == mpmd
+    assert cfg.parallel.mpmd_zero_bubble == ("zero_bubble" in mpmd)
     assert validate(to_dict(cfg)) == cfg

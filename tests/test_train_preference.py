@@ -58,7 +58,7 @@ def test_a_reward_model_trains_and_exports_its_value_head_as_llamafactory_does(t
 
 def test_a_placed_reference_has_the_plain_runs_losses_rewards_and_weights_and_resumes(tmp_path):
     """`parallel.mpmd: {place: {reference: ...}}` (hp.mpmd's level 3): DPO's reference a batch ahead in a
-    2-stage policy's bubbles, on a rank of its own beside a whole policy, wherever the costs measured
+    2-stage policy's bubbles (the policy's backward split: `zero_bubble`), on a rank of its own beside a whole policy, wherever the costs measured
     before the model is cut say (auto), in two data parallel replicas of one rank each, and with both models
     laid out tp=2 over two ranks (the placement's two planes), against one plain worker, with
     two accumulated batches a step: the same losses and rewards step by step (the last planned from the
@@ -71,7 +71,7 @@ def test_a_placed_reference_has_the_plain_runs_losses_rewards_and_weights_and_re
 
     run = ["max_steps=4", "save_steps=2", "logging_steps=1", "per_device_train_batch_size=4",
            "gradient_accumulation_steps=2", "warmup_ratio=0", "parallel.tp=1"]
-    places = {"pp": ["parallel.pp=2", "parallel.mpmd={place: {reference: pp}}"],
+    places = {"pp": ["parallel.pp=2", "parallel.mpmd={place: {reference: pp}, zero_bubble: true}"],
               "own": ["parallel.pp=1", "parallel.mpmd={place: {reference: 1}}"],
               "auto": ["parallel.pp=2", "parallel.mpmd={place: {reference: auto}}"],
               "dp": ["parallel.pp=1", "parallel.dp=2", "parallel.mpmd={place: {reference: pp}}",

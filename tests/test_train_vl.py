@@ -359,7 +359,7 @@ def assert_hf_loss_and_logits(model, batch, hf: dict, image_token_id: int, out) 
 def test_a_placed_tower_has_the_plain_runs_losses_and_weights(tmp_path, frozen, placements):
     """`parallel.mpmd: {place: {vision: ...}}` (hp.mpmd's level 2) on two gloo workers against one plain worker:
     a frozen tower placed by the costs measured on the model before it is cut; a trained one on a rank of its
-    own, two replicas of a one-rank placement each taking half of every batch's rows and images, and a
+    own (the language model's backward split: `zero_bubble`), two replicas of a one-rank placement each taking half of every batch's rows and images, and a
     one-rank placement laid out tp=2 with sequence parallel over two ranks (two planes). With
     two accumulated batches a step: the same losses step by step (the third step planned from the measured
     costs), and the same weights in the checkpoint (each rank saved its share under the model's own names);
@@ -382,7 +382,8 @@ def test_a_placed_tower_has_the_plain_runs_losses_and_weights(tmp_path, frozen, 
     load_model_weights(str(tmp_path / "plain" / "checkpoint-3"), weights)
     for pp, place, dp, tp in placements:
         out = tmp_path / f"{place}-{dp}-{tp}"
-        placed = summary(hp_train(*run, f"parallel.pp={pp}", f"parallel.mpmd={{place: {{vision: {place}}}}}",
+        split = ", zero_bubble: true" if place == 1 else ""  # the language model's backward split
+        placed = summary(hp_train(*run, f"parallel.pp={pp}", f"parallel.mpmd={{place: {{vision: {place}}}{split}}}",
                                   f"parallel.dp={dp}", f"per_device_train_batch_size={rows // dp}",
                                   f"parallel.tp={tp}", f"parallel.sp={tp > 1}", f"output_dir={out}",
                                   config=QUICKSTART_VL))

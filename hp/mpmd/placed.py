@@ -164,7 +164,7 @@ class Placed:
         program in the step (none ahead); every replica evaluates the whole batch alike. Every rank calls it."""
         micro = len(batch["input_ids"])
         if micro not in self._evaluators:
-            graph = Graph(tuple(dataclasses.replace(p, trains=False, ahead=0, stagger=False)
+            graph = Graph(tuple(dataclasses.replace(p, trains=False, ahead=0, stagger=False, split=False)
                                 for p in self.graph.programs), self.graph.flows, micro)
             runtime = Runtime(schedule(graph, Costs.unit(graph)), self.programs.stages, group=self.group,
                               device=self.runtime.device, channel=self.grid.group(backend=CHANNEL_BACKEND))

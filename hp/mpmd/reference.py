@@ -80,12 +80,14 @@ def policy_and_reference(policy: nn.Module, plan: ModelPlan, *, policy_ranks: tu
                          loss: PairLoss | KtoLoss, reference: nn.Module | None = None,
                          reference_ranks: tuple[int, ...] | None = None, stagger: bool = True,
                          split: tuple[int, ...] | None = None, rank: int | None = None,
-                         reference_point: int = 0, strategy: Strategy | None = None, mesh=None) -> Programs:
+                         reference_point: int = 0, strategy: Strategy | None = None, mesh=None,
+                         zero_bubble: bool = False) -> Programs:
     """`policy` and its frozen `reference` (default: a copy of the policy as it is now) as programs (see the
     module); `split`: blocks per stage (even by default); `rank`: build only the stages it runs;
     `reference_point` > 0: KTO's, over groups of that many micro-batches (see the module); `strategy` (tp,
     sp) and `mesh`: each stage laid out by it on `mesh` (`hp.mpmd.Placed(planes=tp)`'s tensor parallel group),
-    its stream crossing as each rank's own block."""
+    its stream crossing as each rank's own block; `zero_bubble`: the policy's stages split their backward
+    (`Program.split`)."""
     reference_ranks = tuple(reference_ranks or policy_ranks)
     if len(reference_ranks) != len(policy_ranks):
         raise ValueError(f"reference_ranks = {reference_ranks}: the reference is cut into the policy's "
@@ -93,7 +95,7 @@ def policy_and_reference(policy: nn.Module, plan: ModelPlan, *, policy_ranks: tu
     frozen = copy.deepcopy(policy) if reference is None else reference  # before the policy is cut
     frozen.requires_grad_(False)
     cuts = StageSplit.of_counts(split or even_split(len(policy.get_submodule(plan.blocks)), len(policy_ranks)))
-    graph = pair_graph(policy_ranks, reference_ranks, microbatches, stagger, reference_point)
+    graph = pair_graph(policy_ranks, reference_ranks, microbatches, stagger, reference_point, zero_bubble)
     held = {"policy": _stages(policy, plan, cuts, policy_ranks, rank),
             "reference": _stages(frozen, plan, cuts, reference_ranks, rank)}
     if strategy is not None:
@@ -131,10 +133,11 @@ def _stages(model: nn.Module, plan: ModelPlan, cuts: StageSplit, ranks: tuple[in
 
 
 def pair_graph(policy_ranks: tuple[int, ...], reference_ranks: tuple[int, ...], microbatches: int,
-               stagger: bool = True, reference_point: int = 0) -> Graph:
-    """The policy's stages on `policy_ranks`, its frozen reference's a batch ahead on `reference_ranks`, the
-    reference's last stage feeding the policy's last; with `reference_point` (KTO), the policy's forward of the
-    mismatched pairs on the policy's ranks, its groups gathered by the policy's last stage.
+               stagger: bool = True, reference_point: int = 0, zero_bubble: bool = False) -> Graph:
+    """The policy's stages on `policy_ranks` (their backward split with `zero_bubble`), its frozen reference's
+    a batch ahead on `reference_ranks`, the reference's last stage feeding the policy's last; with
+    `reference_point` (KTO), the policy's forward of the mismatched pairs on the policy's ranks, its groups
+    gathered by the policy's last stage.
 
     >>> [p.ranks for p in pair_graph((0, 1), (2, 3), 4).programs]
     [(0, 1), (2, 3)]
@@ -142,7 +145,7 @@ def pair_graph(policy_ranks: tuple[int, ...], reference_ranks: tuple[int, ...], 
     [0, 0, 2]
     """
     last = len(policy_ranks) - 1
-    programs = [Program("policy", tuple(policy_ranks)),
+    programs = [Program("policy", tuple(policy_ranks), split=zero_bubble),
                 Program("reference", tuple(reference_ranks), trains=False, ahead=1, stagger=stagger)]
     flows = [Flow(("reference", last), ("policy", last))]
     if reference_point:

@@ -100,6 +100,7 @@ class Strategy:
     compile: bool = False  # each decoder block and the loss under torch.compile(fullgraph=True) (hp.parallel.compiled)
     mpmd: int | str | None = None  # hp.mpmd's chunks: a count, "auto" (planned), or None (the step as it is)
     mpmd_place: Placement | None = None  # hp.mpmd's sub-models on ranks of their own (hp.parallel.placement)
+    mpmd_zero_bubble: bool = False  # a placed step's pipeline splits its backward (input and weight gradients)
     pp: int = 1  # pipeline parallel: the blocks cut into stages over pp ranks (hp.parallel.pipeline)
     pp_schedule: str = "1F1B"  # one of PP_SCHEDULES
     pp_microbatches: int | None = None  # micro-batches a step's batch is cut into (None: one per stage)
@@ -155,7 +156,12 @@ class Strategy:
 
     def _check_placement(self) -> None:
         if self.mpmd_place is None:
+            if self.mpmd_zero_bubble is not False:
+                raise StrategyError("mpmd.zero_bubble", self.mpmd_zero_bubble, ": only a placed step (mpmd.place) "
+                                    "splits its pipeline's backward; leave it out")
             return
+        if not isinstance(self.mpmd_zero_bubble, bool):
+            raise StrategyError("mpmd.zero_bubble", self.mpmd_zero_bubble, ": expected true or false")
         self._typed("mpmd_place", Placement.of, "mpmd.place.")
         for key in PLACED_ALONE:
             if getattr(self, key) != DEFAULTS[key]:
@@ -271,7 +277,7 @@ class Strategy:
         >>> Strategy.of({"zp": 2})
         Traceback (most recent call last):
         ...
-        hp.parallel.strategy.StrategyError: zp = 2: unknown strategy key; expected one of dp, cp, tp, sp, cp_algorithm, fsdp, reshard_after_forward, param_dtype, reduce_dtype, ep, expert_bias_rate, tp2d, offload, offload_budget, vision_tp, recompute, compile, mpmd, mpmd_place, pp, pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split
+        hp.parallel.strategy.StrategyError: zp = 2: unknown strategy key; expected one of dp, cp, tp, sp, cp_algorithm, fsdp, reshard_after_forward, param_dtype, reduce_dtype, ep, expert_bias_rate, tp2d, offload, offload_budget, vision_tp, recompute, compile, mpmd, mpmd_place, mpmd_zero_bubble, pp, pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split
         """
         if spec is None:
             return cls()

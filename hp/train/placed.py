@@ -120,7 +120,7 @@ def _vision_language(model: nn.Module, config: TrainConfig, replica: Replica, ba
         tower_ranks = strategy.mpmd_place.ranks(strategy.pp)
     programs = vision_language(model, plan, tower_ranks=tower_ranks, stage_ranks=stage_ranks,
                                split=strategy.pp_split, microbatches=microbatches, rank=replica.rank,
-                               **_laid_out(strategy, mesh))
+                               zero_bubble=strategy.mpmd_zero_bubble, **_laid_out(strategy, mesh))
     merge = functools.partial(_merged, replica=replica.share, vision_start=model.config.vision_start_token_id)
     return PlacedRun(Placed(programs, warmup=WARMUP, replicas=strategy.dp, planes=strategy.tp), merge, choice=choice)
 

@@ -159,7 +159,8 @@ def policy_programs(model: nn.Module, reference: Reference, config: TrainConfig,
         policy_ranks, reference_ranks = tuple(range(strategy.pp)), strategy.mpmd_place.ranks(strategy.pp)
     programs = policy_and_reference(model, plan, policy_ranks=policy_ranks, reference_ranks=reference_ranks,
                                     microbatches=microbatches, loss=losses, reference=frozen, split=strategy.pp_split,
-                                    rank=rank, reference_point=point, **(laid_out or {}))
+                                    rank=rank, reference_point=point, zero_bubble=strategy.mpmd_zero_bubble,
+                                    **(laid_out or {}))
     return programs, choice
 
 

@@ -18,7 +18,6 @@ from typing import Any
 import yaml
 
 from hp.parallel.strategy import Strategy
-
 from hp.train.config.overrides import apply_overrides
 from hp.train.config.schema import ConfigError, TrainConfig
 from hp.train.config.validation import validate
@@ -96,8 +95,9 @@ def to_dict(config: TrainConfig) -> dict[str, Any]:
         if isinstance(value, Strategy):
             value = value.as_dict()
             place = value.pop("mpmd_place")  # written as the YAML writes it: mpmd: {place: {...}}
+            zero_bubble = value.pop("mpmd_zero_bubble")
             if place is not None:
-                value["mpmd"] = {"place": place}
+                value["mpmd"] = {"place": place} | ({"zero_bubble": True} if zero_bubble else {})
         elif isinstance(value, Mapping):
             value = dict(value)
         elif isinstance(value, tuple):

@@ -20,14 +20,30 @@ from collections.abc import Mapping
 from typing import Any
 
 from hp.parallel.strategy import Strategy
-
 from hp.train.config.fold import Fold, launched_ranks
 from hp.train.config.hyper_parallel import (
-    HYPER_CHECKED, check_efsdp_size, fold_fsdp_size, fsdp_everywhere, override_cp_size,
+    HYPER_CHECKED,
+    check_efsdp_size,
+    fold_fsdp_size,
+    fsdp_everywhere,
+    override_cp_size,
 )
-from hp.train.config.rules import HYPER_TO_PARALLEL, PARALLEL_RULES, PLACE_RULE, check_value, refuse, unknown_key
+from hp.train.config.rules import (
+    HYPER_TO_PARALLEL,
+    PARALLEL_RULES,
+    PLACE_RULE,
+    Rule,
+    check_value,
+    refuse,
+    unknown_key,
+)
 from hp.train.config.schema import ConfigError, TrainConfig
-from hp.train.config.sharding_keys import ShardingKeyError, Translation, from_deepspeed, from_hf_fsdp
+from hp.train.config.sharding_keys import (
+    ShardingKeyError,
+    Translation,
+    from_deepspeed,
+    from_hf_fsdp,
+)
 
 # The strategy fields each activation mode sets. HyperParallel swaps to host memory; here the slow tier is the
 # disk, the one hp.offload has on every machine (the host tier for accelerators is not built yet).
@@ -50,10 +66,12 @@ def parallel_section(section: Any) -> dict[str, Any]:
     place = {}
     if isinstance(section.get("mpmd"), Mapping):  # {chunks: N} (level 1), or {place: {vision: pp}} (levels 2-3)
         mpmd = dict(section["mpmd"])
-        if set(mpmd) - {"chunks", "place"} or len(mpmd) != 1:
+        if set(mpmd) - {"chunks", "place", "zero_bubble"} or "chunks" in mpmd and len(mpmd) != 1 or not mpmd:
             raise refuse("parallel.mpmd", mpmd, PARALLEL_RULES["mpmd"].allowed)
         if "place" in mpmd:
             place = {"mpmd_place": check_value("parallel.mpmd.place", mpmd["place"], PLACE_RULE)}
+        if "zero_bubble" in mpmd:
+            place["mpmd_zero_bubble"] = check_value("parallel.mpmd.zero_bubble", mpmd["zero_bubble"], Rule("bool"))
         section = {**section, "mpmd": mpmd.get("chunks", "auto") if "chunks" in mpmd else None}
     return {**{key: check_value(f"parallel.{key}", section[key], rule)
                for key, rule in PARALLEL_RULES.items() if key in section}, **place}

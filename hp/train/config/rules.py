@@ -152,7 +152,8 @@ PARALLEL_RULES: dict[str, Rule] = {
     "param_dtype": Rule("str", choices=DTYPES, optional=True),
     "reduce_dtype": Rule("str", choices=DTYPES, optional=True),
     "mpmd": Rule("chunks", lambda v: v == "auto" or v >= 1, "a number of chunks >= 1, 'auto', {chunks: N}, "
-                 "{place: {vision: pp or N}}, {place: {reference: pp or N}}, or null (hp.mpmd pipelines the step's collectives over that many "
+                 "{place: {vision: pp or N}}, {place: {reference: pp or N}} (with zero_bubble: true, the pipeline's backward split), "
+                 "or null (hp.mpmd pipelines the step's collectives over that many "
                  "chunks, or places sub-models on ranks of their own)", optional=True),
     "pp": Rule("int", lambda v: v >= 1, "an integer >= 1"),
     "pp_schedule": Rule("str", choices=tuple(PP_SCHEDULES)),
