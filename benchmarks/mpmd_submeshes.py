@@ -1,7 +1,7 @@
 """hp.mpmd levels 2 and 3 against static placements: a vision tower spread into a language model's pipeline
 bubbles, and a DPO reference run a batch ahead in the policy's bubbles.
 
-Three parts, one run (about eleven minutes on 2 CPU cores), the arms of each part alternating:
+Three parts, one run (about nine minutes on 2 CPU cores), the arms of each part alternating:
 
 1. **VL, 4 emulated ranks** (each block a tiny real layer whose forward and backward last exactly the
    block's cost, the rest slept; the tensors between ranks are real and cross over gloo). A language model of 16 blocks and a vision tower worth 3 of them: 15.8% of a
