@@ -110,3 +110,19 @@ class Placement:
     def as_dict(self) -> dict[str, int | str]:
         """As written in a config: `{vision: pp}`."""
         return {self.program: self.where}
+
+
+def check_zero_bubble(place: Placement | None, zero_bubble: object) -> None:
+    """`mpmd.zero_bubble` (a placed step's pipeline splits its backward into input and weight gradients): true
+    or false, and true only beside a placement.
+
+    >>> check_zero_bubble(None, True)
+    Traceback (most recent call last):
+    ...
+    hp.parallel.placement.PlacementError: mpmd.zero_bubble = True: only a placed step (mpmd.place) splits its pipeline's backward; leave it out
+    """
+    if not isinstance(zero_bubble, bool):
+        raise PlacementError("mpmd.zero_bubble", zero_bubble, ": expected true or false")
+    if zero_bubble and place is None:
+        raise PlacementError("mpmd.zero_bubble", zero_bubble, ": only a placed step (mpmd.place) splits its "
+                             "pipeline's backward; leave it out")

@@ -4,8 +4,7 @@ A strategy names the degrees of each kind of parallelism (data, context,
 tensor, expert), the algorithms and switches that go with them (sequence
 parallel, ring or Ulysses attention, FSDP over the data and context axes with
 its mixed precision and resharding, expert load balancing, offload,
-recompute, the chunks `hp.mpmd` pipelines collectives over) and nothing
-about any particular model.
+recompute, `hp.mpmd`'s chunks or placement) and nothing about any model.
 
 Expert parallel splits the data-parallel ranks, as in torchtitan: ep divides
 dp, and the mesh's data axis becomes two, `dp` (dp / ep groups, each holding
@@ -32,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hp.parallel.field_error import FieldError
-from hp.parallel.placement import Placement
+from hp.parallel.placement import Placement, check_zero_bubble
 from hp.parallel.tp2d import TP2D
 
 CP_ALGORITHMS = ("ulysses", "ring")  # how attention runs on a sequence split over cp (hp.ops.context_parallel)
@@ -155,22 +154,17 @@ class Strategy:
             raise StrategyError(f"{prefix}{e.key}".rstrip("."), e.value, e.problem) from None  # key "": the whole
 
     def _check_placement(self) -> None:
-        if self.mpmd_place is None:
-            if self.mpmd_zero_bubble is not False:
-                raise StrategyError("mpmd.zero_bubble", self.mpmd_zero_bubble, ": only a placed step (mpmd.place) "
-                                    "splits its pipeline's backward; leave it out")
-            return
-        if not isinstance(self.mpmd_zero_bubble, bool):
-            raise StrategyError("mpmd.zero_bubble", self.mpmd_zero_bubble, ": expected true or false")
-        self._typed("mpmd_place", Placement.of, "mpmd.place.")
-        for key in PLACED_ALONE:
-            if getattr(self, key) != DEFAULTS[key]:
-                why = ("the placed step orders its work from measured costs, not by a pipeline schedule"
-                       if key.startswith("pp_") else
-                       "a placed program's stages are laid out over tp alone (other axes inside them are not "
-                       "built yet)")
-                raise StrategyError(key, getattr(self, key), f" with mpmd.place: {why}; leave it out")
         try:
+            check_zero_bubble(self.mpmd_place, self.mpmd_zero_bubble)
+            if self.mpmd_place is None:
+                return
+            self._typed("mpmd_place", Placement.of, "mpmd.place.")
+            for key in PLACED_ALONE:
+                if getattr(self, key) != DEFAULTS[key]:
+                    why = ("the placed step orders its work from measured costs, not by a pipeline schedule"
+                           if key.startswith("pp_") else "a placed program's stages are laid out over tp alone "
+                           "(other axes inside them are not built yet)")
+                    raise StrategyError(key, getattr(self, key), f" with mpmd.place: {why}; leave it out")
             self.mpmd_place.check_pipeline(self.pp, self.pp_split)
         except FieldError as e:
             raise StrategyError(e.key, e.value, e.problem) from None
