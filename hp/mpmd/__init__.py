@@ -9,7 +9,8 @@ Holds: `transform` (the wrapped step and its chunk planner), `timeline`
 levels 2 and 3 `graph` (programs, stages and flows), `costs` (the cost
 table), `schedule` (the planner), `plan` (a plan and its replay),
 `simulate` (replays and projections), `runtime` (running a plan on the
-ranks), `clock` (timing work on an accelerator), `measure` (the cost table
+ranks), `backward` (a stage's backward split into input and weight
+gradients), `clock` (timing work on an accelerator), `measure` (the cost table
 of a running step), `programs` (a
 model's sub-models as programs), `reference` (a policy and its frozen
 reference as programs), `choice` (where the reference runs, from measured
