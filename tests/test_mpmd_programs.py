@@ -173,6 +173,7 @@ PLACE_ERRORS = [
     (dict(plan=None), "place needs the model's plan"),
     (dict(microbatches=0), "microbatches = 0"),
     (dict(chunks=2), "chunks = 2 with place"),
+    (dict(place=None, zero_bubble=True), "zero_bubble without place"),
     (dict(strategy=Strategy(cp=2)), "strategy: {'cp': 2} inside placed stages"),
 ]
 

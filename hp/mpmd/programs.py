@@ -111,8 +111,8 @@ def tower_graph(tower_ranks: tuple[int, ...], stage_ranks: tuple[int, ...], micr
     [1, 0]
     """
     tower = Program("vision", tuple(tower_ranks), spread=True, trains=trains, ahead=0 if trains else 1)
-    return Graph((tower, Program("language", tuple(stage_ranks), split=zero_bubble)), (Flow(("vision", 0), ("language", 0)),),
-                 microbatches)
+    language = Program("language", tuple(stage_ranks), split=zero_bubble)
+    return Graph((tower, language), (Flow(("vision", 0), ("language", 0)),), microbatches)
 
 
 def _this_ranks_part(model: nn.Module, plan: ModelPlan, cuts: StageSplit, graph: Graph, rank: int,

@@ -223,6 +223,9 @@ def mpmd(step: Callable | nn.Module, *, chunks: int | str | None = None, place: 
     (2.0, 1.0)
     """
     if place is None:
+        if zero_bubble:
+            raise MpmdError("zero_bubble without place: only a placed step (levels 2 and 3) has a pipeline whose "
+                            "backward splits")
         return Mpmd(step, "auto" if chunks is None else chunks)
     if chunks is not None:
         raise MpmdError(f"chunks = {chunks!r} with place: chunks pipeline one rank's collectives (level 1); a placed "
