@@ -268,19 +268,19 @@ def best_splits(ranks: int, tower: float, spread: bool, keep: int, frozen: bool 
 
 def vl_arms(ranks: int, tower: float, width: int, emulated: bool, frozen: bool = False,
             block: BlockTimes = BlockTimes()) -> dict[str, Arm]:
+    """B0, the three best static splits (B1, a split backward planned from its costs) and the two best S."""
     arms = {}
     even = tuple([BLOCKS // ranks] * ranks)
     graph, blocks = vl_graph(ranks, even, tower, spread=False, frozen=frozen)
     arms["B0"] = Arm(graph, vl_stages(graph, blocks, width, emulated), plan_from_costs=False)
-    for split, _, zero_bubble in _on_rank_zero(lambda: best_splits(ranks, tower, spread=False, keep=3, frozen=frozen,
-                                                                                  block=block)):
-        graph, blocks = vl_graph(ranks, split, tower, spread=False, frozen=frozen, zero_bubble=zero_bubble)
-        arms[f"B1 {split}{' zb' * zero_bubble}"] = Arm(graph, vl_stages(graph, blocks, width, emulated),
-                                                       plan_from_costs=zero_bubble)
-    for split, parts, zero_bubble in _on_rank_zero(lambda: best_splits(ranks, tower, spread=True, keep=2, frozen=frozen,
-                                                                                         block=block)):
-        graph, blocks = vl_graph(ranks, split, tower, spread=True, parts=parts, frozen=frozen, zero_bubble=zero_bubble)
-        arms[f"S {split} parts {parts}{' zb' * zero_bubble}"] = Arm(graph, vl_stages(graph, blocks, width, emulated))
+    static = _on_rank_zero(lambda: best_splits(ranks, tower, False, keep=3, frozen=frozen, block=block))
+    spread = _on_rank_zero(lambda: best_splits(ranks, tower, True, keep=2, frozen=frozen, block=block))
+    for split, _, zb in static:
+        graph, blocks = vl_graph(ranks, split, tower, spread=False, frozen=frozen, zero_bubble=zb)
+        arms[f"B1 {split}{' zb' * zb}"] = Arm(graph, vl_stages(graph, blocks, width, emulated), plan_from_costs=zb)
+    for split, parts, zb in spread:
+        graph, blocks = vl_graph(ranks, split, tower, spread=True, parts=parts, frozen=frozen, zero_bubble=zb)
+        arms[f"S {split} parts {parts}{' zb' * zb}"] = Arm(graph, vl_stages(graph, blocks, width, emulated))
     return arms
 
 

@@ -45,10 +45,11 @@ def input_gradients(output: torch.Tensor, grad: torch.Tensor | None,
     """Backward of `output` (seeded with `grad`; None for a scalar loss) as far as `inputs`: their gradients
     accumulated into `.grad`. Returns what runs the rest, once: the parameters' gradients into their `.grad`."""
     wanted = [x for x in inputs if x.requires_grad]
-    root = output.grad_fn
-    if root is None or not wanted:  # nothing to split: the whole backward is the parameters'
-        return lambda: torch.autograd.backward(output, grad) if root is not None else None
-    path = _path(root, {get_gradient_edge(x).node for x in wanted})
+    if output.grad_fn is None:  # nothing of it trains
+        return lambda: None
+    if not wanted:  # nothing to send back: the whole backward is the parameters'
+        return lambda: torch.autograd.backward(output, grad)
+    path = _path(output.grad_fn, {get_gradient_edge(x).node for x in wanted})
     groups = _groups(path)
     recorded: dict[Node, tuple] = {}
     handles = [node.register_prehook(_recorder(recorded, node)) for group in groups for node in group[0]]
@@ -65,10 +66,9 @@ def input_gradients(output: torch.Tensor, grad: torch.Tensor | None,
 
 def _path(root: Node, targets: set[Node]) -> set[Node]:
     """The nodes reachable from `root` from which one of `targets` is reachable (`targets` included)."""
-    order, seen, stack = [], {root}, [root]
-    while stack:  # every node reachable from the root, each after the nodes that lead to it
+    seen, stack = {root}, [root]
+    while stack:  # every node reachable from the root
         node = stack.pop()
-        order.append(node)
         for child, _ in node.next_functions:
             if child is not None and child not in seen:
                 seen.add(child)
@@ -87,7 +87,7 @@ def _path(root: Node, targets: set[Node]) -> set[Node]:
             leads[top] = top in targets or any(leads[c] for c, _ in top.next_functions if c is not None)
         return leads[node]
 
-    return {node for node in order if reaches(node)}
+    return {node for node in seen if reaches(node)}
 
 
 def _groups(path: set[Node]) -> list[tuple[list[Node], list[torch.Tensor]]]:

@@ -106,6 +106,9 @@ def _moved(plan: Plan, costs: Costs, passes: int = 3) -> Plan:
 # gaps come a little shorter or longer than the work that would fill them, and a strict fit sends the work
 # to the end of the step; each share is tried and the shortest replay kept.
 OVERLAPS = (0.0, 0.1, 0.25, 0.5)
+# Of actions that can start at once, which first: a backward frees what waits on it; a split backward's weight
+# gradient frees nothing, so it takes what is left.
+PRIORITY = {"B": 0, "F": 1, "W": 2}
 
 
 def _plan(graph: Graph, costs: Costs, level: dict[Action, float], fill: frozenset[str], overlap: float,
@@ -203,8 +206,6 @@ def _list_schedule(graph: Graph, costs: Costs, actions: list[Action], level: dic
             held[action.node] -= 1
     return placed
 
-
-PRIORITY = {"B": 0, "F": 1, "W": 2}  # of actions that can start at once: a backward frees what waits on it
 
 
 def _waits(graph: Graph, action: Action, later: frozenset[str]) -> list[Action]:

@@ -66,7 +66,8 @@ def parallel_section(section: Any) -> dict[str, Any]:
     place = {}
     if isinstance(section.get("mpmd"), Mapping):  # {chunks: N} (level 1), or {place: {vision: pp}} (levels 2-3)
         mpmd = dict(section["mpmd"])
-        if set(mpmd) - {"chunks", "place", "zero_bubble"} or "chunks" in mpmd and len(mpmd) != 1 or not mpmd:
+        chunks_alone = "chunks" not in mpmd or len(mpmd) == 1  # level 1 takes no level 2-3 keys beside it
+        if not mpmd or set(mpmd) - {"chunks", "place", "zero_bubble"} or not chunks_alone:
             raise refuse("parallel.mpmd", mpmd, PARALLEL_RULES["mpmd"].allowed)
         if "place" in mpmd:
             place = {"mpmd_place": check_value("parallel.mpmd.place", mpmd["place"], PLACE_RULE)}
