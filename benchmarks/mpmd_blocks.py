@@ -83,37 +83,50 @@ class Blocks(torch.nn.Module):
 
 @dataclass(frozen=True)
 class BlockTimes:
-    """One block's seconds: its forward, its input's gradient and its weight's; `saved_first`: what a stage
-    whose input wants no gradient saves (a real stage skips its first layer's input gradient; an emulated
-    one puts that time on the weight's path)."""
+    """One block's seconds: its forward, its input's gradient and its weight's (the backward split), its
+    backward whole (`whole`; None: the two halves' sum, as an emulated block's), and `saved_first`: what a
+    stage whose input wants no gradient saves (a real stage skips its first layer's input gradient; an
+    emulated one puts that time on the weight's path). `pieces`: for a micro-batch cut into k parts, a part's
+    time over 1/k of the whole's (`pieces[k - 1]`; a real matmul over fewer rows is less efficient)."""
 
     forward: float = U
     input_grad: float = U
     weight_grad: float = U
+    whole: float | None = None
     saved_first: float = 0.0
+    pieces: tuple[float, ...] = (1.0,)
+
+    def piece(self, parts: int) -> float:
+        """A part's cost factor when each micro-batch is cut into `parts` (1 where not measured)."""
+        return self.pieces[parts - 1] if parts <= len(self.pieces) else 1.0
 
 
 def nominal(graph: Graph, blocks: dict, block: BlockTimes = BlockTimes()) -> Costs:
     """Each stage's costs from its blocks (an emulated block's forward U, its backward 2U: U for its input's
-    gradient, U for its weight's)."""
+    gradient, U for its weight's); a spread program's part priced at its rows' efficiency."""
     costs = {}
     for node in graph.nodes():
         forward, backward = blocks[node]
-        costs["F", node] = forward * block.forward
+        factor = block.piece(graph.program[node[0]].parts)
+        costs["F", node] = forward * block.forward * factor
         if graph.splits(node):
-            costs["B", node], costs["W", node] = backward * block.input_grad, backward * block.weight_grad
+            costs["B", node] = backward * block.input_grad * factor
+            costs["W", node] = backward * block.weight_grad * factor
         else:
             wants = any(graph.trains(src) for src in graph.inputs(node))
-            costs["B", node] = backward * (block.input_grad + block.weight_grad) - (0 if wants else block.saved_first)
+            whole = block.whole if block.whole is not None else block.input_grad + block.weight_grad
+            costs["B", node] = (backward * whole - (0 if wants else block.saved_first)) * factor
     return Costs(costs)
 
 
-def calibrated(width: int, rows: int, repeats: int = 15) -> BlockTimes:
-    """A real block's times, measured here: the median over `repeats` of 4 blocks' forward, input gradients
-    (`hp.mpmd.backward`) and weight gradients, per block."""
+def calibrated(width: int, rows: int, parts: int = 2, repeats: int = 21) -> BlockTimes:
+    """A real block's times, measured here (per block, the median over `repeats` rounds of 4 blocks, the
+    measurements alternating within a round, so that the machine's drift slows them alike): its forward,
+    its input's and its weight's gradients (`hp.mpmd.backward`), its backward whole; and for 2 to `parts`
+    parts, a micro-batch's part's forward and backward against its share of the whole's."""
     module = Blocks(4, width, emulated=False, seed=0)
-    times = []
-    for _ in range(repeats + 2):
+
+    def split() -> tuple[float, float, float]:
         x = torch.randn(rows, width, requires_grad=True)
         start = time.perf_counter()
         out = module(x)
@@ -121,6 +134,23 @@ def calibrated(width: int, rows: int, repeats: int = 15) -> BlockTimes:
         later = input_gradients(out, torch.ones_like(out), [x])
         inputs = time.perf_counter()
         later()
-        times.append((forward - start, inputs - forward, time.perf_counter() - inputs))
-    f, dx, dw = (statistics.median(t[i] for t in times[2:]) / 4 for i in range(3))
-    return BlockTimes(f, dx, dw, saved_first=dx)
+        return forward - start, inputs - forward, time.perf_counter() - inputs
+
+    def whole(n: int) -> tuple[float, float]:
+        x = torch.randn(n, width, requires_grad=True)
+        start = time.perf_counter()
+        out = module(x)
+        forward = time.perf_counter()
+        out.backward(torch.ones_like(out))
+        return forward - start, time.perf_counter() - forward
+
+    rounds = [(split(), whole(rows), *(whole(rows // k) for k in range(2, parts + 1)))
+              for _ in range(repeats + 2)][2:]
+
+    def median(pick) -> float:
+        return statistics.median(pick(r) for r in rounds) / 4
+
+    f, dx, dw = (median(lambda r, i=i: r[0][i]) for i in range(3))
+    backward = median(lambda r: r[1][1])
+    pieces = (1.0, *(median(lambda r, k=k: k * sum(r[k])) / median(lambda r: sum(r[1])) for k in range(2, parts + 1)))
+    return BlockTimes(f, dx, dw, whole=backward, saved_first=dx, pieces=pieces)

@@ -33,8 +33,9 @@ Three parts, one run (about nine minutes on 2 CPU cores), the arms of each part 
    one it picks measured faster).
 3. **VL, 2 real ranks** (one pinned per core, real matmuls: a block is a 768-wide linear layer over 128
    rows): B0, B1 and S as above, the splits searched with a real block's times measured first
-   (`calibrated`: its forward, input gradient and weight gradient), three times the timed steps (real
-   matmuls on a shared machine drift more than sleeps).
+   (`calibrated`: its forward, input gradient, weight gradient and whole backward, and what a micro-batch
+   cut in two loses in efficiency), three times the timed steps (real matmuls on a shared machine drift
+   more than sleeps).
 
 For every measured arm the simulator (`hp.mpmd.simulate`, replaying the arm's plan with the cost
 table measured on its timed steps) predicts the step; `simulator_error` is the largest
@@ -43,7 +44,8 @@ from; the machine may drift between the two). `benchmarks/mpmd_submeshes.png` dr
 
 Last line: `vl_step_vs_best_static` (S / B1, 4 emulated ranks, the 7B share; `_3b_share`, `_frozen`),
 `vl_step_vs_best_static_real`
-(2 real ranks), `mean_idle_share` (S's, 4 emulated ranks), `dpo_step_vs_sequential` (S2 / S0),
+(2 real ranks; `vl_floor_vs_best_static_real`: S's least mean work per rank over B1's replayed step, the
+ratio of an S that never idles), `mean_idle_share` (S's, 4 emulated ranks), `dpo_step_vs_sequential` (S2 / S0),
 `dpo_losses_identical`, `dpo_reference_choice_agrees`, `simulator_error`.
 
     python benchmarks/mpmd_submeshes.py [--rounds 5]
@@ -217,11 +219,13 @@ class Arm:
         (the machine drifts between warm-up and timing: the check is of the replay, not of the drift); its
         last step's idle share, from the slots of that step."""
         step = statistics.median(self.times)
-        predicted = simulate(self.runtime.plan, gathered_costs(self.runtime, *LINK)).step_seconds
+        replayed = simulate(self.runtime.plan, gathered_costs(self.runtime, *LINK))
+        predicted = replayed.step_seconds
         slots = gathered([(dataclasses.astuple(s.action), s.rank, s.start, s.end) for s in self.runtime.slots])
         return {"bench": "mpmd_submeshes", "part": part, "arm": name, "step_s": round(step, 4),
                 "planned_s": round(self.planned, 4), "predicted_s": round(predicted, 4),
                 "simulator_error": round(abs(predicted - step) / step, 4),
+                "work_s": round(sum(replayed.busy) / self.graph.world, 4),  # a rank's share of the step's work
                 "mean_idle_share": round(_idle(slots, self.times[-1], self.graph.world), 4),
                 "timeline": [self.graph.world, [s for rank in slots for s in rank]]}
 
@@ -442,8 +446,16 @@ def summarize(records: list[dict]) -> dict:
     def vl_ratio(part: str) -> float | None:
         found = arms(part)
         best = min((r["step_s"] for k, r in found.items() if k.startswith("B1")), default=None)
-        mine = min((r for k, r in found.items() if k.startswith("S")), key=lambda r: r["step_s"], default=None)
-        return round(mine["step_s"] / best, 3) if best and mine else None
+        mine = min((r["step_s"] for k, r in found.items() if k.startswith("S")), default=None)
+        return round(mine / best, 3) if best and mine else None
+
+    def vl_floor(part: str) -> float | None:
+        """The least mean work per rank of an S arm over the best B1's replayed step (both from their own
+        measured costs, neither with the runtime's overhead): the ratio an S with no idle at all would get."""
+        found = arms(part)
+        best = min((r for k, r in found.items() if k.startswith("B1")), key=lambda r: r["step_s"], default=None)
+        work = min((r["work_s"] for k, r in found.items() if k.startswith("S")), default=None)
+        return round(work / best["predicted_s"], 3) if best and work else None
 
     dpo = arms("dpo emulated")
     s2 = min((r for k, r in arms("vl emulated").items() if k.startswith("S")), key=lambda r: r["step_s"], default={})
@@ -453,6 +465,7 @@ def summarize(records: list[dict]) -> dict:
         "vl_step_vs_best_static_3b_share": vl_ratio("vl 3b emulated"),
         "vl_step_vs_best_static_frozen": vl_ratio("vl frozen emulated"),
         "vl_step_vs_best_static_real": vl_ratio("vl real"),
+        "vl_floor_vs_best_static_real": vl_floor("vl real"),
         "mean_idle_share": s2.get("mean_idle_share"),
         "dpo_step_vs_precomputed": round(dpo["S2"]["step_s"] / dpo["S1"]["step_s"], 3) if dpo else None,
         "dpo_step_vs_sequential": round(dpo["S2"]["step_s"] / dpo["S0"]["step_s"], 3) if dpo else None,

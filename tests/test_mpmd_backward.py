@@ -115,3 +115,18 @@ def test_a_split_backward_shortens_a_pipelines_plan():
             assert len(weights) == (8 if split and rank else 0)  # stage 0 receives nothing trained: no split
             assert all(actions.index(w) > actions.index(type(w)("B", w.program, w.stage, w.micro)) for w in weights)
     assert steps == {False: 33.0, True: 30.0}
+
+
+def test_auto_placements_are_compared_as_they_will_run_with_the_backward_split():
+    """`choose_reference` and `choose_tower` under `zero_bubble` plan every candidate with the backward split
+    (each half of it half the backward's cost), as the chosen one will run: every candidate's step
+    shortens."""
+    from hp.mpmd.choice import BlockCosts, TowerCosts, choose_reference, choose_tower
+
+    pair = BlockCosts(forward=1.0, backward=2.0, reference=1.0, transfer=0.0)
+    whole, split = (choose_reference(pair, world=4, blocks=8, microbatches=8, zero_bubble=zb).steps for zb in (False, True))
+    assert whole == {"shared": 66.0, "own": 108.0} and all(split[k] < whole[k] for k in whole)
+    tower = TowerCosts(forward=1.0, backward=2.0, tower_forward=3.0, tower_backward=6.0, transfer=0.0)
+    whole, split = (choose_tower(tower, world=4, blocks=16, microbatches=8, trains=True, zero_bubble=zb).steps
+                    for zb in (False, True))
+    assert set(split) == set(whole) and all(split[k] < whole[k] for k in whole)

@@ -266,17 +266,17 @@ def test_a_qwen_vl_tower_placed_by_hp_mpmd_gives_hfs_steps_on_gloo_ranks():
 @settings(max_examples=25, deadline=None)
 @given(forward=st.floats(0.1, 2.0), backward=st.floats(0.1, 4.0), reference=st.floats(0.05, 2.0),
        transfer=st.floats(0.0, 6.0), world=st.integers(1, 4), blocks=st.integers(4, 9), micro=st.integers(1, 8),
-       kto=st.booleans())
+       kto=st.booleans(), zero_bubble=st.booleans())
 def test_the_reference_goes_where_the_replayed_plan_is_shorter(forward, backward, reference, transfer, world, blocks,
-                                                              micro, kto):
+                                                              micro, kto, zero_bubble):
     """`hp.mpmd.choice.choose_reference`: the policy over every rank with its reference in the bubbles, or over
     half with the reference on the other half, whichever's plan replays shorter; no step beats the work
     spread evenly over the ranks. KTO's (one reference point a step) trains on one row of each pair and
-    runs the other without gradient."""
+    runs the other without gradient. With `zero_bubble` each way is planned with the policy's backward split."""
     from hp.mpmd.choice import BlockCosts, choose_reference
 
     choice = choose_reference(BlockCosts(forward, backward, reference, transfer), world=world, blocks=blocks,
-                              microbatches=micro, reference_point=micro if kto else 0)
+                              microbatches=micro, reference_point=micro if kto else 0, zero_bubble=zero_bubble)
     assert set(choice.steps) == ({"shared", "own"} if world % 2 == 0 else {"shared"})
     assert choice.steps[choice.where] == min(choice.steps.values())
     work = (forward + backward + 3 * reference) / 2 if kto else forward + backward + reference
@@ -288,15 +288,17 @@ def test_the_reference_goes_where_the_replayed_plan_is_shorter(forward, backward
 
 @settings(max_examples=20, deadline=None)
 @given(forward=st.floats(0.1, 2.0), backward=st.floats(0.1, 4.0), tower=st.floats(0.1, 8.0), trains=st.booleans(),
-       transfer=st.floats(0.0, 3.0), world=st.integers(1, 4), blocks=st.integers(4, 9), micro=st.integers(1, 8))
+       transfer=st.floats(0.0, 3.0), world=st.integers(1, 4), blocks=st.integers(4, 9), micro=st.integers(1, 8),
+       zero_bubble=st.booleans())
 def test_the_tower_goes_where_the_replayed_plan_is_shorter(forward, backward, tower, trains, transfer, world, blocks,
-                                                          micro):
+                                                          micro, zero_bubble):
     """`hp.mpmd.choice.choose_tower`: the language model over every rank with the tower in its bubbles, or
-    over fewer with the tower on the rest, whichever's plan replays shorter."""
+    over fewer with the tower on the rest, whichever's plan replays shorter; with `zero_bubble` each way is
+    planned with the language model's backward split."""
     from hp.mpmd.choice import TowerCosts, choose_tower
 
     costs = TowerCosts(forward, backward, tower, 2 * tower if trains else 0.0, transfer, transfer / 4)
-    choice = choose_tower(costs, world=world, blocks=blocks, microbatches=micro, trains=trains)
+    choice = choose_tower(costs, world=world, blocks=blocks, microbatches=micro, trains=trains, zero_bubble=zero_bubble)
     assert set(choice.steps) == {"shared", *(f"own {n}" for n in range(1, world))}
     assert choice.steps[choice.where] == min(choice.steps.values())
     work = micro * (blocks * (forward + backward) + tower * (3 if trains else 1))

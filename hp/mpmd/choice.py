@@ -106,13 +106,23 @@ def _pipeline(compute: dict, transfer: dict, program: str, split: tuple[int, ...
             transfer[(program, s), (program, s + 1)] = moving
 
 
+def _halved(compute: dict, graph: Graph) -> Costs:
+    """The cost table of `graph` from `compute`, each split backward (`Program(split=True)`) cut into its two
+    halves, its input's gradient and its weight's, of equal cost (a linear layer's two products)."""
+    table = dict(compute)
+    for node in graph.nodes():
+        if graph.splits(node):
+            table["B", node] = table["W", node] = compute["B", node] / 2
+    return table
+
+
 def choose_reference(costs: BlockCosts, *, world: int, blocks: int, microbatches: int,
-                     reference_point: int = 0) -> Choice:
+                     reference_point: int = 0, zero_bubble: bool = False) -> Choice:
     """The faster way for a policy of `blocks` blocks and its frozen reference to share `world` ranks: `shared`
     (the policy over every rank, the reference in its bubbles) or `own` (when `world` is even: the policy
     over half, the reference on the other half). With `reference_point` (KTO, `hp.mpmd.reference`) the
     policy trains on one row of each micro-batch's two and runs the other without gradient: each half a
-    pair's cost."""
+    pair's cost. `zero_bubble`: each way planned with the policy's backward split, as it will run."""
     ways = {SHARED: (tuple(range(world)), tuple(range(world)))}
     if world % 2 == 0:
         ways[OWN] = (tuple(range(world // 2)), tuple(range(world // 2, world)))
@@ -130,17 +140,19 @@ def choose_reference(costs: BlockCosts, *, world: int, blocks: int, microbatches
         if reference_point:
             _pipeline(compute, transfer, "kl", split, share * costs.reference, 0.0, costs.transfer)
             transfer[("reference", last), ("kl", last)] = transfer[("kl", last), ("policy", last)] = costs.latency
-        graph = pair_graph(policy, reference, microbatches, reference_point=reference_point)
-        candidates[name] = ((policy, reference), graph, Costs(compute, transfer))
+        graph = pair_graph(policy, reference, microbatches, reference_point=reference_point, zero_bubble=zero_bubble)
+        candidates[name] = ((policy, reference), graph, Costs(_halved(compute, graph), transfer))
     if not candidates:
         raise ValueError(f"{blocks} blocks cannot be cut into a stage for each of {world // 2} ranks")
     return _fastest(candidates)
 
 
-def choose_tower(costs: TowerCosts, *, world: int, blocks: int, microbatches: int, trains: bool) -> Choice:
+def choose_tower(costs: TowerCosts, *, world: int, blocks: int, microbatches: int, trains: bool,
+                 zero_bubble: bool = False) -> Choice:
     """The faster way for a vision tower and a language model of `blocks` blocks to share `world` ranks:
     `shared` (the language model over every rank, the tower spread over them in its bubbles) or `own N`
-    (the language model over `world - N` ranks, the tower on the other N).
+    (the language model over `world - N` ranks, the tower on the other N). `zero_bubble`: each way planned
+    with the language model's backward split, as it will run.
 
     >>> costs = TowerCosts(forward=1.0, backward=2.0, tower_forward=3.0, tower_backward=6.0, transfer=0.0)
     >>> choice = choose_tower(costs, world=4, blocks=16, microbatches=8, trains=True)
@@ -157,8 +169,8 @@ def choose_tower(costs: TowerCosts, *, world: int, blocks: int, microbatches: in
         compute = {("F", ("vision", 0)): costs.tower_forward, ("B", ("vision", 0)): costs.tower_backward}
         transfer = {(("vision", 0), ("language", 0)): costs.features}
         _pipeline(compute, transfer, "language", split, costs.forward, costs.backward, costs.transfer)
-        graph = tower_graph(ranks[1], ranks[0], microbatches, trains)
-        candidates[SHARED if own == 0 else f"{OWN} {own}"] = (ranks, graph, Costs(compute, transfer))
+        graph = tower_graph(ranks[1], ranks[0], microbatches, trains, zero_bubble)
+        candidates[SHARED if own == 0 else f"{OWN} {own}"] = (ranks, graph, Costs(_halved(compute, graph), transfer))
     return _fastest(candidates)
 
 

@@ -19,7 +19,10 @@ is posted: a receive posted when its reader starts costs a round trip on the
 critical path. The runtime therefore tells the mailbox, a few actions
 ahead, which envelopes it will read (`expect`); their receives are posted at
 once, and an envelope sent meanwhile lands while the actions before its
-reader run. `take` then waits for what is still in flight.
+reader run. Between actions the runtime lets the mailbox open what has
+landed (`progress`): a larger tensor's data receive is posted as soon as its
+envelope says its shape, so the data too crosses while the rank computes.
+`take` then waits for what is still in flight.
 
 >>> box = Mailbox(group=None, device="cpu")
 >>> box.pending
@@ -50,11 +53,12 @@ class Mailbox:
         self.group, self.device = group, torch.device(device)
         self.waited = 0.0
         self._posted: dict[tuple[int, int], tuple[torch.Tensor, Any]] = {}  # (peer, tag) -> envelope, its receive
+        self._opened: dict[tuple[int, int], tuple[torch.Tensor, Any]] = {}  # (peer, tag) -> tensor, its data's receive
 
     @property
     def pending(self) -> int:
         """Envelopes whose receives are posted and not yet taken."""
-        return len(self._posted)
+        return len(self._posted) + len(self._opened)
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int) -> list:
         """Send `tensor` to `peer` with tags `tag` (the envelope) and `tag + 1` (the data, when it does not fit
@@ -81,22 +85,36 @@ class Mailbox:
             envelope = torch.empty(_ENVELOPE, dtype=torch.uint8)
             self._posted[peer, tag] = envelope, dist.irecv(envelope, self._global(peer), group=self.group, tag=tag)
 
+    def progress(self) -> None:
+        """Open every envelope that has landed: post its data's receive (it moves only once posted)."""
+        for key in [key for key, (_, work) in self._posted.items() if work.is_completed()]:
+            envelope, work = self._posted.pop(key)
+            work.wait()  # done: raises if the receive failed
+            self._opened[key] = self._open(envelope, *key)
+
     def take(self, peer: int, tag: int) -> torch.Tensor:
         """The tensor `peer` sent with `tag`, waiting for what has not arrived."""
         start = time.perf_counter()
-        self.expect(peer, tag)
-        envelope, work = self._posted.pop((peer, tag))
-        work.wait()
+        if (peer, tag) not in self._opened:
+            self.expect(peer, tag)
+            envelope, work = self._posted.pop((peer, tag))
+            work.wait()
+            self._opened[peer, tag] = self._open(envelope, peer, tag)
+        out, data = self._opened.pop((peer, tag))
+        if data is not None:
+            data.wait()
+        self.waited += time.perf_counter() - start
+        return out.to(self.device)
+
+    def _open(self, envelope: torch.Tensor, peer: int, tag: int) -> tuple[torch.Tensor, Any]:
+        """The tensor an envelope announces, and its data's receive (None: it came inside)."""
         code, ndim, *shape = envelope[:_META * 8].view(torch.int64).tolist()
-        dtype, shape = _DTYPES[code], shape[:ndim]
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape[:ndim], dtype=_DTYPES[code])
         nbytes = out.numel() * out.element_size()
         if nbytes <= INLINE:
             out.reshape(-1).view(torch.uint8).copy_(envelope[_META * 8:_META * 8 + nbytes])
-        else:
-            dist.recv(out, self._global(peer), group=self.group, tag=tag + 1)
-        self.waited += time.perf_counter() - start
-        return out.to(self.device)
+            return out, None
+        return out, dist.irecv(out, self._global(peer), group=self.group, tag=tag + 1)
 
     def _global(self, peer: int) -> int:
         return dist.get_global_rank(self.group, peer) if self.group is not None else peer

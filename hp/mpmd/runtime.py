@@ -132,6 +132,7 @@ class Runtime:
         for i, action in enumerate(actions):
             if i + LOOKAHEAD < len(actions):
                 self._expect(actions[i + LOOKAHEAD], step)
+            self._mailbox.progress()
             batch = batches[first + self.graph.ahead_of(action.node)]
             start, waited = time.perf_counter(), self._mailbox.waited
             if action.kind == "F":

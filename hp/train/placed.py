@@ -114,7 +114,7 @@ def _vision_language(model: nn.Module, config: TrainConfig, replica: Replica, ba
         costs = tower_costs(model, plan, first, group=dist.group.WORLD)
         trains = any(p.requires_grad for p in model.get_submodule(plan.vision).parameters())
         choice = choose_tower(costs, world=strategy.pp, blocks=len(model.get_submodule(plan.blocks)),
-                              microbatches=microbatches, trains=trains)
+                              microbatches=microbatches, trains=trains, zero_bubble=strategy.mpmd_zero_bubble)
         stage_ranks, tower_ranks = choice.ranks
     else:
         tower_ranks = strategy.mpmd_place.ranks(strategy.pp)

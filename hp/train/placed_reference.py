@@ -153,7 +153,8 @@ def policy_programs(model: nn.Module, reference: Reference, config: TrainConfig,
     if strategy.mpmd_place.where == AUTO:  # measured on the whole model, before it is cut
         costs = block_costs(model, plan, config.cutoff_len, group=dist.group.WORLD)
         choice = choose_reference(costs, world=strategy.pp, blocks=len(model.get_submodule(plan.blocks)),
-                                  microbatches=microbatches, reference_point=point)
+                                  microbatches=microbatches, reference_point=point,
+                                  zero_bubble=strategy.mpmd_zero_bubble)
         policy_ranks, reference_ranks = choice.ranks
     else:
         policy_ranks, reference_ranks = tuple(range(strategy.pp)), strategy.mpmd_place.ranks(strategy.pp)

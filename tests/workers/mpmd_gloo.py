@@ -129,7 +129,8 @@ def check(case: dict) -> None:
 
 def mailbox_round_trip() -> None:
     """Tensors of every kind the runtime moves, inside their envelope or after it, cross both ways intact,
-    their receives posted before they are sent (out of order) or when they are read."""
+    their receives posted before they are sent (out of order) or when they are read, opened between reads
+    or when read."""
     draw = torch.Generator().manual_seed(0)  # the same tensors on both ranks
     made = [torch.randn((), generator=draw), torch.arange(6, dtype=torch.int64).view(2, 3),
             torch.rand(3, 4, generator=draw) > 0.5, torch.randn(5, 7, generator=draw).bfloat16(),
@@ -145,6 +146,7 @@ def mailbox_round_trip() -> None:
             for k in range(0, len(made), 2):
                 box.expect(sender, 10 * k)
             for k, tensor in reversed(list(enumerate(made))):
+                box.progress()  # what has landed opened (its data's receive posted) before it is read
                 got = box.take(sender, 10 * k)
                 assert got.dtype == tensor.dtype and torch.equal(got, tensor), (k, got, tensor)
             assert box.pending == 0
