@@ -443,22 +443,24 @@ def summarize(records: list[dict]) -> dict:
     def arms(part: str) -> dict:
         return {r["arm"]: r for r in records if r.get("part") == part and "step_s" in r}
 
+    def fastest(part: str, prefix: str) -> dict | None:
+        """The arm of `part` whose name starts with `prefix` and whose measured step is shortest."""
+        found = [r for k, r in arms(part).items() if k.startswith(prefix)]
+        return min(found, key=lambda r: r["step_s"], default=None)
+
     def vl_ratio(part: str) -> float | None:
-        found = arms(part)
-        best = min((r["step_s"] for k, r in found.items() if k.startswith("B1")), default=None)
-        mine = min((r["step_s"] for k, r in found.items() if k.startswith("S")), default=None)
-        return round(mine / best, 3) if best and mine else None
+        best, mine = fastest(part, "B1"), fastest(part, "S")
+        return round(mine["step_s"] / best["step_s"], 3) if best and mine else None
 
     def vl_floor(part: str) -> float | None:
         """The least mean work per rank of an S arm over the best B1's replayed step (both from their own
         measured costs, neither with the runtime's overhead): the ratio an S with no idle at all would get."""
-        found = arms(part)
-        best = min((r for k, r in found.items() if k.startswith("B1")), key=lambda r: r["step_s"], default=None)
-        work = min((r["work_s"] for k, r in found.items() if k.startswith("S")), default=None)
+        best = fastest(part, "B1")
+        work = min((r["work_s"] for k, r in arms(part).items() if k.startswith("S")), default=None)
         return round(work / best["predicted_s"], 3) if best and work else None
 
     dpo = arms("dpo emulated")
-    s2 = min((r for k, r in arms("vl emulated").items() if k.startswith("S")), key=lambda r: r["step_s"], default={})
+    s2 = fastest("vl emulated", "S") or {}
     errors = [r["simulator_error"] for r in records if "simulator_error" in r]
     return {
         "vl_step_vs_best_static": vl_ratio("vl emulated"),

@@ -106,8 +106,8 @@ def _pipeline(compute: dict, transfer: dict, program: str, split: tuple[int, ...
             transfer[(program, s), (program, s + 1)] = moving
 
 
-def _halved(compute: dict, graph: Graph) -> Costs:
-    """The cost table of `graph` from `compute`, each split backward (`Program(split=True)`) cut into its two
+def _halved(compute: dict, graph: Graph) -> dict:
+    """`compute` for `graph`, each split backward (`Program(split=True)`) cut into its two
     halves, its input's gradient and its weight's, of equal cost (a linear layer's two products)."""
     table = dict(compute)
     for node in graph.nodes():

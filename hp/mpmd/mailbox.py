@@ -95,12 +95,13 @@ class Mailbox:
     def take(self, peer: int, tag: int) -> torch.Tensor:
         """The tensor `peer` sent with `tag`, waiting for what has not arrived."""
         start = time.perf_counter()
-        if (peer, tag) not in self._opened:
+        opened = self._opened.pop((peer, tag), None)
+        if opened is None:  # not landed, or not looked at since
             self.expect(peer, tag)
             envelope, work = self._posted.pop((peer, tag))
             work.wait()
-            self._opened[peer, tag] = self._open(envelope, peer, tag)
-        out, data = self._opened.pop((peer, tag))
+            opened = self._open(envelope, peer, tag)
+        out, data = opened
         if data is not None:
             data.wait()
         self.waited += time.perf_counter() - start
