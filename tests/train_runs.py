@@ -70,8 +70,11 @@ QWEN_TOKENS = {"specials": ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), "bos
 
 
 def local_hf_model(directory: Path, family: str = "llama", *, specials: tuple[str, ...] = ("<s>", "</s>"),
-                   bos: str | None = "<s>", eos: str = "</s>", pad: str | None = None, layers: int = 2) -> None:
+                   bos: str | None = "<s>", eos: str = "</s>", pad: str | None = None, layers: int = 2,
+                   tied: bool | None = None) -> None:
     """A tiny model of `family` saved as a HF directory: config, safetensors and a locally trained BPE tokenizer.
+
+    `tied` ties the head to the embedding (`tie_word_embeddings`; None: the family's config's default).
 
     `specials` are the tokenizer's special tokens after `<unk>` (Qwen's chat tokens with `**QWEN_TOKENS`); a
     vision-language family's needs Qwen's vision tokens among them (`local_vl_model`).
@@ -93,7 +96,8 @@ def local_hf_model(directory: Path, family: str = "llama", *, specials: tuple[st
     torch.manual_seed(3)
     ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(token) if token else None
            for name, token in (("bos", bos), ("eos", eos), ("pad", pad or "<unk>"))}
-    config = tiny_config(family, layers=layers, vocab_size=320, **ids)
+    tie = {} if tied is None else {"tie_word_embeddings": tied}
+    config = tiny_config(family, layers=layers, vocab_size=320, **ids, **tie)
     if family not in VL_FAMILIES:
         AutoModelForCausalLM.from_config(config).save_pretrained(directory)
         return

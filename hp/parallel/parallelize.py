@@ -36,6 +36,7 @@ from hp.layouts.rules import Rules, resolve
 from hp.ops import overlap
 from hp.ops.expert_parallel import expert_parallel
 from hp.ops.region import region
+from hp.parallel.ties import names_by_parameter
 
 Layouts = str | Layout | tuple | Mapping
 
@@ -75,14 +76,6 @@ def parallelize(
         raise PlanError(f"hp.parallelize: experts entries {list(experts)} match no module")
     _run_in_region(module)
     return module
-
-
-def _shared_names(module: nn.Module) -> list[tuple[list[str], nn.Parameter]]:
-    """Each parameter once, with every name it has (tied weights have several)."""
-    by_id: dict[int, tuple[list[str], nn.Parameter]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(param), ([], param))[0].append(name)
-    return list(by_id.values())
 
 
 def _match_tied(plan, names: list[str], used: set[str]) -> Layout:
@@ -127,7 +120,8 @@ def _planned(module: nn.Module, plan, axes, rules) -> list[tuple[list[str], nn.P
     """(names, parameter, bound layout) of each parameter once; PlanError for what does not fit."""
     used: set[str] = set()
     planned = []
-    for names, param in _shared_names(module):
+    for names in names_by_parameter(module):  # tied weights have several names
+        param = module.get_parameter(names[0])
         spec = _match_tied(plan, names, used)
         try:
             planned.append((names, param, bind(resolve(spec, rules), axes, param.shape)))

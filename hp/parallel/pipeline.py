@@ -190,6 +190,17 @@ class Pipeline:
         for model in self.stages:
             yield from model.named_parameters()
 
+    def counted_parameters(self) -> list[nn.Parameter]:
+        """`parameters()`, less the head's copy of a head tied to the embedding where another stage holds the
+        embedding's: over the pipeline, each parameter once (what a global gradient norm sums, as on one
+        device)."""
+        if not _ties_head(self.stages[0], self.plan):
+            return list(self.parameters())
+        heads = {id(m.get_submodule(self.plan.head).weight) for m in self.stages
+                 if not isinstance(m.get_submodule(self.plan.head), Skipped)
+                 and isinstance(m.get_submodule(self.plan.embedding), Skipped)}
+        return [p for p in self.parameters() if id(p) not in heads]
+
     def describe(self) -> str:
         return f"pipeline ({self.strategy.pp_schedule}, {self.strategy.microbatches} micro-batches): {self.split}"
 

@@ -2,8 +2,9 @@
 
 The global norm is taken over every gradient once: DTensor gradients reduce
 over their own meshes, pipeline stages' squared norms add up over the
-pipeline's group, and under `parallel.mpmd.place` (`clip_placed`) a program
-held whole on several ranks (a spread vision tower) counts on one of them.
+pipeline's group, and (`clip_counted`) a head tied to the embedding of
+another stage, or under `parallel.mpmd.place` a program held whole on
+several ranks (a spread vision tower), counts on one of them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hp.mpmd.placed import Placed
+from hp.parallel.pipeline import Pipeline
 
 
 def clip_gradients(params, max_norm: float, *, group=None) -> float:
@@ -50,9 +52,10 @@ def scalar(loss) -> float:
     return float(full.detach())
 
 
-def clip_placed(step: Placed, max_norm: float) -> float:
-    """Clip the gradients of a placed step's parameters on every rank to a global norm of `max_norm`
-    (each parameter counted once over the ranks); returns the norm before. A collective."""
+def clip_counted(step: Placed | Pipeline, max_norm: float) -> float:
+    """Clip the gradients of a step whose ranks hold some parameters twice (a placed step's spread program, a
+    pipeline's tied head and embedding) to a global norm of `max_norm`, each parameter counted once over
+    the ranks (its `counted_parameters`); returns the norm before. A collective."""
     total = clip_gradients(step.counted_parameters(), math.inf, group=step.group or dist.group.WORLD)  # a replica
     grads = [p.grad for p in step.parameters() if p.grad is not None]  # none on a rank running frozen programs only
     if total > max_norm and grads:

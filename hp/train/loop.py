@@ -64,8 +64,9 @@ from torch import nn
 import hp
 from hp.device import bind_local_device, detect
 from hp.parallel.expert_balance import ExpertLoad, measure, nudge_routing_bias
-from hp.parallel.pipeline import pipeline_of
+from hp.parallel.pipeline import Pipeline, pipeline_of
 from hp.parallel.plain_dp import accumulating
+from hp.mpmd.placed import Placed
 from hp.mpmd.transform import Mpmd
 from hp.models import plan_for
 from hp.plot import pyplot
@@ -73,7 +74,7 @@ from hp.train import checkpoint, restarts
 from hp.train.config import PREFERENCE_STAGES, TrainConfig, to_dict
 from hp.train.data import IGNORE_INDEX, TokenBatches, eval_batches, load_splits, load_tokenizer
 from hp.train.data.embedded import model_config
-from hp.train.clipping import clip_gradients, clip_placed, scalar
+from hp.train.clipping import clip_counted, clip_gradients, scalar
 from hp.train.errors import TrainingError
 from hp.train.loader import loader
 from hp.train.finetuning import Finetuning
@@ -171,9 +172,7 @@ def train(config: TrainConfig) -> dict:
             with _traced() if step == first else nullcontext() as trace:  # every step moves the same bytes
                 loss, tokens, rewards = forward_backward()
                 hp.reduce_gradients(model)
-                norm = clip_placed(placed.step, config.max_grad_norm or math.inf) if placed is not None else \
-                    clip_gradients(model.parameters(), config.max_grad_norm or math.inf,
-                                   group=pipe.group if pipe is not None else None)
+                norm = _clip(model, placed.step if placed is not None else pipe, config.max_grad_norm)
                 _require_finite(config, step + 1, loss, norm, saver)
                 optimizer.step()
                 scheduler.step()
@@ -215,6 +214,13 @@ def train(config: TrainConfig) -> dict:
         _plot(config.output_dir)
         print(json.dumps(summary, allow_nan=False), flush=True)
     return summary
+
+
+def _clip(model: nn.Module, spread: Placed | Pipeline | None, max_norm: float) -> float:
+    """Clip the step's gradients to a global norm of `max_norm` (none: no limit); the norm before."""
+    if spread is not None:  # some parameters held on several ranks: each counted once
+        return clip_counted(spread, max_norm or math.inf)
+    return clip_gradients(model.parameters(), max_norm or math.inf)
 
 
 def make_objective(config: TrainConfig, model: nn.Module, mesh, vocab_size: int):

@@ -40,10 +40,15 @@ from hp.parallel.parallelize import PlanError
 from hp.parallel.plain_dp import USED_OUTSIDE_FORWARD
 from hp.parallel.storable import from_storable, to_storable
 from hp.parallel.strategy import Strategy, StrategyError, num_experts
+from hp.parallel.ties import names_by_parameter, to_empty
 from hp.train import expert_weights
 from hp.train.config import ConfigError, TrainConfig
 from hp.train.data.embedded import EMBEDDED, TINY_QWEN3_MOE, model_config
 from hp.train.finetuning import Finetuning, FreezeError, apply_finetuning
+
+class LoadError(RuntimeError):
+    """A model whose weights, once loaded, are not all the checkpoint's (hp's fault, not the user's)."""
+
 
 VALUE_HEAD = "v_head"  # the reward model's linear layer from the last hidden state to a score
 
@@ -296,12 +301,12 @@ def build_model(name_or_path: str, vocab_size: int, mesh, strategy: Strategy, *,
              } if value_head else {}
     computed = _non_persistent_buffers(model)  # RoPE's frequencies, Gemma's embedding scale: not in the files
     _lay_out(model, mesh, strategy, plan)
-    model.to_empty(device=mesh.device_type)
+    to_empty(model, mesh.device_type)  # a head tied to its embedding stays one tensor, which loading fills
     buffers = dict(model.named_buffers())
     for name, value in computed.items():
         if name in buffers:  # a pipeline stage holds only its own modules' buffers
             buffers[name].copy_(value)
-    load_safetensors(model, name_or_path)
+    check_loaded(model, load_safetensors(model, name_or_path), name_or_path)
     start_adapters(model, seed)
     for name, whole in drawn.items():
         copy_whole(model.get_parameter(name), whole)
@@ -369,8 +374,9 @@ def freeze_parts(model: nn.Module, *, vision_tower: bool, projector: bool, langu
     return [name for name, on in frozen.items() if on]
 
 
-def load_safetensors(model: nn.Module, directory: str) -> None:
-    """Fill `model`'s (possibly sharded) parameters from HF safetensors, each rank reading its own blocks."""
+def load_safetensors(model: nn.Module, directory: str) -> set[str]:
+    """Fill `model`'s (possibly sharded) parameters from HF safetensors, each rank reading its own blocks; the
+    names of the parameters and buffers read."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
@@ -392,6 +398,26 @@ def load_safetensors(model: nn.Module, directory: str) -> None:
     dcp.load(state, storage_reader=HuggingFaceStorageReader(directory), no_dist=not distributed())
     loaded = from_storable(state, as_stored)
     model.load_state_dict({name: loaded[stored[name][2]] for name in wanted}, strict=False)
+    return set(_loaded_state(model))
+
+
+def check_loaded(model: nn.Module, read: set[str], directory: str) -> None:
+    """Refuse `model` when one of its parameters was neither read from `directory`, nor tied to one that was,
+    nor started on purpose (a LoRA adapter, a value head): a run would train a model that is not the
+    checkpoint's, with no message.
+
+    >>> check_loaded(torch.nn.Linear(2, 2), {"weight"}, "/models/m")
+    Traceback (most recent call last):
+    ...
+    hp.train.model.LoadError: model_name_or_path = '/models/m': the model's 'bias' was not in the checkpoint and is not tied to a parameter that was
+    """
+    for names in names_by_parameter(model):  # a tied parameter is read under any of its names
+        if any(name in read or is_adapter(name) or name.startswith(f"{VALUE_HEAD}.") for name in names):
+            continue
+        source = _tied_weights(model).get(names[0])
+        tied = f"is not tied to {source!r}, which was" if source else "is not tied to a parameter that was"
+        raise LoadError(f"model_name_or_path = {directory!r}: the model's {names[0]!r} was not in the checkpoint "
+                        f"and {tied}")
 
 
 @contextmanager

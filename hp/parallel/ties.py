@@ -1,0 +1,76 @@
+"""Tied parameters: one tensor under several names (an LM head sharing its embedding), kept one.
+
+Why: `nn.Module.to_empty` (like `.to` across devices) replaces each module's
+parameters one module at a time, so two modules that held one parameter
+come back holding two. A checkpoint stores a tied weight once, under the
+name it shares, so loading fills one of the two and leaves the other as
+`torch.empty` left it: a model built on the meta device and then loaded
+would train with a head that is not the checkpoint's. `to_empty` here
+records which names share a parameter and ties them again afterwards, as
+HF's `from_pretrained` ties them after loading. `tied_groups` is the one
+place that says which names are one tensor; `hp.parallelize` lays such a
+group out once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def names_by_parameter(module: nn.Module) -> list[list[str]]:
+    """Every name of each of `module`'s parameters, one list per parameter, in `named_parameters` order.
+
+    >>> names_by_parameter(torch.nn.Linear(2, 2))
+    [['weight'], ['bias']]
+    """
+    by_id: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return list(by_id.values())
+
+
+def tied_groups(module: nn.Module) -> list[list[str]]:
+    """The names of each parameter that `module` holds under more than one name, first name first.
+
+    >>> emb = torch.nn.Embedding(8, 4)
+    >>> model = torch.nn.ModuleDict({"embed": emb, "head": torch.nn.Linear(4, 8, bias=False)})
+    >>> model["head"].weight = emb.weight
+    >>> tied_groups(model)
+    [['embed.weight', 'head.weight']]
+    """
+    return [names for names in names_by_parameter(module) if len(names) > 1]
+
+
+def tie(module: nn.Module, groups: list[list[str]]) -> None:
+    """Make every name of each group hold the parameter its first name holds (names `module` lacks are skipped:
+    a pipeline stage holds some modules only)."""
+    for names in groups:
+        held = [n for n in names if _holds(module, n)]
+        for name in held[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner), attr, module.get_parameter(held[0]))
+
+
+def to_empty(module: nn.Module, device: torch.device | str) -> nn.Module:
+    """`module.to_empty(device=device)`, with the parameters that were tied still tied.
+
+    >>> with torch.device("meta"):
+    ...     model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(8, 4), "head": torch.nn.Linear(4, 8, bias=False)})
+    >>> model["head"].weight = model["embed"].weight
+    >>> model = to_empty(model, "cpu")
+    >>> model["head"].weight is model["embed"].weight, model["head"].weight.device
+    (True, device(type='cpu'))
+    """
+    groups = tied_groups(module)
+    module.to_empty(device=device)
+    tie(module, groups)
+    return module
+
+
+def _holds(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_parameter(name)
+    except AttributeError:
+        return False
+    return True
