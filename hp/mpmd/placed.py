@@ -113,6 +113,7 @@ class Placed:
         self.costs: Costs | None = None
         self._spread = {p.name: self.grid.group(p.ranks) for p in self.graph.programs
                         if p.spread and p.trains and len(p.ranks) > 1}  # where its gradients are summed
+        self._tied_group = self._tied_copies_group()  # a head tied to the embedding, in two stages' ranks
         self._across = self.grid.across()  # this rank's stage in every replica: data parallel's group
         self._planes = self.grid.across_planes()  # this rank's stage in every plane: its tensor parallel group
         self._evaluators: dict[int, Runtime] = {}  # forward-only runtimes, by micro-batches
@@ -133,6 +134,7 @@ class Placed:
         losses = self.runtime.step(prepare(batch), *(None if b is None else prepare(b) for b in upcoming))
         for name, spread in self._spread_parameters().items():
             _sum_gradients(spread, self._spread[name])
+        self._sum_tied_copies()
         if self._across is not None:
             _sum_gradients(params, self._across)
         for p in params:
@@ -189,7 +191,41 @@ class Placed:
         every rank, each parameter once (what a global gradient norm sums)."""
         elsewhere = {id(p) for name, params in self._spread_parameters().items()
                      if self.rank != self.graph.program[name].ranks[0] for p in params}
+        head = self._tied_copies()[1]  # the last stage's copy of a tied head: the first stage's counts
+        if head is not None:
+            elsewhere.add(id(head))
         return [p for p in self.parameters() if id(p) not in elsewhere]
+
+    def _tied_copies(self) -> tuple[nn.Parameter | None, nn.Parameter | None]:
+        """The trained copies this rank holds of a head tied to its embedding (`Programs.tied`), the first
+        stage's and the last's (None where it holds none; both None when one stage holds the weight once)."""
+        if self.programs.tied is None:
+            return None, None
+        name, embedding, head = self.programs.tied
+        last = len(self.graph.program[name].ranks) - 1
+        if last == 0:
+            return None, None
+        held = [self.programs.modules[name, s].get_parameter(weight) if (name, s) in self.programs.modules else None
+                for s, weight in ((0, embedding), (last, head))]
+        return tuple(p if p is not None and p.requires_grad else None for p in held)
+
+    def _tied_copies_group(self) -> Any:
+        """The group of the ranks of the first and the last stage holding a tied head's copies (None: none, or
+        one rank holding both); every rank makes it (a collective)."""
+        if self.programs.tied is None:
+            return None
+        ranks = self.graph.program[self.programs.tied[0]].ranks
+        return self.grid.group((ranks[0], ranks[-1])) if ranks[0] != ranks[-1] else None
+
+    def _sum_tied_copies(self) -> None:
+        """Each copy of a tied head's weight gets the gradient of both (as one weight gets on one device)."""
+        copies = [p for p in self._tied_copies() if p is not None]
+        if len(copies) == 2:  # both stages on this rank
+            total = copies[0].grad + copies[1].grad
+            for p in copies:
+                p.grad = total.clone()
+        elif copies and self._tied_group is not None:
+            _sum_gradients(copies, self._tied_group)
 
     def simulation(self) -> Simulation:
         """The plan replayed with the measured cost table (once planned from it)."""

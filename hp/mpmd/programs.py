@@ -59,6 +59,7 @@ from hp.parallel.pipeline import Skipped, cut
 from hp.parallel.pipeline_split import StageSplit
 from hp.parallel.sequence import IGNORE_INDEX
 from hp.parallel.strategy import Strategy
+from hp.parallel.ties import ties_head
 
 
 @dataclass
@@ -70,6 +71,9 @@ class Programs:
     stages: dict[Node, Callable]
     modules: dict[Node, nn.Module]
     prepare: Callable[[Any], Any] = lambda batch: batch
+    # (program, embedding weight, head weight) where that program's stages hold a head tied to its embedding:
+    # its first stage one copy, its last the other (`hp.parallel.ties.ties_head`)
+    tied: tuple[str, str, str] | None = None
 
 
 def vision_language(model: nn.Module, plan: ModelPlan, *, tower_ranks: tuple[int, ...],
@@ -90,16 +94,25 @@ def vision_language(model: nn.Module, plan: ModelPlan, *, tower_ranks: tuple[int
     tokens = (model.config.image_token_id, model.config.vision_start_token_id)
     width = model.get_input_embeddings().embedding_dim  # the tower's features are in the embedding's space
     prepare = with_positions(model)
+    tied = tied_copies(model, plan, "language")
     if rank is not None:
         layout = Layout(strategy, mesh) if strategy is not None else None
-        return Programs(graph, *_this_ranks_part(model, plan, cuts, graph, rank, tokens, width, layout), prepare)
+        return Programs(graph, *_this_ranks_part(model, plan, cuts, graph, rank, tokens, width, layout), prepare,
+                        tied)
     fns: dict[Node, Callable] = {("vision", 0): _tower(model.get_submodule(plan.vision), tokens, width)}
     modules: dict[Node, nn.Module] = {("vision", 0): model.get_submodule(plan.vision)}
     for s in range(len(stage_ranks)):
         stage = modules["language", s] = cut(copy.deepcopy(model), plan, cuts, s)
         stage.set_submodule(plan.vision, Skipped())  # the tower is a program of its own
         fns["language", s] = _language(stage, s == 0, s == len(stage_ranks) - 1, tokens)
-    return Programs(graph, fns, modules, prepare)
+    return Programs(graph, fns, modules, prepare, tied)
+
+
+def tied_copies(model: nn.Module, plan: ModelPlan, program: str) -> tuple[str, str, str] | None:
+    """`Programs.tied` for `program`, the stages of `model` (before it is cut): None when its head is its own."""
+    if not ties_head(model, plan):
+        return None
+    return program, f"{plan.embedding}.weight", f"{plan.head}.weight"
 
 
 def tower_graph(tower_ranks: tuple[int, ...], stage_ranks: tuple[int, ...], microbatches: int,

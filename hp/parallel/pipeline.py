@@ -52,6 +52,7 @@ from hp.parallel.pipeline_split import BlockCosts, StageSplit, balanced_split
 from hp.parallel.plain_dp import USED_OUTSIDE_FORWARD
 from hp.parallel.sequence import ARRANGED_STREAM, IGNORE_INDEX, arrange, shift
 from hp.parallel.strategy import Strategy
+from hp.parallel.ties import ties_head
 
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # a rank holds stage r and stage 2 pp - 1 - r
 
@@ -194,7 +195,7 @@ class Pipeline:
         """`parameters()`, less the head's copy of a head tied to the embedding where another stage holds the
         embedding's: over the pipeline, each parameter once (what a global gradient norm sums, as on one
         device)."""
-        if not _ties_head(self.stages[0], self.plan):
+        if not ties_head(self.stages[0], self.plan):
             return list(self.parameters())
         heads = {id(m.get_submodule(self.plan.head).weight) for m in self.stages
                  if not isinstance(m.get_submodule(self.plan.head), Skipped)
@@ -239,7 +240,7 @@ class Pipeline:
     def _sum_tied_gradients(self) -> None:
         """A tied embedding and head live in the first and the last stage, one copy each: each copy's
         gradient becomes their sum (one all-reduce over pp; ranks holding neither add zeros)."""
-        if not _ties_head(self.stages[0], self.plan):
+        if not ties_head(self.stages[0], self.plan):
             return
         held = [w for w in (_tied_weight(m, self.plan) for m in self.stages) if w is not None]
         if self._tied_shape is None:  # the ranks holding neither learn the local shape once
@@ -342,12 +343,6 @@ def _whole_microbatches(input_ids: torch.Tensor, labels: torch.Tensor, n: int) -
         return input_ids, labels
     pad = input_ids.new_zeros((extra, *input_ids.shape[1:]))
     return torch.cat([input_ids, pad]), torch.cat([labels, torch.full_like(pad, IGNORE_INDEX)])
-
-
-def _ties_head(model: nn.Module, plan: ModelPlan) -> bool:
-    """Whether the model's head shares the embedding's weight (HF's `tie_word_embeddings`)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return bool(getattr(config, "tie_word_embeddings", False)) and plan.head is not None
 
 
 def _tied_weight(model: nn.Module, plan: ModelPlan) -> torch.Tensor | None:

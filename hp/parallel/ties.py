@@ -9,7 +9,9 @@ would train with a head that is not the checkpoint's. `to_empty` here
 records which names share a parameter and ties them again afterwards, as
 HF's `from_pretrained` ties them after loading. `tied_groups` is the one
 place that says which names are one tensor; `hp.parallelize` lays such a
-group out once.
+group out once. A model cut into pipeline stages (`hp.parallel.pipeline`,
+`hp.mpmd`'s placed programs) holds a head tied to its embedding twice,
+once in its first stage and once in its last (`ties_head`).
 """
 
 from __future__ import annotations
@@ -66,6 +68,21 @@ def to_empty(module: nn.Module, device: torch.device | str) -> nn.Module:
     module.to_empty(device=device)
     tie(module, groups)
     return module
+
+
+def ties_head(model: nn.Module, plan) -> bool:
+    """Whether `model`'s head shares its embedding's weight (HF's `tie_word_embeddings`, a text config's in a
+    vision-language model): cut into pipeline stages, the first and the last each hold a copy, whose
+    gradients are summed and whose norm counts once.
+
+    >>> from hp.models import plan_for, tiny_config
+    >>> from transformers import AutoModelForCausalLM
+    >>> config = tiny_config("llama", layers=1, tie_word_embeddings=True)
+    >>> ties_head(AutoModelForCausalLM.from_config(config), plan_for(config))
+    True
+    """
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return bool(getattr(config, "tie_word_embeddings", False)) and plan.head is not None
 
 
 def _holds(module: nn.Module, name: str) -> bool:
