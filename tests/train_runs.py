@@ -96,8 +96,9 @@ def local_hf_model(directory: Path, family: str = "llama", *, specials: tuple[st
     torch.manual_seed(3)
     ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(token) if token else None
            for name, token in (("bos", bos), ("eos", eos), ("pad", pad or "<unk>"))}
-    tie = {} if tied is None else {"tie_word_embeddings": tied}
-    config = tiny_config(family, layers=layers, vocab_size=320, **ids, **tie)
+    config = tiny_config(family, layers=layers, vocab_size=320, **ids)
+    if tied is not None:  # the model config's own (a vision-language one's too: transformers ties by it)
+        config.tie_word_embeddings = tied
     if family not in VL_FAMILIES:
         AutoModelForCausalLM.from_config(config).save_pretrained(directory)
         return
@@ -115,11 +116,13 @@ TINY_QWEN3_VL_PROCESSOR = {"size": {"shortest_edge": 32 * 32, "longest_edge": 64
                            "image_processor_type": "Qwen2VLImageProcessorFast"}
 
 
-def local_vl_model(directory: Path, family: str = "qwen3_vl", processor: dict | None = None) -> None:
+def local_vl_model(directory: Path, family: str = "qwen3_vl", processor: dict | None = None,
+                   tied: bool | None = None) -> None:
     """A tiny vision-language model of `family` saved as a HF directory: `local_hf_model`'s, its tokenizer with
     Qwen's chat and vision tokens (the config's ids), and `processor` (default `TINY_QWEN3_VL_PROCESSOR`) as its
     preprocessor_config.json."""
-    local_hf_model(directory, family, **{**QWEN_TOKENS, "specials": (*QWEN_TOKENS["specials"], *VL_TOKENS)})
+    local_hf_model(directory, family, **{**QWEN_TOKENS, "specials": (*QWEN_TOKENS["specials"], *VL_TOKENS)},
+                   tied=tied)
     (directory / "preprocessor_config.json").write_text(json.dumps(processor or TINY_QWEN3_VL_PROCESSOR))
 
 

@@ -107,6 +107,28 @@ class Placement:
                                  f"{pp} stages, one per rank; expected 'pp' (in the policy's bubbles), 'auto' or {pp} "
                                  "ranks of its own")
 
+    def check_fits(self, config) -> None:
+        """Refuse a model (an HF config) this placement cannot cut: a tower placed must be one whose only output
+        is the image features the decoder's input takes (Qwen3-VL's deepstack also adds features inside the
+        decoder's layers, which a placed tower does not send).
+
+        >>> from transformers import LlamaConfig
+        >>> Placement("vision", "pp").check_fits(LlamaConfig())
+        Traceback (most recent call last):
+        ...
+        hp.parallel.placement.PlacementError: mpmd.place.vision = 'pp': llama has no vision tower to place
+        """
+        if self.program != "vision":
+            return
+        vision, kind = getattr(config, "vision_config", None), getattr(config, "model_type", "?")
+        key = f"mpmd.place.{self.program}"
+        if vision is None:
+            raise PlacementError(key, self.where, f": {kind} has no vision tower to place")
+        if getattr(vision, "deepstack_visual_indexes", None):
+            raise PlacementError(key, self.where, f": {kind}'s vision tower also feeds its deepstack features to "
+                                 "the decoder's layers, which a placed tower does not send; place a Qwen2.5-VL "
+                                 "model's tower, or train this model with tp, dp or FSDP")
+
     def as_dict(self) -> dict[str, int | str]:
         """As written in a config: `{vision: pp}`."""
         return {self.program: self.where}

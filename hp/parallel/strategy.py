@@ -11,16 +11,15 @@ dp, and the mesh's data axis becomes two, `dp` (dp / ep groups, each holding
 every expert once) and `ep` (the ranks of a group, holding E / ep experts
 each). The batch is split over both (`b/dp/ep`), every parameter but the
 experts' is replicated over both, and the experts' are split over ep and
-replicated over dp (and cp), so FSDP shards them over those ranks only. The trainer, the launcher and every model plan take the
-same value: it is built and validated here, in plain Python (no torch), so
-that `hp train` can refuse a bad strategy before any worker starts. What a
-strategy means for a model's shapes (a tp that does not divide the heads,
-say) is checked by `Strategy.check_fits`, given the model's config, also
-before any worker starts.
+replicated over dp (and cp), so FSDP shards them over those ranks only. The
+trainer, the launcher and every model plan take the same value: it is built
+and validated here, in plain Python (no torch), so that `hp train` can
+refuse a bad strategy before any worker starts. What a strategy means for a
+model's shapes (a tp that does not divide the heads, say) is checked by
+`Strategy.check_fits`, given the model's config, also before then.
 
-Every refusal is a `StrategyError` whose `key` names the field, so a caller
-that read the strategy from somewhere else (a YAML section, HyperParallel's
-JSON) can say where the value came from.
+Every refusal is a `StrategyError` whose `key` names the field, so a caller that
+read it elsewhere (a YAML section, HyperParallel's JSON) can say where.
 """
 
 from __future__ import annotations
@@ -380,14 +379,14 @@ class Strategy:
         ...
         hp.parallel.strategy.StrategyError: tp = 3 does not divide num_attention_heads = 4 of the model
         """
-        vision = getattr(config, "vision_config", None) is not None
-        if self.pp > 1 and vision and self.mpmd_place is None:
+        if self.pp > 1 and self.mpmd_place is None and getattr(config, "vision_config", None) is not None:
             raise StrategyError("pp", self.pp, f": {getattr(config, 'model_type', '?')} is a vision-language model, "
                                 "whose vision tower the pipeline places with mpmd: {place: {vision: pp}} (in its "
                                 "bubbles) or {place: {vision: N}} (on N ranks of its own); or use tp, dp or FSDP")
-        if self.mpmd_place is not None and self.mpmd_place.program == "vision" and not vision:
-            raise StrategyError("mpmd.place.vision", self.mpmd_place.where, f": {getattr(config, 'model_type', '?')} "
-                                "has no vision tower to place")
+        try:
+            self.mpmd_place is None or self.mpmd_place.check_fits(config)
+        except FieldError as e:
+            raise StrategyError(e.key, e.value, e.problem) from None
         config = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VL model's decoder
         self._check_experts(config)
         self._check_stages(config)
@@ -498,3 +497,4 @@ def is_chunks(value: object) -> bool:
     (True, True, False, False)
     """
     return value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+

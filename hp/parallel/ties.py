@@ -71,9 +71,9 @@ def to_empty(module: nn.Module, device: torch.device | str) -> nn.Module:
 
 
 def ties_head(model: nn.Module, plan) -> bool:
-    """Whether `model`'s head shares its embedding's weight (HF's `tie_word_embeddings`, a text config's in a
-    vision-language model): cut into pipeline stages, the first and the last each hold a copy, whose
-    gradients are summed and whose norm counts once.
+    """Whether `model`'s head shares its embedding's weight (HF's `tie_word_embeddings`, the model config's
+    own, as transformers reads it for a vision-language model too): cut into pipeline stages, the first and
+    the last each hold a copy, whose gradients are summed and whose norm counts once.
 
     >>> from hp.models import plan_for, tiny_config
     >>> from transformers import AutoModelForCausalLM
@@ -81,8 +81,7 @@ def ties_head(model: nn.Module, plan) -> bool:
     >>> ties_head(AutoModelForCausalLM.from_config(config), plan_for(config))
     True
     """
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return bool(getattr(config, "tie_word_embeddings", False)) and plan.head is not None
+    return bool(getattr(model.config, "tie_word_embeddings", False)) and plan.head is not None
 
 
 def _holds(module: nn.Module, name: str) -> bool:
