@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import rank_pool
 from gloo_launch import assert_finished, clean_env
-from train_runs import ROOT, WORKERS, hp_train, losses, summary
+from train_runs import ROOT, WORKERS, hp_train, local_hf_model, losses, summary
 
 QUICKSTART_DPO = str(ROOT / "examples" / "quickstart_dpo.yaml")
 SHORT = ["max_steps=5", "logging_steps=1", "save_steps=5", "parallel.tp=1"]
@@ -63,14 +63,18 @@ def test_a_placed_reference_has_the_plain_runs_losses_rewards_and_weights_and_re
     laid out tp=2 over two ranks (the placement's two planes), against one plain worker, with
     two accumulated batches a step: the same losses and rewards step by step (the last planned from the
     measured costs) and the same weights in the checkpoint; the second placement, resumed from its step-2
-    checkpoint (its reference rank holds none of the policy), takes the same last steps."""
+    checkpoint (its reference rank holds none of the policy), takes the same last steps. The model is a
+    Qwen2 directory saved by HF with its head tied to its embedding: a 2-stage policy holds it twice, and
+    each copy gets both gradients."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hp.train.checkpoint import load_model_weights
 
+    local_hf_model(tmp_path / "tied", "qwen2", tied=True)
     run = ["max_steps=4", "save_steps=2", "logging_steps=1", "per_device_train_batch_size=4",
-           "gradient_accumulation_steps=2", "warmup_ratio=0", "parallel.tp=1"]
+           "gradient_accumulation_steps=2", "warmup_ratio=0", "parallel.tp=1",
+           f"model_name_or_path={tmp_path / 'tied'}"]
     places = {"pp": ["parallel.pp=2", "parallel.mpmd={place: {reference: pp}, zero_bubble: true}"],
               "own": ["parallel.pp=1", "parallel.mpmd={place: {reference: 1}}"],
               "auto": ["parallel.pp=2", "parallel.mpmd={place: {reference: auto}}"],

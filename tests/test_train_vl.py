@@ -358,19 +358,26 @@ def assert_hf_loss_and_logits(model, batch, hf: dict, image_token_id: int, out) 
 ], ids=["tower frozen where measured costs say", "tower trained on a rank of its own, in two replicas, and at tp=2"])
 def test_a_placed_tower_has_the_plain_runs_losses_and_weights(tmp_path, frozen, placements):
     """`parallel.mpmd: {place: {vision: ...}}` (hp.mpmd's level 2) on two gloo workers against one plain worker:
-    a frozen tower placed by the costs measured on the model before it is cut; a trained one on a rank of its
-    own (the language model's backward split: `zero_bubble`), two replicas of a one-rank placement each taking half of every batch's rows and images, and a
-    one-rank placement laid out tp=2 with sequence parallel over two ranks (two planes). With
+    a frozen tower placed by the costs measured on the model before it is cut, on a Qwen2.5-VL directory saved
+    by HF with its head tied to its embedding (in two stages when the pipeline spans both ranks: each copy
+    gets both gradients); a trained one on a rank of its own (the language model's backward split:
+    `zero_bubble`), two replicas of a one-rank placement each taking half of every batch's rows and images,
+    and a one-rank placement laid out tp=2 with sequence parallel over two ranks (two planes). With
     two accumulated batches a step: the same losses step by step (the third step planned from the measured
     costs), and the same weights in the checkpoint (each rank saved its share under the model's own names);
     the trained placements also evaluate a held-out split (forward only, every replica the whole batch) to
     the plain run's eval loss."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
 
     from hp.train.checkpoint import load_model_weights
 
     rows = 4  # each batch's, shared by the replicas
+    model_dir = tmp_path / "tied"
+    if frozen:
+        local_vl_model(model_dir, "qwen2_5_vl", {**TINY_QWEN3_VL_PROCESSOR, "processor_class": "Qwen2_5_VLProcessor"},
+                       tied=True)
     run = ["max_steps=3", "save_steps=3", "logging_steps=1", f"per_device_train_batch_size={rows}",
+           *([f"model_name_or_path={model_dir}"] if frozen else []),
            "gradient_accumulation_steps=2", "learning_rate=3e-3", "warmup_ratio=0",
            *(["val_size=0", "eval_strategy='no'"] if frozen else
              ["val_size=0.1", "eval_strategy=steps", "eval_steps=3", "per_device_eval_batch_size=4"]),
@@ -378,7 +385,8 @@ def test_a_placed_tower_has_the_plain_runs_losses_and_weights(tmp_path, frozen, 
            f"dataset_dir={ROOT / 'examples' / 'data'}", "parallel.tp=1"]
     plain = summary(hp_train(*run, f"output_dir={tmp_path / 'plain'}", config=QUICKSTART_VL))
     want = losses(tmp_path / "plain")
-    weights = Qwen2_5_VLForConditionalGeneration(CONFIG)
+    config = AutoConfig.from_pretrained(tmp_path / "plain" / "checkpoint-3")
+    weights = Qwen2_5_VLForConditionalGeneration(config)
     load_model_weights(str(tmp_path / "plain" / "checkpoint-3"), weights)
     for pp, place, dp, tp in placements:
         out = tmp_path / f"{place}-{dp}-{tp}"
@@ -397,10 +405,13 @@ def test_a_placed_tower_has_the_plain_runs_losses_and_weights(tmp_path, frozen, 
             assert summed["programs"]["vision"] == ([0, 1] if chosen["where"] == "shared" else [1]), placed
         got = losses(out)
         assert got.keys() == want.keys() and all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), got
-        model = Qwen2_5_VLForConditionalGeneration(CONFIG)
+        model = Qwen2_5_VLForConditionalGeneration(config)
         load_model_weights(str(out / "checkpoint-3"), model)
-        for key, value in weights.state_dict().items():  # AdamW moves a weight by about lr whatever its
-            assert torch.allclose(model.state_dict()[key], value, rtol=1e-5, atol=3e-5), key  # gradient's: lr / 100
+        # AdamW moves a weight by about lr whatever its gradient's size, so where a gradient is near zero the
+        # float noise of another order of sums moves it by a sizable share of lr (seen: 7e-5 at tp=2 with sp,
+        # transformers 5.25); a wrong gradient moves it by lr: lr / 10
+        for key, value in weights.state_dict().items():
+            assert torch.allclose(model.state_dict()[key], value, rtol=1e-5, atol=3e-4), key
 
 
 @pytest.mark.parametrize("overrides, words", [
