@@ -230,6 +230,8 @@ BAD = {
     "weight missing": lambda t, m: (
         [_model(t, m, _edit_weights(lambda s: s.pop("model.layers.1.mlp.down_proj.weight")))],
         "no weight 'model.layers.1.mlp.down_proj.weight' in its safetensors"),
+    "untied head missing": lambda t, m: (  # what a tied model stores under its embedding alone
+        [_model(t, m, _edit_weights(lambda s: s.pop("lm_head.weight")))], "no weight 'lm_head.weight' in its safetensors"),
     "corrupt safetensors": lambda t, m: (
         [_model(t, m, lambda c: _file(c, "model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{not json"))],
         "model.safetensors is not a readable safetensors file"),

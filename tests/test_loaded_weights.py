@@ -23,7 +23,7 @@ import rank_pool
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
-from train_runs import DATA, QUICKSTART, WORKERS, local_hf_model
+from train_runs import DATA, QUICKSTART, WORKERS, hp_train, local_hf_model, losses, summary
 
 from hp.models import plan_for_type
 
@@ -51,7 +51,7 @@ def _overrides(directory, dp: int, strategy: list[str], finetuning: str) -> list
             *strategy, *lora]
 
 
-def _hf_reference(directory, overrides: list[str]) -> tuple[torch.Tensor, list[float]]:
+def _hf_reference(directory, overrides: list[str], steps: int = STEPS) -> tuple[torch.Tensor, list[float]]:
     """HF `from_pretrained`'s logits on the worker's batch, and the losses of HF's own steps on `hp train`'s
     batches: the global batch's mean token loss, clipped gradients, AdamW at the config's rate."""
     from transformers import AutoModelForCausalLM
@@ -68,7 +68,7 @@ def _hf_reference(directory, overrides: list[str]) -> tuple[torch.Tensor, list[f
     batches = TokenBatches(load_examples(config, tokenizer), GLOBAL_BATCH, config.seed, tokenizer.pad_token_id)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     losses = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         ids, labels = next(batches)
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
@@ -144,3 +144,37 @@ def test_the_families_drawn_tie_their_heads_as_hf_does(tmp_path):
         local_hf_model(tmp_path / family, family, tied=True)
         model = AutoModelForCausalLM.from_pretrained(tmp_path / family)
         assert model.lm_head.weight is model.get_input_embeddings().weight, family
+
+
+@settings(max_examples=1, phases=(Phase.explicit, Phase.generate))
+@given(family=families, strategy=st.sampled_from(("dp", "fsdp", "tp")))
+def test_a_tied_model_resumes_and_exports_as_hf_trains_it(tmp_path_factory, family, strategy):
+    """Two steps, saved; resumed for a third (under data parallel on one process: another strategy); the
+    third step's checkpoint exported as a HF directory (`hp export`), which transformers loads tied: the
+    third loss is HF's third, and the exported model's loss on the fourth batch is HF's fourth."""
+    from transformers import AutoModelForCausalLM
+
+    from hp.train.config import load_config
+    from hp.train.data import TokenBatches, load_examples, load_tokenizer
+    from hp.train.export import export
+
+    tmp_path = tmp_path_factory.mktemp("resumed")
+    directory = tmp_path / "model"
+    local_hf_model(directory, family, tied=True)
+    dp, extra = TWO_RANKS[strategy]
+    first = [*_overrides(directory, dp, extra, "full"), "save_steps=2", f"output_dir={tmp_path / 'first'}"]
+    summary(hp_train(*first, "max_steps=2"))
+    resumed = [*_overrides(directory, 1, [], "full"), "max_steps=3", f"output_dir={tmp_path / 'resumed'}",
+               f"resume_from_checkpoint={tmp_path / 'first' / 'checkpoint-2'}"]
+    summary(hp_train(*resumed))
+    _, want = _hf_reference(directory, first, steps=STEPS + 1)
+    assert losses(tmp_path / "resumed")[3] == pytest.approx(want[2], rel=1e-5)
+    exported = AutoModelForCausalLM.from_pretrained(export(str(tmp_path / "resumed" / "checkpoint-3"),
+                                                           str(tmp_path / "exported")))
+    assert exported.lm_head.weight is exported.get_input_embeddings().weight
+    config = load_config(QUICKSTART, first)
+    tokenizer = load_tokenizer(config.model_name_or_path)
+    batches = TokenBatches(load_examples(config, tokenizer), GLOBAL_BATCH, config.seed, tokenizer.pad_token_id)
+    ids, labels = [next(batches) for _ in range(STEPS + 1)][-1]
+    with torch.no_grad():
+        assert exported(input_ids=ids, labels=labels).loss.item() == pytest.approx(want[3], rel=1e-5)
