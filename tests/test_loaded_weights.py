@@ -90,8 +90,13 @@ def _run(tmp_path, world: int, cases: dict[str, list[str]]) -> dict[str, list[fl
             for name, losses in got.items()}
 
 
-def _check(directory, overrides: list[str], logits, losses: list[float], finetuning: str, case: str) -> None:
-    want_logits, want_losses = _hf_reference(directory, overrides)
+def _check(directory, overrides: list[str], logits, losses: list[float], finetuning: str, case: str,
+           references: dict) -> None:
+    """`case`'s logits and losses against HF's; `references` keeps HF's by directory (every case draws the same
+    global batches at the same rate, whatever its strategy and fine-tuning)."""
+    if directory not in references:
+        references[directory] = _hf_reference(directory, overrides)
+    want_logits, want_losses = references[directory]
     if logits is not None:
         torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case}: {m}")
     compared = 1 if finetuning == "lora" else STEPS
@@ -129,9 +134,10 @@ def test_a_saved_model_loads_as_hf_loads_it_under_every_strategy(tmp_path_factor
     results.update(_run(tmp_path, 1, {"alone": alone_case}))
     cases["alone"], checks["alone"] = alone_case, (directory, finetuning)
     assert results.keys() == cases.keys()
+    references: dict = {}
     for name, (logits, losses) in results.items():
         directory, finetuning = checks[name]
-        _check(directory, cases[name], logits, losses, finetuning, name)
+        _check(directory, cases[name], logits, losses, finetuning, name, references)
 
 
 def test_the_families_drawn_tie_their_heads_as_hf_does(tmp_path):
