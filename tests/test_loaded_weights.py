@@ -16,14 +16,11 @@ the checkpoint's is refused by name before its first step (`check_loaded`).
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import rank_pool
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
-from train_runs import DATA, QUICKSTART, WORKERS, hp_train, local_hf_model, losses, summary
+from train_runs import DATA, QUICKSTART, hp_train, local_hf_model, losses, run_cases, summary
 
 from hp.models import plan_for_type
 
@@ -79,17 +76,6 @@ def _hf_reference(directory, overrides: list[str], steps: int = STEPS) -> tuple[
     return logits, losses
 
 
-def _run(tmp_path, world: int, cases: dict[str, list[str]]) -> dict[str, list[float]]:
-    out = tmp_path / f"world{world}"
-    out.mkdir()
-    (out / "cases.json").write_text(json.dumps([{"name": n, "overrides": o} for n, o in cases.items()]))
-    run = rank_pool.run(str(WORKERS / "loaded_gloo.py"), world, str(out / "cases.json"), QUICKSTART, str(out))
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
-    return {name: (torch.load(out / f"{name}.pt") if (out / f"{name}.pt").exists() else None, losses)
-            for name, losses in got.items()}
-
-
 def _check(directory, overrides: list[str], logits, losses: list[float], finetuning: str, case: str,
            references: dict) -> None:
     """`case`'s logits and losses against HF's; `references` keeps HF's by directory (every case draws the same
@@ -125,19 +111,19 @@ def test_a_saved_model_loads_as_hf_loads_it_under_every_strategy(tmp_path_factor
         dp, extra = TWO_RANKS[strategy]
         cases[name] = _overrides(directory, dp, extra, finetuning)
         checks[name] = (directory, finetuning)
-    results = _run(tmp_path, 2, cases)
+    results = run_cases(tmp_path / "world2", 2, cases)
     family, finetuning = alone
     directory = tmp_path / f"{family}_tied"
     if not directory.exists():
         local_hf_model(directory, family, tied=True)
     alone_case = _overrides(directory, 1, [], finetuning)
-    results.update(_run(tmp_path, 1, {"alone": alone_case}))
+    results.update(run_cases(tmp_path / "world1", 1, {"alone": alone_case}))
     cases["alone"], checks["alone"] = alone_case, (directory, finetuning)
     assert results.keys() == cases.keys()
     references: dict = {}
-    for name, (logits, losses) in results.items():
+    for name, (logits, _, got) in results.items():
         directory, finetuning = checks[name]
-        _check(directory, cases[name], logits, losses, finetuning, name, references)
+        _check(directory, cases[name], logits, got, finetuning, name, references)
 
 
 def test_the_families_drawn_tie_their_heads_as_hf_does(tmp_path):

@@ -9,8 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import rank_pool
-from train_runs import DATA, QUICKSTART, WORKERS, first_batch, hp_train, local_hf_model, losses, summary
+from train_runs import DATA, first_batch, hp_train, local_hf_model, losses, run_cases, summary
 
 from hp.models import FAMILIES
 
@@ -27,9 +26,9 @@ def test_a_local_hf_model_directory_of_every_family_trains(tmp_path):
 
     for family in TRAINED:
         local_hf_model(tmp_path / family, family)
-    run = rank_pool.run(str(WORKERS / "train_families.py"), 2, str(tmp_path), DATA, QUICKSTART, ",".join(TRAINED))
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    first = json.loads(run.stdout.strip().splitlines()[-1])
+    cases = {family: [f"model_name_or_path={tmp_path / family}", "max_steps=1", "save_steps=1000",
+                      "per_device_train_batch_size=8", "parallel.tp=2", f"dataset_dir={DATA}"] for family in TRAINED}
+    first = {family: got for family, (_, got, _) in run_cases(tmp_path / "out", 2, cases, logits=False).items()}
     for family in TRAINED:
         ids, labels = first_batch([f"model_name_or_path={tmp_path / family}", "per_device_train_batch_size=8"])
         model = AutoModelForCausalLM.from_pretrained(tmp_path / family)

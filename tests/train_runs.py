@@ -65,6 +65,23 @@ def first_batch(overrides: list[str]):
     return next(TokenBatches(load_examples(config, tokenizer), batch, config.seed, tokenizer.pad_token_id))
 
 
+def run_cases(out: Path, world: int, cases: dict[str, list[str]], *, logits: bool = True,
+              config: str = QUICKSTART) -> dict[str, tuple]:
+    """`hp train config *overrides` for each case {name: overrides} in one job of `world` ranks of the pool
+    (`workers/loaded_gloo.py`): {name: (logits on the worker's batch before any step, or None; first loss;
+    the logged losses)}; `logits`: build each model once more first, to compute them (not under pp)."""
+    import torch
+
+    out.mkdir(parents=True)
+    (out / "cases.json").write_text(json.dumps([{"name": n, "overrides": o, "logits": logits}
+                                                for n, o in cases.items()]))
+    run = rank_pool.run(str(WORKERS / "loaded_gloo.py"), world, str(out / "cases.json"), config, str(out))
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    return {name: (torch.load(out / f"{name}.pt") if (out / f"{name}.pt").exists() else None, r["first"], r["losses"])
+            for name, r in got.items()}
+
+
 QWEN_TOKENS = {"specials": ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), "bos": None, "eos": "<|im_end|>",
                "pad": "<|endoftext|>"}  # how Qwen's instruct tokenizers name theirs (no bos)
 

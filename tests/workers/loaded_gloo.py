@@ -1,11 +1,13 @@
-"""Worker for tests/test_loaded_weights.py: local HF directories read under strategies, in one launch.
+"""Worker for the tests of models read from local HF directories: many `hp train` runs in one launch.
 
-Arguments: a JSON file of cases (`{"name", "overrides"}`: `hp train`'s key=value overrides, model path and
-strategy among them), the quickstart config, and an output directory. For each case the worker builds the
-model as `hp train` does (`hp.train.model.build_model`: laid out on the meta device, then each rank reads
-its blocks), writes its logits on a fixed batch before any step (`NAME.pt`, gathered whole; not under
-pipeline parallel, whose stages hold no whole forward), then runs `hp train`'s loop on the same config;
-rank 0 prints `{name: [loss of each step]}` as its last line.
+Arguments: a JSON file of cases (`{"name", "overrides", "logits"}`: `hp train`'s key=value overrides, model
+path and strategy among them), the config file, and an output directory. For each case the worker runs
+`hp train`'s loop on the config (the same model building, rank-by-rank loading and training as the
+command); with `logits` it first builds the model as `hp train` does (`hp.train.model.build_model`: laid
+out on the meta device, then each rank reads its blocks) and writes its logits on a fixed batch before any
+step (`NAME.pt`, gathered whole; not under pipeline parallel, whose stages hold no whole forward). Rank 0
+prints `{name: {"first": first loss, "losses": [loss of each logged step]}}` as its last line. One launch
+instead of one per case: each launch costs seconds of start-up.
 """
 
 from __future__ import annotations
@@ -47,20 +49,20 @@ def main() -> None:
     cases_file, config_file, out = sys.argv[1:4]
     with open(cases_file) as f:
         cases = json.load(f)
-    losses = {}
+    results = {}
     for case in cases:
         name = case["name"]
         config = load_config(config_file, [*case["overrides"], f"output_dir={os.path.join(out, name)}"])
-        if config.parallel.pp == 1:
+        if case["logits"] and config.parallel.pp == 1:
             whole = logits(config)
             if dist.get_rank() == 0:
                 torch.save(whole, os.path.join(out, f"{name}.pt"))
-        train(config)
+        first = train(config)["first_loss"]
         if dist.get_rank() == 0:
             with open(os.path.join(out, name, "metrics.jsonl")) as f:
-                losses[name] = [r["loss"] for r in map(json.loads, f) if "loss" in r]
+                results[name] = {"first": first, "losses": [r["loss"] for r in map(json.loads, f) if "loss" in r]}
     if dist.get_rank() == 0:
-        print(json.dumps(losses), flush=True)
+        print(json.dumps(results), flush=True)
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
