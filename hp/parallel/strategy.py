@@ -497,4 +497,3 @@ def is_chunks(value: object) -> bool:
     (True, True, False, False)
     """
     return value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
-

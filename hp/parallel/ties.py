@@ -7,9 +7,9 @@ name it shares, so loading fills one of the two and leaves the other as
 `torch.empty` left it: a model built on the meta device and then loaded
 would train with a head that is not the checkpoint's. `to_empty` here
 records which names share a parameter and ties them again afterwards, as
-HF's `from_pretrained` ties them after loading. `tied_groups` is the one
-place that says which names are one tensor; `hp.parallelize` lays such a
-group out once. A model cut into pipeline stages (`hp.parallel.pipeline`,
+HF's `from_pretrained` ties them after loading. `names_by_parameter` is the
+one place that says which names are one tensor; `hp.parallelize` lays such
+a group out once. A model cut into pipeline stages (`hp.parallel.pipeline`,
 `hp.mpmd`'s placed programs) holds a head tied to its embedding twice,
 once in its first stage and once in its last (`ties_head`).
 """
@@ -44,16 +44,6 @@ def tied_groups(module: nn.Module) -> list[list[str]]:
     return [names for names in names_by_parameter(module) if len(names) > 1]
 
 
-def tie(module: nn.Module, groups: list[list[str]]) -> None:
-    """Make every name of each group hold the parameter its first name holds (names `module` lacks are skipped:
-    a pipeline stage holds some modules only)."""
-    for names in groups:
-        held = [n for n in names if _holds(module, n)]
-        for name in held[1:]:
-            owner, _, attr = name.rpartition(".")
-            setattr(module.get_submodule(owner), attr, module.get_parameter(held[0]))
-
-
 def to_empty(module: nn.Module, device: torch.device | str) -> nn.Module:
     """`module.to_empty(device=device)`, with the parameters that were tied still tied.
 
@@ -66,7 +56,10 @@ def to_empty(module: nn.Module, device: torch.device | str) -> nn.Module:
     """
     groups = tied_groups(module)
     module.to_empty(device=device)
-    tie(module, groups)
+    for names in groups:  # every name holds its first name's new parameter
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner), attr, module.get_parameter(names[0]))
     return module
 
 
@@ -83,10 +76,3 @@ def ties_head(model: nn.Module, plan) -> bool:
     """
     return bool(getattr(model.config, "tie_word_embeddings", False)) and plan.head is not None
 
-
-def _holds(module: nn.Module, name: str) -> bool:
-    try:
-        module.get_parameter(name)
-    except AttributeError:
-        return False
-    return True
