@@ -8,8 +8,8 @@ three losses of `hp train` are those of HF's own step on the same batches
 (dp, tp, tp + sp, FSDP, pp, cp, ep), another data parallel on one process;
 hypothesis draws the family and the fine-tuning of each case. A LoRA case's
 adapters start at zero, so its logits and first loss are the base model's;
-its later losses depend on the adapters' draw and are compared in
-tests/test_train_lora.py. What a checkpoint lacks is refused before any
+its later losses depend on the adapters' draw (a laid-out LoRA model against
+an unsharded one: tests/test_lora.py). What a checkpoint lacks is refused before any
 worker starts (`check_weights`), and a model whose loaded weights are not all
 the checkpoint's is refused by name before its first step (`check_loaded`).
 """
