@@ -48,21 +48,26 @@ def _overrides(directory, dp: int, strategy: list[str], finetuning: str) -> list
             *strategy, *lora]
 
 
+def _global_batches(overrides: list[str]):
+    """`hp train QUICKSTART *overrides`'s config, and its global batches in the order its steps draw them."""
+    from hp.train.config import load_config
+    from hp.train.data import TokenBatches, load_examples, load_tokenizer
+
+    config = load_config(QUICKSTART, overrides)
+    tokenizer = load_tokenizer(config.model_name_or_path)
+    return config, TokenBatches(load_examples(config, tokenizer), GLOBAL_BATCH, config.seed, tokenizer.pad_token_id)
+
+
 def _hf_reference(directory, overrides: list[str], steps: int = STEPS) -> tuple[torch.Tensor, list[float]]:
     """HF `from_pretrained`'s logits on the worker's batch, and the losses of HF's own steps on `hp train`'s
     batches: the global batch's mean token loss, clipped gradients, AdamW at the config's rate."""
     from transformers import AutoModelForCausalLM
     from workers.loaded_gloo import batch
 
-    from hp.train.config import load_config
-    from hp.train.data import TokenBatches, load_examples, load_tokenizer
-
-    config = load_config(QUICKSTART, overrides)
-    tokenizer = load_tokenizer(config.model_name_or_path)
+    config, batches = _global_batches(overrides)
     model = AutoModelForCausalLM.from_pretrained(directory)
     with torch.no_grad():
         logits = model(input_ids=batch(model.config.vocab_size)).logits
-    batches = TokenBatches(load_examples(config, tokenizer), GLOBAL_BATCH, config.seed, tokenizer.pad_token_id)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     losses = []
     for _ in range(steps):
@@ -93,7 +98,7 @@ families = st.sampled_from(DENSE)
 finetunings = st.sampled_from(("full", "lora"))
 
 
-@settings(max_examples=1, phases=(Phase.explicit, Phase.generate))  # a case costs a minute: no shrinking
+@settings(max_examples=1, phases=(Phase.explicit, Phase.generate))  # one example is 15 hp train runs: no shrinking
 @given(draws=st.fixed_dictionaries({(strategy, tied): st.tuples(st.sampled_from(MOE) if strategy == "ep" else families,
                                                                   finetunings)
                                     for strategy in TWO_RANKS for tied in (True, False)}),
@@ -146,8 +151,6 @@ def test_a_tied_model_resumes_and_exports_as_hf_trains_it(tmp_path_factory, fami
     third loss is HF's third, and the exported model's loss on the fourth batch is HF's fourth."""
     from transformers import AutoModelForCausalLM
 
-    from hp.train.config import load_config
-    from hp.train.data import TokenBatches, load_examples, load_tokenizer
     from hp.train.export import export
 
     tmp_path = tmp_path_factory.mktemp("resumed")
@@ -164,9 +167,24 @@ def test_a_tied_model_resumes_and_exports_as_hf_trains_it(tmp_path_factory, fami
     exported = AutoModelForCausalLM.from_pretrained(export(str(tmp_path / "resumed" / "checkpoint-3"),
                                                            str(tmp_path / "exported")))
     assert exported.lm_head.weight is exported.get_input_embeddings().weight
-    config = load_config(QUICKSTART, first)
-    tokenizer = load_tokenizer(config.model_name_or_path)
-    batches = TokenBatches(load_examples(config, tokenizer), GLOBAL_BATCH, config.seed, tokenizer.pad_token_id)
+    _, batches = _global_batches(first)
     ids, labels = [next(batches) for _ in range(STEPS + 1)][-1]
     with torch.no_grad():
         assert exported(input_ids=ids, labels=labels).loss.item() == pytest.approx(want[3], rel=1e-5)
+
+
+def test_a_head_left_untied_by_loading_is_refused_by_name(tmp_path):
+    """What hp's loading did before it kept ties: a tied model built on the meta device and given memory by
+    `nn.Module.to_empty`, whose head then is a tensor of its own that the files (holding the embedding
+    alone) never fill. The check after loading names the head and the weight it should share."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hp.train.model import LoadError, check_loaded, load_safetensors
+
+    local_hf_model(tmp_path, "qwen2", tied=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
+    model.to_empty(device="cpu")
+    with pytest.raises(LoadError, match="the model's 'lm_head.weight' was not in the checkpoint and is not tied to "
+                                        "'model.embed_tokens.weight', which was"):
+        check_loaded(model, load_safetensors(model, str(tmp_path)), str(tmp_path))

@@ -94,7 +94,7 @@ def vision_language(model: nn.Module, plan: ModelPlan, *, tower_ranks: tuple[int
     tokens = (model.config.image_token_id, model.config.vision_start_token_id)
     width = model.get_input_embeddings().embedding_dim  # the tower's features are in the embedding's space
     prepare = with_positions(model)
-    tied = tied_copies(model, plan, "language")
+    tied = tied_stages(model, plan, "language")
     if rank is not None:
         layout = Layout(strategy, mesh) if strategy is not None else None
         return Programs(graph, *_this_ranks_part(model, plan, cuts, graph, rank, tokens, width, layout), prepare,
@@ -108,7 +108,7 @@ def vision_language(model: nn.Module, plan: ModelPlan, *, tower_ranks: tuple[int
     return Programs(graph, fns, modules, prepare, tied)
 
 
-def tied_copies(model: nn.Module, plan: ModelPlan, program: str) -> tuple[str, str, str] | None:
+def tied_stages(model: nn.Module, plan: ModelPlan, program: str) -> tuple[str, str, str] | None:
     """`Programs.tied` for `program`, the stages of `model` (before it is cut): None when its head is its own."""
     if not ties_head(model, plan):
         return None

@@ -60,7 +60,7 @@ from torch import nn
 
 from hp.mpmd.graph import Flow, Graph, Node, Program
 from hp.mpmd.layout import Layout, local, sequence_logps
-from hp.mpmd.programs import Programs, even_split, tied_copies
+from hp.mpmd.programs import Programs, even_split, tied_stages
 from hp.parallel.apply import apply_strategy
 from hp.parallel.model_plan import ModelPlan
 from hp.parallel.pipeline import cut
@@ -92,7 +92,7 @@ def policy_and_reference(policy: nn.Module, plan: ModelPlan, *, policy_ranks: tu
     if len(reference_ranks) != len(policy_ranks):
         raise ValueError(f"reference_ranks = {reference_ranks}: the reference is cut into the policy's "
                          f"{len(policy_ranks)} stages")
-    tied = tied_copies(policy, plan, "policy")
+    tied = tied_stages(policy, plan, "policy")
     frozen = copy.deepcopy(policy) if reference is None else reference  # before the policy is cut
     frozen.requires_grad_(False)
     cuts = StageSplit.of_counts(split or even_split(len(policy.get_submodule(plan.blocks)), len(policy_ranks)))

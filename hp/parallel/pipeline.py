@@ -197,10 +197,9 @@ class Pipeline:
         device)."""
         if not ties_head(self.stages[0], self.plan):
             return list(self.parameters())
-        heads = {id(m.get_submodule(self.plan.head).weight) for m in self.stages
-                 if not isinstance(m.get_submodule(self.plan.head), Skipped)
-                 and isinstance(m.get_submodule(self.plan.embedding), Skipped)}
-        return [p for p in self.parameters() if id(p) not in heads]
+        copies = [_tied_weight(m, self.plan) for m in self.stages
+                  if isinstance(m.get_submodule(self.plan.embedding), Skipped)]  # the head's, if any
+        return [p for p in self.parameters() if all(p is not w for w in copies)]
 
     def describe(self) -> str:
         return f"pipeline ({self.strategy.pp_schedule}, {self.strategy.microbatches} micro-batches): {self.split}"

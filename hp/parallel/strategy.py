@@ -18,9 +18,8 @@ refuse a bad strategy before any worker starts. What a strategy means for a
 model's shapes (a tp that does not divide the heads, say) is checked by
 `Strategy.check_fits`, given the model's config, also before then.
 
-Every refusal is a `StrategyError` whose `key` names the field, so a caller that
-read it elsewhere (a YAML section, HyperParallel's JSON) can say where.
-"""
+Every refusal is a `StrategyError` whose `key` names the field (a caller that read
+it elsewhere, a YAML section or HyperParallel's JSON, can say where)."""
 
 from __future__ import annotations
 
@@ -383,10 +382,11 @@ class Strategy:
             raise StrategyError("pp", self.pp, f": {getattr(config, 'model_type', '?')} is a vision-language model, "
                                 "whose vision tower the pipeline places with mpmd: {place: {vision: pp}} (in its "
                                 "bubbles) or {place: {vision: N}} (on N ranks of its own); or use tp, dp or FSDP")
-        try:
-            self.mpmd_place is None or self.mpmd_place.check_fits(config)
-        except FieldError as e:
-            raise StrategyError(e.key, e.value, e.problem) from None
+        if self.mpmd_place is not None:
+            try:
+                self.mpmd_place.check_fits(config)
+            except FieldError as e:
+                raise StrategyError(e.key, e.value, e.problem) from None
         config = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VL model's decoder
         self._check_experts(config)
         self._check_stages(config)

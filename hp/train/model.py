@@ -46,6 +46,7 @@ from hp.train.config import ConfigError, TrainConfig
 from hp.train.data.embedded import EMBEDDED, TINY_QWEN3_MOE, model_config
 from hp.train.finetuning import Finetuning, FreezeError, apply_finetuning
 
+
 class LoadError(RuntimeError):
     """A model whose weights, once loaded, are not all the checkpoint's (hp's fault, not the user's)."""
 
@@ -230,12 +231,17 @@ def _loaded_state(model: nn.Module) -> dict[str, torch.Tensor]:
     hp's own routing bias is not among them: a run from HF weights starts it at zero; nor are LoRA's
     adapters, which start as `hp.add_lora` starts them, nor a reward model's value head.
     """
-    state = {k: v for k, v in model.state_dict().items()
-             if not k.endswith(f".{ROUTING_BIAS}") and not is_adapter(k) and not k.startswith(f"{VALUE_HEAD}.")}
+    state = {k: v for k, v in model.state_dict().items() if not _started_here(k)}
     for tied, source in _tied_weights(model).items():
         if source in state:  # loading the source fills both; a pipeline's last stage holds the tied one alone
             state.pop(tied, None)
     return state
+
+
+def _started_here(name: str) -> bool:
+    """Whether the parameter or buffer `name` starts in hp, not from the files: the routing bias, a LoRA
+    adapter, a value head."""
+    return name.endswith(f".{ROUTING_BIAS}") or is_adapter(name) or name.startswith(f"{VALUE_HEAD}.")
 
 
 def _tied_weights(model: nn.Module) -> dict[str, str]:
@@ -383,6 +389,7 @@ def load_safetensors(model: nn.Module, directory: str) -> set[str]:
     from hp.train.checkpoint import distributed
 
     wanted = _loaded_state(model)
+    read = set(wanted)
     stored = _model_names(model, _stored_shapes(directory))
     for tied, source in _tied_weights(model).items():  # stored once, under the weight it shares
         if tied in wanted and tied not in stored and source in stored:
@@ -398,7 +405,7 @@ def load_safetensors(model: nn.Module, directory: str) -> set[str]:
     dcp.load(state, storage_reader=HuggingFaceStorageReader(directory), no_dist=not distributed())
     loaded = from_storable(state, as_stored)
     model.load_state_dict({name: loaded[stored[name][2]] for name in wanted}, strict=False)
-    return set(_loaded_state(model))
+    return read
 
 
 def check_loaded(model: nn.Module, read: set[str], directory: str) -> None:
@@ -412,7 +419,7 @@ def check_loaded(model: nn.Module, read: set[str], directory: str) -> None:
     hp.train.model.LoadError: model_name_or_path = '/models/m': the model's 'bias' was not in the checkpoint and is not tied to a parameter that was
     """
     for names in names_by_parameter(model):  # a tied parameter is read under any of its names
-        if any(name in read or is_adapter(name) or name.startswith(f"{VALUE_HEAD}.") for name in names):
+        if any(name in read or _started_here(name) for name in names):
             continue
         source = _tied_weights(model).get(names[0])
         tied = f"is not tied to {source!r}, which was" if source else "is not tied to a parameter that was"
