@@ -1,26 +1,27 @@
-"""A pool of gloo ranks, started once per pytest worker and reused by every multi-process test.
+"""Gloo ranks for the multi-process tests, forked from one warm process per pytest worker.
 
-Why: starting a rank costs seconds (Python, torch, transformers and hp
-imported anew), and a torchrun launch starts an agent and 2-4 of them. The
-suite ran about forty such launches, and their start-up was most of its time.
-Here four rank processes start once (lazily, on first use) and wait for jobs.
+Why: starting a rank costs seconds (Python, torch, transformers' model index
+and hp imported anew), and a torchrun launch starts an agent and 2-8 of
+them. Here one process (the zygote) starts once per pytest worker, lazily on
+first use, imports what every job needs, and then only forks: each job gets
+`world` fresh ranks, forked in milliseconds, which exit when the job ends.
+A fresh fork shares nothing with an earlier job (no process group, no
+compiled graph, no DTensor cache), so a job runs as under torchrun, compiled
+runs included, and a job that fails or hangs costs only its own ranks.
 
-A job is a script run as torchrun would run it, on the first `world` ranks of
-the pool: `RANK`, `WORLD_SIZE`, `MASTER_ADDR` / `MASTER_PORT` (a fresh port,
-so each job's `init_process_group` builds a fresh gloo world) and `sys.argv`
-are set, and the script runs as `__main__`. Its stdout and stderr go to files
-and come back as a `subprocess.CompletedProcess` (rank 0's output last), so
-callers check it exactly as a torchrun result. Between jobs each rank tears
-down what a job may leave: the process group, torch.compile's caches, the
-environment, the working directory. A job that fails or outlives its timeout
-takes the pool down with it (a rank stuck in a collective cannot be
-recovered), and the next job starts a fresh one.
+A job is a script run as torchrun would run it: `RANK`, `LOCAL_RANK`,
+`WORLD_SIZE`, `MASTER_ADDR` / `MASTER_PORT` (a fresh port, so each job builds
+a fresh gloo world) and `sys.argv` are set, and the script runs as
+`__main__`. Its stdout and stderr go to files and come back as a
+`subprocess.CompletedProcess` (rank 0's output last), so callers check it
+exactly as a torchrun result. Once a rank fails the others get 10 seconds
+to finish (they may wait in a collective forever), then are killed; so are
+all of them past the job's timeout.
 
-Tests that check the launcher itself (its messages, signals, timeouts, several
-nodes) still launch for real (`gloo_launch.torchrun`, `train_runs.hp_train(...,
-launcher=True)`), and so do the compiled runs: `torch.compile` in a rank that
-had run other jobs failed to trace or to partition graphs that it compiles in
-a fresh process, even after `torch._dynamo.reset()`.
+The zygote stays single-threaded and never runs a collective or a compiled
+graph, so what a fork inherits is imports only. Tests of the launcher itself
+(its messages, signals, timeouts, several nodes) still launch for real
+(`gloo_launch.torchrun`, `train_runs.hp_train(..., launcher=True)`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,204 +38,207 @@ from pathlib import Path
 
 from gloo_launch import _free_port, clean_env
 
-SIZE = 4  # the most ranks a test uses
 HERE = Path(__file__).resolve().parent
+GRACE = 10  # seconds the other ranks get once one has failed
 
 
-class RankPool:
-    """`SIZE` rank processes waiting for jobs on their stdin; results come back on a pipe of their own."""
+class Zygote:
+    """The warm process that forks each job's ranks; it reports their pids, then each one's exit code."""
 
-    def __init__(self, size: int = SIZE):
-        self.size = size
-        self.ranks: list[subprocess.Popen] = []
-        self.replies: list = []
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+        self.pending = b""  # what the zygote wrote past the last line read
 
     def _start(self) -> None:
-        for rank in range(self.size):
-            read, write = os.pipe()
-            proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(rank), str(write)],
-                                    stdin=subprocess.PIPE, env=clean_env(), cwd=HERE.parent, text=True,
-                                    pass_fds=(write,), start_new_session=True)
-            os.close(write)
-            self.ranks.append(proc)
-            self.replies.append(os.fdopen(read))
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve())], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=clean_env(), cwd=HERE.parent, text=True,
+                                     start_new_session=True)
+        self.pending = b""
 
     def stop(self) -> None:
-        for proc in self.ranks:
-            proc.kill()
-            proc.wait()
-        for reply in self.replies:
-            reply.close()
-        self.ranks, self.replies = [], []
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
 
-    def run(self, script: str, world: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-        """Run `script` with `args` on ranks 0..world-1, as `torchrun --nproc-per-node world` would."""
-        assert 1 <= world <= self.size, f"the pool has {self.size} ranks, not {world}"
-        if not self.ranks or any(p.poll() is not None for p in self.ranks):
-            self.stop()
+    def run(self, argv: list[str], world: int, timeout: float = 600) -> subprocess.CompletedProcess:
+        """Run `python *argv` on `world` fresh ranks, as `torchrun --nproc-per-node world` would; `world` 0: one
+        process as a plain `python` command runs, without a launcher's variables."""
+        if self.proc is None or self.proc.poll() is not None:
             self._start()
-        port = _free_port()
+        ranks = max(world, 1)
         with tempfile.TemporaryDirectory(prefix="hp-pool-") as outputs:
-            for rank in range(world):
-                job = {"script": str(script), "args": list(args), "world": world, "port": port,
-                       "out": f"{outputs}/{rank}.out", "err": f"{outputs}/{rank}.err"}
-                self.ranks[rank].stdin.write(json.dumps(job) + "\n")
-                self.ranks[rank].stdin.flush()
-            codes = self._wait(world, timeout, script)
-            out = "".join(Path(f"{outputs}/{r}.out").read_text() for r in reversed(range(world)))
-            err = "".join(Path(f"{outputs}/{r}.err").read_text() for r in reversed(range(world)))
+            job = {"argv": [str(a) for a in argv], "world": world, "port": _free_port(), "out": outputs}
+            self.proc.stdin.write(json.dumps(job) + "\n")
+            self.proc.stdin.flush()
+            codes = self._wait(ranks, timeout, argv)
+            out = "".join(Path(f"{outputs}/{r}.out").read_text() for r in reversed(range(ranks)))
+            err = "".join(Path(f"{outputs}/{r}.err").read_text() for r in reversed(range(ranks)))
         failed = [r for r, code in enumerate(codes) if code != 0]
-        if failed:
-            self.stop()  # the ranks that did not fail may sit in a collective forever
-        return subprocess.CompletedProcess([str(script), *args], codes[failed[0]] if failed else 0, out, err)
+        return subprocess.CompletedProcess(["python", *argv], codes[failed[0]] if failed else 0, out, err)
 
     def _wait(self, world: int, timeout: float, script) -> list[int]:
-        """Each rank's exit code; once one rank fails, the others get a few seconds to finish."""
+        """Each rank's exit code; once one rank fails, the others get `GRACE` seconds to finish."""
+        started = self._line(time.monotonic() + 600)  # at first, after the zygote's imports
+        if started is None:
+            raise RuntimeError("the test zygote started no ranks in 600 s")
+        pids = [int(p) for p in started.split()]
         codes: list[int | None] = [None] * world
         deadline = time.monotonic() + timeout
-        with selectors.DefaultSelector() as selector:
-            for rank in range(world):
-                selector.register(self.replies[rank], selectors.EVENT_READ, rank)
-            while None in codes:
-                left = deadline - time.monotonic()
-                if left <= 0 and any(c not in (None, 0) for c in codes):
-                    return [1 if c is None else int(c) for c in codes]  # the rest wait on the failed rank
-                if left <= 0:
-                    self.stop()
-                    raise subprocess.TimeoutExpired(str(script), timeout)
-                events = selector.select(timeout=min(left, 1.0))
-                for key, _ in events:
-                    line = key.fileobj.readline()
-                    codes[key.data] = int(line) if line else 1  # no line: the rank process died
-                    selector.unregister(key.fileobj)
-                if any(c not in (None, 0) for c in codes):
-                    deadline = min(deadline, time.monotonic() + 10)
-                for rank in range(world):
-                    if codes[rank] is None and self.ranks[rank].poll() is not None:
-                        codes[rank] = 1
+        timed_out = False
+        while None in codes:
+            line = self._line(deadline)
+            if line is None:  # past the deadline: end the job's ranks; the zygote reports each
+                timed_out = timed_out or not any(c not in (None, 0) for c in codes)
+                _kill(pids)
+                deadline = time.monotonic() + 60
+                continue
+            rank, code = map(int, line.split())
+            codes[rank] = code
+            if code != 0:
+                deadline = min(deadline, time.monotonic() + GRACE)
+        if timed_out:
+            raise subprocess.TimeoutExpired(str(script), timeout)
         return [int(c) for c in codes]
 
+    def _line(self, deadline: float) -> str | None:
+        """The zygote's next reply line, or None past `deadline` (read unbuffered: a selector sees the pipe only)."""
+        while b"\n" not in self.pending:
+            with selectors.DefaultSelector() as selector:
+                selector.register(self.proc.stdout, selectors.EVENT_READ)
+                if not selector.select(timeout=max(0.0, deadline - time.monotonic())):
+                    return None
+            chunk = os.read(self.proc.stdout.fileno(), 4096)
+            if not chunk:
+                raise RuntimeError(f"the test zygote died (exit {self.proc.wait()})")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return line.decode()
 
-_POOL = RankPool()
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+_ZYGOTE = Zygote()
 
 
 def run(script: str, world: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`script` on `world` ranks of this pytest worker's pool (see the module docstring)."""
-    return _POOL.run(script, world, *args, timeout=timeout)
+    """`script` on `world` fresh ranks forked by this pytest worker's zygote (see the module docstring)."""
+    return _ZYGOTE.run([script, *args], world, timeout=timeout)
 
 
-# ---- the rank process ---------------------------------------------------------------------------
+def python(*argv: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python *argv` (a script, `-m module` or `-c code`, then its arguments) as a fresh process would run it,
+    forked by the zygote: for a check that needs a process of its own, not a launch."""
+    return _ZYGOTE.run(list(argv), 0, timeout=timeout)
 
 
-class _Exit(BaseException):
-    """os._exit inside a job ends the job, not the rank."""
-
-    def __init__(self, code: int):
-        self.code = code
+# ---- the zygote ------------------------------------------------------------------------------------
 
 
-def _serve(rank: int, reply_fd: int) -> None:
-    import runpy
+def _preload() -> None:
+    """What every job imports, paid once: torch, hp, its trainer, and transformers' index and common models."""
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import transformers
+    from transformers.models.llama import modeling_llama  # noqa: F401
+    from transformers.models.qwen3 import modeling_qwen3  # noqa: F401
+    from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: F401
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl  # noqa: F401
+
+    import hp  # noqa: F401
+    import hp.models  # noqa: F401
+    import hp.train.launch  # noqa: F401
+    import hp.train.loop  # noqa: F401
+    import hp.train.worker  # noqa: F401
+
+    transformers.AutoModelForCausalLM, transformers.AutoModelForImageTextToText  # noqa: B018  (their lazy imports)
+
+
+def _serve() -> None:
+    from hp.train.worker import die_with
+
+    die_with(os.getppid())  # a pytest worker that is killed takes its zygote with it
+    zygote = os.getpid()
+    _preload()
+    reply = sys.stdout
+    for line in sys.stdin:
+        job = json.loads(line)
+        pids = [_fork(job, rank, zygote) for rank in range(max(job["world"], 1))]
+        reply.write(" ".join(map(str, pids)) + "\n")
+        reply.flush()
+        ranks = {pid: rank for rank, pid in enumerate(pids)}
+        while ranks:
+            pid, status = os.wait()
+            if pid in ranks:
+                reply.write(f"{ranks.pop(pid)} {os.waitstatus_to_exitcode(status)}\n")
+                reply.flush()
+
+
+def _fork(job: dict, rank: int, zygote: int) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        code = _rank(job, rank, zygote)
+    finally:
+        os._exit(code)
+
+
+def _rank(job: dict, rank: int, zygote: int) -> int:
+    """Run the job's command as rank `rank`; its exit code."""
     import traceback
 
     from hp.train.worker import die_with
 
-    die_with(os.getppid())  # a pytest worker that is killed takes its ranks with it
-
-    import torch  # noqa: F401  the imports every job shares, paid once
-    import torch.distributed as dist
-    import transformers  # noqa: F401
-
-    import hp  # noqa: F401
-
-    reply = os.fdopen(reply_fd, "w")
-    environ, cwd, path = dict(os.environ), os.getcwd(), list(sys.path)
-    for line in sys.stdin:
-        job = json.loads(line)
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(job["world"]),
-                          LOCAL_WORLD_SIZE=str(job["world"]), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(job["port"]), TORCHELASTIC_RUN_ID="pool")
-        sys.argv = [job["script"], *job["args"]]
-        sys.path[:] = [os.path.dirname(job["script"]), *path]
-        os._exit = _raise_exit
+    os.setpgid(0, 0)  # a signal meant for the job (a Ctrl-C in the terminal) is not the zygote's
+    die_with(zygote)
+    if job["world"]:
+        world = str(job["world"])
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=world, LOCAL_WORLD_SIZE=world,
+                          GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]),
+                          TORCHELASTIC_RUN_ID="pool")
+    out = os.open(f"{job['out']}/{rank}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    err = os.open(f"{job['out']}/{rank}.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    sys.stdin = open(os.devnull)
+    try:
+        _main(job["argv"])
         code = 0
-        with open(job["out"], "w") as out, open(job["err"], "w") as err:
-            saved = _redirect(out, err)
-            try:
-                runpy.run_path(job["script"], run_name="__main__")
-            except _Exit as e:
-                code = e.code
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            except BaseException:  # noqa: BLE001 - the job's failure, reported as torchrun would
-                traceback.print_exc()
-                code = 1
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                _restore(saved)
-        os._exit = _EXIT
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        _reset(environ, cwd, path)
-        reply.write(f"{code}\n")
-        reply.flush()
-
-
-_EXIT = os._exit
-_RANK_PID = os.getpid()
-
-
-def _raise_exit(code: int) -> None:
-    if os.getpid() != _RANK_PID:  # a process the job forked (a loader, a pool): its own exit is real
-        _EXIT(code)
-    raise _Exit(code)
-
-
-def _redirect(out, err) -> tuple[int, int]:
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - the job's failure, reported as torchrun would
+        traceback.print_exc()
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    os.dup2(out.fileno(), 1)
-    os.dup2(err.fileno(), 2)
-    return saved
+    return code
 
 
-def _restore(saved: tuple[int, int]) -> None:
-    os.dup2(saved[0], 1)
-    os.dup2(saved[1], 2)
-    os.close(saved[0])
-    os.close(saved[1])
+def _main(argv: list[str]) -> None:
+    """Run `python *argv` in this process: a script, `-m module` or `-c code`."""
+    import runpy
 
-
-def _reset(environ: dict[str, str], cwd: str, path: list[str]) -> None:
-    import torch
-
-    os.environ.clear()
-    os.environ.update(environ)
-    os.chdir(cwd)
-    sys.path[:] = path
-    torch._dynamo.reset()  # compile counts are per job
-    _forget_meshes()
-
-
-def _forget_meshes() -> None:
-    """Drop DTensor's caches of sharding decisions: they key on meshes by shape and names, so a later job's
-    equal mesh would be handed the redistributions planned on this job's, with this world's process groups
-    (a job then fails to resolve a group name that its own world never made)."""
-    import torch
-    import torch.distributed.tensor._redistribute as redistribute
-    from torch.distributed.tensor import DTensor
-
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    for cached in (propagator.propagate_op_sharding, getattr(propagator, "_propagate_tensor_meta_cached", None)):
-        if hasattr(cached, "cache_clear"):
-            cached.cache_clear()
-    for clear in (getattr(redistribute, "clear_redistribute_planner_cache", None),
-                  getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)):  # the native one
-        if clear is not None:
-            clear()
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    elif argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        sys.path.insert(0, "")
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+    else:
+        sys.argv = list(argv)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        runpy.run_path(argv[0], run_name="__main__")
 
 
 if __name__ == "__main__":
-    _serve(int(sys.argv[1]), int(sys.argv[2]))
+    _serve()

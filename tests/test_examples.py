@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import rank_pool
 from pathlib import Path
 
 ROOT = Path(__file__).parent.parent
 
 
 def test_annotate_mlp_example_matches_one_device():
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "annotate_mlp.py"), "--simulate", "4"],
-        capture_output=True, text=True, timeout=120,
-    )
+    run = rank_pool.python(str(ROOT / "examples" / "annotate_mlp.py"), "--simulate", "4", timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["ranks"] == 4

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import rank_pool
 import torch
 from hp.models import FAMILIES, plan_for
 from reference import batch, tiny_pair
@@ -82,11 +81,8 @@ def test_strict_passes_a_tensor_parallel_llama():
 
 
 def test_hp_explain_command_runs_a_script():
-    run = subprocess.run(
-        [sys.executable, "-m", "hp.cli", "explain", "--json", "--communicating",
-         str(ROOT / "examples" / "annotate_mlp.py"), "--simulate", "2"],
-        capture_output=True, text=True, timeout=120, check=False,
-    )
+    run = rank_pool.python("-m", "hp.cli", "explain", "--json", "--communicating",
+                           str(ROOT / "examples" / "annotate_mlp.py"), "--simulate", "2", timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     lines = run.stdout.strip().splitlines()
     assert json.loads(lines[-2])["loss_rel_err"] < 1e-5  # the script's own output

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import rank_pool
 from gloo_launch import clean_env
 from train_runs import DATA, QUICKSTART, ROOT, hp_train, local_hf_model, summary, worker_of_rank, workers
 
@@ -526,8 +527,7 @@ print(json.dumps({"same": torch.equal(copy.lm_head.weight, model.lm_head.weight)
 def test_a_model_only_checkpoint_exports_but_does_not_resume(tmp_path, run_here):
     """save_only_model: the optimizer state is left out, the weights still load, a resume is refused by name."""
     # a process of its own: checkpoints read and write through the process group when one exists
-    made = subprocess.run([sys.executable, "-c", _MODEL_ONLY, str(tmp_path)], cwd=ROOT, env=clean_env(), check=False,
-                          capture_output=True, text=True, timeout=300)
+    made = rank_pool.python("-c", _MODEL_ONLY, str(tmp_path), timeout=300)
     assert made.returncode == 0, made.stderr[-3000:]
     assert json.loads(made.stdout.splitlines()[-1]) == {"same": True}
     with open(tmp_path / "checkpoint-1" / ".metadata", "rb") as f:

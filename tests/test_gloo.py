@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import rank_pool
-from gloo_launch import assert_finished, clean_env, torchrun
+from gloo_launch import assert_finished, torchrun
 
 HERE = Path(__file__).parent
 
@@ -54,9 +53,7 @@ print("plain ok")
 
 
 def test_plain_launch_is_a_one_rank_world_and_sizes_are_checked():
-    run = subprocess.run(
-        [sys.executable, "-c", PLAIN_LAUNCH], env=clean_env(), capture_output=True, text=True, timeout=120
-    )
+    run = rank_pool.python("-c", PLAIN_LAUNCH, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "plain ok" in run.stdout
 
@@ -88,6 +85,6 @@ def test_vl_families_with_images_under_fsdp_cp_and_ep_on_two_gloo_processes():
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_compiled_blocks_follow_hf_on_gloo_processes(ranks):
     # 2 ranks: tp, tp+sp, cp ring and Ulysses, FSDP; 4 ranks: the 2D and SUMMA layouts (aot_eager).
-    run = torchrun(str(HERE / "workers" / "compile_gloo.py"), ranks, timeout=600)
+    run = rank_pool.run(str(HERE / "workers" / "compile_gloo.py"), ranks, timeout=600)
     assert_finished(run)
     assert len(re.findall(r"compiled blocks follow the reference", run.stdout)) == ranks

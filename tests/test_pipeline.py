@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import rank_pool
-from gloo_launch import assert_finished, torchrun
+from gloo_launch import assert_finished
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoConfig
@@ -97,8 +97,7 @@ def test_every_schedule_and_family_gives_the_unsharded_loss_and_gradients_on_two
 
 
 def test_2d_tensor_parallel_within_stages_and_within_fsdp_gives_the_unsharded_step_on_eight_gloo_processes():
-    """More ranks than the pool holds: one real launch, both checks in its processes."""
-    run = torchrun(str(HERE / "workers" / "pipeline_gloo.py"), 8, timeout=300)
+    run = rank_pool.run(str(HERE / "workers" / "pipeline_gloo.py"), 8, timeout=300)
     assert_finished(run)
     assert len(re.findall(r"pipelines follow the unsharded model", run.stdout)) == 8
 

@@ -11,14 +11,13 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+import rank_pool
 import torch
-from gloo_launch import _free_port, clean_env
+from gloo_launch import _free_port
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from train_runs import (DATA, QUICKSTART, WORKERS, first_batch, hp_train, local_hf_model, losses, summary,
@@ -183,12 +182,10 @@ def test_export_gives_hf_safetensors_with_the_same_logits_and_hp_train_continues
     from transformers import AutoModelForCausalLM
 
     checkpoint, hf = uninterrupted / "checkpoint-6", tmp_path / "hf"
-    export = subprocess.run([sys.executable, "-m", "hp.cli", "export", str(checkpoint), str(hf)],
-                            env=clean_env(), capture_output=True, text=True, timeout=300)
+    export = rank_pool.python("-m", "hp.cli", "export", str(checkpoint), str(hf), timeout=300)
     assert export.returncode == 0, export.stderr[-3000:]
     assert (hf / "model.safetensors").is_file()
-    check = subprocess.run([sys.executable, str(WORKERS / "export_check.py"), str(checkpoint), str(hf)],
-                           env=clean_env(), capture_output=True, text=True, timeout=300)
+    check = rank_pool.python(str(WORKERS / "export_check.py"), str(checkpoint), str(hf), timeout=300)
     assert check.returncode == 0, check.stderr[-3000:]
     assert json.loads(check.stdout.splitlines()[-1])["max_abs_diff"] == 0.0
     overrides = [f"model_name_or_path={hf}", "max_steps=1", "parallel.tp=1", f"output_dir={tmp_path / 'again'}",
@@ -270,7 +267,6 @@ def test_a_worker_killed_mid_run_restarts_with_the_uninterrupted_losses(uninterr
 
 
 def test_a_crash_during_a_save_leaves_the_previous_checkpoint_usable(uninterrupted, tmp_path):
-    crash = subprocess.run([sys.executable, str(WORKERS / "save_crash.py"), str(uninterrupted), str(tmp_path)],
-                           env=clean_env(), capture_output=True, text=True, timeout=300)
+    crash = rank_pool.python(str(WORKERS / "save_crash.py"), str(uninterrupted), str(tmp_path), timeout=300)
     assert crash.returncode == 0, crash.stderr[-3000:]
     assert json.loads(crash.stdout.splitlines()[-1]) == {"latest": "checkpoint-6", "partial_left": True}

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import rank_pool
 import torch
-from gloo_launch import clean_env
 from train_runs import ROOT, hp_train, losses, summary
 
 QUICKSTART_LORA = str(ROOT / "examples" / "quickstart_lora.yaml")
@@ -26,8 +24,7 @@ def lora_run(tmp_path_factory) -> Path:
 
 
 def _export(checkpoint: Path, out: Path, *flags: str) -> None:
-    run = subprocess.run([sys.executable, "-m", "hp.cli", "export", str(checkpoint), str(out), *flags],
-                         env=clean_env(), capture_output=True, text=True, timeout=300)
+    run = rank_pool.python("-m", "hp.cli", "export", str(checkpoint), str(out), *flags, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
 
 

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import rank_pool
-from gloo_launch import assert_finished, clean_env
+from gloo_launch import assert_finished
 from train_runs import ROOT, WORKERS, hp_train, local_hf_model, losses, summary
 
 QUICKSTART_DPO = str(ROOT / "examples" / "quickstart_dpo.yaml")
@@ -44,8 +42,8 @@ def test_a_reward_model_trains_and_exports_its_value_head_as_llamafactory_does(t
     result = summary(hp_train(*SHORT, "stage=rm", "per_device_train_batch_size=8", f"output_dir={tmp_path / 'run'}",
                               config=QUICKSTART_DPO))
     assert result["steps"] == 5 and 0 <= result["rewards"]["rewards/accuracies"] <= 1
-    run = subprocess.run([sys.executable, "-m", "hp.cli", "export", str(tmp_path / "run" / "checkpoint-5"),
-                          str(tmp_path / "out")], env=clean_env(), capture_output=True, text=True, timeout=300)
+    run = rank_pool.python("-m", "hp.cli", "export", str(tmp_path / "run" / "checkpoint-5"), str(tmp_path / "out"),
+                           timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     head = load_file(Path(tmp_path / "out" / "value_head.safetensors"))
     assert sorted(head) == ["v_head.summary.bias", "v_head.summary.weight"]
