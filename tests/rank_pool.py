@@ -26,6 +26,7 @@ graph, so what a fork inherits is imports only. Tests of the launcher itself
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import selectors
@@ -166,6 +167,7 @@ def _serve() -> None:
     die_with(os.getppid())  # a pytest worker that is killed takes its zygote with it
     zygote = os.getpid()
     _preload()
+    gc.freeze()  # what the imports made is never collected: a fork's collections neither walk nor copy it
     reply = sys.stdout
     for line in sys.stdin:
         job = json.loads(line)
