@@ -1,7 +1,5 @@
-"""Real multi-process runs over gloo, on the pytest worker's pool of ranks (`rank_pool`).
-
-The compiled runs launch their own ranks: in a pooled rank that had run earlier jobs, dynamo
-failed to trace `mesh.get_local_rank` in the ring-attention kernel (not investigated further).
+"""Real multi-process runs over gloo, on ranks forked fresh for each job by the pytest worker's zygote
+(`rank_pool`); the launch helper's own timeout is checked on a real torchrun launch.
 """
 
 from __future__ import annotations

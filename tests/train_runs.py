@@ -1,8 +1,8 @@
 """What the `hp train` tests share: running the command, reading its results, a local HF model directory.
 
-A run that a test expects to train runs on the pytest worker's pool of gloo
-ranks (`rank_pool`): the launcher's checks, then each worker's code, without
-starting Python anew. A test of the launcher itself (its exit codes and
+A run that a test expects to train runs on gloo ranks forked by the pytest
+worker's zygote (`rank_pool`): the launcher's checks, then each worker's
+code, without starting Python anew. A test of the launcher itself (its exit codes and
 messages, signals, several nodes, a run it watches while it runs) asks for
 the real command (`launcher=True`, or `wait=False`): `python -m hp.cli train`,
 with torch's elastic launcher and gloo workers when the strategy has more
@@ -67,7 +67,7 @@ def first_batch(overrides: list[str]):
 
 def run_cases(out: Path, world: int, cases: dict[str, list[str]], *, logits: bool = True,
               config: str = QUICKSTART) -> dict[str, tuple]:
-    """`hp train config *overrides` for each case {name: overrides} in one job of `world` ranks of the pool
+    """`hp train config *overrides` for each case {name: overrides} in one job of `world` forked ranks
     (`workers/loaded_gloo.py`): {name: (logits on the worker's batch before any step, or None; first loss;
     the logged losses)}; `logits`: build each model once more first, to compute them (not under pp)."""
     import torch
