@@ -143,22 +143,21 @@ def python(*argv: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 def _preload() -> None:
-    """What every job imports, paid once: torch, hp, its trainer, and transformers' index and common models."""
+    """What jobs import, paid once: torch, hp and its trainer, transformers' index and the zoo's families."""
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
-    import transformers
-    from transformers.models.llama import modeling_llama  # noqa: F401
-    from transformers.models.qwen3 import modeling_qwen3  # noqa: F401
-    from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: F401
-    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     import hp  # noqa: F401
-    import hp.models  # noqa: F401
     import hp.train.launch  # noqa: F401
     import hp.train.loop  # noqa: F401
     import hp.train.worker  # noqa: F401
+    from hp.models import FAMILIES, MOE_FAMILIES, VL_FAMILIES, tiny_config
 
-    transformers.AutoModelForCausalLM, transformers.AutoModelForImageTextToText  # noqa: B018  (their lazy imports)
+    for family in (*FAMILIES, *MOE_FAMILIES, *VL_FAMILIES):  # each family's modeling module, through its Auto class
+        config = tiny_config(family)
+        auto = AutoModelForImageTextToText if family in VL_FAMILIES else AutoModelForCausalLM
+        auto._model_mapping[type(config)]  # noqa: B018
 
 
 def _serve() -> None:
