@@ -56,12 +56,6 @@ class Zygote:
                                      start_new_session=True)
         self.pending = b""
 
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
     def run(self, argv: list[str], world: int, timeout: float = 600) -> subprocess.CompletedProcess:
         """Run `python *argv` on `world` fresh ranks, as `torchrun --nproc-per-node world` would; `world` 0: one
         process as a plain `python` command runs, without a launcher's variables."""
@@ -69,7 +63,8 @@ class Zygote:
             self._start()
         ranks = max(world, 1)
         with tempfile.TemporaryDirectory(prefix="hp-pool-") as outputs:
-            job = {"argv": [str(a) for a in argv], "world": world, "port": _free_port(), "out": outputs}
+            job = {"argv": [str(a) for a in argv], "world": world, "ranks": ranks, "port": _free_port(),
+                   "out": outputs}
             self.proc.stdin.write(json.dumps(job) + "\n")
             self.proc.stdin.flush()
             codes = self._wait(ranks, timeout, argv)
@@ -78,13 +73,13 @@ class Zygote:
         failed = [r for r, code in enumerate(codes) if code != 0]
         return subprocess.CompletedProcess(["python", *argv], codes[failed[0]] if failed else 0, out, err)
 
-    def _wait(self, world: int, timeout: float, script) -> list[int]:
+    def _wait(self, ranks: int, timeout: float, script) -> list[int]:
         """Each rank's exit code; once one rank fails, the others get `GRACE` seconds to finish."""
         started = self._line(time.monotonic() + 600)  # at first, after the zygote's imports
         if started is None:
             raise RuntimeError("the test zygote started no ranks in 600 s")
         pids = [int(p) for p in started.split()]
-        codes: list[int | None] = [None] * world
+        codes: list[int | None] = [None] * ranks
         deadline = time.monotonic() + timeout
         timed_out = False
         while None in codes:
@@ -167,10 +162,11 @@ def _serve() -> None:
     zygote = os.getpid()
     _preload()
     gc.freeze()  # what the imports made is never collected: a fork's collections neither walk nor copy it
-    reply = sys.stdout
+    reply = os.fdopen(os.dup(1), "w")  # the pipe to the pytest worker; a stray print goes to stderr, not into it
+    os.dup2(2, 1)
     for line in sys.stdin:
         job = json.loads(line)
-        pids = [_fork(job, rank, zygote) for rank in range(max(job["world"], 1))]
+        pids = [_fork(job, rank, zygote, reply) for rank in range(job["ranks"])]
         reply.write(" ".join(map(str, pids)) + "\n")
         reply.flush()
         ranks = {pid: rank for rank, pid in enumerate(pids)}
@@ -181,10 +177,11 @@ def _serve() -> None:
                 reply.flush()
 
 
-def _fork(job: dict, rank: int, zygote: int) -> int:
+def _fork(job: dict, rank: int, zygote: int, reply) -> int:
     pid = os.fork()
     if pid:
         return pid
+    reply.close()  # the pipe is the zygote's alone: a rank that outlives it must not hold it open
     code = 1
     try:
         code = _rank(job, rank, zygote)
