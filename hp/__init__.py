@@ -27,9 +27,10 @@ contract and `tests/test_architecture.py` checks it):
 """
 
 from hp.compat import models_finder  # noqa: F401  first: lets a source tree, whose zoo sits beside hp/, import hp.models
-from hp.compat import backports
+from hp.compat import backports, local_tensor
 
 backports.install()  # before any layout: what this torch release lacks
+local_tensor.install()  # hp.simulated's metadata queries answered at once
 from hp.layouts import (
     Layout,
     LayoutError,

@@ -1,0 +1,87 @@
+"""A simulated tensor's metadata answered at once (`hp.compat.local_tensor`) equals torch's own dispatch's answer.
+
+Hypothesis draws each simulated rank's tensor (uneven shapes too, so that
+some answers are per-rank symbolic ints) and a chain of views over it; every
+query is asked twice, once with hp's shortcut and once with torch's own
+`LocalTensor` dispatch restored, and the answers compared; the views
+themselves give the same blocks and metadata both ways.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import hp  # noqa: F401  installs the shortcut
+import torch
+from hp.compat import local_tensor
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+
+aten = torch.ops.aten
+
+
+@contextmanager
+def torch_own():
+    """torch's own `LocalTensor` dispatch, for the block."""
+    patched = LocalTensor.__dict__["__torch_dispatch__"], LocalTensorMode.__torch_dispatch__
+    LocalTensor.__torch_dispatch__ = classmethod(local_tensor.ORIGINAL["tensor"])
+    LocalTensorMode.__torch_dispatch__ = local_tensor.ORIGINAL["mode"]
+    try:
+        yield
+    finally:
+        LocalTensor.__torch_dispatch__, LocalTensorMode.__torch_dispatch__ = patched
+
+
+def plain(value):
+    """An answer as plain data: a per-rank symbolic int as {rank: int}."""
+    if isinstance(value, (tuple, list)):
+        return tuple(plain(v) for v in value)
+    if isinstance(value, torch.SymInt):
+        return dict(value.node._local_ints)
+    return value
+
+
+@st.composite
+def local_tensors(draw):
+    world = draw(st.integers(1, 4))
+    ndim = draw(st.integers(1, 3))
+    base = draw(st.lists(st.integers(1, 5), min_size=ndim, max_size=ndim))
+    uneven = draw(st.sampled_from([None, *range(ndim)]))  # this dim's size differs from rank to rank
+    shapes = {r: [draw(st.integers(1, 5)) if d == uneven else n for d, n in enumerate(base)] for r in range(world)}
+    return LocalTensor({r: torch.randn(*shape) for r, shape in shapes.items()})
+
+
+VIEWS = {
+    "t": lambda t: t.transpose(0, -1),
+    "slice": lambda t: t[1:] if min(b.shape[0] for b in t._local_tensors.values()) > 1 else t,
+    "unsqueeze": lambda t: t.unsqueeze(0),
+    "flatten": lambda t: t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1),
+    "expand": lambda t: t.unsqueeze(0).expand(2, *t.shape),
+    "detach": lambda t: t.detach(),
+    "select": lambda t: t.select(0, 0) if t.dim() > 1 else t,
+}
+
+
+def queries(t: LocalTensor) -> dict:
+    return {str(q): plain(q(t)) for q in local_tensor.QUERIES if q is not aten.is_contiguous.memory_format} | {
+        "sizes": plain(aten.sym_size.default(t)),
+        "channels_last": plain(aten.is_contiguous.memory_format(t, torch.channels_last)) if t.dim() == 4 else None}
+
+
+@given(local_tensors(), st.lists(st.sampled_from(sorted(VIEWS)), max_size=4), st.booleans())
+def test_metadata_and_views_equal_torchs_own_dispatch(t, chain, in_mode):
+    assert local_tensor.ORIGINAL, "hp did not install its LocalTensor shortcut"
+
+    def walk():
+        with LocalTensorMode(frozenset(t._ranks)) if in_mode else contextmanager(lambda: (yield))():
+            steps, x = [queries(t)], t
+            for name in chain:
+                x = VIEWS[name](x)
+                steps.append(queries(x) | {"values": {r: v.tolist() for r, v in x._local_tensors.items()}})
+            return steps
+
+    fast = walk()
+    with torch_own():
+        own = walk()
+    assert fast == own
