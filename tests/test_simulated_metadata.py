@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-import hp  # noqa: F401  installs the shortcut
 import torch
-from hp.compat import local_tensor
 from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+
+import hp  # noqa: F401  installs the shortcut
+from hp.compat import local_tensor
 
 aten = torch.ops.aten
 
