@@ -75,6 +75,38 @@ def test_local_hf_tokenizer_is_wrapped(tmp_path):
     assert tok.decode([1, 3, 2]) == "hello"
 
 
+@pytest.fixture(scope="module")
+def fast_tokenizers():
+    """BPE tokenizers with special and added tokens, a bos post-processor, truncation and padding set in the
+    Rust tokenizer, special tokens split or not: what `HFTokenizer.encode` must not apply or must follow."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    records = json.loads((ROOT / "examples" / "data" / "quickstart.json").read_text())
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
+    bpe.train_from_iterator([" ".join(r.values()) for r in records[:200]],
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", "<|im_end|>"]))
+    bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    bpe.enable_truncation(8)
+    bpe.enable_padding(length=16, pad_id=0)
+    made = []
+    for split in (False, True):
+        hf = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                     split_special_tokens=split)
+        hf.add_tokens(["<think>"])
+        made.append((HFTokenizer(hf), hf))  # wrapped before hf.encode turns the truncation off in place
+    return made
+
+
+@given(st.lists(st.sampled_from(["Uppercase", " abc", "<|im_end|>", "</s>", "<think>", "\n", "  ", "é", "<s"]),
+                max_size=12))
+def test_a_fast_tokenizer_encodes_as_its_own_encode(fast_tokenizers, parts):
+    text = "".join(parts)
+    for ours, hf in fast_tokenizers:
+        assert ours.encode(text) == hf.encode(text, add_special_tokens=False), (text, hf.split_special_tokens)
+
+
 def test_load_tokenizer_errors(tmp_path):
     assert isinstance(load_tokenizer("hp/tiny-llama"), ByteTokenizer)
     with pytest.raises(ValueError, match=r"'org/model' is neither 'hp/tiny-llama' nor a local dir.*never downloads"):
