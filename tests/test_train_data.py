@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -95,7 +96,8 @@ def fast_tokenizers():
         hf = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                      split_special_tokens=split)
         hf.add_tokens(["<think>"])
-        made.append((HFTokenizer(hf), hf))  # wrapped before hf.encode turns the truncation off in place
+        ours = HFTokenizer(hf)  # wrapped before hf.encode turns the truncation off in place
+        made += [(ours, hf), (pickle.loads(pickle.dumps(ours)), hf)]  # as worker processes that tokenize get it
     return made
 
 

@@ -14,7 +14,6 @@ checkpoint or an exported model carries its tokenizer.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -63,13 +62,22 @@ class HFTokenizer:
         self.pad_token_id = int(hf.pad_token_id) if hf.pad_token_id is not None else self.eos_token_id
         self.bos_token_id = int(hf.bos_token_id) if hf.bos_token_id is not None else None
         self.vocab_size = len(hf)  # counts added tokens, unlike hf.vocab_size
-        self._encode = _encoder(hf)
+        self._rust = _rust_tokenizer(hf)
 
     def encode(self, text: str) -> list[int]:
-        return self._encode(text)
+        if self._rust is None:
+            return list(self.hf.encode(text, add_special_tokens=False))
+        return self._rust.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
+
+    def __getstate__(self) -> dict:  # for worker processes that tokenize: a pickled Rust tokenizer loses a setting
+        return {k: v for k, v in self.__dict__.items() if k != "_rust"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._rust = _rust_tokenizer(self.hf)
 
     def save_pretrained(self, directory: str) -> None:
         self.hf.save_pretrained(directory)
@@ -78,24 +86,24 @@ class HFTokenizer:
         return f"HFTokenizer({type(self.hf).__name__}, vocab_size={self.vocab_size})"
 
 
-def _encoder(hf: Any) -> Callable[[str], list[int]]:
-    """`hf.encode(text, add_special_tokens=False)`, from the Rust tokenizer a fast one wraps where there is one.
+def _rust_tokenizer(hf: Any) -> Any:
+    """A copy of the Rust tokenizer a fast HF tokenizer wraps, set as its `encode` sets it; None for a slow one.
 
     A dataset's every turn is tokenized part by part, tens of thousands of calls, and a fast tokenizer's own
     `encode` spends four fifths of each in Python around the one call of its Rust tokenizer (`encode_batch`
     of one text, with the truncation and padding it holds turned off, and its own `split_special_tokens`).
-    That call is made here on a copy of the Rust tokenizer, set as `encode` sets it, so the ids are the same.
+    `HFTokenizer.encode` makes that call on this copy, so the ids are the same.
     """
     backend = getattr(hf, "backend_tokenizer", None) if getattr(hf, "is_fast", False) else None
-    if backend is None:  # a slow (Python) tokenizer: its own encode
-        return lambda text: list(hf.encode(text, add_special_tokens=False))
+    if backend is None:
+        return None
     from tokenizers import Tokenizer as Rust
 
     rust = Rust.from_str(backend.to_str())
     rust.no_truncation()
     rust.no_padding()
     rust.encode_special_tokens = bool(getattr(hf, "split_special_tokens", False))
-    return lambda text: rust.encode(text, add_special_tokens=False).ids
+    return rust
 
 
 def load_tokenizer(model_name_or_path: str) -> Tokenizer:
