@@ -72,6 +72,8 @@ def queries(t: LocalTensor) -> dict:
 
 @given(local_tensors(), st.lists(st.sampled_from(sorted(VIEWS)), max_size=4), st.booleans())
 def test_metadata_and_views_equal_torchs_own_dispatch(t, chain, in_mode):
+    if not hasattr(local, "_combine_rank_results"):
+        pytest.skip("this torch's LocalTensor has no _combine_rank_results: hp installs no shortcut")
     assert local_tensor.ORIGINAL, "hp did not install its LocalTensor shortcut"
 
     def walk():

@@ -19,7 +19,8 @@ agrees, else a symbolic int holding each rank's), so every answer is the one
 torch's whole dispatch gives (`tests/test_simulated_metadata.py` compares
 them on drawn tensors); sizes are the tensor's own, as `LocalTensorMode`
 itself answers them. Every other op takes torch's own road. Where torch lacks
-what this relies on (`_combine_rank_results`), nothing is installed.
+what this relies on (`_combine_rank_results`, a class-level dispatch), nothing
+is installed.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ def install() -> None:
     >>> t.stride(0) == 3, t.t().stride(), t[1:].storage_offset()
     (True, (1, 3), 3)
     """
-    if ORIGINAL or not hasattr(local, "_combine_rank_results"):
+    own = LocalTensor.__dict__.get("__torch_dispatch__")
+    if ORIGINAL or not hasattr(local, "_combine_rank_results") or not isinstance(own, classmethod):
         return
-    ORIGINAL["tensor"] = LocalTensor.__dict__["__torch_dispatch__"].__func__
+    ORIGINAL["tensor"] = own.__func__
     ORIGINAL["mode"] = LocalTensorMode.__torch_dispatch__
     LocalTensor.__torch_dispatch__ = classmethod(torch._disable_dynamo(_tensor_dispatch))
     LocalTensorMode.__torch_dispatch__ = _mode_dispatch
@@ -60,7 +62,7 @@ def answered(func, args: tuple, kwargs: dict | None) -> Any:
     if kwargs or not args or not isinstance(args[0], LocalTensor):
         return _MISS
     if func is _aten.sym_size.default:
-        return tuple(args[0]._size)
+        return tuple(args[0]._size) if hasattr(args[0], "_size") else _MISS
     if func not in QUERIES or any(isinstance(a, torch.Tensor) for a in args[1:]):
         return _MISS
     ranks = {rank: func(t, *args[1:]) for rank, t in args[0]._local_tensors.items()}
