@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.distributed import _local_tensor as local
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
 import hp  # noqa: F401  installs the shortcut
