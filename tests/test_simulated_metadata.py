@@ -1,10 +1,10 @@
-"""A simulated tensor's metadata answered at once (`hp.compat.local_tensor`) equals torch's own dispatch's answer.
+"""hp's shortcuts in simulation (`hp.compat.local_tensor`) give what torch's own `LocalTensor` dispatch gives.
 
 Hypothesis draws each simulated rank's tensor (uneven shapes too, so that
-some answers are per-rank symbolic ints) and a chain of views over it; every
-query is asked twice, once with hp's shortcut and once with torch's own
-`LocalTensor` dispatch restored, and the answers compared; the views
-themselves give the same blocks and metadata both ways.
+some answers are per-rank symbolic ints) and a chain of views, arithmetic and
+random draws over it; every step's metadata and each rank's values are
+computed twice, once with hp's shortcuts and once with torch's own dispatch
+and per-rank run restored (the same seed each time), and compared.
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ aten = torch.ops.aten
 @contextmanager
 def torch_own():
     """torch's own `LocalTensor` dispatch, for the block."""
-    patched = LocalTensor.__dict__["__torch_dispatch__"], LocalTensorMode.__torch_dispatch__
+    patched = LocalTensor.__dict__["__torch_dispatch__"], LocalTensorMode.__torch_dispatch__, local._for_each_rank_run_func
     LocalTensor.__torch_dispatch__ = classmethod(local_tensor.ORIGINAL["tensor"])
     LocalTensorMode.__torch_dispatch__ = local_tensor.ORIGINAL["mode"]
+    local._for_each_rank_run_func = local_tensor.ORIGINAL["run"]
     try:
         yield
     finally:
-        LocalTensor.__torch_dispatch__, LocalTensorMode.__torch_dispatch__ = patched
+        LocalTensor.__torch_dispatch__, LocalTensorMode.__torch_dispatch__, local._for_each_rank_run_func = patched
 
 
 def plain(value):
@@ -63,6 +64,11 @@ VIEWS = {
     "expand": lambda t: t.unsqueeze(0).expand(2, *t.shape),
     "detach": lambda t: t.detach(),
     "select": lambda t: t.select(0, 0) if t.dim() > 1 else t,
+    # ops that compute, and random draws between them: each rank's stream goes on where it was
+    "add": lambda t: t * 2 + 1,
+    "sum": lambda t: t.sum(-1, keepdim=True),
+    "rand": lambda t: t + torch.rand_like(t),
+    "dropout": lambda t: torch.nn.functional.dropout(t, 0.5),
 }
 
 
@@ -73,12 +79,13 @@ def queries(t: LocalTensor) -> dict:
 
 
 @given(local_tensors(), st.lists(st.sampled_from(sorted(VIEWS)), max_size=4), st.booleans())
-def test_metadata_and_views_equal_torchs_own_dispatch(t, chain, in_mode):
+def test_metadata_values_and_draws_equal_torchs_own_dispatch(t, chain, in_mode):
     if not hasattr(local, "_combine_rank_results"):
         pytest.skip("this torch's LocalTensor has no _combine_rank_results: hp installs no shortcut")
     assert local_tensor.ORIGINAL, "hp did not install its LocalTensor shortcut"
 
     def walk():
+        torch.manual_seed(0)
         with LocalTensorMode(frozenset(t._ranks)) if in_mode else contextmanager(lambda: (yield))():
             steps, x = [queries(t)], t
             for name in chain:

@@ -16,11 +16,15 @@ and those reads cost more than the views: a tiny model's sharded step under
 `install()` answers them from the ranks' tensors, combined as torch combines
 any per-rank results (`_combine_rank_results`: one int where every rank
 agrees, else a symbolic int holding each rank's), so every answer is the one
-torch's whole dispatch gives (`tests/test_simulated_metadata.py` compares
-them on drawn tensors); sizes are the tensor's own, as `LocalTensorMode`
-itself answers them. Every other op takes torch's own road. Where torch lacks
-what this relies on (`_combine_rank_results`, a class-level dispatch), nothing
-is installed.
+torch's whole dispatch gives; sizes are the tensor's own, as `LocalTensorMode`
+itself answers them. It also runs an op that draws no random numbers (one
+not tagged `nondeterministic_seeded`; not in place, not a split) on each
+rank without restoring and saving the rank's RNG state around it: the state
+it would restore is the one it saved, untouched. Every other op takes
+torch's own road. `tests/test_simulated_metadata.py` compares every answer,
+value and random draw with torch's own dispatch on drawn tensors. Where
+torch lacks what this relies on (`_combine_rank_results`, a class-level
+dispatch, its per-rank run), nothing is installed.
 """
 
 from __future__ import annotations
@@ -28,15 +32,22 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._ops import OpOverload
 from torch.distributed import _local_tensor as local
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+from torch.utils import _pytree as pytree
 
 _aten = torch.ops.aten
 # a tensor's metadata, no data read: each rank's answer, combined
 QUERIES = frozenset({_aten.sym_stride.default, _aten.sym_storage_offset.default, _aten.sym_numel.default,
                      _aten.is_contiguous.default, _aten.is_contiguous.memory_format})
 _MISS = object()
-ORIGINAL: dict[str, Any] = {}  # torch's own dispatch, kept for comparison
+ORIGINAL: dict[str, Any] = {}  # torch's own dispatch and per-rank run, kept for comparison
+_SEEDED = torch.Tag.nondeterministic_seeded
+_OWN_RUN = frozenset({_aten.split.Tensor, _aten.hash_tensor.default})  # torch's run pads or special-cases them
+_RELIED_ON = ("_combine_rank_results", "_for_each_rank_run_func", "_map_to_rank_local_val", "_is_inplace_op",
+              "return_and_correct_aliasing")
 
 
 def install() -> None:
@@ -49,12 +60,14 @@ def install() -> None:
     (True, (1, 3), 3)
     """
     own = LocalTensor.__dict__.get("__torch_dispatch__")
-    if ORIGINAL or not hasattr(local, "_combine_rank_results") or not isinstance(own, classmethod):
+    if ORIGINAL or not all(hasattr(local, name) for name in _RELIED_ON) or not isinstance(own, classmethod):
         return
     ORIGINAL["tensor"] = own.__func__
     ORIGINAL["mode"] = LocalTensorMode.__torch_dispatch__
+    ORIGINAL["run"] = local._for_each_rank_run_func
     LocalTensor.__torch_dispatch__ = classmethod(torch._disable_dynamo(_tensor_dispatch))
     LocalTensorMode.__torch_dispatch__ = _mode_dispatch
+    local._for_each_rank_run_func = _run_on_each_rank
 
 
 def answered(func, args: tuple, kwargs: dict | None) -> Any:
@@ -77,3 +90,18 @@ def _tensor_dispatch(cls, func, types, args=(), kwargs=None):
 def _mode_dispatch(self, func, types, args=(), kwargs=None):
     value = answered(func, args, kwargs)
     return ORIGINAL["mode"](self, func, types, args, kwargs) if value is _MISS else value
+
+
+def _run_on_each_rank(func, ranks, args, kwargs, *, alias: bool = True) -> Any:
+    """torch's run of `func` on each rank's tensors (`_for_each_rank_run_func`), without the RNG state set and
+    saved around each rank's call where `func` draws no random numbers; other ops take torch's own run."""
+    if not isinstance(func, OpOverload) or func in _OWN_RUN or _SEEDED in func.tags or local._is_inplace_op(func):
+        return ORIGINAL["run"](func, ranks, args, kwargs, alias=alias)
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    flat = [a.wait() if isinstance(a, AsyncCollectiveTensor) else a for a in flat]
+    results = {}
+    for rank in sorted(ranks):
+        rank_args, rank_kwargs = pytree.tree_unflatten([local._map_to_rank_local_val(a, rank) for a in flat], spec)
+        results[rank] = func(*rank_args, **rank_kwargs)
+    combined = local._combine_rank_results(results, None)
+    return local.return_and_correct_aliasing(func, args, kwargs, combined) if alias else combined
