@@ -30,7 +30,7 @@ from hp.compat import models_finder  # noqa: F401  first: lets a source tree, wh
 from hp.compat import backports, local_tensor
 
 backports.install()  # before any layout: what this torch release lacks
-local_tensor.install()  # hp.simulated's metadata queries answered at once
+local_tensor.install()  # hp.simulated's shortcuts: metadata answered at once, no RNG state around plain ops
 from hp.layouts import (
     Layout,
     LayoutError,

@@ -1,4 +1,4 @@
-"""A simulated tensor's metadata answered at once, where torch's `LocalTensor` spends most of `hp.simulated`'s time.
+"""Two shortcuts through torch's `LocalTensor`, where `hp.simulated` spends most of its time: metadata, RNG.
 
 `LocalTensor` (one tensor holding each simulated rank's own) runs an op rank
 by rank: per rank, it restores the rank's RNG state, rebuilds the arguments
@@ -23,8 +23,7 @@ rank without restoring and saving the rank's RNG state around it: the state
 it would restore is the one it saved, untouched. Every other op takes
 torch's own road. `tests/test_simulated_metadata.py` compares every answer,
 value and random draw with torch's own dispatch on drawn tensors. Where
-torch lacks what this relies on (`_combine_rank_results`, a class-level
-dispatch, its per-rank run), nothing is installed.
+torch lacks what this relies on (`supported()`), nothing is installed.
 """
 
 from __future__ import annotations
@@ -50,8 +49,20 @@ _RELIED_ON = ("_combine_rank_results", "_for_each_rank_run_func", "_map_to_rank_
               "return_and_correct_aliasing")
 
 
+def supported() -> bool:
+    """Whether this torch's `LocalTensor` has what the shortcuts rely on: its per-rank run and helpers, a
+    class-level dispatch, and sizes kept on the tensor.
+
+    >>> supported()
+    True
+    """
+    return (all(hasattr(local, name) for name in _RELIED_ON) and hasattr(LocalTensor, "_size")
+            and isinstance(LocalTensor.__dict__.get("__torch_dispatch__"), classmethod))
+
+
 def install() -> None:
-    """Answer metadata queries of `LocalTensor`s directly (idempotent).
+    """Answer metadata queries of `LocalTensor`s directly, and run ops that draw no random numbers without the
+    ranks' RNG states around them (idempotent; nothing where `supported()` is false).
 
     >>> install(); install()
     >>> import torch
@@ -59,10 +70,9 @@ def install() -> None:
     >>> t.stride(0) == 3, t.t().stride(), t[1:].storage_offset()
     (True, (1, 3), 3)
     """
-    own = LocalTensor.__dict__.get("__torch_dispatch__")
-    if ORIGINAL or not all(hasattr(local, name) for name in _RELIED_ON) or not isinstance(own, classmethod):
+    if ORIGINAL or not supported():
         return
-    ORIGINAL["tensor"] = own.__func__
+    ORIGINAL["tensor"] = LocalTensor.__dict__["__torch_dispatch__"].__func__
     ORIGINAL["mode"] = LocalTensorMode.__torch_dispatch__
     ORIGINAL["run"] = local._for_each_rank_run_func
     LocalTensor.__torch_dispatch__ = classmethod(torch._disable_dynamo(_tensor_dispatch))
@@ -70,12 +80,12 @@ def install() -> None:
     local._for_each_rank_run_func = _run_on_each_rank
 
 
-def answered(func, args: tuple, kwargs: dict | None) -> Any:
+def _answered(func, args: tuple, kwargs: dict | None) -> Any:
     """`func(*args, **kwargs)`'s value if it is a metadata query of one `LocalTensor`, else `_MISS`."""
     if kwargs or not args or not isinstance(args[0], LocalTensor):
         return _MISS
     if func is _aten.sym_size.default:
-        return tuple(args[0]._size) if hasattr(args[0], "_size") else _MISS
+        return tuple(args[0]._size)
     if func not in QUERIES or any(isinstance(a, torch.Tensor) for a in args[1:]):
         return _MISS
     ranks = {rank: func(t, *args[1:]) for rank, t in args[0]._local_tensors.items()}
@@ -83,12 +93,12 @@ def answered(func, args: tuple, kwargs: dict | None) -> Any:
 
 
 def _tensor_dispatch(cls, func, types, args=(), kwargs=None):
-    value = answered(func, args, kwargs)
+    value = _answered(func, args, kwargs)
     return ORIGINAL["tensor"](cls, func, types, args, kwargs) if value is _MISS else value
 
 
 def _mode_dispatch(self, func, types, args=(), kwargs=None):
-    value = answered(func, args, kwargs)
+    value = _answered(func, args, kwargs)
     return ORIGINAL["mode"](self, func, types, args, kwargs) if value is _MISS else value
 
 
