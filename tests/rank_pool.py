@@ -147,6 +147,7 @@ def _preload() -> None:
     import hp.train.launch  # noqa: F401
     import hp.train.loop  # noqa: F401
     import hp.train.worker  # noqa: F401
+    import transformers.optimization  # noqa: F401 - the trainer's schedulers: transformers' trainer utilities, PEFT's
     from hp.models import FAMILIES, MOE_FAMILIES, VL_FAMILIES, tiny_config
 
     for family in (*FAMILIES, *MOE_FAMILIES, *VL_FAMILIES):  # each family's modeling module, through its Auto class

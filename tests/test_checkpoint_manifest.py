@@ -111,3 +111,18 @@ def test_no_good_checkpoint_left_is_none(saved, tmp_path):
         (out / f"checkpoint-{step}" / "config.json").write_text("{}")
     skipped: list = []
     assert checkpoint.latest(str(out), skipped) is None and len(skipped) == 2
+
+
+def test_a_part_of_the_model_that_trains_nothing_saves_and_loads(tmp_path):
+    """A rank whose part of the model is all frozen (a frozen vision tower placed beside the pipeline) has an
+    AdamW over no weights: its checkpoint holds its weights, no optimizer state, and loads back."""
+    config = tiny_config("llama", layers=1)
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        models.append(AutoModelForCausalLM.from_config(config).requires_grad_(False))
+    saved = checkpoint.save(str(tmp_path), 1, models[0], torch.optim.AdamW([{"params": []}]),
+                            {"scheduler": {}, "data": {}})
+    checkpoint.load(saved, models[1], torch.optim.AdamW([{"params": []}]))
+    for (name, want), got in zip(models[0].state_dict().items(), models[1].state_dict().values()):
+        assert torch.equal(got, want), name

@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
 from hp.parallel.lora import has_lora, peft_config
 from hp.parallel.storable import from_storable, to_storable
@@ -226,9 +227,11 @@ def load(path: str, model: nn.Module, optimizer) -> dict[str, Any]:
     state = to_storable(wanted)
     dcp.load(state, checkpoint_id=path, no_dist=not distributed())
     state = from_storable(state, wanted)
-    if model_state:
+    if model_state and _trains(optimizer):
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=options)
+    elif model_state:
+        set_model_state_dict(model, state["model"], options=options)
     _set_rng_state(trainer.pop("rng"))
     return trainer
 
@@ -236,10 +239,17 @@ def load(path: str, model: nn.Module, optimizer) -> dict[str, Any]:
 def _states(model: nn.Module, optimizer, options: StateDictOptions) -> tuple[dict, dict]:
     """The model's and optimizer's state dicts, as the checkpoint holds them; none for a rank that holds no
     part of the model (it runs only a placed frozen program: `hp.train.placed`), which still takes part in
-    the collective save."""
+    the collective save); no optimizer state for a rank whose part is all frozen (a frozen tower placed beside
+    the pipeline), whose AdamW holds no weights."""
     if not model.state_dict():
         return {}, {}
+    if not _trains(optimizer):
+        return get_model_state_dict(model, options=options), {}
     return get_state_dict(model, optimizer, options=options)
+
+
+def _trains(optimizer) -> bool:
+    return any(group["params"] for group in optimizer.param_groups)
 
 
 def trainer_state(path: str, *, check_files: bool = True) -> dict[str, Any]:
