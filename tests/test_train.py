@@ -21,7 +21,9 @@ from gloo_launch import _free_port
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from train_runs import (DATA, QUICKSTART, WORKERS, first_batch, hp_train, local_hf_model, losses, summary,
-                        worker_of_rank)
+                        worker_of_rank, workers)
+
+from hp.train import checkpoint
 
 # six optimizer steps of 4 accumulated micro-batches: long enough to kill a run between two saves
 SHORT = ["max_steps=6", "save_steps=3", "logging_steps=1", "gradient_accumulation_steps=4",
@@ -47,14 +49,23 @@ def test_quickstart_loss_falls(tmp_path):
 
 
 def test_killed_run_resumes_with_the_same_losses(uninterrupted, tmp_path):
+    """SIGKILL to the launcher mid-run (what the out-of-memory killer or a scheduler sends): its workers die with
+    it, every checkpoint left is whole, and the run resumes with the uninterrupted losses."""
     run = hp_train(*SHORT, f"output_dir={tmp_path}", "report_to=tensorboard", wait=False)
     deadline = time.time() + 300
     while not (tmp_path / "checkpoint-3").is_dir():  # renamed into place only when complete
         assert run.poll() is None and time.time() < deadline, run.communicate()
         time.sleep(0.05)
-    os.killpg(run.pid, signal.SIGKILL)  # the launcher and both workers, mid-run
+    assert len(workers(str(tmp_path))) == 3  # the launcher and its two workers, found by their command lines
+    run.send_signal(signal.SIGKILL)  # the launcher alone: the kernel ends its workers (hp.train.worker.die_with)
     run.wait()
+    deadline = time.time() + 30
+    while workers(str(tmp_path)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert workers(str(tmp_path)) == [], "workers outlived the launcher after SIGKILL"
     assert not (tmp_path / "checkpoint-6").exists(), "the kill came too late to interrupt the run"
+    for saved in (p for p in tmp_path.iterdir() if p.name.startswith("checkpoint-") and not p.name.endswith(".partial")):
+        assert checkpoint.trainer_state(str(saved))["step"] == int(saved.name.split("-")[1])  # stopped mid-save or not
     # collated ahead by two loader processes: the same batches, so the same losses
     summary(hp_train(*SHORT, f"output_dir={tmp_path}", "resume_from_checkpoint=last", "report_to=tensorboard",
                      "dataloader_num_workers=2"))
@@ -79,13 +90,13 @@ def test_an_offloaded_run_has_the_same_losses_and_checkpoints(uninterrupted, tmp
     assert _optimizer_states(tmp_path / "checkpoint-3") == _optimizer_states(uninterrupted / "checkpoint-3")
 
 
-def _optimizer_states(checkpoint: Path) -> list:
+def _optimizer_states(saved: Path) -> list:
     """Every value of a DCP checkpoint's optimizer state, tensors as lists, in a fixed order."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from torch.utils._pytree import tree_flatten_with_path
 
-    flat = checkpoint.parent / f"{checkpoint.name}.pt"
-    dcp_to_torch_save(str(checkpoint), str(flat))
+    flat = saved.parent / f"{saved.name}.pt"
+    dcp_to_torch_save(str(saved), str(flat))
     leaves, _ = tree_flatten_with_path(torch.load(flat)["optim"])
     return [(path, v.tolist() if isinstance(v, torch.Tensor) else v) for path, v in leaves]
 
