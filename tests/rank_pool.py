@@ -12,7 +12,8 @@ runs included, and a job that fails or hangs costs only its own ranks.
 A job is a script run as torchrun would run it: `RANK`, `LOCAL_RANK`,
 `WORLD_SIZE`, `MASTER_ADDR` / `MASTER_PORT` (a fresh port, so each job builds
 a fresh gloo world) and `sys.argv` are set, and the script runs as
-`__main__`. Its stdout and stderr go to files and come back as a
+`__main__`; `HP_POOL_JOB_DIR` names a directory its ranks share, removed when the job ends. Its stdout and
+stderr go to files and come back as a
 `subprocess.CompletedProcess` (rank 0's output last), so callers check it
 exactly as a torchrun result. Once a rank fails the others get 10 seconds
 to finish (they may wait in a collective forever), then are killed; so are
@@ -41,6 +42,7 @@ from gloo_launch import _free_port, clean_env
 
 HERE = Path(__file__).resolve().parent
 GRACE = 10  # seconds the other ranks get once one has failed
+JOB_DIR_ENV = "HP_POOL_JOB_DIR"  # a directory of the job's own, which its ranks share and which goes with the job
 
 
 class Zygote:
@@ -198,6 +200,7 @@ def _rank(job: dict, rank: int, zygote: int) -> int:
 
     os.setpgid(0, 0)  # a signal meant for the job (a Ctrl-C in the terminal) is not the zygote's
     die_with(zygote)
+    os.environ[JOB_DIR_ENV] = job["out"]
     if job["world"]:
         world = str(job["world"])
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=world, LOCAL_WORLD_SIZE=world,

@@ -1,14 +1,16 @@
 """`hp train CONFIG [key=value ...]` on a rank of the test pool: what the launcher checks, then a worker's run.
 
 Rank 0 does the launcher's part (`hp.train.launch.checked`: the preflight
-checks and the notes on the config's keys);
-then every rank runs `hp.train.worker.main`, the launched worker's own code.
+checks and the notes on the config's keys), while the other ranks wait for its
+verdict, since no worker starts when those checks fail; then every rank runs
+`hp.train.worker.main`, the launched worker's own code.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 from hp.train import launch, worker
 from hp.train.config import load_config
@@ -16,9 +18,29 @@ from hp.train.config import load_config
 
 def main() -> None:
     config_path, overrides = sys.argv[1], sys.argv[2:]
-    config = launch.checked(config_path, overrides) if os.environ["RANK"] == "0" else load_config(config_path, overrides)
+    verdict = os.path.join(os.environ["HP_POOL_JOB_DIR"], "checked")
+    if os.environ["RANK"] == "0":
+        try:
+            config = launch.checked(config_path, overrides)
+        except BaseException:
+            _tell(verdict, "refused")
+            raise
+        _tell(verdict, "passed")
+    else:
+        while not os.path.exists(verdict):
+            time.sleep(0.01)
+        with open(verdict) as f:
+            if f.read() != "passed":
+                sys.exit(1)  # the launcher's checks failed: no worker would have started
+        config = load_config(config_path, overrides)
     os.environ["HP_DEVICE"] = config.device
     worker.main(sys.argv[1:])
+
+
+def _tell(path: str, verdict: str) -> None:
+    with open(path + ".partial", "w") as f:
+        f.write(verdict)
+    os.replace(path + ".partial", path)  # whole, or not there
 
 
 if __name__ == "__main__":
