@@ -63,11 +63,11 @@ def launch(config_path: str, overrides: Sequence[str] = ()) -> int:
         return _start_workers(config, ["-m", "hp.train.worker", str(config_path), *overrides], private, command)
 
 
-def checked(config_path: str, overrides: Sequence[str] = ()) -> TrainConfig:
-    """The config, checked as the launcher checks it before any worker starts, its notes printed."""
+def checked(config_path: str, overrides: Sequence[str] = ()) -> tuple[TrainConfig, tuple]:
+    """The config and its data's splits (tokenized), checked as the launcher checks them before any worker
+    starts, its notes printed; `hp.train.data.splits.hand_over` gives the splits to the workers."""
     config = load_config(config_path, overrides)
-    _checked(config)
-    return config
+    return config, _checked(config)
 
 
 def _checked(config: TrainConfig) -> tuple:

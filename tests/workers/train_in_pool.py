@@ -1,8 +1,9 @@
 """`hp train CONFIG [key=value ...]` on a rank of the test pool: what the launcher checks, then a worker's run.
 
 Rank 0 does the launcher's part (`hp.train.launch.checked`: the preflight
-checks and the notes on the config's keys), while the other ranks wait for its
-verdict, since no worker starts when those checks fail; then every rank runs
+checks and the notes on the config's keys; the data tokenized once and handed
+over to every rank), while the other ranks wait for its verdict, since no
+worker starts when those checks fail; then every rank runs
 `hp.train.worker.main`, the launched worker's own code.
 """
 
@@ -14,14 +15,17 @@ import time
 
 from hp.train import launch, worker
 from hp.train.config import load_config
+from hp.train.data.splits import SPLITS_ENV, hand_over
 
 
 def main() -> None:
     config_path, overrides = sys.argv[1], sys.argv[2:]
-    verdict = os.path.join(os.environ["HP_POOL_JOB_DIR"], "checked")
+    job = os.environ["HP_POOL_JOB_DIR"]
+    verdict = os.path.join(job, "checked")
     if os.environ["RANK"] == "0":
         try:
-            config = launch.checked(config_path, overrides)
+            config, splits = launch.checked(config_path, overrides)
+            hand_over(splits, config, job)
         except BaseException:
             _tell(verdict, "refused")
             raise
@@ -33,6 +37,9 @@ def main() -> None:
             if f.read() != "passed":
                 sys.exit(1)  # the launcher's checks failed: no worker would have started
         config = load_config(config_path, overrides)
+        handed = os.path.join(job, "splits.json")  # none for a vision-language model's data
+        if os.path.exists(handed):
+            os.environ[SPLITS_ENV] = handed
     os.environ["HP_DEVICE"] = config.device
     worker.main(sys.argv[1:])
 
