@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 import rank_pool
 from gloo_launch import clean_env
-from train_runs import DATA, QUICKSTART, ROOT, hp_train, local_hf_model, summary, worker_of_rank, workers
+from train_runs import (DATA, QUICKSTART, ROOT, assert_stopped_whole, hp_train, local_hf_model, summary,
+                        worker_of_rank, workers)
 
 from hp.train import checkpoint, manifest
 
@@ -388,16 +389,10 @@ def test_stopping_the_launcher_stops_every_worker(stop, tmp_path):
     else:
         run.send_signal(getattr(signal, stop))
     _, err = run.communicate(timeout=120)
-    deadline = time.time() + 30
-    while workers(str(out)) and time.time() < deadline:
-        time.sleep(0.2)
-    assert workers(str(out)) == [], f"workers outlived the launcher after {stop}"
+    assert_stopped_whole(out, stop)
     assert run.returncode == 130, err[-3000:]
     assert "Traceback" not in err and len(_lines(err)) < 15, err
     assert _lines(err)[-1] == "hp train: interrupted"
-    steps = [p for p in out.iterdir() if p.name.startswith("checkpoint-") and not p.name.endswith(".partial")]
-    for saved in steps:  # stopped mid-save or not, every checkpoint is whole
-        assert checkpoint.trainer_state(str(saved))["step"] == int(saved.name.split("-")[1])
 
 
 def test_a_killed_worker_is_named_with_its_signal_the_last_checkpoint_and_the_command_that_resumes(tmp_path):

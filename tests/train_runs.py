@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import rank_pool
@@ -154,6 +155,20 @@ def workers(marker: str) -> list[int]:
         if entry.name.isdigit() and int(entry.name) != os.getpid() and marker in command:
             found.append(int(entry.name))
     return found
+
+
+def assert_stopped_whole(output_dir: Path, stop: str) -> None:
+    """After `stop`, no process of the run writing to `output_dir` is left within 30 s, and every checkpoint
+    the run left is whole, stopped mid-save or not."""
+    from hp.train import checkpoint
+
+    deadline = time.time() + 30
+    while workers(str(output_dir)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert workers(str(output_dir)) == [], f"workers outlived the launcher after {stop}"
+    for saved in output_dir.iterdir():
+        if saved.name.startswith("checkpoint-") and not saved.name.endswith(".partial"):
+            assert checkpoint.trainer_state(str(saved))["step"] == int(saved.name.split("-")[1]), saved
 
 
 def worker_of_rank(marker: str, rank: int) -> int:

@@ -227,10 +227,10 @@ def load(path: str, model: nn.Module, optimizer) -> dict[str, Any]:
     state = to_storable(wanted)
     dcp.load(state, checkpoint_id=path, no_dist=not distributed())
     state = from_storable(state, wanted)
-    if model_state and _trains(optimizer):
+    if optim_state:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=options)
-    elif model_state:
+    elif model_state:  # a rank whose part trains nothing (`_states`)
         set_model_state_dict(model, state["model"], options=options)
     _set_rng_state(trainer.pop("rng"))
     return trainer

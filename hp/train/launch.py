@@ -49,8 +49,7 @@ def launch(config_path: str, overrides: Sequence[str] = ()) -> int:
     """
     from hp.train.data.splits import hand_over
 
-    config = load_config(config_path, overrides)
-    splits = _checked(config)
+    config, splits = checked(config_path, overrides)
     os.environ["HP_DEVICE"] = config.device
     with tempfile.TemporaryDirectory(prefix="hp-launch-") as private:
         hand_over(splits, config, private)  # the data this process tokenized: the workers read them

@@ -13,14 +13,16 @@ import os
 import sys
 import time
 
+from rank_pool import JOB_DIR_ENV
+
 from hp.train import launch, worker
 from hp.train.config import load_config
-from hp.train.data.splits import SPLITS_ENV, hand_over
+from hp.train.data.splits import SPLITS_ENV, SPLITS_FILE, hand_over
 
 
 def main() -> None:
     config_path, overrides = sys.argv[1], sys.argv[2:]
-    job = os.environ["HP_POOL_JOB_DIR"]
+    job = os.environ[JOB_DIR_ENV]
     verdict = os.path.join(job, "checked")
     if os.environ["RANK"] == "0":
         try:
@@ -37,7 +39,7 @@ def main() -> None:
             if f.read() != "passed":
                 sys.exit(1)  # the launcher's checks failed: no worker would have started
         config = load_config(config_path, overrides)
-        handed = os.path.join(job, "splits.json")  # none for a vision-language model's data
+        handed = os.path.join(job, SPLITS_FILE)  # none for a vision-language model's data
         if os.path.exists(handed):
             os.environ[SPLITS_ENV] = handed
     os.environ["HP_DEVICE"] = config.device

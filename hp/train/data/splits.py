@@ -74,13 +74,14 @@ def split_for_eval(examples: Examples, val_size: float, seed: int) -> tuple[Exam
 
 
 SPLITS_ENV = "HP_TRAIN_SPLITS"  # the file where the launcher left the splits it made
+SPLITS_FILE = "splits.json"  # its name in the directory `hand_over` is given
 
 
 def hand_over(splits: tuple[Examples, Examples | None], config: Any, directory: str) -> None:
     """Write `splits` (of text) into `directory` for the workers of this process, whose `load_splits` reads them."""
     if any(part is not None and part.vision is not None for part in splits):
         return
-    path = Path(directory) / "splits.json"
+    path = Path(directory) / SPLITS_FILE
     train, held = splits
     path.write_text(json.dumps({"key": _key(config), "train": [train.examples, train.dropped],
                                 "held": None if held is None else [held.examples, held.dropped]}))
