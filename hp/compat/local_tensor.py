@@ -20,7 +20,9 @@ torch's whole dispatch gives; sizes are the tensor's own, as `LocalTensorMode`
 itself answers them. It also runs an op that draws no random numbers (one
 not tagged `nondeterministic_seeded`; not in place, not a split) on each
 rank without restoring and saving the rank's RNG state around it: the state
-it would restore is the one it saved, untouched. Every other op takes
+it would restore is the one it saved, untouched, and it picks each rank's
+arguments by walking their tuples, lists and dicts directly rather than
+through a pytree spec built per op. Every other op takes
 torch's own road. `tests/test_simulated_metadata.py` compares every answer,
 value and random draw with torch's own dispatch on drawn tensors. Where
 torch lacks what this relies on (`supported()`), nothing is installed.
@@ -102,16 +104,37 @@ def _mode_dispatch(self, func, types, args=(), kwargs=None):
     return ORIGINAL["mode"](self, func, types, args, kwargs) if value is _MISS else value
 
 
+def _plain(value) -> bool:
+    """Whether `value` nests only tuples, lists and dicts (an op's arguments, nearly always): then `_at_rank`
+    walks it as pytree would, without building a tree spec for every op."""
+    kind = type(value)
+    if kind is tuple or kind is list:
+        return all(_plain(v) for v in value)
+    if kind is dict:
+        return all(_plain(v) for v in value.values())
+    return kind not in pytree.SUPPORTED_NODES and not pytree.is_namedtuple_instance(value)
+
+
+def _at_rank(value, rank: int):
+    """`value` with each `LocalTensor` (or per-rank int) replaced by `rank`'s own, collectives in flight waited."""
+    kind = type(value)
+    if kind is tuple or kind is list:
+        return kind(_at_rank(v, rank) for v in value)
+    if kind is dict:
+        return {k: _at_rank(v, rank) for k, v in value.items()}
+    if isinstance(value, AsyncCollectiveTensor):
+        value = value.wait()
+    return local._map_to_rank_local_val(value, rank)
+
+
 def _run_on_each_rank(func, ranks, args, kwargs, *, alias: bool = True) -> Any:
     """torch's run of `func` on each rank's tensors (`_for_each_rank_run_func`), without the RNG state set and
     saved around each rank's call where `func` draws no random numbers; other ops take torch's own run."""
-    if not isinstance(func, OpOverload) or func in _OWN_RUN or _SEEDED in func.tags or local._is_inplace_op(func):
+    if (not isinstance(func, OpOverload) or func in _OWN_RUN or _SEEDED in func.tags or local._is_inplace_op(func)
+            or not _plain((args, kwargs))):
         return ORIGINAL["run"](func, ranks, args, kwargs, alias=alias)
-    flat, spec = pytree.tree_flatten((args, kwargs))
-    flat = [a.wait() if isinstance(a, AsyncCollectiveTensor) else a for a in flat]
     results = {}
     for rank in sorted(ranks):
-        rank_args, rank_kwargs = pytree.tree_unflatten([local._map_to_rank_local_val(a, rank) for a in flat], spec)
-        results[rank] = func(*rank_args, **rank_kwargs)
+        results[rank] = func(*_at_rank(args, rank), **(_at_rank(kwargs, rank) if kwargs else {}))
     combined = local._combine_rank_results(results, None)
     return local.return_and_correct_aliasing(func, args, kwargs, combined) if alias else combined

@@ -1,7 +1,7 @@
 """Worker for test_gloo.py: hp-laid-out Llama blocks and loss under `torch.compile(fullgraph=True)` on gloo ranks.
 
-On 2 ranks, each strategy's compiled model (three of them also recomputing inside each block's
-graph) against the same layout run eagerly without recompute: the loss and
+On 2 ranks, each strategy's compiled model (tp + sp, cp ring and Ulysses, FSDP; three of them also
+recomputing inside each block's graph) against the same layout run eagerly without recompute: the loss and
 every gradient of 3 AdamW steps (fp32, relative 1e-5), and the first loss against HF's
 unsharded model; no graph compiled after the first step and no graph break; a recomputing
 graph keeps no more activations than the eager checkpoint does; under tp+sp, two
@@ -35,7 +35,9 @@ from hp.parallel.recompute import is_recomputed
 
 # traced and partitioned as inductor does, run eagerly
 BACKEND = "aot_eager_decomp_partition"
-STRATEGIES_2 = [{"tp": 2, "sp": True, "recompute": True}, {"tp": 2}, {"cp": 2, "cp_algorithm": "ring", "recompute": True},
+# tp without sp: Qwen2.5-VL's decoder blocks and the MoE's attention, both Llama's block in all but name, compile
+# under it below (`vision_language_under_tp`, `moe_with_routed_experts`)
+STRATEGIES_2 = [{"tp": 2, "sp": True, "recompute": True}, {"cp": 2, "cp_algorithm": "ring", "recompute": True},
                 {"cp": 2}, {"dp": 2, "fsdp": True, "recompute": True}]
 SCHEMES_4 = ["2d", "summa"]
 
