@@ -1,9 +1,12 @@
-"""The `hp` command: `hp train CONFIG [key=value ...]`, `hp export CHECKPOINT OUT_DIR [--merge]`, `hp explain SCRIPT`.
+"""The `hp` command: `hp train CONFIG [key=value ...]`, `hp plan CONFIG [key=value ...] --devices N`,
+`hp export CHECKPOINT OUT_DIR [--merge]`, `hp explain SCRIPT`.
 
 `hp train` validates a LlamaFactory-style YAML and trains (`hp.train.launch`); it
 exits 0 when the run finished, 1 when it failed during training, 2 on bad
 input and 130 when interrupted (`hp.train.errors`);
-`hp export` writes a checkpoint as HF safetensors (`hp.train.export`).
+`hp plan` lays the same config's model out at its world size in one process and
+prints what rank 0 holds (`hp.plan`); `hp export` writes a checkpoint as HF
+safetensors (`hp.train.export`).
 
 `hp explain` runs a script as `python SCRIPT ARGS` would, records every op on
 DTensors (layouts in and out, collectives inserted, source line) and prints
@@ -62,6 +65,22 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from hp.plan import dry_run_config
+    from hp.plan.report import render
+    from hp.train import errors
+    from hp.train.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config, args.overrides)
+        print(render(config.model_name_or_path, dry_run_config(config, args.devices), as_json=args.json))
+    except ValueError as error:  # a config, model name or strategy that cannot be planned: bad input
+        return errors.report(error if isinstance(error, ConfigError) else ConfigError(str(error)), "hp plan")
+    except BaseException as error:  # noqa: BLE001
+        return errors.report(error, "hp plan")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hp", description="named-axis layouts on PyTorch DTensor")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -70,6 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("config", help="YAML file, e.g. examples/quickstart.yaml")
     train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.tp=2 max_steps=10")
     train.set_defaults(run=_train)
+    plan = commands.add_parser("plan", help="lay a config's model out at its world size, in one process")
+    plan.add_argument("config", help="the YAML file hp train takes")
+    plan.add_argument("overrides", nargs="*", help="key=value overrides, as hp train takes them")
+    plan.add_argument("--devices", type=int, help="the world to plan for (the config's parallel degrees multiply to it)")
+    plan.add_argument("--dry-run", action="store_true", help="lay the model out and check the strategy (what hp plan "
+                      "does today)")
+    plan.add_argument("--json", action="store_true", help="print one JSON line")
+    plan.set_defaults(run=_plan)
     export = commands.add_parser("export", help="write a training checkpoint as HF safetensors")
     export.add_argument("checkpoint", help="a checkpoint-N directory of an hp train run")
     export.add_argument("out_dir")

@@ -1,0 +1,163 @@
+"""`hp plan --dry-run`: a strategy laid out at its full world size in one process, and what rank 0 holds.
+
+Why: whether a strategy is legal at 4096 ranks (every split divides, every
+axis exists, the plan fits the model) and how many parameters one rank
+holds are questions about layouts, not about arithmetic on accelerators. hp
+answers them with the code a training run uses: the model is built on the
+meta device, the world is a fake process group of the strategy's size
+(`hp.strategy_mesh(..., simulate=True)`), and `hp.apply_strategy` places
+every parameter. Rank 0's shards are then read off the laid-out model.
+
+Model states per rank follow from them, as a training step keeps them:
+parameters and gradients in fp32 (hp trains fp32 master weights; bf16 is
+a compute dtype), and AdamW's two fp32 moments, for the parameters that
+train. A dim split over ranks that does not divide is reported by name
+(FSDP pads it, so rank 0 holds the larger piece; tensor parallel refuses it
+before this point).
+
+Not yet here: the pipeline axis (stages are cut by `hp train`'s pipelined
+runner, not by `apply_strategy`), activations, and ranks other than 0.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from hp.models import plan_for
+from hp.parallel.apply import apply_strategy, strategy_mesh
+from hp.parallel.strategy import Strategy
+from hp.plan.shapes import REFERENCES, reference_config
+from hp.train.config import TrainConfig, strategy_labels
+from hp.train.finetuning import Finetuning, apply_finetuning
+from hp.train.model import check_fits
+
+FP32 = 4
+ADAM_STATES = 2  # AdamW's first and second moments, fp32 each
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """What rank 0 of a world laid out by a strategy holds, and how long laying it out took."""
+
+    world: int
+    strategy: str
+    parameters: int  # the whole model's
+    rank_parameters: int  # rank 0's share
+    rank_trainable: int
+    uneven: tuple[str, ...]  # "name: dim d of n over k ranks (m tensors)", for splits that do not divide
+    seconds: float
+
+    @property
+    def state_bytes(self) -> dict[str, int]:
+        """Rank 0's model states in bytes: parameters, gradients and optimizer states."""
+        return {"parameters": FP32 * self.rank_parameters, "gradients": FP32 * self.rank_trainable,
+                "optimizer_states": ADAM_STATES * FP32 * self.rank_trainable}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"world": self.world, "strategy": self.strategy, "parameters": self.parameters,
+                "rank_parameters": self.rank_parameters, "rank_trainable": self.rank_trainable,
+                "state_bytes": self.state_bytes, "uneven": list(self.uneven), "seconds": round(self.seconds, 3)}
+
+
+def dry_run(hf_config, strategy: Strategy | Mapping[str, Any], finetuning: Finetuning | None = None) -> DryRun:
+    """Lay `hf_config`'s model out under `strategy` on a fake world of its size; rank 0's holdings.
+
+    >>> from hp.plan import reference_config
+    >>> run = dry_run(reference_config("llama-3.1-8b"), {"dp": 16, "tp": 8, "fsdp": True})
+    >>> run.world, run.parameters, run.rank_parameters
+    (128, 8030261248, 91480320)
+    """
+    strategy = Strategy.of(strategy)
+    if strategy.pp > 1:
+        raise ValueError(f"pp = {strategy.pp}: hp plan --dry-run lays out one pipeline stage's worth of layouts "
+                         "only through hp train's pipelined runner, which it does not run yet; plan with pp = 1")
+    start = time.perf_counter()
+    mesh = strategy_mesh(strategy, simulate=True)
+    with torch.device("meta"):
+        model = _model_class(hf_config).from_config(hf_config)
+    plan = plan_for(hf_config)
+    if finetuning is not None:
+        apply_finetuning(model, finetuning, plan.blocks)
+    whole = sum(p.numel() for p in model.parameters())
+    apply_strategy(model, mesh, strategy, plan)
+    held = trainable = 0
+    uneven: Counter = Counter()
+    for name, p in model.named_parameters():
+        local = p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+        held += local
+        trainable += local if p.requires_grad else 0
+        uneven.update(_uneven(re.sub(r"\.\d+\.", ".*.", name), p))  # one line for a layer's tensor in every layer
+    notes = tuple(f"{split} ({n} tensors)" if n > 1 else split for split, n in uneven.items())
+    return DryRun(strategy.world_size, _describe(strategy), whole, held, trainable, notes, time.perf_counter() - start)
+
+
+def dry_run_config(config: TrainConfig, devices: int | None = None) -> DryRun:
+    """`dry_run` of an `hp train` config's model and strategy; `devices`, when given, must be its world size.
+
+    >>> from hp.train.config import validate
+    >>> config = validate({"model_name_or_path": "llama-3.1-8b", "dataset": "d", "output_dir": "o",
+    ...                    "parallel": {"dp": 16, "tp": 8, "fsdp": True}})
+    >>> dry_run_config(config, devices=128).rank_parameters
+    91480320
+    >>> dry_run_config(config, devices=256)
+    Traceback (most recent call last):
+    ...
+    ValueError: --devices 256: the config's parallel section (dp=16 tp=8 fsdp recompute) runs on 128 ranks; \
+set its degrees to multiply to 256 (hp plan does not search other strategies yet)
+    """
+    strategy = config.parallel
+    if devices is not None and devices != strategy.world_size:
+        raise ValueError(f"--devices {devices}: the config's parallel section ({_describe(strategy)}) runs on "
+                         f"{strategy.world_size} ranks; set its degrees to multiply to {devices} "
+                         "(hp plan does not search other strategies yet)")
+    hf_config = hf_config_of(config.model_name_or_path)
+    # the check hp train's launcher makes, with its message: shapes the strategy cannot split, axes the model lacks
+    check_fits(hf_config, strategy, name=config.model_name_or_path, labels=strategy_labels(config),
+               finetuning=config.finetuning)
+    return dry_run(hf_config, strategy, config.finetuning)
+
+
+def hf_config_of(name_or_path: str):
+    """The HF config `hp plan` lays out: a reference shape's, an embedded model's, or a local directory's."""
+    if name_or_path in REFERENCES:
+        return reference_config(name_or_path)
+    from hp.train.data import load_tokenizer
+    from hp.train.data.embedded import EMBEDDED, model_config
+
+    if name_or_path not in EMBEDDED and not os.path.isfile(os.path.join(name_or_path, "config.json")):
+        reference_config(name_or_path)  # raises, naming the reference shapes and local directories
+    return model_config(name_or_path, load_tokenizer(name_or_path).vocab_size)
+
+
+def _model_class(hf_config):
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if hasattr(hf_config, "vision_config") else AutoModelForCausalLM
+
+
+def _uneven(name: str, p: torch.Tensor) -> list[str]:
+    """The dims of `p` whose split over the mesh does not divide evenly."""
+    if not isinstance(p, DTensor):
+        return []
+    ways: dict[int, int] = {}
+    for axis, placement in enumerate(p.placements):
+        if isinstance(placement, (Shard, _StridedShard)):  # FSDP over tp's shards: strided
+            ways[placement.dim] = ways.get(placement.dim, 1) * p.device_mesh.size(axis)
+    return [f"{name}: dim {d} of {p.shape[d]} over {k} ranks" for d, k in sorted(ways.items()) if p.shape[d] % k]
+
+
+def _describe(strategy: Strategy) -> str:
+    """The strategy's axes and switches, as a user writes them: 'dp=512 tp=8 fsdp'."""
+    axes = " ".join(f"{axis}={size}" for axis, size in strategy.mesh_axes.items())
+    switches = [name for name in ("fsdp", "sp", "recompute") if getattr(strategy, name, False)]
+    return " ".join([axes or "one rank", *switches])

@@ -1,0 +1,92 @@
+"""`hp plan`: reference shapes as published, and dry runs at thousands of ranks that hold what the layouts say."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+from hp.cli import main
+from hp.plan import REFERENCES, dry_run, reference_config
+
+QUICKSTART = "examples/quickstart.yaml"
+
+# The parameter counts of the published checkpoints (their model cards round them: 8.03B, 70.6B, 405.9B, 32.8B,
+# 30.5B, 235.1B, 671B without the multi-token-prediction layer, 73.4B).
+PUBLISHED = {"llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496, "llama-3.1-405b": 405_853_388_800,
+             "qwen3-32b": 32_762_123_264, "qwen3-30b-a3b": 30_532_122_624, "qwen3-235b-a22b": 235_093_634_560,
+             "deepseek-v3": 671_026_404_352, "qwen2.5-vl-72b": 73_410_777_344}
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCES))
+def test_a_reference_shape_has_the_published_parameter_count(name):
+    config = reference_config(name)
+    with torch.device("meta"):
+        model = (AutoModelForImageTextToText if name.startswith("qwen2.5-vl") else AutoModelForCausalLM).from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == PUBLISHED[name]
+
+
+def _llama_rank0(config, dp: int, tp: int) -> int:
+    """Rank 0's parameters of a Llama under FSDP over dp and tp, from hp's layouts: the projections split over tp
+    (q, k, v, gate, up and the head by rows; o and down by columns), then every tensor's rows over dp (as
+    torch.chunk cuts: rank 0 takes the larger piece); the embedding and norms whole over tp."""
+    h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    kv = config.num_key_value_heads * (h // config.num_attention_heads)
+    by_rows = lambda rows: math.ceil(math.ceil(rows / tp) / dp)  # noqa: E731
+    over_dp = math.ceil(h / dp)
+    layer = (by_rows(h) + 2 * by_rows(kv) + 2 * by_rows(i)) * h + over_dp * (h // tp + i // tp) + 2 * over_dp
+    return config.num_hidden_layers * layer + math.ceil(v / dp) * h + by_rows(v) * h + over_dp
+
+
+@pytest.mark.parametrize("name, dp, tp", [("llama-3.1-405b", 512, 8), ("llama-3.1-70b", 64, 8)])
+def test_a_dry_run_at_thousands_of_ranks_holds_what_the_layouts_say(name, dp, tp):
+    config = reference_config(name)
+    run = dry_run(config, {"dp": dp, "tp": tp, "fsdp": True})
+    assert run.world == dp * tp and run.parameters == PUBLISHED[name]
+    assert run.rank_parameters == run.rank_trainable == _llama_rank0(config, dp, tp)
+    assert run.state_bytes == {"parameters": 4 * run.rank_parameters, "gradients": 4 * run.rank_parameters,
+                               "optimizer_states": 8 * run.rank_parameters}
+    kv_rows = config.num_key_value_heads * config.head_dim
+    uneven = {"model.embed_tokens.weight": config.vocab_size % dp, "lm_head.weight": config.vocab_size % (dp * tp),
+              "model.layers.*.self_attn.k_proj.weight": kv_rows % (dp * tp)}
+    for tensor, remainder in uneven.items():
+        assert any(note.startswith(f"{tensor}: dim 0 of ") for note in run.uneven) == bool(remainder), run.uneven
+
+
+def test_a_lora_run_trains_only_its_adapters_and_a_moe_spreads_its_experts(capsys):
+    assert main(["plan", QUICKSTART, "finetuning_type=lora", "lora_target=all", "--json"]) == 0
+    lora = json.loads(capsys.readouterr().out)
+    assert 0 < lora["rank_trainable"] < lora["rank_parameters"] / 5
+    assert lora["state_bytes"]["optimizer_states"] == 8 * lora["rank_trainable"]
+    moe = dry_run(reference_config("qwen3-30b-a3b"), {"dp": 8, "ep": 8, "fsdp": True})
+    experts = 48 * 128 * 3 * 2048 * 768  # every layer's experts, gate, up and down
+    assert moe.rank_parameters == experts // 8 + (moe.parameters - experts) // 8  # all of it split 8 ways, evenly
+    assert not moe.uneven
+
+
+def test_hp_plan_prints_the_rank_s_model_states_and_the_splits_that_do_not_divide(capsys):
+    assert main(["plan", QUICKSTART, "model_name_or_path=llama-3.1-70b", "parallel.dp=64", "parallel.tp=8",
+                 "parallel.fsdp=true", "--devices", "512", "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("hp plan: llama-3.1-70b, dp=64 tp=8 fsdp on 512 ranks (laid out in ")
+    assert out[1] == "  parameters: 70.55 B in all, 152.19 M on rank 0"
+    assert out[2].startswith("  rank 0's model states: parameters 0.57 GiB, gradients 0.57 GiB, optimizer states")
+    assert out[-1] == "    lm_head.weight: dim 0 of 128256 over 512 ranks"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model_name_or_path=llama-9"], "hp plan: no reference shape 'llama-9': hp plan knows deepseek-v3, "
+                                     "llama-3.1-405b,"),
+    (["--devices", "3"], "hp plan: --devices 3: the config's parallel section (tp=2) runs on 2 ranks; set its "
+                         "degrees to multiply to 3"),
+    (["parallel.pp=2"], "hp plan: pp = 2: hp plan --dry-run lays out"),
+    (["parallel.tp=3"], "hp plan: "),  # the message hp train gives, from the same validation
+    (["learning_rate=fast"], "hp plan: learning_rate = 'fast'"),
+])
+def test_what_hp_plan_cannot_plan_is_one_message_and_exit_code_2(overrides, message, capsys):
+    assert main(["plan", QUICKSTART, *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and len(err.strip().splitlines()) == 1, err
