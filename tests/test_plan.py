@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from hp.cli import main
 from hp.plan import REFERENCES, dry_run, reference_config
+from hp.train.model import model_class
 
 QUICKSTART = "examples/quickstart.yaml"
 
@@ -25,7 +25,7 @@ PUBLISHED = {"llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496, "ll
 def test_a_reference_shape_has_the_published_parameter_count(name):
     config = reference_config(name)
     with torch.device("meta"):
-        model = (AutoModelForImageTextToText if name.startswith("qwen2.5-vl") else AutoModelForCausalLM).from_config(config)
+        model = model_class(config).from_config(config)
     assert sum(p.numel() for p in model.parameters()) == PUBLISHED[name]
 
 
@@ -82,8 +82,8 @@ def test_hp_plan_prints_the_rank_s_model_states_and_the_splits_that_do_not_divid
                                      "llama-3.1-405b,"),
     (["--devices", "3"], "hp plan: --devices 3: the config's parallel section (tp=2) runs on 2 ranks; set its "
                          "degrees to multiply to 3"),
-    (["parallel.pp=2"], "hp plan: pp = 2: hp plan --dry-run lays out"),
-    (["parallel.tp=3"], "hp plan: "),  # the message hp train gives, from the same validation
+    (["parallel.pp=2"], "hp plan: pp = 2: hp plan --dry-run does not cut pipeline stages yet"),
+    (["parallel.tp=3"], "hp plan: parallel.tp = 3 does not divide num_attention_heads = 4 of the model"),  # hp train's
     (["learning_rate=fast"], "hp plan: learning_rate = 'fast'"),
 ])
 def test_what_hp_plan_cannot_plan_is_one_message_and_exit_code_2(overrides, message, capsys):

@@ -26,7 +26,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -36,10 +36,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from hp.models import plan_for
 from hp.parallel.apply import apply_strategy, strategy_mesh
 from hp.parallel.strategy import Strategy
-from hp.plan.shapes import REFERENCES, reference_config
+from hp.plan.shapes import reference_config
 from hp.train.config import TrainConfig, strategy_labels
 from hp.train.finetuning import Finetuning, apply_finetuning
-from hp.train.model import check_fits
+from hp.train.model import check_fits, model_class
 
 FP32 = 4
 ADAM_STATES = 2  # AdamW's first and second moments, fp32 each
@@ -64,9 +64,8 @@ class DryRun:
                 "optimizer_states": ADAM_STATES * FP32 * self.rank_trainable}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"world": self.world, "strategy": self.strategy, "parameters": self.parameters,
-                "rank_parameters": self.rank_parameters, "rank_trainable": self.rank_trainable,
-                "state_bytes": self.state_bytes, "uneven": list(self.uneven), "seconds": round(self.seconds, 3)}
+        return {**asdict(self), "state_bytes": self.state_bytes, "uneven": list(self.uneven),
+                "seconds": round(self.seconds, 3)}
 
 
 def dry_run(hf_config, strategy: Strategy | Mapping[str, Any], finetuning: Finetuning | None = None) -> DryRun:
@@ -79,12 +78,12 @@ def dry_run(hf_config, strategy: Strategy | Mapping[str, Any], finetuning: Finet
     """
     strategy = Strategy.of(strategy)
     if strategy.pp > 1:
-        raise ValueError(f"pp = {strategy.pp}: hp plan --dry-run lays out one pipeline stage's worth of layouts "
-                         "only through hp train's pipelined runner, which it does not run yet; plan with pp = 1")
+        raise ValueError(f"pp = {strategy.pp}: hp plan --dry-run does not cut pipeline stages yet (hp train's "
+                         "pipelined runner cuts them, not apply_strategy); plan with pp = 1")
     start = time.perf_counter()
     mesh = strategy_mesh(strategy, simulate=True)
     with torch.device("meta"):
-        model = _model_class(hf_config).from_config(hf_config)
+        model = model_class(hf_config).from_config(hf_config)
     plan = plan_for(hf_config)
     if finetuning is not None:
         apply_finetuning(model, finetuning, plan.blocks)
@@ -128,21 +127,14 @@ set its degrees to multiply to 256 (hp plan does not search other strategies yet
 
 
 def hf_config_of(name_or_path: str):
-    """The HF config `hp plan` lays out: a reference shape's, an embedded model's, or a local directory's."""
-    if name_or_path in REFERENCES:
-        return reference_config(name_or_path)
+    """The HF config `hp plan` lays out: an embedded model's, a local directory's (first, as hp train reads it), or
+    a reference shape's."""
     from hp.train.data import load_tokenizer
     from hp.train.data.embedded import EMBEDDED, model_config
 
-    if name_or_path not in EMBEDDED and not os.path.isfile(os.path.join(name_or_path, "config.json")):
-        reference_config(name_or_path)  # raises, naming the reference shapes and local directories
-    return model_config(name_or_path, load_tokenizer(name_or_path).vocab_size)
-
-
-def _model_class(hf_config):
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText if hasattr(hf_config, "vision_config") else AutoModelForCausalLM
+    if name_or_path in EMBEDDED or os.path.isfile(os.path.join(name_or_path, "config.json")):
+        return model_config(name_or_path, load_tokenizer(name_or_path).vocab_size)
+    return reference_config(name_or_path)  # a reference shape, or the error that names them
 
 
 def _uneven(name: str, p: torch.Tensor) -> list[str]:

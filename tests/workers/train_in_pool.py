@@ -39,9 +39,7 @@ def main() -> None:
             if f.read() != "passed":
                 sys.exit(1)  # the launcher's checks failed: no worker would have started
         config = load_config(config_path, overrides)
-        handed = os.path.join(job, SPLITS_FILE)  # none for a vision-language model's data
-        if os.path.exists(handed):
-            os.environ[SPLITS_ENV] = handed
+        os.environ[SPLITS_ENV] = os.path.join(job, SPLITS_FILE)  # none for images: the worker then reads the data
     os.environ["HP_DEVICE"] = config.device
     worker.main(sys.argv[1:])
 
