@@ -26,7 +26,7 @@ import pytest
 import rank_pool
 from gloo_launch import clean_env
 from train_runs import (DATA, QUICKSTART, ROOT, assert_stopped_whole, hp_train, local_hf_model, summary,
-                        worker_of_rank, workers)
+                        ranks, worker_of_rank, workers)
 
 from hp.train import checkpoint, manifest
 
@@ -383,7 +383,8 @@ def test_stopping_the_launcher_stops_every_worker(stop, tmp_path):
     while not (out / "checkpoint-1").is_dir():
         assert run.poll() is None and time.time() < deadline, run.communicate()
         time.sleep(0.05)
-    assert len(workers(str(out))) == 3  # the launcher and its two workers, found by their command lines
+    # the launcher, its zygote, two workers and their stand-ins, found by their command lines
+    assert len(workers(str(out))) == 6 and set(ranks(str(out))) == {0, 1}
     if stop.startswith("SIGINT"):
         os.killpg(run.pid, signal.SIGINT)  # Ctrl-C in a terminal
     else:

@@ -21,7 +21,7 @@ from gloo_launch import _free_port
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from train_runs import (DATA, QUICKSTART, WORKERS, assert_stopped_whole, first_batch, hp_train, local_hf_model,
-                        losses, summary, worker_of_rank, workers)
+                        losses, ranks, summary, worker_of_rank, workers)
 
 # six optimizer steps of 4 accumulated micro-batches: long enough to kill a run between two saves
 SHORT = ["max_steps=6", "save_steps=3", "logging_steps=1", "gradient_accumulation_steps=4",
@@ -54,8 +54,9 @@ def test_killed_run_resumes_with_the_same_losses(uninterrupted, tmp_path):
     while not (tmp_path / "checkpoint-3").is_dir():  # renamed into place only when complete
         assert run.poll() is None and time.time() < deadline, run.communicate()
         time.sleep(0.05)
-    assert len(workers(str(tmp_path))) == 3  # the launcher and its two workers, found by their command lines
-    run.send_signal(signal.SIGKILL)  # the launcher alone: the kernel ends its workers (hp.train.worker.die_with)
+    # the launcher, its zygote, two workers and their stand-ins, found by their command lines
+    assert len(workers(str(tmp_path))) == 6 and set(ranks(str(tmp_path))) == {0, 1}
+    run.send_signal(signal.SIGKILL)  # the launcher alone: the kernel ends the rest (hp.train.worker.die_with)
     run.wait()
     assert_stopped_whole(tmp_path, "SIGKILL")
     assert not (tmp_path / "checkpoint-6").exists(), "the kill came too late to interrupt the run"

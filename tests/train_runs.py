@@ -171,13 +171,22 @@ def assert_stopped_whole(output_dir: Path, stop: str) -> None:
             assert checkpoint.trainer_state(str(saved))["step"] == int(saved.name.split("-")[1]), saved
 
 
-def worker_of_rank(marker: str, rank: int) -> int:
-    """The pid of the worker of `rank` among the processes whose command line holds `marker`."""
+def ranks(marker: str) -> dict[int, int]:
+    """{rank: pid} of the workers among the processes whose command line holds `marker`: a worker forked by the
+    zygote has the zygote's command line, and its own name (`hp rank N`)."""
+    found = {}
     for pid in workers(marker):
         try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
             continue
-        if b"hp.train.worker" in Path(f"/proc/{pid}/cmdline").read_bytes() and f"RANK={rank}".encode() in env:
-            return pid
-    raise AssertionError(f"no worker of rank {rank} found")
+        if name.startswith("hp rank "):
+            found[int(name.split()[-1])] = pid
+    return found
+
+
+def worker_of_rank(marker: str, rank: int) -> int:
+    """The pid of the worker of `rank` among the processes whose command line holds `marker`."""
+    pid = ranks(marker).get(rank)
+    assert pid is not None, f"no worker of rank {rank} found"
+    return pid

@@ -9,7 +9,9 @@ Its parts, from the bottom up:
     preference, objectives       the losses of the stages (language modelling, reward, DPO, KTO)
     errors, report, loader       how a run ends; metrics and TensorBoard; batches collated ahead
     preflight, loop, export      the checks before launch; the loop one worker runs; a checkpoint as HF files
-    worker, launch               one launched worker; the launcher
+    worker, zygote, stand_in     one launched worker; the warm process that forks a node's workers, and the
+                                 process the elastic agent watches in each one's place
+    launch                       the launcher
 
 What it may import: all of hp below it (the zoo, the transforms, the
 parallel layer, the device), never the CLI. Inside it, `config` imports

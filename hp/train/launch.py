@@ -4,8 +4,10 @@ The config and everything else the launcher can see (`hp.train.preflight`)
 are checked in this process first, so a mistake fails in a second with one
 message, not in N workers. A one-rank run then trains in this process;
 otherwise torch's elastic agent runs here and starts `nproc_per_node`
-workers on this node (`python -m hp.train.worker`), or joins a multi-node
-rendezvous, and each worker re-reads the same config and overrides.
+workers on this node, or joins a multi-node rendezvous, and each worker
+re-reads the same config and overrides. The workers are forked from one warm
+process, the node's zygote (`hp.train.zygote`), which imports torch, hp and
+the model's family once for them all and for every restart.
 
 The run's rendezvous is torch's c10d one, which forms again after a restart
 on every node: on one node without `master_port`, on a free port (as
@@ -59,7 +61,7 @@ def launch(config_path: str, overrides: Sequence[str] = ()) -> int:
             train(config)
             return errors.FINISHED
         command = post_mortem.resume_command(str(config_path), list(overrides))
-        return _start_workers(config, ["-m", "hp.train.worker", str(config_path), *overrides], private, command)
+        return _start_workers(config, [str(config_path), *overrides], private, command)
 
 
 def checked(config_path: str, overrides: Sequence[str] = ()) -> tuple[TrainConfig, tuple]:
@@ -76,12 +78,14 @@ def _checked(config: TrainConfig) -> tuple:
     return splits
 
 
-def _start_workers(config: TrainConfig, command: list[str], private: str, resume: str) -> int:
-    """Run the elastic agent here over `python COMMAND` workers; their outcome as an exit code."""
+def _start_workers(config: TrainConfig, argv: list[str], private: str, resume: str) -> int:
+    """Run the elastic agent here over workers of `hp train *argv` that this node's zygote forks; their outcome as
+    an exit code."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    from hp.train import zygote
     from hp.train.worker import LAUNCHER_ENV
 
     if not errors.debugging():
@@ -95,7 +99,8 @@ def _start_workers(config: TrainConfig, command: list[str], private: str, resume
     os.mkdir(recorded)
     os.environ[errors.ERRORS_ENV] = recorded
     try:
-        with restarts.told(recorded, config, os.path.join(private, "restarts.json")):
+        with restarts.told(recorded, config, os.path.join(private, "restarts.json")), \
+                zygote.started(private, argv) as command:
             elastic_launch(launch_config(config), sys.executable)(*command)
     except SignalException:
         raise KeyboardInterrupt from None

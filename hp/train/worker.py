@@ -3,8 +3,10 @@
 Three things make a worker a good citizen of its launcher:
 
 - It dies with the launcher, however the launcher ends (even SIGKILL, which
-  nothing can catch): Linux's parent-death signal is set first thing, so no
-  training keeps running, orphaned, in the background. SIGINT and SIGTERM
+  nothing can catch): Linux's parent-death signal is set first thing (its
+  parent is the node's zygote, `hp.train.zygote`, which dies with the
+  launcher), so no training keeps running, orphaned, in the background. It
+  is named `hp rank N` where `ps` and `top` show it. SIGINT and SIGTERM
   (Ctrl-C, or the launcher stopping its workers) end it at once and quietly:
   a KeyboardInterrupt could land anywhere, even in a destructor, and print a
   traceback; checkpoints are atomic, so stopping mid-save leaves none
@@ -30,7 +32,7 @@ import torch.distributed as dist
 from hp.train import errors, restarts
 
 LAUNCHER_ENV = "HP_LAUNCHER_PID"  # the process whose death must end this worker
-_PR_SET_PDEATHSIG = 1
+_PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,6 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     from hp.train.loop import train
 
     die_with(int(os.environ.get(LAUNCHER_ENV, "0")))
+    _name(f"hp rank {os.environ.get('RANK', '0')}")
     for stop in (signal.SIGINT, signal.SIGTERM):
         signal.signal(stop, _interrupted)
     argv = sys.argv[1:] if argv is None else argv
@@ -65,7 +68,15 @@ def die_with(parent: int) -> None:
         _leave(errors.INTERRUPTED)
 
 
+def _name(name: str) -> None:
+    """The process's name as `ps` and `top` show it (Linux; at most 15 bytes)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
 def _interrupted(signum, frame) -> None:
+    for stop in (signal.SIGINT, signal.SIGTERM):  # the agent passes on a Ctrl-C the worker may have seen too
+        signal.signal(stop, signal.SIG_IGN)
     _end_progress_line()
     errors.stopped(int(os.environ.get("RANK", "0")), frame)  # where it was: the rank its peers waited for?
     _leave(errors.INTERRUPTED)
@@ -82,6 +93,3 @@ def _leave(status: int) -> None:
     sys.stderr.flush()
     os._exit(status)
 
-
-if __name__ == "__main__":
-    main()
