@@ -82,7 +82,7 @@ def test_vl_families_with_images_under_fsdp_cp_and_ep_on_two_gloo_processes():
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_compiled_blocks_follow_hf_on_gloo_processes(ranks):
-    # 2 ranks: tp+sp, cp ring and Ulysses, FSDP, and tp through Qwen2.5-VL's decoder and a MoE's attention;
+    # 2 ranks: tp+sp, cp ring and Ulysses, FSDP, tp through Qwen2.5-VL's decoder, and a MoE's experts under dp and ep;
     # 4 ranks: the 2D and SUMMA layouts (aot_eager).
     run = rank_pool.run(str(HERE / "workers" / "compile_gloo.py"), ranks, timeout=600)
     assert_finished(run)
