@@ -31,14 +31,16 @@ debugging.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import tempfile
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
-from hp.train import errors, post_mortem, preflight, restarts
+from hp.device import available
+from hp.train import errors, post_mortem, preflight, restarts, zygote
 from hp.train.config import DEFAULT_MASTER_PORT, TrainConfig, load_config
 
 
@@ -51,17 +53,35 @@ def launch(config_path: str, overrides: Sequence[str] = ()) -> int:
     """
     from hp.train.data.splits import hand_over
 
-    config, splits = checked(config_path, overrides)
-    os.environ["HP_DEVICE"] = config.device
-    with tempfile.TemporaryDirectory(prefix="hp-launch-") as private:
+    config = load_config(config_path, overrides)
+    argv = [str(config_path), *overrides]
+    with tempfile.TemporaryDirectory(prefix="hp-launch-") as private, _forked_zygote(config, private, argv) as early:
+        splits = _checked(config)
+        os.environ["HP_DEVICE"] = config.device
         hand_over(splits, config, private)  # the data this process tokenized: the workers read them
-        if config.nnodes == 1 and config.nproc_per_node == 1:
+        if _one_process(config):
             from hp.train.loop import train
 
             train(config)
             return errors.FINISHED
         command = post_mortem.resume_command(str(config_path), list(overrides))
-        return _start_workers(config, [str(config_path), *overrides], private, command)
+        return _start_workers(config, argv, private, command, early)
+
+
+@contextlib.contextmanager
+def _forked_zygote(config: TrainConfig, private: str, argv: list[str]) -> Iterator[list[str] | None]:
+    """On CPU, the node's zygote forked from this process before its checks, while it has only imported: the
+    stand-ins' command, or None where the zygote starts later as a fresh process (an accelerator: the checks
+    ask its driver for the devices, and a process that has done so cannot be forked safely)."""
+    if _one_process(config) or config.device not in ("auto", "cpu") or available() != "cpu":
+        yield None
+        return
+    with zygote.started(private, argv, fork=True) as command:
+        yield command
+
+
+def _one_process(config: TrainConfig) -> bool:
+    return config.nnodes == 1 and config.nproc_per_node == 1
 
 
 def checked(config_path: str, overrides: Sequence[str] = ()) -> tuple[TrainConfig, tuple]:
@@ -78,14 +98,13 @@ def _checked(config: TrainConfig) -> tuple:
     return splits
 
 
-def _start_workers(config: TrainConfig, argv: list[str], private: str, resume: str) -> int:
-    """Run the elastic agent here over workers of `hp train *argv` that this node's zygote forks; their outcome as
-    an exit code."""
+def _start_workers(config: TrainConfig, argv: list[str], private: str, resume: str, forked: list[str] | None) -> int:
+    """Run the elastic agent here over workers of `hp train *argv` that this node's zygote forks (`forked`: the
+    command of the stand-ins of a zygote already forked); their outcome as an exit code."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from hp.train import zygote
     from hp.train.worker import LAUNCHER_ENV
 
     if not errors.debugging():
@@ -100,7 +119,7 @@ def _start_workers(config: TrainConfig, argv: list[str], private: str, resume: s
     os.environ[errors.ERRORS_ENV] = recorded
     try:
         with restarts.told(recorded, config, os.path.join(private, "restarts.json")), \
-                zygote.started(private, argv) as command:
+                (contextlib.nullcontext(forked) if forked else zygote.started(private, argv)) as command:
             elastic_launch(launch_config(config), sys.executable)(*command)
     except SignalException:
         raise KeyboardInterrupt from None

@@ -34,6 +34,7 @@ import gc
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -47,19 +48,58 @@ _SOCKET_PATH_MAX = 100  # a Unix socket's path must fit in sun_path (108 bytes o
 
 
 @contextlib.contextmanager
-def started(private: str, argv: Sequence[str]) -> Iterator[list[str]]:
+def started(private: str, argv: Sequence[str], *, fork: bool = False) -> Iterator[list[str]]:
     """A zygote for `hp train *argv` while the block runs; yields the agent's worker command (after `python`).
 
-    The zygote binds its socket before importing anything heavy, so the stand-ins can connect at once and wait
-    while it imports; it is stopped when the block ends (its workers with it).
+    `fork`: the zygote is this process forked (what it imported is the zygote's at once), which is safe only
+    while this process has only imported: no tensor op run on several threads, no accelerator's driver asked,
+    no threads or helper processes started (multiprocessing's), as a CPU run's launcher before its checks;
+    otherwise a fresh `python -m hp.train.zygote`, which binds its socket before its imports, so
+    that the stand-ins connect at once and wait. The zygote is stopped when the block ends (its workers with it).
     """
     path = _socket_path(private)
-    zygote = subprocess.Popen([sys.executable, "-m", "hp.train.zygote", path, *argv], start_new_session=True)
+    stop = _forked(path, argv) if fork else _spawned(path, argv)
     try:
         yield ["-I", STAND_IN, path, *argv]  # -I: the stand-in's directory (hp/train) is not on its sys.path
     finally:
+        stop()
+        if not path.startswith(private):
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+def _spawned(path: str, argv: Sequence[str]):
+    zygote = subprocess.Popen([sys.executable, "-m", "hp.train.zygote", path, *argv], start_new_session=True)
+
+    def stop() -> None:
         zygote.terminate()
         zygote.wait()
+
+    return stop
+
+
+def _forked(path: str, argv: Sequence[str]):
+    sys.stdout.flush()
+    sys.stderr.flush()  # what is buffered now must not be written twice
+    stops = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # held until the child has dropped this process's handlers
+    pid = os.fork()
+    if pid == 0:
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the terminal is the agent's to pass on
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
+            os.setsid()
+            serve(path, argv)
+        finally:
+            os._exit(1)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
+
+    def stop() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        os.waitpid(pid, 0)
+
+    return stop
 
 
 def _socket_path(private: str) -> str:
@@ -77,6 +117,7 @@ def serve(path: str, argv: Sequence[str]) -> None:
     from hp.train.worker import die_with
 
     die_with(os.getppid())
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked zygote has its launcher's handlers
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
