@@ -2,11 +2,14 @@
 
 A worker that starts as a fresh Python spends seconds importing torch, hp and
 transformers before it does anything, and every worker on the node pays it
-again, as does every restart of the group. So the launcher starts one
-process first, the zygote (`python -m hp.train.zygote SOCKET CONFIG
-[key=value ...]`), which imports what a worker imports (the trainer and the
+again, as does every restart of the group. So each node's launcher has one
+process, the zygote, that holds what a worker imports (the trainer and the
 config's model family) and from then on only forks, as multiprocessing's
-forkserver does.
+forkserver does. On CPU it is the launcher itself, forked before its checks
+while it has only imported (no threads, helper processes or tensor ops yet);
+on an accelerator, whose driver the checks ask for devices (a process that
+has done so cannot be forked safely), a fresh `python -m hp.train.zygote
+SOCKET CONFIG [key=value ...]` started after them.
 
 torch's elastic agent still owns the workers' lives. For each rank it starts
 a stand-in (`hp/train/stand_in.py`: the standard library only, so it starts
