@@ -243,6 +243,9 @@ BAD = {
     "family with a layer hp cannot split": lambda t, m: (
         [_model(t, m, _qwen3_next)], "Qwen3NextForCausalLM has linear-attention (Qwen3NextGatedDeltaNet) layers, which "
                                      "hp cannot split over tp yet; dp and FSDP run any family"),
+    "lora targets naming nothing": lambda t, m: (
+        ["finetuning_type=lora", "lora_target=qkv"],
+        "finetuning_type = 'lora': lora targets = ('qkv',) match no nn.Linear of LlamaForCausalLM"),
     "hyper_parallel_args file missing": lambda t, m: (
         ["use_hyper_parallel=true", "hyper_parallel_args=nope.json"], "hyper_parallel_args = 'nope.json': expected the path"),
 }
