@@ -67,18 +67,30 @@ def _export(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from hp.plan import dry_run_config
-    from hp.plan.report import render
+    from hp.plan.devices import profile
+    from hp.plan.report import render, shortfall
     from hp.train import errors
     from hp.train.config import ConfigError, load_config
 
     try:
         config = load_config(args.config, args.overrides)
-        print(render(config.model_name_or_path, dry_run_config(config, args.devices), as_json=args.json))
+        device = profile(args.device) if args.device else None
+        _check_nodes(args.devices or config.parallel.world_size, args.devices_per_node)
+        run = dry_run_config(config, args.devices)
+        print(render(config.model_name_or_path, run, device=device, as_json=args.json))
+        short = shortfall(run, device) if device is not None else None
+        if short:
+            return errors.report(ConfigError(short), "hp plan")
     except ValueError as error:  # a config, model name or strategy that cannot be planned: bad input
         return errors.report(error if isinstance(error, ConfigError) else ConfigError(str(error)), "hp plan")
     except BaseException as error:  # noqa: BLE001
         return errors.report(error, "hp plan")
     return 0
+
+
+def _check_nodes(devices: int, per_node: int | None) -> None:
+    if per_node is not None and (per_node < 1 or devices % per_node):
+        raise ValueError(f"--devices-per-node {per_node}: {devices} devices do not fill whole nodes of {per_node}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--devices", type=int, help="the world to plan for (the config's parallel degrees multiply to it)")
     plan.add_argument("--dry-run", action="store_true", help="lay the model out and check the strategy (what hp plan "
                       "does today)")
+    plan.add_argument("--device", help="a device profile (h100-80g, h200-141g, a100-80g, 910b-64g, or cpu, measured "
+                      "here): whether rank 0's model states fit its memory")
+    plan.add_argument("--devices-per-node", type=int, help="devices per node (they must fill whole nodes)")
     plan.add_argument("--json", action="store_true", help="print one JSON line")
     plan.set_defaults(run=_plan)
     export = commands.add_parser("export", help="write a training checkpoint as HF safetensors")

@@ -85,8 +85,37 @@ def test_hp_plan_prints_the_rank_s_model_states_and_the_splits_that_do_not_divid
     (["parallel.pp=2"], "hp plan: pp = 2: hp plan --dry-run does not cut pipeline stages yet"),
     (["parallel.tp=3"], "hp plan: parallel.tp = 3 does not divide num_attention_heads = 4 of the model"),  # hp train's
     (["learning_rate=fast"], "hp plan: learning_rate = 'fast'"),
+    (["--device", "v100"], "hp plan: device 'v100' has no profile: expected one of h100-80g, h200-141g, a100-80g, "
+                           "910b-64g, cpu"),
+    (["--devices-per-node", "3"], "hp plan: --devices-per-node 3: 2 devices do not fill whole nodes of 3"),
 ])
 def test_what_hp_plan_cannot_plan_is_one_message_and_exit_code_2(overrides, message, capsys):
     assert main(["plan", QUICKSTART, *overrides]) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_device_s_memory_against_rank_0_s_model_states(capsys):
+    """On a named profile: the share the model states take; where they alone exceed the device, the plan is
+    printed, then one message with the shortfall and what would make it fit (exit code 2)."""
+    from hp.plan.devices import PROFILES, measure_cpu
+
+    seventy = [QUICKSTART, "model_name_or_path=llama-3.1-70b", "parallel.tp=8"]
+    assert main(["plan", *seventy, "parallel.dp=16", "parallel.fsdp=true", "--device", "h100-80g",
+                 "--devices-per-node", "8", "--json"]) == 0
+    fits = json.loads(capsys.readouterr().out)
+    assert fits["device_memory_bytes"] == PROFILES["h100-80g"].memory_bytes == 81559 * 2**20
+    assert fits["model_states_share"] == pytest.approx(sum(fits["state_bytes"].values()) / 81559 / 2**20, abs=1e-4)
+    assert main(["plan", *seventy, "parallel.dp=2", "--device", "h100-80g", "--json"]) == 2
+    need = 16 * json.loads(capsys.readouterr().out)["rank_parameters"]  # fp32 weights, gradients, two moments
+    assert main(["plan", *seventy, "parallel.dp=2", "--device", "h100-80g"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[-1].startswith("  on h100-80g (79.65 GiB): the model states take "
+                                                    f"{need / (81559 * 2**20):.0%}")
+    message = captured.err.strip()
+    assert message == (f"hp plan: rank 0's model states alone need {need / 2**30:.2f} GiB, "
+                       f"{(need - 81559 * 2**20) / 2**30:.2f} GiB more than h100-80g's 79.65 GiB: shard them with "
+                       "FSDP (parallel.fsdp: true) or over more ranks, split the model (tp, pp), train LoRA adapters, "
+                       "or offload the optimizer states")
+    cpu = measure_cpu(size=256)
+    assert cpu.memory_bytes > 2**30 and cpu.peak("fp32") > 1e8 and cpu.intra_node is None

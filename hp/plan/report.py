@@ -4,13 +4,30 @@ from __future__ import annotations
 
 import json
 
+from hp.plan.devices import DeviceProfile
 from hp.plan.dry_run import DryRun
 
 GIB = 1024**3
 
 
-def render(name: str, run: DryRun, *, as_json: bool = False) -> str:
-    """The dry run of model `name` as text, or as JSON with the model's name added.
+def shortfall(run: DryRun, device: DeviceProfile) -> str | None:
+    """Why the run cannot fit `device` whatever its activations take (rank 0's model states alone exceed its
+    memory), with what would make it fit; None when the model states fit.
+
+    >>> from hp.plan.devices import profile
+    >>> print(shortfall(DryRun(8, "dp=8", 8_000_000_000, 8_000_000_000, 8_000_000_000, (), 0.1), profile("h100-80g")))
+    rank 0's model states alone need 119.21 GiB, 39.56 GiB more than h100-80g's 79.65 GiB: shard them with FSDP (parallel.fsdp: true) or over more ranks, split the model (tp, pp), train LoRA adapters, or offload the optimizer states
+    """
+    need = sum(run.state_bytes.values())
+    if need <= device.memory_bytes:
+        return None
+    return (f"rank 0's model states alone need {need / GIB:.2f} GiB, {(need - device.memory_bytes) / GIB:.2f} GiB "
+            f"more than {device.name}'s {device.memory_bytes / GIB:.2f} GiB: shard them with FSDP (parallel.fsdp: "
+            "true) or over more ranks, split the model (tp, pp), train LoRA adapters, or offload the optimizer states")
+
+
+def render(name: str, run: DryRun, *, device: DeviceProfile | None = None, as_json: bool = False) -> str:
+    """The dry run of model `name` as text, or as JSON with the model's name (and `device`'s memory) added.
 
     >>> print(render("m", DryRun(8, "dp=8 fsdp", 8_000_000_000, 1_000_000_000, 1_000_000_000, (), 0.5)))
     hp plan: m, dp=8 fsdp on 8 ranks (laid out in 0.5 s)
@@ -18,9 +35,11 @@ def render(name: str, run: DryRun, *, as_json: bool = False) -> str:
       rank 0's model states: parameters 3.73 GiB, gradients 3.73 GiB, optimizer states 7.45 GiB (14.90 GiB)
       every split divides evenly
     """
-    if as_json:
-        return json.dumps({"model": name, **run.to_dict()})
     states = run.state_bytes
+    if as_json:
+        memory = {} if device is None else {"device": device.name, "device_memory_bytes": device.memory_bytes,
+                                            "model_states_share": round(sum(states.values()) / device.memory_bytes, 4)}
+        return json.dumps({"model": name, **run.to_dict(), **memory})
     parts = ", ".join(f"{kind.replace('_', ' ')} {size / GIB:.2f} GiB" for kind, size in states.items())
     lines = [f"hp plan: {name}, {run.strategy} on {run.world} ranks (laid out in {run.seconds:.1f} s)",
              f"  parameters: {_count(run.parameters)} in all, {_count(run.rank_parameters)} on rank 0",
@@ -30,6 +49,10 @@ def render(name: str, run: DryRun, *, as_json: bool = False) -> str:
         lines.extend(f"    {split}" for split in run.uneven)
     else:
         lines.append("  every split divides evenly")
+    if device is not None:
+        share = sum(states.values()) / device.memory_bytes
+        lines.append(f"  on {device.name} ({device.memory_bytes / GIB:.2f} GiB): the model states take {share:.0%}, "
+                     "before activations, buffers and the transient peak (not traced yet)")
     return "\n".join(lines)
 
 

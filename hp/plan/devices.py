@@ -1,0 +1,113 @@
+"""The accelerators `hp plan` plans for: a named profile's memory, peak rates and links.
+
+Whether a rank's bytes fit, and later how long a step takes, depend on the
+device: its memory, its peak FLOP/s per dtype, and the links between devices
+within a node and across nodes. The named profiles carry the vendors'
+published figures for one device (dense math, no sparsity; a link's
+bandwidth one way, per device); `cpu` is this machine, measured when asked
+for (`measure_cpu`: its memory from /proc/meminfo, its FLOP/s from a matmul
+on its threads). A user whose part differs spells one out with `profile`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+MIB = 1024**2
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link between two devices: bytes/s one way, and the latency of one message in seconds."""
+
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One device: its memory in bytes, peak FLOP/s per dtype, its links, and how many share a node.
+
+    >>> PROFILES["h100-80g"].memory_bytes / 1024**3, PROFILES["h100-80g"].peak("bf16") / 1e12
+    (79.6474609375, 989.0)
+    """
+
+    name: str
+    memory_bytes: int
+    flops: tuple[tuple[str, float], ...]  # (dtype, peak FLOP/s), the dtypes whose figure is known
+    intra_node: Link | None  # None: not measured
+    inter_node: Link | None
+    devices_per_node: int = 8
+
+    def peak(self, dtype: str) -> float:
+        """Peak FLOP/s for `dtype` ('bf16', 'fp16', 'fp32')."""
+        rates = dict(self.flops)
+        if dtype not in rates:
+            raise ValueError(f"device {self.name!r} has no peak FLOP/s for {dtype} (it has {', '.join(rates)})")
+        return rates[dtype]
+
+
+# Memory as the driver reports it (nvidia-smi's MiB); links one way per device: NVLink 4 at 900 GB/s both ways,
+# NVLink 3 at 600, HCCS at 392; across nodes one 400 Gb/s (NDR) or 200 Gb/s (HDR, RoCE) NIC per device.
+PROFILES: dict[str, DeviceProfile] = {
+    "h100-80g": DeviceProfile("h100-80g", 81559 * MIB, (("bf16", 989e12), ("fp16", 989e12), ("fp32", 67e12)),
+                              Link(450 * GB, 5e-6), Link(50 * GB, 10e-6)),
+    "h200-141g": DeviceProfile("h200-141g", 143771 * MIB, (("bf16", 989e12), ("fp16", 989e12), ("fp32", 67e12)),
+                               Link(450 * GB, 5e-6), Link(50 * GB, 10e-6)),
+    "a100-80g": DeviceProfile("a100-80g", 81920 * MIB, (("bf16", 312e12), ("fp16", 312e12), ("fp32", 19.5e12)),
+                              Link(300 * GB, 5e-6), Link(25 * GB, 10e-6)),
+    # the 910B3's commonly cited 313 TFLOPS at fp16; its fp32 rate is not published alongside
+    "910b-64g": DeviceProfile("910b-64g", 65536 * MIB, (("bf16", 313e12), ("fp16", 313e12)),
+                              Link(196 * GB, 10e-6), Link(25 * GB, 15e-6)),
+}
+KNOWN = (*PROFILES, "cpu")
+
+
+def profile(name: str) -> DeviceProfile:
+    """The profile named `name`; `cpu` is measured here.
+
+    >>> profile("a100-80g").peak("bf16")
+    312000000000000.0
+    >>> profile("v100")
+    Traceback (most recent call last):
+    ...
+    ValueError: device 'v100' has no profile: expected one of h100-80g, h200-141g, a100-80g, 910b-64g, cpu
+    """
+    if name == "cpu":
+        return measure_cpu()
+    if name not in PROFILES:
+        raise ValueError(f"device {name!r} has no profile: expected one of {', '.join(KNOWN)}")
+    return PROFILES[name]
+
+
+def measure_cpu(size: int = 1024) -> DeviceProfile:
+    """This machine as a device: its memory, and fp32 and bf16 FLOP/s of a `size`-square matmul on torch's
+    threads (the best of three). Its links (gloo over loopback) are not measured yet."""
+    import torch
+
+    flops = []
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        a = torch.randn(size, size, dtype=dtype)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            a @ a
+            best = min(best, time.perf_counter() - start)
+        flops.append((name, 2 * size**3 / best))
+    flops.append(("fp16", dict(flops)["bf16"]))
+    memory = _meminfo_bytes()
+    return DeviceProfile("cpu", memory, tuple(flops), None, None, devices_per_node=os.cpu_count() or 1)
+
+
+def _meminfo_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
