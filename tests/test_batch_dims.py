@@ -48,8 +48,8 @@ def test_attention_on_blocks_gives_the_unsharded_values_and_gradients(case):
     with hp.simulated(mesh):
         sharded = [hp.shard(t, layout, mesh).detach().requires_grad_() for t in (q, k, v)]
         got = blockwise_attention(*sharded, **kwargs)
-        # on blocks exactly when only b and h split and the mask broadcasts along them
-        runs = axes[2] is None and not (mask_kind == "per-batch" and axes[0] is not None)
+        # on blocks exactly when only b and h split (a per-batch mask runs on its block)
+        runs = axes[2] is None
         assert (got is not NotImplemented) == runs, (layout, mask_kind)
         if not runs:
             return

@@ -186,3 +186,27 @@ def test_a_plan_that_does_not_fit_the_model_is_refused_without_a_mesh():
         hp.check_strategy(model, {"tp": 2}, plan_for_type("phi3"))  # the plan of Phi-3's equal parts
     hp.check_strategy(model, {"cp": 2}, plan_for_type("phi3"))  # without tp nothing is split in parts
     assert "*.self_attn.qkv_proj.weight" not in plan_for(model.config).params  # derived for it: q, k, v left whole
+
+
+@pytest.mark.parametrize("strategy", [{"dp": 2}, {"dp": 2, "tp": 2}])
+def test_padded_batches_split_over_dp_give_hf_s_loss_and_gradients(strategy):
+    """A padding mask that differs by example, with the batch split over dp: each rank's attention takes its own
+    examples' rows of the mask (no all-gather of q, k and v), and the loss and every gradient are HF's. (FSDP
+    shards the parameters, not the attention, which runs as under dp; FSDP runs on real ranks in
+    tests/workers/zoo_gloo.py.)"""
+    reference, model = tiny_pair("llama", layers=1)
+    ids, labels = batch()
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    mask[3, :5] = 0
+    labels = labels.masked_fill(mask == 0, -100)
+    want = reference(input_ids=ids, attention_mask=mask, labels=labels)
+    want.loss.backward()
+    strategy = hp.Strategy.of(strategy)
+    mesh = hp.strategy_mesh(strategy, simulate=True)
+    with hp.simulated(mesh):
+        hp.apply_strategy(model, mesh, strategy, plan_for(model.config))
+        got = model(input_ids=ids, attention_mask=mask, labels=labels)
+        got.loss.backward()
+        hp.reduce_gradients(model)
+        assert_same_loss_and_grads(got.loss, want.loss, model, reference)

@@ -26,7 +26,8 @@ def blockwise_attention(
 ):
     """`F.scaled_dot_product_attention` on each block of `b h s d` inputs split along b or h alike.
 
-    A mask must be plain or replicated with size 1 along every split dim (it broadcasts there).
+    A mask must be plain or replicated: each block gets the mask's matching block (its whole
+    extent along a split dim where it has size 1 and broadcasts).
     Dropout is left to DTensor, whose random streams differ by block.
 
     >>> import hp, torch
@@ -39,9 +40,9 @@ def blockwise_attention(
     """
     if dropout_p or not _same_batch_split(query, key, value):
         return NotImplemented
-    if attn_mask is not None and not _broadcasts(attn_mask, query):
+    mask = None if attn_mask is None else _mask_block(attn_mask, query)
+    if attn_mask is not None and mask is None:
         return NotImplemented
-    mask = local_block(attn_mask) if isinstance(attn_mask, DTensor) else attn_mask
     out = F.scaled_dot_product_attention(
         local_block(query), local_block(key), local_block(value), attn_mask=mask, is_causal=is_causal,
         scale=scale, enable_gqa=enable_gqa,
@@ -78,17 +79,32 @@ def _same_batch_split(*tensors) -> bool:
     return all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim < ndim - 2) for p in placements)
 
 
-def _broadcasts(mask, query) -> bool:
-    """A mask whole on every rank, of size 1 along each dim that splits `query` (aligned from the right)."""
-    if isinstance(mask, DTensor) and not all(isinstance(p, Replicate) for p in mask.placements):
-        return False
-    if isinstance(mask, DTensor) and mask.device_mesh != query.device_mesh:
-        return False
+def _mask_block(mask, query) -> torch.Tensor | None:
+    """The block of a whole (plain or replicated) mask that meets `query`'s block, else None.
+
+    Dims aligned from the right; a dim that splits `query` splits the mask alike unless the
+    mask has size 1 there. Declining a per-example mask (padding, packed sequences, any mask
+    built under FakeTensor) would send SDPA to DTensor, whose only strategy with a mask keyword
+    all-gathers q, k and v, and whose output stride then disagrees with the local one.
+    """
+    mesh = query.device_mesh
+    if not isinstance(mask, DTensor):
+        mask = to_dtensor(mask, mesh, (Replicate(),) * mesh.ndim, mask.shape, stride=mask.stride())
+    if mask.device_mesh != mesh or not all(isinstance(p, Replicate) for p in mask.placements):
+        return None
     offset = query.ndim - mask.ndim
+    placements = []
     for p in query.placements:
-        if isinstance(p, Shard) and p.dim - offset >= 0 and mask.shape[p.dim - offset] != 1:
-            return False
-    return True
+        d = p.dim - offset if isinstance(p, Shard) else -1
+        if d < 0 or mask.shape[d] == 1:
+            placements.append(Replicate())
+        elif mask.shape[d] == query.shape[p.dim]:
+            placements.append(Shard(d))
+        else:
+            return None
+    if any(isinstance(p, Shard) for p in placements):
+        mask = mask.redistribute(mesh, placements)
+    return local_block(mask)
 
 
 def _wrap(out: torch.Tensor, like: DTensor, shape: tuple) -> DTensor:
