@@ -120,7 +120,6 @@ def serve(path: str, argv: Sequence[str]) -> None:
     from hp.train.worker import die_with
 
     die_with(os.getppid())
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked zygote has its launcher's handlers
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
