@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from hp.ops.local import local_block, to_dtensor
+from hp.ops.local import cut_block, local_block, to_dtensor
 
 
 def blockwise_attention(
@@ -83,28 +83,29 @@ def _mask_block(mask, query) -> torch.Tensor | None:
     """The block of a whole (plain or replicated) mask that meets `query`'s block, else None.
 
     Dims aligned from the right; a dim that splits `query` splits the mask alike unless the
-    mask has size 1 there. Declining a per-example mask (padding, packed sequences, any mask
-    built under FakeTensor) would send SDPA to DTensor, whose only strategy with a mask keyword
-    all-gathers q, k and v, and whose output stride then disagrees with the local one.
+    mask has size 1 there (it broadcasts), each rank taking its rows without communication.
+    Declining a per-example mask (padding, packed sequences, any mask built under FakeTensor)
+    would send SDPA to DTensor, whose only strategy with a mask keyword all-gathers q, k and v,
+    and whose output stride then disagrees with the local one.
     """
     mesh = query.device_mesh
-    if not isinstance(mask, DTensor):
-        mask = to_dtensor(mask, mesh, (Replicate(),) * mesh.ndim, mask.shape, stride=mask.stride())
-    if mask.device_mesh != mesh or not all(isinstance(p, Replicate) for p in mask.placements):
-        return None
+    if isinstance(mask, DTensor):
+        if mask.device_mesh != mesh or not all(isinstance(p, Replicate) for p in mask.placements):
+            return None
+        mask = mask._local_tensor
     offset = query.ndim - mask.ndim
-    placements = []
+    cuts = []
     for p in query.placements:
         d = p.dim - offset if isinstance(p, Shard) else -1
         if d < 0 or mask.shape[d] == 1:
-            placements.append(Replicate())
+            cuts.append(Replicate())
         elif mask.shape[d] == query.shape[p.dim]:
-            placements.append(Shard(d))
+            cuts.append(Shard(d))
         else:
             return None
-    if any(isinstance(p, Shard) for p in placements):
-        mask = mask.redistribute(mesh, placements)
-    return local_block(mask)
+    if all(isinstance(c, Replicate) for c in cuts):
+        return mask
+    return cut_block(mask, (Replicate(),) * mesh.ndim, tuple(cuts), mesh.get_coordinate(), mesh.shape)
 
 
 def _wrap(out: torch.Tensor, like: DTensor, shape: tuple) -> DTensor:

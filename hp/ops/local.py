@@ -71,7 +71,7 @@ class _Wrap(torch.autograd.Function):
         wanted = tuple(Replicate() if p.is_partial() else p for p in ctx.spec.placements)
         if tuple(grad.placements) != wanted and _only_cuts(grad.placements, wanted):
             mesh = ctx.spec.mesh
-            return _cut_blocks(grad._local_tensor, grad.placements, wanted, mesh.get_coordinate(), mesh.shape), None
+            return cut_block(grad._local_tensor, grad.placements, wanted, mesh.get_coordinate(), mesh.shape), None
         if tuple(grad.placements) != wanted:
             target = DTensorSpec(ctx.spec.mesh, wanted, tensor_meta=grad._spec.tensor_meta)
             return redistribute_local_tensor(grad._local_tensor, grad._spec, target), None
@@ -92,8 +92,9 @@ def _only_cuts(have: Sequence[Placement], wanted: Sequence[Placement]) -> bool:
 
 
 @maybe_run_for_local_tensor  # rank-dependent: runs once per simulated rank
-def _cut_blocks(whole: torch.Tensor, have, wanted, coordinate, sizes) -> torch.Tensor:
-    """This rank's block of `whole` (whole on the mesh dims where `wanted` splits it)."""
+def cut_block(whole: torch.Tensor, have, wanted, coordinate, sizes) -> torch.Tensor:
+    """This rank's block of `whole` (whole on the mesh dims where `wanted` splits it), as DTensor splits it:
+    `torch.chunk`'s pieces, and an empty block for a rank past a dim shorter than its mesh dim."""
     block = whole
     for m, (h, w) in enumerate(zip(have, wanted)):
         if h == w:
@@ -104,7 +105,8 @@ def _cut_blocks(whole: torch.Tensor, have, wanted, coordinate, sizes) -> torch.T
             parts = block.unflatten(w.dim, (sf, block.shape[w.dim] // sf))
             block = parts.chunk(n, w.dim + 1)[c].flatten(w.dim, w.dim + 1)
         else:
-            block = block.chunk(n, w.dim)[c]
+            pieces = block.chunk(n, w.dim)
+            block = pieces[c] if c < len(pieces) else block.narrow(w.dim, 0, 0)
     return block.contiguous()
 
 
