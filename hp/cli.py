@@ -67,7 +67,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from hp.plan import dry_run_config
-    from hp.plan.devices import profile
+    from hp.plan.devices import check_nodes, profile
     from hp.plan.report import render, shortfall
     from hp.train import errors
     from hp.train.config import ConfigError, load_config
@@ -75,7 +75,7 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, args.overrides)
         device = profile(args.device) if args.device else None
-        _check_nodes(args.devices or config.parallel.world_size, args.devices_per_node)
+        check_nodes(args.devices or config.parallel.world_size, args.devices_per_node)
         run = dry_run_config(config, args.devices)
         print(render(config.model_name_or_path, run, device=device, as_json=args.json))
         short = shortfall(run, device) if device is not None else None
@@ -86,11 +86,6 @@ def _plan(args: argparse.Namespace) -> int:
     except BaseException as error:  # noqa: BLE001
         return errors.report(error, "hp plan")
     return 0
-
-
-def _check_nodes(devices: int, per_node: int | None) -> None:
-    if per_node is not None and (per_node < 1 or devices % per_node):
-        raise ValueError(f"--devices-per-node {per_node}: {devices} devices do not fill whole nodes of {per_node}")
 
 
 def main(argv: list[str] | None = None) -> int:

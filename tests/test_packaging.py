@@ -3,8 +3,8 @@
 The zoo lives in the top-level `models/` and is installed as `hp.models`. A
 regular install copies it into `hp/models`; a checkout keeps it beside `hp/`,
 and a checkout is what Python imports whenever its root comes first on
-`sys.path` (`python -m`, `python -c`, or `hp train`'s workers started from
-the repository root). `hp.compat.models_finder` bridges that case; these tests
+`sys.path` (`python -m`, `python -c`, or the zygote `hp train` starts from
+the repository root on an accelerator, `python -m hp.train.zygote`). `hp.compat.models_finder` bridges that case; these tests
 install hp for real into a temporary directory and run fresh interpreters.
 
 This environment may hold an editable install of the checkout, whose finder
@@ -126,7 +126,8 @@ def test_hp_from_the_checkout_imports_the_checkouts_zoo():
 
 
 def test_hp_train_from_the_repository_root_over_a_regular_install(install, tmp_path):
-    """The installed `hp` command launches; its workers, started with `python -m` here, import the checkout."""
+    """The installed `hp` command launches from the repository root, and its workers train (on CPU forked from the
+    launcher, which imported the install; the checkout's own imports from here are the tests above)."""
     command = [str(install["site"] / "bin" / "hp"), "train", QUICKSTART, f"dataset_dir={ROOT / 'examples' / 'data'}",
                f"output_dir={tmp_path / 'out'}", f"master_port={_free_port()}", "max_steps=1",
                "per_device_train_batch_size=4"]

@@ -83,9 +83,22 @@ def profile(name: str) -> DeviceProfile:
     return PROFILES[name]
 
 
+def check_nodes(devices: int, per_node: int | None) -> None:
+    """`devices` must fill whole nodes of `per_node` (None: one node).
+
+    >>> check_nodes(16, 8); check_nodes(12, 8)
+    Traceback (most recent call last):
+    ...
+    ValueError: --devices-per-node 8: 12 devices do not fill whole nodes of 8
+    """
+    if per_node is not None and (per_node < 1 or devices % per_node):
+        raise ValueError(f"--devices-per-node {per_node}: {devices} devices do not fill whole nodes of {per_node}")
+
+
 def measure_cpu(size: int = 1024) -> DeviceProfile:
-    """This machine as a device: its memory, and fp32 and bf16 FLOP/s of a `size`-square matmul on torch's
-    threads (the best of three). Its links (gloo over loopback) are not measured yet."""
+    """This machine as a device: its memory, and the fp32 and bf16 FLOP/s of a `size`-square matmul on torch's
+    threads (the best of three). No fp16 figure (CPU kernels for it are a fallback, seconds per matmul), and its
+    links (gloo over loopback) are not measured yet."""
     import torch
 
     flops = []
@@ -97,7 +110,6 @@ def measure_cpu(size: int = 1024) -> DeviceProfile:
             a @ a
             best = min(best, time.perf_counter() - start)
         flops.append((name, 2 * size**3 / best))
-    flops.append(("fp16", dict(flops)["bf16"]))
     memory = _meminfo_bytes()
     return DeviceProfile("cpu", memory, tuple(flops), None, None, devices_per_node=os.cpu_count() or 1)
 

@@ -73,7 +73,8 @@ def _forked_zygote(config: TrainConfig, private: str, argv: list[str]) -> Iterat
     """On CPU, the node's zygote forked from this process before its checks, while it has only imported: the
     stand-ins' command, or None where the zygote starts later as a fresh process (an accelerator: the checks
     ask its driver for the devices, and a process that has done so cannot be forked safely)."""
-    if _one_process(config) or config.device not in ("auto", "cpu") or available() != "cpu":
+    device = available() if config.device == "auto" else config.device  # a device named: no driver asked
+    if _one_process(config) or device != "cpu":
         yield None
         return
     with zygote.started(private, argv, fork=True) as command:

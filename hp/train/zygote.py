@@ -164,6 +164,7 @@ def _preload(argv: Sequence[str]) -> None:
     from hp.train.model import model_class
 
     try:
+        # any vocabulary: only the config's class is wanted, to import its family's modeling module
         hf = model_config(load_config(argv[0], list(argv[1:])).model_name_or_path, vocab_size=512)
         model_class(hf)._model_mapping[type(hf)]  # noqa: B018 - imports the family's modeling module
     except Exception:  # noqa: BLE001 - a worker meets the same error, and reports it
