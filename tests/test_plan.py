@@ -15,10 +15,11 @@ from hp.train.model import model_class
 QUICKSTART = "examples/quickstart.yaml"
 
 # The parameter counts of the published checkpoints (their model cards round them: 8.03B, 70.6B, 405.9B, 32.8B,
-# 30.5B, 235.1B, 671B without the multi-token-prediction layer, 73.4B).
+# 30.5B, 235.1B, 671B without the multi-token-prediction layer, 73.4B; Qwen2.5-0.5B's 0.49B with its head tied).
 PUBLISHED = {"llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496, "llama-3.1-405b": 405_853_388_800,
              "qwen3-32b": 32_762_123_264, "qwen3-30b-a3b": 30_532_122_624, "qwen3-235b-a22b": 235_093_634_560,
-             "deepseek-v3": 671_026_404_352, "qwen2.5-vl-72b": 73_410_777_344}
+             "deepseek-v3": 671_026_404_352, "qwen2.5-vl-72b": 73_410_777_344,
+             "qwen2.5-0.5b": 494_032_768}
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCES))

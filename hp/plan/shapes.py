@@ -20,6 +20,10 @@ _QWEN_3 = {"vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta":
            "head_dim": 128, "tie_word_embeddings": False}
 
 REFERENCES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2.5-0.5b": ("qwen2", {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
+                               "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+                               "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                               "tie_word_embeddings": True}),
     "llama-3.1-8b": ("llama", {**_LLAMA_3, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                                "num_attention_heads": 32, "num_key_value_heads": 8}),
     "llama-3.1-70b": ("llama", {**_LLAMA_3, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
@@ -62,7 +66,7 @@ def reference_config(name: str):
     Traceback (most recent call last):
     ...
     ValueError: no reference shape 'llama-4': hp plan knows deepseek-v3, llama-3.1-405b, llama-3.1-70b, \
-llama-3.1-8b, qwen2.5-vl-72b, qwen3-235b-a22b, qwen3-30b-a3b, qwen3-32b, or a local HF model directory
+llama-3.1-8b, qwen2.5-0.5b, qwen2.5-vl-72b, qwen3-235b-a22b, qwen3-30b-a3b, qwen3-32b, or a local HF model directory
     """
     if name not in REFERENCES:
         raise ValueError(f"no reference shape {name!r}: hp plan knows {', '.join(sorted(REFERENCES))}, "

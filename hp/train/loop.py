@@ -138,7 +138,7 @@ def train(config: TrainConfig) -> dict:
               if strategy.mpmd_place is not None else None)  # cut to this rank's programs
     progress = Progress(placed=placed)
     trained = [p for p in model.parameters() if p.requires_grad]  # frozen weights keep no optimizer state
-    optimizer = adamw(trained, config)
+    optimizer = adamw(trained, lr=config.learning_rate, weight_decay=config.weight_decay)
     total = total_steps(config, len(batches))
     scheduler = _scheduler(config, optimizer, total)
     step = _restore(config, model, optimizer, scheduler, batches)
@@ -248,7 +248,7 @@ def _reference(config: TrainConfig, model: nn.Module, mesh, vocab_size: int) -> 
     return Reference(frozen.requires_grad_(False).eval())
 
 
-def adamw(params: list[torch.Tensor], config: TrainConfig) -> torch.optim.AdamW:
+def adamw(params: list[torch.Tensor], *, lr: float = 1e-3, weight_decay: float = 0.0) -> torch.optim.AdamW:
     """torch's AdamW over `params`, fused (one kernel over every tensor, as HF Trainer's `adamw_torch_fused`)
     where torch has the kernel for their device (`hp.offload` brings the states back to it before each step).
     No params (a rank running only a placed frozen program) is an optimizer that steps nothing."""
@@ -257,7 +257,7 @@ def adamw(params: list[torch.Tensor], config: TrainConfig) -> torch.optim.AdamW:
     devices = {p.device.type for p in params}
     fused = bool(params) and devices <= set(_get_fused_kernels_supported_devices()) \
         and all(p.is_floating_point() for p in params)
-    return torch.optim.AdamW(params or [{"params": []}], lr=config.learning_rate, weight_decay=config.weight_decay,
+    return torch.optim.AdamW(params or [{"params": []}], lr=lr, weight_decay=weight_decay,
                              fused=fused or None)
 
 

@@ -1,0 +1,203 @@
+"""One rank's memory over a training step, by kind, from the step hp train runs, on fake tensors.
+
+Why: the model states are arithmetic on the layouts (`hp.plan.dry_run`), but
+what a step holds beside them (activations saved for backward, gradients
+while they accumulate, the temporaries of attention and the loss, the
+buffers of collectives) depends on every op the step runs. hp answers it
+by running that step: the model is built on the meta device, laid out by
+`apply_strategy` on a fake process group of the target world, its
+parameters made `FakeTensor`s (shapes, no storage), and one step of
+`hp train` (the stage's loss, backward, the gradients reduced and clipped,
+AdamW's update, the gradients dropped) runs under `FakeTensorMode`; the
+gradients' clipping is left out (it reads the norm, a number a fake
+tensor does not hold; it allocates one number per gradient).
+torch's `MemTracker` counts every storage the step allocates, by kind, and
+keeps the breakdown at the step's peak.
+
+The step traced is the second: AdamW makes its states on its first update,
+and a first step makes what later ones reuse (FSDP's and DTensor's lazy
+state), so the first step runs untracked and the second is the one every
+later step repeats. Storages are rounded up to 512 bytes, as accelerator
+caching allocators round them (torch's `MemTracker` does).
+
+Two things differ from a plain forward under `FakeTensorMode`, both so
+that it follows the step a real run takes:
+- attention takes the flash kernel (a fake tensor picks the math one,
+  which materialises the score matrix that the CPU and GPU kernels never
+  hold), and
+- transformers' search for packed sequences in `position_ids` is skipped
+  (it cannot read fake values, and on a fake tensor builds a whole
+  (batch, 1, seq, seq) mask that the real run never builds).
+
+`measure_step` runs the same step on real tensors (the same fake world, or
+the real process group when one is initialised), so that a prediction can be
+checked against what was allocated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from hp.models import plan_for
+from hp.parallel.apply import apply_strategy, strategy_mesh
+from hp.parallel.strategy import Strategy
+from hp.train.clipping import clip_gradients
+from hp.train.data import Batch
+from hp.train.finetuning import Finetuning, apply_finetuning
+from hp.train.model import model_class
+
+# MemTracker's kinds, as hp plan names them
+_KINDS = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients", "Optstate": "optimizer_states",
+          "Activation": "activations", "Temp": "temporaries", "Input": "inputs", "Other": "other"}
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """The bytes one rank holds at its step's peak, by kind; `peak` is their sum."""
+
+    parameters: int
+    buffers: int
+    gradients: int
+    optimizer_states: int
+    activations: int  # saved for backward, and recomputed ones
+    temporaries: int  # gradients of activations, kernels' and collectives' outputs in flight
+    inputs: int
+    other: int
+    peak: int
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The batch a step runs: rows on every rank before the strategy splits them (per-device batch x dp), tokens
+    per row, and the learning problem's head (`vocab`)."""
+
+    rows: int
+    tokens: int
+    bf16: bool = False  # forwards under bf16 autocast, as `bf16: true` runs them
+
+
+def trace_step(hf_config, strategy: Strategy | Mapping[str, Any], shape: StepShape,
+               finetuning: Finetuning | None = None) -> StepMemory:
+    """Rank 0's memory over one training step of `hf_config`'s model under `strategy`, traced on fake tensors.
+
+    >>> from hp.models import tiny_config
+    >>> memory = trace_step(tiny_config("llama", layers=2), {"tp": 2}, StepShape(rows=4, tokens=32))
+    >>> memory.optimizer_states == 2 * memory.parameters  # AdamW's two moments of each parameter rank 0 holds
+    True
+    >>> memory.peak == sum(bytes_ for kind, bytes_ in memory.to_dict().items() if kind != "peak")
+    True
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    strategy = Strategy.of(strategy)
+    mesh = strategy_mesh(strategy, simulate=True)
+    with torch.device("meta"):
+        model = _built(hf_config, finetuning)
+    apply_strategy(model, mesh, strategy, plan_for(hf_config))
+    with FakeTensorMode(allow_non_fake_inputs=True), _as_a_real_step():
+        model.to_empty(device=mesh.device_type)
+        return _tracked_step(model, strategy, shape, mesh.device_type, clip=False)
+
+
+def measure_step(hf_config, strategy: Strategy | Mapping[str, Any], shape: StepShape,
+                 finetuning: Finetuning | None = None, *, seed: int = 0) -> StepMemory:
+    """`trace_step`'s step run on real tensors, tracked alike: what this rank allocated.
+
+    On the real process group when one is initialised (its world must be the strategy's), else on a fake one of the
+    strategy's size (collectives move nothing, every tensor is allocated as in a real run).
+
+    >>> from hp.models import tiny_config
+    >>> config, shape = tiny_config("llama", layers=2), StepShape(rows=4, tokens=32)
+    >>> measure_step(config, {"tp": 2}, shape) == trace_step(config, {"tp": 2}, shape)
+    True
+    """
+    strategy = Strategy.of(strategy)
+    simulate = not torch.distributed.is_initialized() or torch.distributed.get_backend() == "fake"
+    mesh = strategy_mesh(strategy, simulate=simulate)
+    torch.manual_seed(seed)
+    model = _built(hf_config, finetuning)
+    apply_strategy(model, mesh, strategy, plan_for(hf_config))
+    model.to(mesh.device_type)
+    return _tracked_step(model, strategy, shape, mesh.device_type)
+
+
+def _built(hf_config, finetuning: Finetuning | None):
+    model = model_class(hf_config).from_config(hf_config)
+    if finetuning is not None:
+        apply_finetuning(model, finetuning, plan_for(hf_config).blocks)
+    return model
+
+
+def _tracked_step(model, strategy: Strategy, shape: StepShape, device: str, *, clip: bool = True) -> StepMemory:
+    from hp.train.loop import adamw
+    from hp.train.objectives import LanguageModeling
+    from hp.train.precision import autocast
+
+    objective = LanguageModeling(model)
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (shape.rows, shape.tokens), device=device)
+    batch = Batch(ids, ids.clone())
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = adamw(trained)
+
+    def step() -> None:
+        with autocast(shape.bf16, device):
+            loss = objective(batch, device).loss
+        loss.backward()
+        from hp import reduce_gradients
+
+        reduce_gradients(model)
+        if clip:  # it reads the norm, which a fake tensor does not hold
+            clip_gradients(trained, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # AdamW makes its states on its first update; a first step also makes what later ones reuse
+    tracker = _StepTracker()
+    tracker.track_external(model, optimizer, batch.input_ids, batch.labels)
+    with tracker:
+        step()
+    snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    kinds = {name: snapshot.get(kind, 0) for kind, name in _KINDS.items()}
+    return StepMemory(**kinds, peak=snapshot.get("Total", 0))
+
+
+class _StepTracker(MemTracker):
+    """torch's `MemTracker` keeping the step's peak only: its per-module peaks, which this does not read, walk
+    every module the step has entered at every op (three quarters of a trace's time)."""
+
+    def _update_peak_stats(self, peak_state) -> None:
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot["Total"]:
+                self._peak_mem[device] = snapshot["Total"]
+                self._peak_mem_snap[device] = dict(snapshot)
+
+
+@contextlib.contextmanager
+def _as_a_real_step() -> Iterator[None]:
+    """Attention's flash kernel, and no search for packed sequences (the module docstring)."""
+    import logging
+
+    import transformers.masking_utils as masking
+
+    # a meta kernel that refuses shapes is logged before its caller (hp's blockwise ops) takes another road
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level, fake_log.level = fake_log.level, logging.CRITICAL
+    search = masking.find_packed_sequence_indices
+    masking.find_packed_sequence_indices = lambda *args, **kwargs: None
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            yield
+    finally:
+        masking.find_packed_sequence_indices = search
+        fake_log.setLevel(level)
