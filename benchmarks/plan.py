@@ -1,8 +1,22 @@
-"""`hp plan --dry-run` at thousands of ranks: how long laying the largest reference shapes out takes here.
+"""`hp plan`, checked: dry runs at thousands of ranks, and each rank's step memory predicted beside what a run allocates.
 
-Each line: one model and strategy laid out on a fake world of its size in this process (hp.plan.dry_run), with
-rank 0's parameters and the seconds it took. The last line carries the issue's figures that exist so far:
-`dry_run_world_max` (the largest world laid out) and `dry_run_s_max` (the slowest dry run, in seconds).
+Dry runs: one model and strategy laid out on a fake world of its size in this process (hp.plan.dry_run), with
+rank 0's parameters and the seconds it took.
+
+Memory: for each configuration, `hp.plan.memory.trace_step` predicts rank 0's peak over a steady training step
+(traced on fake tensors at the target world, in this process), and `measure_step` measures the same step run for
+real, counted by torch's memory tracker (every tensor storage allocated, not RSS, which holds the runtime):
+- on 2 gloo processes, each pinned to a core of its own (rank 0's figures), for the `REAL` configurations;
+- on a world of 4 or 8 simulated ranks for the `SIMULATED` ones: real tensors, every op and every collective's
+  output allocated as in a run, on a `fake` process group (collectives move no values, which the memory of a
+  dense model does not depend on).
+Each line prints the prediction beside the measurement and their relative error, with the breakdown measured.
+
+The last line carries the issue's figures: `memory_error_max` and `memory_error_mean` (|predicted - measured| /
+measured peak), `configs_measured`, `dry_run_world_max` and `dry_run_s_max`, and for Qwen2.5-0.5B's shapes at 2
+ranks (full fine-tuning, fp32, 2 rows of 256 tokens in all): `fsdp_states_vs_zero_formula` (rank 0's parameters,
+gradients and AdamW states at the update under FSDP, over ZeRO-3's 16 bytes x parameters / 2) and
+`fsdp_peak_vs_tp_peak` (the measured peaks).
 
     python benchmarks/plan.py
 """
@@ -10,10 +24,19 @@ rank 0's parameters and the seconds it took. The last line carries the issue's f
 from __future__ import annotations
 
 import json
+import os
+import statistics
 
+import torch
+import torch.multiprocessing as mp
+
+from hp.models import tiny_config
+from hp.parallel.finetune import Finetuning, Lora
 from hp.plan import dry_run, reference_config
+from hp.plan.memory import StepMemory, StepShape, measure_step, trace_step
+from ranks import free_port
 
-CASES = [
+DRY_RUNS = [
     ("llama-3.1-405b", {"dp": 512, "tp": 8, "fsdp": True}),
     ("llama-3.1-405b", {"dp": 256, "cp": 2, "tp": 8, "sp": True, "fsdp": True}),
     ("deepseek-v3", {"dp": 512, "ep": 64, "tp": 8, "fsdp": True}),
@@ -21,16 +44,125 @@ CASES = [
     ("qwen2.5-vl-72b", {"dp": 512, "tp": 8, "fsdp": True}),
 ]
 
+LORA = Finetuning(lora=Lora(rank=8))
+SHAPE = StepShape(rows=4, tokens=128)
+BIG = StepShape(rows=2, tokens=256)  # Qwen2.5-0.5B's run: 1 row of 256 tokens per rank under FSDP
+
+
+def model(name: str):
+    """The configs measured: a Llama of 256 features and 4 layers, three other families' tiny ones, and Qwen2.5-0.5B's
+    shapes (494M parameters, its 151,936-token head tied to its embedding)."""
+    if name == "llama":
+        return tiny_config("llama", layers=4, vocab_size=8192, hidden_size=256, intermediate_size=688,
+                           num_attention_heads=8, num_key_value_heads=4, head_dim=32)
+    if name == "qwen2.5-0.5b":
+        return reference_config(name)
+    return tiny_config(name, layers=2, vocab_size=4096)
+
+
+# (model, strategy, shape, finetuning)
+REAL = [
+    ("llama", {"dp": 2}, SHAPE, None),
+    ("llama", {"dp": 2, "fsdp": True}, SHAPE, None),
+    ("llama", {"dp": 2, "fsdp": True, "recompute": True}, SHAPE, None),
+    ("llama", {"tp": 2}, SHAPE, None),
+    ("llama", {"tp": 2, "sp": True}, SHAPE, None),
+    ("llama", {"tp": 2, "sp": True, "recompute": True}, SHAPE, None),
+    ("llama", {"cp": 2, "cp_algorithm": "ring"}, SHAPE, None),
+    ("llama", {"cp": 2, "cp_algorithm": "ulysses"}, SHAPE, None),
+    ("llama", {"dp": 2}, StepShape(rows=4, tokens=128, bf16=True), None),
+    ("llama", {"tp": 2, "sp": True}, StepShape(rows=4, tokens=128, bf16=True), None),
+    ("llama", {"dp": 2, "fsdp": True}, SHAPE, LORA),
+    ("llama", {"tp": 2}, SHAPE, LORA),
+    ("gemma3_text", {"tp": 2, "sp": True}, SHAPE, None),
+    ("phi3", {"tp": 2}, SHAPE, None),
+    ("qwen2", {"dp": 2, "fsdp": True}, SHAPE, None),
+    ("qwen2.5-0.5b", {"dp": 2, "fsdp": True}, BIG, None),
+    ("qwen2.5-0.5b", {"tp": 2}, BIG, None),
+]
+SIMULATED = [
+    ("llama", {"dp": 4, "tp": 2, "sp": True}, StepShape(rows=8, tokens=128), None),
+    ("llama", {"dp": 2, "tp": 2, "fsdp": True}, SHAPE, None),
+    ("llama", {"dp": 8, "fsdp": True}, StepShape(rows=8, tokens=128), None),
+    ("llama", {"tp2d": {"x": 2, "y": 2}}, SHAPE, None),
+    ("llama", {"cp": 4, "cp_algorithm": "ring"}, SHAPE, None),
+    ("llama", {"cp": 2, "tp": 2, "sp": True}, SHAPE, None),
+    ("llama", {"dp": 2, "cp": 2, "fsdp": True, "recompute": True}, SHAPE, None),
+    ("llama", {"tp": 4, "sp": True, "recompute": True}, SHAPE, None),
+    ("qwen2", {"tp": 4}, SHAPE, None),
+]
+
+
+def _rank(rank: int, port: int, out) -> None:
+    """One of the 2 gloo ranks: every REAL configuration measured; rank 0 sends its figures back."""
+    os.sched_setaffinity(0, {rank % os.cpu_count()})
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    for name, strategy, shape, finetuning in REAL:
+        measured = measure_step(model(name), strategy, shape, finetuning)
+        if rank == 0:
+            out.put(measured.to_dict())
+    torch.distributed.destroy_process_group()
+
+
+def _measured_on_gloo() -> list[StepMemory]:
+    context = mp.get_context("spawn")
+    out = context.Queue()
+    port = free_port()
+    ranks = [context.Process(target=_rank, args=(rank, port, out)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    figures = [StepMemory(**out.get(timeout=1800)) for _ in REAL]
+    for process in ranks:
+        process.join()
+        assert process.exitcode == 0, f"a gloo rank ended with {process.exitcode}"
+    return figures
+
+
+def _line(name: str, strategy: dict, shape: StepShape, finetuning, where: str, predicted: StepMemory,
+          measured: StepMemory) -> dict:
+    error = abs(predicted.peak - measured.peak) / measured.peak
+    row = {"model": name, "strategy": strategy, "rows": shape.rows, "tokens": shape.tokens, "bf16": shape.bf16,
+           "lora": finetuning is not None, "measured_on": where, "predicted_peak": predicted.peak,
+           "measured_peak": measured.peak, "error": round(error, 4), "measured": measured.to_dict()}
+    print(json.dumps(row), flush=True)
+    return row
+
 
 def main() -> None:
     runs = []
-    for name, strategy in CASES:
+    for name, strategy in DRY_RUNS:
         run = dry_run(reference_config(name), strategy)
         runs.append(run)
         print(json.dumps({"model": name, "strategy": run.strategy, "world": run.world,
                           "rank_parameters": run.rank_parameters, "seconds": round(run.seconds, 2)}), flush=True)
-    print(json.dumps({"dry_run_world_max": max(r.world for r in runs),
-                      "dry_run_s_max": round(max(r.seconds for r in runs), 2)}))
+    on_gloo = _measured_on_gloo()
+    rows = []
+    for (name, strategy, shape, finetuning), measured in zip(REAL, on_gloo):
+        predicted = trace_step(model(name), strategy, shape, finetuning)
+        rows.append(_line(name, strategy, shape, finetuning, "2 gloo processes", predicted, measured))
+    for name, strategy, shape, finetuning in SIMULATED:
+        predicted = trace_step(model(name), strategy, shape, finetuning)
+        measured = measure_step(model(name), strategy, shape, finetuning)
+        rows.append(_line(name, strategy, shape, finetuning, "simulated ranks", predicted, measured))
+    errors = [row["error"] for row in rows]
+    big = {("fsdp" if row["strategy"].get("fsdp") else "tp"): row for row in rows if row["model"] == "qwen2.5-0.5b"}
+    params = sum(p.numel() for p in _meta_model(reference_config("qwen2.5-0.5b")).parameters())
+    fsdp = big["fsdp"]["measured"]
+    print(json.dumps({
+        "memory_error_max": round(max(errors), 4), "memory_error_mean": round(statistics.fmean(errors), 4),
+        "configs_measured": len(rows),
+        "dry_run_world_max": max(r.world for r in runs), "dry_run_s_max": round(max(r.seconds for r in runs), 2),
+        "fsdp_states_vs_zero_formula": round(fsdp["model_states"] / (16 * params / 2), 3),
+        "fsdp_peak_vs_tp_peak": round(fsdp["peak"] / big["tp"]["measured"]["peak"], 3)}))
+
+
+def _meta_model(config):
+    from hp.train.model import model_class
+
+    with torch.device("meta"):
+        return model_class(config).from_config(config)
 
 
 if __name__ == "__main__":

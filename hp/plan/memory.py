@@ -46,6 +46,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hp.models import plan_for
+from hp.parallel.data_parallel import reduce_gradients
 from hp.parallel.apply import apply_strategy, strategy_mesh
 from hp.parallel.strategy import Strategy
 from hp.train.clipping import clip_gradients
@@ -71,6 +72,7 @@ class StepMemory:
     inputs: int
     other: int
     peak: int
+    model_states: int  # parameters, gradients and optimizer states held as the update starts (every gradient made)
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -78,8 +80,8 @@ class StepMemory:
 
 @dataclass(frozen=True)
 class StepShape:
-    """The batch a step runs: rows on every rank before the strategy splits them (per-device batch x dp), tokens
-    per row, and the learning problem's head (`vocab`)."""
+    """The batch a step runs: rows on every rank before the strategy splits them (per-device batch x dp), and tokens
+    per row."""
 
     rows: int
     tokens: int
@@ -131,6 +133,31 @@ def measure_step(hf_config, strategy: Strategy | Mapping[str, Any], shape: StepS
     return _tracked_step(model, strategy, shape, mesh.device_type)
 
 
+def trace_config(config, hf_config) -> StepMemory:
+    """`trace_step` of an `hp train` config (`hp.train.config.TrainConfig`): its strategy and finetuning, and its
+    batch: per-device rows times dp (the strategy splits them), `cutoff_len` tokens each (the longest a batch
+    holds), bf16 as it says. What it cannot trace yet is refused by name (a ValueError).
+
+    >>> from hp.train.config import validate
+    >>> from hp.models import tiny_config
+    >>> config = validate({"model_name_or_path": "m", "dataset": "d", "output_dir": "o", "cutoff_len": 32,
+    ...                    "parallel": {"dp": 2, "fsdp": True}})
+    >>> trace_config(config, tiny_config("llama")).peak > 0
+    True
+    """
+    strategy = config.parallel
+    if strategy.pp > 1 or strategy.mpmd_place is not None:
+        raise ValueError("hp plan traces no pipelined or placed step yet: their stages are cut by hp train's runner")
+    if plan_for(hf_config).experts:
+        raise ValueError("hp plan traces no mixture-of-experts step yet: its routing decides the experts' shapes")
+    if config.stage not in ("pt", "sft") or getattr(hf_config, "vision_config", None) is not None:
+        raise ValueError(f"hp plan traces pt and sft steps of text models so far, not {config.stage} of "
+                         f"{hf_config.model_type}")
+    shape = StepShape(rows=config.per_device_train_batch_size * strategy.dp, tokens=config.cutoff_len,
+                      bf16=config.bf16)
+    return trace_step(hf_config, strategy, shape, config.finetuning)
+
+
 def _built(hf_config, finetuning: Finetuning | None):
     model = model_class(hf_config).from_config(hf_config)
     if finetuning is not None:
@@ -150,15 +177,17 @@ def _tracked_step(model, strategy: Strategy, shape: StepShape, device: str, *, c
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = adamw(trained)
 
-    def step() -> None:
+    at_update: dict[str, int] = {}
+
+    def step(tracker: MemTracker | None = None) -> None:
         with autocast(shape.bf16, device):
             loss = objective(batch, device).loss
         loss.backward()
-        from hp import reduce_gradients
-
         reduce_gradients(model)
         if clip:  # it reads the norm, which a fake tensor does not hold
             clip_gradients(trained, 1.0)
+        if tracker is not None:
+            at_update.update(next(iter(tracker.get_tracker_snapshot("current").values()), {}))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -166,21 +195,37 @@ def _tracked_step(model, strategy: Strategy, shape: StepShape, device: str, *, c
     tracker = _StepTracker()
     tracker.track_external(model, optimizer, batch.input_ids, batch.labels)
     with tracker:
-        step()
+        step(tracker)
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     kinds = {name: snapshot.get(kind, 0) for kind, name in _KINDS.items()}
-    return StepMemory(**kinds, peak=snapshot.get("Total", 0))
+    states = sum(at_update.get(kind, 0) for kind in ("Parameter", "Gradient", "Optstate"))
+    return StepMemory(**kinds, peak=snapshot.get("Total", 0), model_states=states)
 
 
 class _StepTracker(MemTracker):
     """torch's `MemTracker` keeping the step's peak only: its per-module peaks, which this does not read, walk
-    every module the step has entered at every op (three quarters of a trace's time)."""
+    every module the step has entered at every op (three quarters of a trace's time). A frozen parameter (LoRA's
+    base weights) gets no gradient hook, which torch refuses on a tensor that needs no gradient."""
+
+    def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+        for param in module.parameters():  # FSDP swaps its parameters in and out: each one as it comes
+            if not param.requires_grad and param not in self._param_to_grad_hook_handles:
+                self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def _update_peak_stats(self, peak_state) -> None:
         for device, snapshot in self._curr_mem_snap.items():
             if self._peak_mem.get(device, 0) < snapshot["Total"]:
                 self._peak_mem[device] = snapshot["Total"]
                 self._peak_mem_snap[device] = dict(snapshot)
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
 
 
 @contextlib.contextmanager

@@ -6,13 +6,14 @@ import json
 
 from hp.plan.devices import DeviceProfile
 from hp.plan.dry_run import DryRun
+from hp.plan.memory import StepMemory
 
 GIB = 1024**3
 
 
-def shortfall(run: DryRun, device: DeviceProfile) -> str | None:
-    """Why the run cannot fit `device` whatever its activations take (rank 0's model states alone exceed its
-    memory), with what would make it fit; None when the model states fit.
+def shortfall(run: DryRun, device: DeviceProfile, memory: StepMemory | None = None) -> str | None:
+    """Why the run cannot fit `device`: rank 0's model states alone exceed its memory, or its step's peak
+    (`memory`, when traced) does; with what would make it fit. None when it fits.
 
     >>> from hp.plan.devices import profile
     >>> print(shortfall(DryRun(8, "dp=8", 8_000_000_000, 8_000_000_000, 8_000_000_000, (), 0.1), profile("h100-80g")))
@@ -20,14 +21,22 @@ def shortfall(run: DryRun, device: DeviceProfile) -> str | None:
     """
     need = sum(run.state_bytes.values())
     if need <= device.memory_bytes:
-        return None
+        if memory is None or memory.peak <= device.memory_bytes:
+            return None
+        return (f"rank 0's step peaks at {memory.peak / GIB:.2f} GiB, {(memory.peak - device.memory_bytes) / GIB:.2f} "
+                f"GiB more than {device.name}'s {device.memory_bytes / GIB:.2f} GiB (activations "
+                f"{memory.activations / GIB:.2f} GiB, temporaries {memory.temporaries / GIB:.2f} GiB): recompute the "
+                "blocks (parallel.recompute: true), split the sequence (sp, cp), lower per_device_train_batch_size "
+                "or cutoff_len, or offload")
     return (f"rank 0's model states alone need {need / GIB:.2f} GiB, {(need - device.memory_bytes) / GIB:.2f} GiB "
             f"more than {device.name}'s {device.memory_bytes / GIB:.2f} GiB: shard them with FSDP (parallel.fsdp: "
             "true) or over more ranks, split the model (tp, pp), train LoRA adapters, or offload the optimizer states")
 
 
-def render(name: str, run: DryRun, *, device: DeviceProfile | None = None, as_json: bool = False) -> str:
-    """The dry run of model `name` as text, or as JSON with the model's name (and `device`'s memory) added.
+def render(name: str, run: DryRun, *, device: DeviceProfile | None = None, memory: StepMemory | None = None,
+           untraced: str | None = None, as_json: bool = False) -> str:
+    """The dry run of model `name` as text, or as JSON with the model's name (and `device`'s memory) added; with
+    rank 0's traced step (`memory`), or why it was not traced (`untraced`).
 
     >>> print(render("m", DryRun(8, "dp=8 fsdp", 8_000_000_000, 1_000_000_000, 1_000_000_000, (), 0.5)))
     hp plan: m, dp=8 fsdp on 8 ranks (laid out in 0.5 s)
@@ -37,9 +46,12 @@ def render(name: str, run: DryRun, *, device: DeviceProfile | None = None, as_js
     """
     states = run.state_bytes
     if as_json:
-        memory = {} if device is None else {"device": device.name, "device_memory_bytes": device.memory_bytes,
-                                            "model_states_share": round(sum(states.values()) / device.memory_bytes, 4)}
-        return json.dumps({"model": name, **run.to_dict(), **memory})
+        held = {} if device is None else {"device": device.name, "device_memory_bytes": device.memory_bytes,
+                                          "model_states_share": round(sum(states.values()) / device.memory_bytes, 4)}
+        if device is not None and memory is not None:
+            held["peak_share"] = round(memory.peak / device.memory_bytes, 4)
+        step = {"step_memory": memory.to_dict()} if memory is not None else {"untraced": untraced} if untraced else {}
+        return json.dumps({"model": name, **run.to_dict(), **held, **step})
     parts = ", ".join(f"{kind.replace('_', ' ')} {size / GIB:.2f} GiB" for kind, size in states.items())
     lines = [f"hp plan: {name}, {run.strategy} on {run.world} ranks (laid out in {run.seconds:.1f} s)",
              f"  parameters: {_count(run.parameters)} in all, {_count(run.rank_parameters)} on rank 0",
@@ -49,11 +61,21 @@ def render(name: str, run: DryRun, *, device: DeviceProfile | None = None, as_js
         lines.extend(f"    {split}" for split in run.uneven)
     else:
         lines.append("  every split divides evenly")
+    if memory is not None:
+        kinds = ", ".join(f"{kind.replace('_', ' ')} {getattr(memory, kind) / GIB:.2f} GiB" for kind in _PEAK_KINDS
+                          if getattr(memory, kind))
+        lines.append(f"  rank 0's step (traced): peak {memory.peak / GIB:.2f} GiB, held then as {kinds}")
+    elif untraced:
+        lines.append(f"  step not traced: {untraced}")
     if device is not None:
         share = sum(states.values()) / device.memory_bytes
-        lines.append(f"  on {device.name} ({device.memory_bytes / GIB:.2f} GiB): the model states take {share:.0%}, "
-                     "before activations, buffers and the transient peak (not traced yet)")
+        peak = (f", the step's peak {memory.peak / device.memory_bytes:.0%}" if memory is not None
+                else ", before activations, buffers and the transient peak")
+        lines.append(f"  on {device.name} ({device.memory_bytes / GIB:.2f} GiB): the model states take {share:.0%}{peak}")
     return "\n".join(lines)
+
+
+_PEAK_KINDS = ("parameters", "gradients", "optimizer_states", "activations", "temporaries", "buffers", "inputs", "other")
 
 
 def _count(n: int) -> str:
