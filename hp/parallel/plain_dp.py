@@ -49,6 +49,7 @@ import inspect
 from collections.abc import Iterator
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 import torch.distributed as dist
 from torch import nn
 
@@ -65,9 +66,29 @@ BUCKET_ELEMENTS = 1 << 22  # gradient elements per all-reduce (16 MiB in fp32): 
 
 
 def takes_plain_dp(model: nn.Module, mesh, strategy) -> bool:
-    """Whether `model` runs plain data parallel under `strategy` here: `plain_dp_layout`, on real processes."""
-    real = dist.is_initialized() and dist.get_backend() != "fake"
+    """Whether `model` runs plain data parallel under `strategy` here: `plain_dp_layout`, on real processes (or on a
+    fake world standing for them, `as_on_real_processes`)."""
+    real = dist.is_initialized() and (dist.get_backend() != "fake" or _AS_ON_REAL_PROCESSES[0])
     return real and plain_dp_layout(model, strategy)
+
+
+_AS_ON_REAL_PROCESSES = [False]
+
+
+@contextlib.contextmanager
+def as_on_real_processes() -> Iterator[None]:
+    """Models laid out inside run plain data parallel on a fake process group too, as they would on real
+    processes: for a step traced as rank 0 of a real run (`hp.plan.memory`), not one simulated rank by rank.
+
+    >>> with as_on_real_processes():
+    ...     _AS_ON_REAL_PROCESSES[0]
+    True
+    """
+    before, _AS_ON_REAL_PROCESSES[0] = _AS_ON_REAL_PROCESSES[0], True
+    try:
+        yield
+    finally:
+        _AS_ON_REAL_PROCESSES[0] = before
 
 
 def plain_dp_layout(model: nn.Module, strategy) -> bool:
@@ -167,8 +188,11 @@ def _my_rows(labels: torch.Tensor | None, rows: int, dp, cut: list[bool]) -> sli
     if labels is None or labels.dim() != 2:
         share = rows // dp.size()
         return slice(dp.get_local_rank() * share, (dp.get_local_rank() + 1) * share)
-    columns = torch.arange(labels.shape[1], device=labels.device)
-    widths = (torch.where(labels != IGNORE_INDEX, columns, 0).amax(1) + 1).tolist()
+    if is_fake(labels):  # a traced step's batch (hp plan): no values to balance by, every row taken as full
+        widths = [labels.shape[1]] * rows
+    else:
+        columns = torch.arange(labels.shape[1], device=labels.device)
+        widths = (torch.where(labels != IGNORE_INDEX, columns, 0).amax(1) + 1).tolist()
     cut[0] = True  # the logits are this rank's rows, in its own order
     return torch.tensor(balanced_rows(widths, dp.size())[dp.get_local_rank()], device=labels.device)
 
@@ -345,14 +369,15 @@ def _into(params: list[nn.Parameter], flat: torch.Tensor) -> None:
     offset = 0
     for p in params:
         n = p.numel()
+        if p.grad is not None and p.grad._base is flat and p.grad.storage_offset() == offset:
+            offset += n
+            continue  # its place already (asked of the view's base, not its address, which a fake tensor lacks)
         view = flat[offset:offset + n].view_as(p)
         offset += n
         if p.grad is None:
             view.zero_()
-        elif p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)
         else:
-            continue
+            view.copy_(p.grad)
         p.grad = view
 
 

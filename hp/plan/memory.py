@@ -5,7 +5,8 @@ what a step holds beside them (activations saved for backward, gradients
 while they accumulate, the temporaries of attention and the loss, the
 buffers of collectives) depends on every op the step runs. hp answers it
 by running that step: the model is built on the meta device, laid out by
-`apply_strategy` on a fake process group of the target world, its
+`apply_strategy` on a fake process group of the target world (as on real
+processes: plain data parallel where a run takes it), its
 parameters made `FakeTensor`s (shapes, no storage), and one step of
 `hp train` (the stage's loss, backward, the gradients reduced and clipped,
 AdamW's update, the gradients dropped) runs under `FakeTensorMode`; the
@@ -47,10 +48,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hp.models import plan_for
 from hp.parallel.data_parallel import reduce_gradients
+from hp.parallel.plain_dp import as_on_real_processes
 from hp.parallel.apply import apply_strategy, strategy_mesh
 from hp.parallel.strategy import Strategy
 from hp.train.clipping import clip_gradients
-from hp.train.data import Batch
+from hp.train.data import IGNORE_INDEX
 from hp.train.finetuning import Finetuning, apply_finetuning
 from hp.train.model import model_class
 
@@ -105,10 +107,11 @@ def trace_step(hf_config, strategy: Strategy | Mapping[str, Any], shape: StepSha
     mesh = strategy_mesh(strategy, simulate=True)
     with torch.device("meta"):
         model = _built(hf_config, finetuning)
-    apply_strategy(model, mesh, strategy, plan_for(hf_config))
+    with as_on_real_processes():  # plain data parallel where a real run takes it
+        apply_strategy(model, mesh, strategy, plan_for(hf_config))
     with FakeTensorMode(allow_non_fake_inputs=True), _as_a_real_step():
         model.to_empty(device=mesh.device_type)
-        return _tracked_step(model, strategy, shape, mesh.device_type, clip=False)
+        return _tracked_step(model, strategy, shape, mesh.device_type, fake=True)
 
 
 def measure_step(hf_config, strategy: Strategy | Mapping[str, Any], shape: StepShape,
@@ -128,7 +131,8 @@ def measure_step(hf_config, strategy: Strategy | Mapping[str, Any], shape: StepS
     mesh = strategy_mesh(strategy, simulate=simulate)
     torch.manual_seed(seed)
     model = _built(hf_config, finetuning)
-    apply_strategy(model, mesh, strategy, plan_for(hf_config))
+    with as_on_real_processes():
+        apply_strategy(model, mesh, strategy, plan_for(hf_config))
     model.to(mesh.device_type)
     return _tracked_step(model, strategy, shape, mesh.device_type)
 
@@ -165,15 +169,17 @@ def _built(hf_config, finetuning: Finetuning | None):
     return model
 
 
-def _tracked_step(model, strategy: Strategy, shape: StepShape, device: str, *, clip: bool = True) -> StepMemory:
+def _tracked_step(model, strategy: Strategy, shape: StepShape, device: str, *, fake: bool = False) -> StepMemory:
     from hp.train.loop import adamw
-    from hp.train.objectives import LanguageModeling
     from hp.train.precision import autocast
 
-    objective = LanguageModeling(model)
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (shape.rows, shape.tokens), device=device)
-    batch = Batch(ids, ids.clone())
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+    if fake and hasattr(model, "_hp_reducer"):
+        # plain data parallel picks each rank's rows and supervised positions by the labels' values, which a fake
+        # tensor lacks; every position is supervised here, which the shifted targets say without values
+        inputs["shift_labels"] = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=IGNORE_INDEX)
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = adamw(trained)
 
@@ -181,10 +187,10 @@ def _tracked_step(model, strategy: Strategy, shape: StepShape, device: str, *, c
 
     def step(tracker: MemTracker | None = None) -> None:
         with autocast(shape.bf16, device):
-            loss = objective(batch, device).loss
+            loss = model(**inputs).loss  # the pt and sft objective (hp.train.objectives.LanguageModeling)
         loss.backward()
         reduce_gradients(model)
-        if clip:  # it reads the norm, which a fake tensor does not hold
+        if not fake:  # the clip reads the norm, which a fake tensor does not hold
             clip_gradients(trained, 1.0)
         if tracker is not None:
             at_update.update(next(iter(tracker.get_tracker_snapshot("current").values()), {}))
@@ -193,7 +199,7 @@ def _tracked_step(model, strategy: Strategy, shape: StepShape, device: str, *, c
 
     step()  # AdamW makes its states on its first update; a first step also makes what later ones reuse
     tracker = _StepTracker()
-    tracker.track_external(model, optimizer, batch.input_ids, batch.labels)
+    tracker.track_external(model, optimizer, *inputs.values())
     with tracker:
         step(tracker)
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
