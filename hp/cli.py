@@ -79,7 +79,8 @@ def _plan(args: argparse.Namespace) -> int:
         check_nodes(args.devices or config.parallel.world_size, args.devices_per_node)
         run = dry_run_config(config, args.devices)
         memory = untraced = None
-        if not args.dry_run:
+        states_fit = device is None or shortfall(run, device) is None  # else no step could fit: none traced
+        if not args.dry_run and states_fit:
             try:
                 memory = trace_config(config, hf_config_of(config.model_name_or_path))
             except ValueError as reason:  # a step hp plan cannot trace yet: the layout's figures still stand
