@@ -148,7 +148,7 @@ def main() -> None:
         rows.append(_line(name, strategy, shape, finetuning, "simulated ranks", predicted, measured))
     errors = [row["error"] for row in rows]
     big = {("fsdp" if row["strategy"].get("fsdp") else "tp"): row for row in rows if row["model"] == "qwen2.5-0.5b"}
-    params = sum(p.numel() for p in _meta_model(reference_config("qwen2.5-0.5b")).parameters())
+    params = dry_run(model("qwen2.5-0.5b"), {"dp": 2, "fsdp": True}).parameters
     fsdp = big["fsdp"]["measured"]
     print(json.dumps({
         "memory_error_max": round(max(errors), 4), "memory_error_mean": round(statistics.fmean(errors), 4),
@@ -156,13 +156,6 @@ def main() -> None:
         "dry_run_world_max": max(r.world for r in runs), "dry_run_s_max": round(max(r.seconds for r in runs), 2),
         "fsdp_states_vs_zero_formula": round(fsdp["model_states"] / (16 * params / 2), 3),
         "fsdp_peak_vs_tp_peak": round(fsdp["peak"] / big["tp"]["measured"]["peak"], 3)}))
-
-
-def _meta_model(config):
-    from hp.train.model import model_class
-
-    with torch.device("meta"):
-        return model_class(config).from_config(config)
 
 
 if __name__ == "__main__":

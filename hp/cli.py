@@ -77,17 +77,18 @@ def _plan(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.overrides)
         device = profile(args.device) if args.device else None
         check_nodes(args.devices or config.parallel.world_size, args.devices_per_node)
-        run = dry_run_config(config, args.devices)
+        hf_config = hf_config_of(config.model_name_or_path)
+        run = dry_run_config(config, args.devices, hf_config)
         memory = untraced = None
-        states_fit = device is None or shortfall(run, device) is None  # else no step could fit: none traced
-        if not args.dry_run and states_fit:
+        short = shortfall(run, device) if device is not None else None  # model states alone: no step could fit
+        if not args.dry_run and short is None:
             try:
-                memory = trace_config(config, hf_config_of(config.model_name_or_path))
+                memory = trace_config(config, hf_config)
             except ValueError as reason:  # a step hp plan cannot trace yet: the layout's figures still stand
                 untraced = str(reason)
+            short = shortfall(run, device, memory) if device is not None else None
         print(render(config.model_name_or_path, run, device=device, memory=memory, untraced=untraced,
                      as_json=args.json))
-        short = shortfall(run, device, memory) if device is not None else None
         if short:
             return errors.report(ConfigError(short), "hp plan")
     except ValueError as error:  # a config, model name or strategy that cannot be planned: bad input

@@ -152,3 +152,9 @@ def test_hp_plan_prints_rank_0_s_step_and_says_what_it_cannot_trace(capsys):
     assert main(["plan", QUICKSTART, "model_name_or_path=hp/tiny-qwen3-moe", "parallel.tp=1", "parallel.dp=2",
                  "parallel.ep=2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["untraced"].startswith("hp plan traces no mixture-of-experts step")
+    # a step whose peak exceeds the device: the plan, then one message with the shortfall and what would fit
+    assert main(["plan", QUICKSTART, "per_device_train_batch_size=2048", "cutoff_len=8192", "--device", "h100-80g"]) == 2
+    captured = capsys.readouterr()
+    assert "the step's peak" in captured.out.splitlines()[-1]
+    assert captured.err.startswith("hp plan: rank 0's step peaks at ") and "GiB more than h100-80g's 79.65 GiB" in \
+        captured.err and "recompute the blocks" in captured.err and len(captured.err.strip().splitlines()) == 1

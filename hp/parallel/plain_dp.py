@@ -45,11 +45,11 @@ one process need DTensors.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 from collections.abc import Iterator
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 import torch.distributed as dist
 from torch import nn
 
@@ -68,11 +68,11 @@ BUCKET_ELEMENTS = 1 << 22  # gradient elements per all-reduce (16 MiB in fp32): 
 def takes_plain_dp(model: nn.Module, mesh, strategy) -> bool:
     """Whether `model` runs plain data parallel under `strategy` here: `plain_dp_layout`, on real processes (or on a
     fake world standing for them, `as_on_real_processes`)."""
-    real = dist.is_initialized() and (dist.get_backend() != "fake" or _AS_ON_REAL_PROCESSES[0])
+    real = dist.is_initialized() and (dist.get_backend() != "fake" or _AS_ON_REAL_PROCESSES.get())
     return real and plain_dp_layout(model, strategy)
 
 
-_AS_ON_REAL_PROCESSES = [False]
+_AS_ON_REAL_PROCESSES = contextvars.ContextVar("as_on_real_processes", default=False)
 
 
 @contextlib.contextmanager
@@ -81,14 +81,14 @@ def as_on_real_processes() -> Iterator[None]:
     processes: for a step traced as rank 0 of a real run (`hp.plan.memory`), not one simulated rank by rank.
 
     >>> with as_on_real_processes():
-    ...     _AS_ON_REAL_PROCESSES[0]
+    ...     _AS_ON_REAL_PROCESSES.get()
     True
     """
-    before, _AS_ON_REAL_PROCESSES[0] = _AS_ON_REAL_PROCESSES[0], True
+    token = _AS_ON_REAL_PROCESSES.set(True)
     try:
         yield
     finally:
-        _AS_ON_REAL_PROCESSES[0] = before
+        _AS_ON_REAL_PROCESSES.reset(token)
 
 
 def plain_dp_layout(model: nn.Module, strategy) -> bool:
@@ -188,11 +188,8 @@ def _my_rows(labels: torch.Tensor | None, rows: int, dp, cut: list[bool]) -> sli
     if labels is None or labels.dim() != 2:
         share = rows // dp.size()
         return slice(dp.get_local_rank() * share, (dp.get_local_rank() + 1) * share)
-    if is_fake(labels):  # a traced step's batch (hp plan): no values to balance by, every row taken as full
-        widths = [labels.shape[1]] * rows
-    else:
-        columns = torch.arange(labels.shape[1], device=labels.device)
-        widths = (torch.where(labels != IGNORE_INDEX, columns, 0).amax(1) + 1).tolist()
+    columns = torch.arange(labels.shape[1], device=labels.device)
+    widths = (torch.where(labels != IGNORE_INDEX, columns, 0).amax(1) + 1).tolist()
     cut[0] = True  # the logits are this rank's rows, in its own order
     return torch.tensor(balanced_rows(widths, dp.size())[dp.get_local_rank()], device=labels.device)
 

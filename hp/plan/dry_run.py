@@ -100,8 +100,9 @@ def dry_run(hf_config, strategy: Strategy | Mapping[str, Any], finetuning: Finet
     return DryRun(strategy.world_size, _describe(strategy), whole, held, trainable, notes, time.perf_counter() - start)
 
 
-def dry_run_config(config: TrainConfig, devices: int | None = None) -> DryRun:
-    """`dry_run` of an `hp train` config's model and strategy; `devices`, when given, must be its world size.
+def dry_run_config(config: TrainConfig, devices: int | None = None, hf_config=None) -> DryRun:
+    """`dry_run` of an `hp train` config's model and strategy; `devices`, when given, must be its world size;
+    `hf_config`, when given, the model's config as `hf_config_of` reads it.
 
     >>> from hp.train.config import validate
     >>> config = validate({"model_name_or_path": "llama-3.1-8b", "dataset": "d", "output_dir": "o",
@@ -119,7 +120,7 @@ set its degrees to multiply to 256 (hp plan does not search other strategies yet
         raise ValueError(f"--devices {devices}: the config's parallel section ({_describe(strategy)}) runs on "
                          f"{strategy.world_size} ranks; set its degrees to multiply to {devices} "
                          "(hp plan does not search other strategies yet)")
-    hf_config = hf_config_of(config.model_name_or_path)
+    hf_config = hf_config or hf_config_of(config.model_name_or_path)
     # the check hp train's launcher makes, with its message: shapes the strategy cannot split, axes the model lacks
     check_fits(hf_config, strategy, name=config.model_name_or_path, labels=strategy_labels(config),
                finetuning=config.finetuning)

@@ -8,10 +8,10 @@ by running that step: the model is built on the meta device, laid out by
 `apply_strategy` on a fake process group of the target world (as on real
 processes: plain data parallel where a run takes it), its
 parameters made `FakeTensor`s (shapes, no storage), and one step of
-`hp train` (the stage's loss, backward, the gradients reduced and clipped,
-AdamW's update, the gradients dropped) runs under `FakeTensorMode`; the
-gradients' clipping is left out (it reads the norm, a number a fake
-tensor does not hold; it allocates one number per gradient).
+`hp train` (the loss, backward, the gradients reduced, AdamW's update, the
+gradients dropped) runs under `FakeTensorMode`. The gradients' clipping is
+left out: it reads the norm, a number a fake tensor does not hold (it
+allocates one number per gradient).
 torch's `MemTracker` counts every storage the step allocates, by kind, and
 keeps the breakdown at the step's peak.
 
@@ -107,11 +107,10 @@ def trace_step(hf_config, strategy: Strategy | Mapping[str, Any], shape: StepSha
     mesh = strategy_mesh(strategy, simulate=True)
     with torch.device("meta"):
         model = _built(hf_config, finetuning)
-    with as_on_real_processes():  # plain data parallel where a real run takes it
-        apply_strategy(model, mesh, strategy, plan_for(hf_config))
+    _laid_out(model, strategy, mesh)
     with FakeTensorMode(allow_non_fake_inputs=True), _as_a_real_step():
         model.to_empty(device=mesh.device_type)
-        return _tracked_step(model, strategy, shape, mesh.device_type, fake=True)
+        return _tracked_step(model, shape, mesh.device_type, fake=True)
 
 
 def measure_step(hf_config, strategy: Strategy | Mapping[str, Any], shape: StepShape,
@@ -130,11 +129,8 @@ def measure_step(hf_config, strategy: Strategy | Mapping[str, Any], shape: StepS
     simulate = not torch.distributed.is_initialized() or torch.distributed.get_backend() == "fake"
     mesh = strategy_mesh(strategy, simulate=simulate)
     torch.manual_seed(seed)
-    model = _built(hf_config, finetuning)
-    with as_on_real_processes():
-        apply_strategy(model, mesh, strategy, plan_for(hf_config))
-    model.to(mesh.device_type)
-    return _tracked_step(model, strategy, shape, mesh.device_type)
+    model = _laid_out(_built(hf_config, finetuning), strategy, mesh).to(mesh.device_type)
+    return _tracked_step(model, shape, mesh.device_type)
 
 
 def trace_config(config, hf_config) -> StepMemory:
@@ -169,7 +165,13 @@ def _built(hf_config, finetuning: Finetuning | None):
     return model
 
 
-def _tracked_step(model, strategy: Strategy, shape: StepShape, device: str, *, fake: bool = False) -> StepMemory:
+def _laid_out(model, strategy: Strategy, mesh):
+    """`model` laid out by `strategy` as on real processes: plain data parallel where a real run takes it."""
+    with as_on_real_processes():
+        return apply_strategy(model, mesh, strategy, plan_for(model.config))
+
+
+def _tracked_step(model, shape: StepShape, device: str, *, fake: bool = False) -> StepMemory:
     from hp.train.loop import adamw
     from hp.train.precision import autocast
 
@@ -243,7 +245,8 @@ def _as_a_real_step() -> Iterator[None]:
 
     # a meta kernel that refuses shapes is logged before its caller (hp's blockwise ops) takes another road
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
-    level, fake_log.level = fake_log.level, logging.CRITICAL
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
     search = masking.find_packed_sequence_indices
     masking.find_packed_sequence_indices = lambda *args, **kwargs: None
     try:
