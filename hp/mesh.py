@@ -2,9 +2,12 @@
 
 It detects the device and backend (`hp.device`), joins torchrun's process
 group when launched by it, runs as a one-rank world when launched plainly,
-and with `simulate=True` builds a `fake` process group of the mesh's size in
-one process, for planning and counting collectives at scale (use it with
-`torch.distributed._local_tensor.LocalTensorMode` to compute real values).
+and with `simulate=True` builds a `fake` process group in one process, for
+planning and counting collectives at scale (use it with `hp.simulated` to
+compute real values). A simulated world grows to the largest mesh asked for
+and stays: a smaller mesh takes its first ranks, as JAX's meshes take the
+first of the host's devices, so that DTensor's cached sharding decisions
+survive from one mesh to the next.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 import re
 from collections.abc import Sequence
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -53,7 +57,11 @@ def mesh(
     shape = tuple(n for _, n in named)
     if simulate:
         _init_fake_world(size)
-        return _remember_axes(init_device_mesh("cpu", shape, mesh_dim_names=names))
+        if dist.get_world_size() == size:
+            return _remember_axes(init_device_mesh("cpu", shape, mesh_dim_names=names))
+        # the first ranks of a larger simulated world (see _init_fake_world)
+        ranks = torch.arange(size).view(shape)
+        return _remember_axes(DeviceMesh("cpu", ranks, mesh_dim_names=names))
     device = detect()
     _init_real_world(device, size)
     world = dist.get_world_size()
@@ -119,7 +127,10 @@ def _init_fake_world(size: int) -> None:
                 "simulate=True needs a process without a real process group; "
                 f"this one already runs '{dist.get_backend()}'"
             )
-        if dist.get_world_size() == size:
+        if dist.get_world_size() >= size:
+            # A smaller mesh takes the first ranks of the world already there: a new world would
+            # drop every sharding decision DTensor has cached (_forget_old_groups), and planning
+            # each op anew costs a simulated step several times its arithmetic.
             return
         dist.destroy_process_group()
         _forget_old_groups()

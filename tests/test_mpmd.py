@@ -60,7 +60,8 @@ def test_a_pipelined_moe_step_gives_hf_s_loss_and_gradients_and_the_plain_step_s
     assert piped_trace.bytes("all_to_all", axis="ep") == rows + 2 * counts  # the same rows; one count per chunk
     for kind in ("all_gather", "reduce_scatter"):
         assert piped_trace.bytes(kind) == plain_trace.bytes(kind), kind
-    plan = ring_bytes("all_reduce", 8, strategy.world_size)  # the plan's: the slowest rank's step time, one float64
+    # the plan's: the slowest rank's step time, one float64 over the world (a simulated one may hold more ranks)
+    plan = ring_bytes("all_reduce", 8, torch.distributed.get_world_size())
     assert piped_trace.bytes("all_reduce") == plain_trace.bytes("all_reduce") + plan
 
 
@@ -94,7 +95,7 @@ def test_a_pipelined_llama_step_gives_hf_s_loss_and_gradients_and_the_plain_step
         assert piped_trace.bytes(kind) == plain_trace.bytes(kind), kind
     pipelined = ("reduce_scatter", "tp") if strategy.sp else ("all_reduce", "tp")
     assert piped_trace.count(*pipelined) > plain_trace.count(*pipelined)  # sent in pieces
-    plan = ring_bytes("all_reduce", 8, strategy.world_size)  # the planner's one float64
+    plan = ring_bytes("all_reduce", 8, torch.distributed.get_world_size())  # the planner's one float64, over the world
     assert piped_trace.bytes("all_reduce") == plain_trace.bytes("all_reduce") + plan
 
 
