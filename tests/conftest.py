@@ -36,3 +36,14 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(items) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # a stable sort: files stay contiguous
+
+
+def pytest_collection_finish(session) -> None:
+    # What collection imported (torch, transformers, hp, the zoo's models: millions of objects) lives as long
+    # as the worker: frozen, the collector no longer walks it on every full collection; and the young
+    # generation is collected less often, since the simulated tests allocate small objects by the million.
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)

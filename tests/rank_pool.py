@@ -165,6 +165,7 @@ def _serve() -> None:
     zygote = os.getpid()
     _preload()
     gc.freeze()  # what the imports made is never collected: a fork's collections neither walk nor copy it
+    gc.set_threshold(20_000, 20, 20)  # as in the pytest workers (conftest.py): fewer young collections
     reply = os.fdopen(os.dup(1), "w")  # the pipe to the pytest worker; a stray print goes to stderr, not into it
     os.dup2(2, 1)
     for line in sys.stdin:
