@@ -75,10 +75,12 @@ def _plan(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(args.config, args.overrides)
-        device = profile(args.device) if args.device else None
-        check_nodes(args.devices or config.parallel.world_size, args.devices_per_node)
+        devices, per_node, device = _cluster(args, config)
+        device = profile(device) if device else None
+        check_nodes(devices or config.parallel.world_size, per_node,
+                    "--devices-per-node" if args.devices_per_node is not None else "cluster.devices_per_node =")
         hf_config = hf_config_of(config.model_name_or_path)
-        run = dry_run_config(config, args.devices, hf_config)
+        run = dry_run_config(config, devices, hf_config)
         memory = untraced = None
         short = shortfall(run, device) if device is not None else None  # model states alone: no step could fit
         if not args.dry_run and short is None:
@@ -98,6 +100,14 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster(args: argparse.Namespace, config) -> tuple[int | None, int | None, str | None]:
+    """(devices, devices per node, device profile): each flag given, else the config's `cluster:` section's."""
+    section = config.cluster
+    given = lambda flag, key: flag if flag is not None else getattr(section, key, None)  # noqa: E731
+    return (given(args.devices, "devices"), given(args.devices_per_node, "devices_per_node"),
+            given(args.device, "device"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hp", description="named-axis layouts on PyTorch DTensor")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -109,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = commands.add_parser("plan", help="lay a config's model out at its world size, in one process")
     plan.add_argument("config", help="the YAML file hp train takes")
     plan.add_argument("overrides", nargs="*", help="key=value overrides, as hp train takes them")
-    plan.add_argument("--devices", type=int, help="the world to plan for (the config's parallel degrees multiply to it)")
+    plan.add_argument("--devices", type=int, help="the world to plan for (the config's parallel degrees multiply to it; "
+                      "else cluster.devices)")
     plan.add_argument("--dry-run", action="store_true", help="only lay the model out and check the strategy (no step "
                       "traced)")
     plan.add_argument("--device", help="a device profile (h100-80g, h200-141g, a100-80g, 910b-64g, or cpu, measured "

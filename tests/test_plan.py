@@ -89,11 +89,29 @@ def test_hp_plan_prints_the_rank_s_model_states_and_the_splits_that_do_not_divid
     (["--device", "v100"], "hp plan: device 'v100' has no profile: expected one of h100-80g, h200-141g, a100-80g, "
                            "910b-64g, cpu"),
     (["--devices-per-node", "3"], "hp plan: --devices-per-node 3: 2 devices do not fill whole nodes of 3"),
+    (["cluster.devices_per_node=3"], "hp plan: cluster.devices_per_node = 3: 2 devices do not fill whole nodes of 3"),
+    (["cluster.devices=0"], "hp plan: cluster.devices = 0: expected a positive integer"),
+    (["cluster.devics=8"], "hp plan: unknown key 'cluster.devics' = 8; did you mean 'cluster.devices'?"),
+    (["cluster.device=v100"], "hp plan: device 'v100' has no profile: expected one of h100-80g,"),
 ])
 def test_what_hp_plan_cannot_plan_is_one_message_and_exit_code_2(overrides, message, capsys):
     assert main(["plan", QUICKSTART, *overrides]) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_cluster_section_plans_as_its_flags_do_and_a_flag_wins(capsys):
+    seventy = [QUICKSTART, "model_name_or_path=llama-3.1-70b", "parallel.dp=64", "parallel.tp=8", "parallel.fsdp=true"]
+    plans = []
+    for section, flags in (([], ["--devices", "512", "--devices-per-node", "8", "--device", "h100-80g"]),
+                           (["cluster.devices=512", "cluster.devices_per_node=8", "cluster.device=h100-80g"], []),
+                           (["cluster.devices=512", "cluster.device=a100-80g"], ["--device", "h100-80g"])):
+        assert main(["plan", *seventy, *section, *flags, "--json", "--dry-run"]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        plans.append({k: plan[k] for k in ("world", "rank_parameters", "state_bytes", "device", "device_memory_bytes")})
+    assert plans[0] == plans[1] == plans[2] and plans[0]["world"] == 512 and plans[0]["device"] == "h100-80g"
+    assert main(["train", QUICKSTART, "cluster.devices=0"]) == 2  # hp train checks the section too
+    assert capsys.readouterr().err.startswith("hp train: cluster.devices = 0: expected a positive integer")
 
 
 def test_a_device_s_memory_against_rank_0_s_model_states(capsys):

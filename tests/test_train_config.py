@@ -107,7 +107,7 @@ def test_defaults_are_llamafactorys():
         "use_hyper_parallel": False, "hyper_parallel_args": None, "hyper_parallel_cp_size": None,
         "deepspeed": None, "fsdp": None, "fsdp_config": None,
         "nproc_per_node": 1, "nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": None,
-        "ddp_timeout": 1800, "max_restarts": 0, "device": "auto",
+        "ddp_timeout": 1800, "max_restarts": 0, "device": "auto", "cluster": None,
     }
 
 

@@ -83,8 +83,8 @@ def profile(name: str) -> DeviceProfile:
     return PROFILES[name]
 
 
-def check_nodes(devices: int, per_node: int | None) -> None:
-    """`devices` must fill whole nodes of `per_node` (None: one node).
+def check_nodes(devices: int, per_node: int | None, given_as: str = "--devices-per-node") -> None:
+    """`devices` must fill whole nodes of `per_node` (None: one node), which the user gave as `given_as`.
 
     >>> check_nodes(16, 8); check_nodes(12, 8)
     Traceback (most recent call last):
@@ -92,7 +92,7 @@ def check_nodes(devices: int, per_node: int | None) -> None:
     ValueError: --devices-per-node 8: 12 devices do not fill whole nodes of 8
     """
     if per_node is not None and (per_node < 1 or devices % per_node):
-        raise ValueError(f"--devices-per-node {per_node}: {devices} devices do not fill whole nodes of {per_node}")
+        raise ValueError(f"{given_as} {per_node}: {devices} devices do not fill whole nodes of {per_node}")
 
 
 def measure_cpu(size: int = 1024) -> DeviceProfile:

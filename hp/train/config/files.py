@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from hp.parallel.strategy import Strategy
+from hp.train.config.schema import Cluster
 from hp.train.config.overrides import apply_overrides
 from hp.train.config.schema import ConfigError, TrainConfig
 from hp.train.config.validation import validate
@@ -98,6 +99,8 @@ def to_dict(config: TrainConfig) -> dict[str, Any]:
             zero_bubble = value.pop("mpmd_zero_bubble")
             if place is not None:
                 value["mpmd"] = {"place": place} | ({"zero_bubble": True} if zero_bubble else {})
+        elif isinstance(value, Cluster):
+            value = {k: v for k, v in dataclasses.asdict(value).items() if v is not None}
         elif isinstance(value, Mapping):
             value = dict(value)
         elif isinstance(value, tuple):

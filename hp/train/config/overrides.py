@@ -18,14 +18,14 @@ import yaml
 from hp.train.config.hyper_parallel import read_hyper_parallel_args
 from hp.train.config.schema import ConfigError
 
-SECTIONS = ("parallel", "hyper_parallel_args")  # the mappings a dotted key reaches into
+SECTIONS = ("parallel", "hyper_parallel_args", "cluster")  # the mappings a dotted key reaches into
 
 
 def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str],
                     *, base_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     """A copy of `raw` with each ``key=value`` (or ``section.key=value``) of `overrides` set.
 
-    A dotted key reaches into the `parallel` or `hyper_parallel_args` section
+    A dotted key reaches into the `parallel`, `hyper_parallel_args` or `cluster` section
     (a hyper_parallel_args JSON path is read first, so its keys can be
     overridden). Nothing is validated here but the override syntax.
 

@@ -62,6 +62,16 @@ class Preference:
         return self.loss not in REFERENCE_FREE_LOSSES
 
 
+@dataclass(frozen=True)
+class Cluster:
+    """The devices a run is planned for (`cluster:`, read by `hp plan`); None where the section leaves a value to
+    `hp plan`'s flags. Checked by `hp.train.config.cluster`."""
+
+    devices: int | None = None
+    devices_per_node: int | None = None
+    device: str | None = None
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """A checked training configuration (build it with `validate` or `load_config`).
@@ -169,6 +179,7 @@ class TrainConfig:
     ddp_timeout: int = 1800  # seconds a collective may wait for the other ranks
     max_restarts: int = 0  # times the workers restart from the last complete checkpoint after one dies
     device: str = "auto"  # one of DEVICES
+    cluster: Cluster | None = None  # the machines `hp plan` plans for (hp.train.config.cluster); hp train reads none
     # LlamaFactory keys that change nothing here, as given (hp.train.config.llamafactory_keys; the launcher prints why)
     no_effect: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     # what the launcher says of how the config was written: keys without effect, sharding from elsewhere

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+from hp.train.config.cluster import cluster_section
 from hp.train.config.hyper_parallel import checked_hyper_args
 from hp.train.config.llamafactory_keys import verdict
 from hp.train.config.parallel import (
@@ -66,6 +67,7 @@ def validate(raw: Mapping[str, Any] | None, *, base_dir: str | os.PathLike | Non
     hyper = _noting(problems, checked_hyper_args, raw, values.get("use_hyper_parallel", False), base_dir)
     elsewhere = _noting(problems, sharding_elsewhere, raw, base_dir)
     trackers = _noting(problems, _report_to, raw.get("report_to"))
+    values["cluster"] = _noting(problems, cluster_section, raw.get("cluster"))
     if problems:
         raise _together(problems)
     strategy, notes = fold_strategy(given, hyper, elsewhere, values)
@@ -73,7 +75,7 @@ def validate(raw: Mapping[str, Any] | None, *, base_dir: str | os.PathLike | Non
                                         values.get("disable_gradient_checkpointing", False))
     values["hyper_parallel_args"] = None if hyper is None else MappingProxyType(hyper)
     said = tuple(found.message for found in foreign.values() if found and found.accepted and found.message)
-    values["report_to"], values["notes"] = trackers[0], said + notes + trackers[1] + _unset_notes(raw)
+    values["report_to"], values["notes"] = trackers[0], said + notes + trackers[1] + _unset_notes(raw) + _cluster_notes(raw)
     values.update({key: MappingProxyType(dict(raw[key])) if isinstance(raw[key], Mapping) else raw[key]
                    for key in ELSEWHERE_KEYS if raw.get(key) is not None})
     values["no_effect"] = MappingProxyType({k: found.kept for k, found in foreign.items() if found})
@@ -97,6 +99,12 @@ def _together(problems: list[ConfigError]) -> ConfigError:
     if len(problems) == 1:
         return problems[0]
     return ConfigError(f"{len(problems)} problems in the config:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _cluster_notes(raw: Mapping[str, Any]) -> tuple[str, ...]:
+    if raw.get("cluster") is None:
+        return ()
+    return ("cluster: read by hp plan only; hp train launches on the world its parallel degrees and nnodes give",)
 
 
 def _unset_notes(raw: Mapping[str, Any]) -> tuple[str, ...]:
