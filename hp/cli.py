@@ -68,7 +68,7 @@ def _export(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from hp.plan import dry_run_config, hf_config_of
     from hp.plan.memory import trace_config
-    from hp.plan.devices import check_nodes, profile
+    from hp.plan.devices import check_nodes, profile, spelled_out
     from hp.plan.report import render, shortfall
     from hp.train import errors
     from hp.train.config import ConfigError, load_config
@@ -76,7 +76,7 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, args.overrides)
         devices, per_node, device = _cluster(args, config)
-        device = profile(device) if device else None
+        device = None if not device else profile(device) if isinstance(device, str) else spelled_out(device)
         check_nodes(devices or config.parallel.world_size, per_node,
                     "--devices-per-node" if args.devices_per_node is not None else "cluster.devices_per_node =")
         hf_config = hf_config_of(config.model_name_or_path)

@@ -93,6 +93,11 @@ def test_hp_plan_prints_the_rank_s_model_states_and_the_splits_that_do_not_divid
     (["cluster.devices=0"], "hp plan: cluster.devices = 0: expected a positive integer"),
     (["cluster.devics=8"], "hp plan: unknown key 'cluster.devics' = 8; did you mean 'cluster.devices'?"),
     (["cluster.device=v100"], "hp plan: device 'v100' has no profile: expected one of h100-80g,"),
+    (["cluster.device={memory_gib: 96}"], "hp plan: cluster.device has no tflops: a device spelled out needs "
+                                          "memory_gib and tflops"),
+    (["cluster.device={memory_gib: 96, tflops: {int8: 2000}}"], "hp plan: unknown key 'cluster.device.tflops.int8'"),
+    (["cluster.device={memory_gib: 96, tflops: {bf16: 989}, inter_node: {bandwidth_gb_s: 50}}"],
+     "hp plan: cluster.device.inter_node = {'bandwidth_gb_s': 50}: expected a mapping of bandwidth_gb_s and latency_us"),
 ])
 def test_what_hp_plan_cannot_plan_is_one_message_and_exit_code_2(overrides, message, capsys):
     assert main(["plan", QUICKSTART, *overrides]) == 2
@@ -110,6 +115,12 @@ def test_the_cluster_section_plans_as_its_flags_do_and_a_flag_wins(capsys):
         plan = json.loads(capsys.readouterr().out)
         plans.append({k: plan[k] for k in ("world", "rank_parameters", "state_bytes", "device", "device_memory_bytes")})
     assert plans[0] == plans[1] == plans[2] and plans[0]["world"] == 512 and plans[0]["device"] == "h100-80g"
+    # a device spelled out: its memory, as a named profile's
+    figures = "{name: b200, memory_gib: 180, tflops: {bf16: 2250}, intra_node: {bandwidth_gb_s: 900, latency_us: 5}}"
+    assert main(["plan", *seventy, f"cluster.device={figures}", "--devices", "512", "--json", "--dry-run"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["device"] == "b200" and plan["device_memory_bytes"] == 180 * 2**30
+    assert plan["model_states_share"] == pytest.approx(sum(plan["state_bytes"].values()) / (180 * 2**30), abs=1e-4)
     assert main(["train", QUICKSTART, "cluster.devices=0"]) == 2  # hp train checks the section too
     assert capsys.readouterr().err.startswith("hp train: cluster.devices = 0: expected a positive integer")
 

@@ -6,14 +6,17 @@ within a node and across nodes. The named profiles carry the vendors'
 published figures for one device (dense math, no sparsity; a link's
 bandwidth one way, per device); `cpu` is this machine, measured when asked
 for (`measure_cpu`: its memory from /proc/meminfo, its FLOP/s from a matmul
-on its threads). A user whose part differs spells one out with `profile`.
+on its threads). A user whose part differs spells its figures out in the
+config's `cluster.device` (`spelled_out`).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 MIB = 1024**2
 GB = 1e9
@@ -81,6 +84,22 @@ def profile(name: str) -> DeviceProfile:
     if name not in PROFILES:
         raise ValueError(f"device {name!r} has no profile: expected one of {', '.join(KNOWN)}")
     return PROFILES[name]
+
+
+def spelled_out(figures: Mapping[str, Any]) -> DeviceProfile:
+    """The profile of a device given by its figures (a config's `cluster.device` mapping, checked there):
+    memory in GiB, peak TFLOP/s per dtype, links in GB/s one way and microseconds.
+
+    >>> d = spelled_out({"name": "b200", "memory_gib": 180, "tflops": {"bf16": 2250},
+    ...                  "intra_node": {"bandwidth_gb_s": 900, "latency_us": 5}})
+    >>> d.memory_bytes / 1024**3, d.peak("bf16") / 1e12, d.intra_node.bandwidth / 1e9, d.inter_node
+    (180.0, 2250.0, 900.0, None)
+    """
+    links = {key: Link(value["bandwidth_gb_s"] * GB, value["latency_us"] * 1e-6)
+             for key in ("intra_node", "inter_node") if (value := figures.get(key)) is not None}
+    return DeviceProfile(figures.get("name", "custom"), round(figures["memory_gib"] * 1024**3),
+                         tuple((dtype, tflops * 1e12) for dtype, tflops in figures["tflops"].items()),
+                         links.get("intra_node"), links.get("inter_node"))
 
 
 def check_nodes(devices: int, per_node: int | None, given_as: str = "--devices-per-node") -> None:

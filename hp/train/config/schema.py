@@ -69,7 +69,7 @@ class Cluster:
 
     devices: int | None = None
     devices_per_node: int | None = None
-    device: str | None = None
+    device: str | Mapping[str, Any] | None = None  # a profile's name, or its figures (hp.train.config.cluster)
 
 
 @dataclass(frozen=True, kw_only=True)
