@@ -21,6 +21,7 @@ import os
 import runpy
 import signal
 import sys
+from typing import Any
 
 from hp.explain import Explanation, _Recorder
 
@@ -77,8 +78,9 @@ def _plan(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.overrides)
         devices, per_node, device = _cluster(args, config)
         device = None if not device else profile(device) if isinstance(device, str) else spelled_out(device)
-        check_nodes(devices or config.parallel.world_size, per_node,
-                    "--devices-per-node" if args.devices_per_node is not None else "cluster.devices_per_node =")
+        given_as = (f"--devices-per-node {per_node}" if args.devices_per_node is not None
+                    else f"cluster.devices_per_node = {per_node}")
+        check_nodes(devices or config.parallel.world_size, per_node, given_as)
         hf_config = hf_config_of(config.model_name_or_path)
         run = dry_run_config(config, devices, hf_config)
         memory = untraced = None
@@ -100,12 +102,14 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cluster(args: argparse.Namespace, config) -> tuple[int | None, int | None, str | None]:
-    """(devices, devices per node, device profile): each flag given, else the config's `cluster:` section's."""
-    section = config.cluster
-    given = lambda flag, key: flag if flag is not None else getattr(section, key, None)  # noqa: E731
-    return (given(args.devices, "devices"), given(args.devices_per_node, "devices_per_node"),
-            given(args.device, "device"))
+def _cluster(args: argparse.Namespace, config) -> tuple[int | None, int | None, Any]:
+    """(devices, devices per node, device): each flag given, else the config's `cluster:` section's."""
+    from hp.train.config.schema import Cluster
+
+    section = config.cluster or Cluster()
+    return tuple(flag if flag is not None else getattr(section, key)
+                 for flag, key in ((args.devices, "devices"), (args.devices_per_node, "devices_per_node"),
+                                   (args.device, "device")))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,12 +56,8 @@ def mesh(
     names = tuple(a for a, _ in named)
     shape = tuple(n for _, n in named)
     if simulate:
-        _init_fake_world(size)
-        if dist.get_world_size() == size:
-            return _remember_axes(init_device_mesh("cpu", shape, mesh_dim_names=names))
-        # the first ranks of a larger simulated world (see _init_fake_world)
-        ranks = torch.arange(size).view(shape)
-        return _remember_axes(DeviceMesh("cpu", ranks, mesh_dim_names=names))
+        _init_fake_world(size)  # the first `size` ranks of a world at least that large
+        return _remember_axes(DeviceMesh("cpu", torch.arange(size).view(shape), mesh_dim_names=names))
     device = detect()
     _init_real_world(device, size)
     world = dist.get_world_size()

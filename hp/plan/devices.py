@@ -102,8 +102,9 @@ def spelled_out(figures: Mapping[str, Any]) -> DeviceProfile:
                          links.get("intra_node"), links.get("inter_node"))
 
 
-def check_nodes(devices: int, per_node: int | None, given_as: str = "--devices-per-node") -> None:
-    """`devices` must fill whole nodes of `per_node` (None: one node), which the user gave as `given_as`.
+def check_nodes(devices: int, per_node: int | None, given_as: str | None = None) -> None:
+    """`devices` must fill whole nodes of `per_node` (None: one node); `given_as` names where the user gave it
+    (default: the flag, `--devices-per-node N`).
 
     >>> check_nodes(16, 8); check_nodes(12, 8)
     Traceback (most recent call last):
@@ -111,7 +112,8 @@ def check_nodes(devices: int, per_node: int | None, given_as: str = "--devices-p
     ValueError: --devices-per-node 8: 12 devices do not fill whole nodes of 8
     """
     if per_node is not None and (per_node < 1 or devices % per_node):
-        raise ValueError(f"{given_as} {per_node}: {devices} devices do not fill whole nodes of {per_node}")
+        given_as = given_as or f"--devices-per-node {per_node}"
+        raise ValueError(f"{given_as}: {devices} devices do not fill whole nodes of {per_node}")
 
 
 def measure_cpu(size: int = 1024) -> DeviceProfile:

@@ -13,12 +13,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hp.train.config.rules import Rule, check_value, nonempty, refuse, unknown_key
+from hp.train.config.rules import Rule, check_keys, check_value, nonempty, refuse
 from hp.train.config.schema import Cluster, ConfigError
 
 _POSITIVE = Rule("int", lambda v: v >= 1, "a positive integer")
-RULES = {"devices": _POSITIVE, "devices_per_node": _POSITIVE,
-         "device": Rule("str", nonempty, "a device profile's name, such as h100-80g, or its figures")}
+_NAME = Rule("str", nonempty, "a device profile's name, such as h100-80g")
+SIZES = {"devices": _POSITIVE, "devices_per_node": _POSITIVE}
+KEYS = (*SIZES, "device")
 # A device spelled out (`device: {memory_gib: 96, tflops: {bf16: 800}, ...}`): the figures `hp.plan.devices`
 # builds its profile from; links one way per device, in GB/s (1e9 bytes) and microseconds.
 _FIGURE = Rule("float", lambda v: v > 0, "a positive number")
@@ -41,50 +42,42 @@ def cluster_section(section: Any) -> Cluster | None:
         return None
     if not isinstance(section, Mapping):
         raise refuse("cluster", section, "a mapping such as {devices: 64, devices_per_node: 8, device: h100-80g}")
-    for key, value in section.items():
-        if key not in RULES:
-            raise unknown_key(key, value, tuple(RULES), "cluster.")
-    if isinstance(section.get("device"), Mapping):
-        section = {**section, "device": device_figures(section["device"])}
-        rules = {**RULES, "device": Rule("mapping")}
-    else:
-        rules = RULES
-    return Cluster(**{key: check_value(f"cluster.{key}", section[key], rule) for key, rule in rules.items()
-                      if key in section})
+    check_keys(section, KEYS, "cluster.")
+    checked = {key: check_value(f"cluster.{key}", section[key], rule) for key, rule in SIZES.items() if key in section}
+    device = section.get("device")
+    if device is not None:
+        checked["device"] = (device_figures(device) if isinstance(device, Mapping)
+                             else check_value("cluster.device", device, _NAME))
+    return Cluster(**checked)
 
 
-def device_figures(given: Mapping) -> Mapping[str, Any]:
+def device_figures(given: Mapping) -> dict[str, Any]:
     """A device's figures checked: `memory_gib` and `tflops` (per dtype) required, links optional.
 
     >>> device_figures({"memory_gib": 96, "tflops": {"bf16": 800}, "intra_node": {"bandwidth_gb_s": 400}})
     Traceback (most recent call last):
     ...
-    hp.train.config.schema.ConfigError: cluster.device.intra_node = {'bandwidth_gb_s': 400}: expected a mapping of bandwidth_gb_s and latency_us, both positive numbers
+    hp.train.config.schema.ConfigError: cluster.device.intra_node = {'bandwidth_gb_s': 400}: expected a mapping \
+of bandwidth_gb_s and latency_us, both positive numbers
     """
-    _known(given, DEVICE_KEYS, "cluster.device.")
+    check_keys(given, DEVICE_KEYS, "cluster.device.")
     for key in ("memory_gib", "tflops"):
         if key not in given:
             raise ConfigError(f"cluster.device has no {key}: a device spelled out needs memory_gib and tflops "
                               "(per dtype, such as {bf16: 989}), or name a profile (device: h100-80g)")
-    out: dict[str, Any] = {"name": check_value("cluster.device.name", given.get("name", "custom"), RULES["device"]),
+    out: dict[str, Any] = {"name": check_value("cluster.device.name", given.get("name", "custom"), _NAME),
                            "memory_gib": check_value("cluster.device.memory_gib", given["memory_gib"], _FIGURE)}
     tflops = given["tflops"]
     if not isinstance(tflops, Mapping) or not tflops:
         raise refuse("cluster.device.tflops", tflops, f"a mapping of dtype ({', '.join(DTYPES)}) to peak TFLOP/s")
-    _known(tflops, DTYPES, "cluster.device.tflops.")
+    check_keys(tflops, DTYPES, "cluster.device.tflops.")
     out["tflops"] = {k: check_value(f"cluster.device.tflops.{k}", v, _FIGURE) for k, v in tflops.items()}
     for link in ("intra_node", "inter_node"):
-        if link in given:
-            value = given[link]
-            if not isinstance(value, Mapping) or set(value) != set(LINK_KEYS):
-                raise refuse(f"cluster.device.{link}", value, "a mapping of bandwidth_gb_s and latency_us, both "
-                             "positive numbers")
-            out[link] = {k: check_value(f"cluster.device.{link}.{k}", v, _FIGURE) for k, v in value.items()}
+        value = given.get(link)
+        if value is None:
+            continue
+        if not isinstance(value, Mapping) or set(value) != set(LINK_KEYS):
+            raise refuse(f"cluster.device.{link}", value, "a mapping of bandwidth_gb_s and latency_us, both "
+                         "positive numbers")
+        out[link] = {k: check_value(f"cluster.device.{link}.{k}", v, _FIGURE) for k, v in value.items()}
     return out
-
-
-def _known(given: Mapping, keys: tuple[str, ...], section: str) -> None:
-    for key, value in given.items():
-        if key not in keys:
-            raise unknown_key(key, value, keys, section)
-

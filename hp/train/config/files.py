@@ -18,9 +18,8 @@ from typing import Any
 import yaml
 
 from hp.parallel.strategy import Strategy
-from hp.train.config.schema import Cluster
 from hp.train.config.overrides import apply_overrides
-from hp.train.config.schema import ConfigError, TrainConfig
+from hp.train.config.schema import Cluster, ConfigError, TrainConfig
 from hp.train.config.validation import validate
 
 

@@ -33,9 +33,9 @@ from hp.train.config.rules import (
     PARALLEL_RULES,
     PLACE_RULE,
     Rule,
+    check_keys,
     check_value,
     refuse,
-    unknown_key,
 )
 from hp.train.config.schema import ConfigError, TrainConfig
 from hp.train.config.sharding_keys import (
@@ -58,9 +58,7 @@ def parallel_section(section: Any) -> dict[str, Any]:
         return {}
     if not isinstance(section, Mapping):
         raise refuse("parallel", section, "a mapping such as {dp: 2, tp: 2}")
-    for key, value in section.items():
-        if key not in PARALLEL_RULES:
-            raise unknown_key(key, value, tuple(PARALLEL_RULES), "parallel.")
+    check_keys(section, tuple(PARALLEL_RULES), "parallel.")
     if isinstance(section.get("offload"), Mapping):
         section = {**section, **_offload_mapping(section["offload"], "offload_budget" in section)}
     place = {}

@@ -240,6 +240,14 @@ _ALIASES = {
 }
 
 
+def check_keys(given: Mapping, known: Sequence[str], section: str) -> None:
+    """Raise `unknown_key`'s error for the first key of `given` not in `known` (a section's keys, `section` their
+    prefix such as "parallel.")."""
+    for key, value in given.items():
+        if key not in known:
+            raise unknown_key(key, value, known, section)
+
+
 def unknown_key(key: Any, value: Any, known: Sequence[str], section: str = "") -> ConfigError:
     """ConfigError for a key that is not in `known`, with the closest known key."""
     name = f"{section}{key}"
