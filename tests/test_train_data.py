@@ -368,9 +368,12 @@ def test_encode_conversation_matches_the_loader():
 
 
 
-def test_tokenizing_in_worker_processes_gives_the_same_examples_in_order():
-    from hp.train.data import ByteTokenizer, build_examples
+def test_tokenizing_in_worker_processes_gives_the_same_examples_in_order(monkeypatch):
+    from hp.train.data import ByteTokenizer, build_examples, tokenizing
 
+    # a pool, however little it would save: 8 records timed here, the rest in the workers
+    monkeypatch.setattr(tokenizing, "PROBE", 8)
+    monkeypatch.setattr(tokenizing, "POOL_START_S", 0.0)
     for stage in ("sft", "pt"):
         one = build_examples("quickstart", ROOT / "examples" / "data", ByteTokenizer(), stage=stage, template="alpaca", cutoff_len=48,
                              max_samples=300)

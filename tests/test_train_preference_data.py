@@ -168,7 +168,11 @@ def test_kto_drops_an_empty_answer_but_not_an_empty_kl_answer(tmp_path):
                               "kl_input_ids": TOK.encode("q1"), "kl_labels": [IGNORE_INDEX] * 2, "kto_tag": False}]
 
 
-def test_kto_in_worker_processes_gives_the_same_examples(tmp_path):
+def test_kto_in_worker_processes_gives_the_same_examples(tmp_path, monkeypatch):
+    from hp.train.data import tokenizing
+
+    monkeypatch.setattr(tokenizing, "PROBE", 8)  # a pool, however little it would save
+    monkeypatch.setattr(tokenizing, "POOL_START_S", 0.0)
     records = [{"instruction": f"q{i}", "output": f"a{i}", "label": i % 3 == 0} for i in range(40)]
     d = write_data(tmp_path, {"k": {"file_name": "k.json", "columns": {"kto_tag": "label"}}}, {"k.json": records})
     one = build_examples("k", d, TOK, stage="kto", template="default")

@@ -15,6 +15,7 @@ supervised), and an rm, dpo or kto record's example
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -122,16 +123,27 @@ def _encode_in_worker(job: Job) -> Any:
 
 
 def encode_all(encoder: Encoder, jobs: list, workers: int) -> list:
-    """`encoder` over `jobs` in order, in `workers` processes when more than one (and worth it).
+    """`encoder` over `jobs` in order, in `workers` processes when more than one and worth it.
+
+    Worth it is measured: the first `PROBE` records are encoded here, and the rest go to a pool only when
+    they would take longer here than `POOL_START_S`, what starting the pool costs (its fork server imports
+    hp, and with it torch). A dataset of a few thousand short records, which a byte tokenizer encodes in
+    tens of milliseconds, is then not sent to sixteen processes that take seconds to start.
 
     The processes come from a fork server, not from a fork of this process: by now this
     process may run threads (a process group's, a tokenizer's) that hold locks a forked child
     would wait on forever or die over. And they run in a process pool executor, which raises
     when a worker dies (`BrokenProcessPool`), where `multiprocessing.Pool.map` waits forever.
+
+    >>> encode_all(len, ["a", "bb", "ccc"], workers=16)  # three records: encoded here
+    [1, 2, 3]
     """
     workers = min(workers, len(jobs) // 16)  # a process per handful of records costs more than it saves
-    if workers <= 1:
-        return [encoder(job) for job in jobs]
+    start = time.perf_counter()
+    head = [encoder(job) for job in jobs[:PROBE if workers > 1 else len(jobs)]]
+    rest = jobs[len(head):]
+    if not rest or (time.perf_counter() - start) / len(head) * len(rest) < POOL_START_S:
+        return head + [encoder(job) for job in rest]
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -139,7 +151,11 @@ def encode_all(encoder: Encoder, jobs: list, workers: int) -> list:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])  # imported once by the server, not by each worker
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(encoder,)) as pool:
-        return list(pool.map(_encode_in_worker, jobs, chunksize=max(1, len(jobs) // (4 * workers))))
+        return head + list(pool.map(_encode_in_worker, rest, chunksize=max(1, len(rest) // (4 * workers))))
+
+
+PROBE = 256  # records encoded here first, to time one
+POOL_START_S = 5.0  # a fork server importing hp, then its workers: the seconds a pool must save to pay for itself
 
 
 def _document(text: str, tokenizer: Tokenizer, end: int) -> list[int]:
