@@ -33,7 +33,9 @@ import torch.multiprocessing as mp
 from hp.models import tiny_config
 from hp.parallel.finetune import Finetuning, Lora
 from hp.plan import dry_run, reference_config
+from hp.plan.devices import DeviceProfile, measure_cpu, measure_link
 from hp.plan.memory import StepMemory, StepShape, measure_step, trace_step
+from hp.plan.step_time import measure_seconds, predict, trace_work
 from ranks import free_port
 
 DRY_RUNS = [
@@ -94,30 +96,36 @@ SIMULATED = [
 
 
 def _rank(rank: int, port: int, out) -> None:
-    """One of the 2 gloo ranks: every REAL configuration measured; rank 0 sends its figures back."""
+    """One of the 2 gloo ranks: every REAL configuration's memory and step time measured, and this machine's profile
+    (its link measured by both ranks); rank 0 sends its figures back."""
     os.sched_setaffinity(0, {rank % os.cpu_count()})
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    link = measure_link()
+    if rank == 0:
+        out.put(measure_cpu(link=link))
     for name, strategy, shape, finetuning in REAL:
         measured = measure_step(model(name), strategy, shape, finetuning)
+        seconds = measure_seconds(model(name), strategy, shape, finetuning)
         if rank == 0:
-            out.put(measured.to_dict())
+            out.put((measured.to_dict(), seconds))
     torch.distributed.destroy_process_group()
 
 
-def _measured_on_gloo() -> list[StepMemory]:
+def _measured_on_gloo() -> tuple[DeviceProfile, list[tuple[StepMemory, float]]]:
     context = mp.get_context("spawn")
     out = context.Queue()
     port = free_port()
     ranks = [context.Process(target=_rank, args=(rank, port, out)) for rank in range(2)]
     for process in ranks:
         process.start()
-    figures = [StepMemory(**out.get(timeout=1800)) for _ in REAL]
+    cpu = out.get(timeout=600)
+    figures = [(StepMemory(**memory), seconds) for memory, seconds in (out.get(timeout=1800) for _ in REAL)]
     for process in ranks:
         process.join()
         assert process.exitcode == 0, f"a gloo rank ended with {process.exitcode}"
-    return figures
+    return cpu, figures
 
 
 def _line(name: str, strategy: dict, shape: StepShape, finetuning, where: str, predicted: StepMemory,
@@ -137,11 +145,17 @@ def main() -> None:
         runs.append(run)
         print(json.dumps({"model": name, "strategy": run.strategy, "world": run.world,
                           "rank_parameters": run.rank_parameters, "seconds": round(run.seconds, 2)}), flush=True)
-    on_gloo = _measured_on_gloo()
-    rows = []
-    for (name, strategy, shape, finetuning), measured in zip(REAL, on_gloo):
+    cpu, on_gloo = _measured_on_gloo()
+    rows, times = [], []
+    for (name, strategy, shape, finetuning), (measured, seconds) in zip(REAL, on_gloo):
         predicted = trace_step(model(name), strategy, shape, finetuning)
         rows.append(_line(name, strategy, shape, finetuning, "2 gloo processes", predicted, measured))
+        step = predict(trace_work(model(name), strategy, shape, finetuning), cpu)
+        times.append(abs(step.total - seconds) / seconds)
+        print(json.dumps({"model": name, "strategy": strategy, "bf16": shape.bf16, "lora": finetuning is not None,
+                          "predicted_s": round(step.total, 4), "measured_s": round(seconds, 4),
+                          "time_error": round(times[-1], 4), **{k: round(v, 4) for k, v in step.to_dict().items()}}),
+              flush=True)
     for name, strategy, shape, finetuning in SIMULATED:
         predicted = trace_step(model(name), strategy, shape, finetuning)
         measured = measure_step(model(name), strategy, shape, finetuning)
@@ -152,6 +166,8 @@ def main() -> None:
     fsdp = big["fsdp"]["measured"]
     print(json.dumps({
         "memory_error_max": round(max(errors), 4), "memory_error_mean": round(statistics.fmean(errors), 4),
+        "time_error_median": round(statistics.median(times), 4), "time_error_max": round(max(times), 4),
+        "configs_timed": len(times),
         "configs_measured": len(rows),
         "dry_run_world_max": max(r.world for r in runs), "dry_run_s_max": round(max(r.seconds for r in runs), 2),
         "fsdp_states_vs_zero_formula": round(fsdp["model_states"] / (16 * params / 2), 3),

@@ -68,7 +68,8 @@ def _export(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from hp.plan import dry_run_config, hf_config_of
-    from hp.plan.memory import trace_config
+    from hp.plan.memory import config_step, trace_step
+    from hp.plan.step_time import predict, trace_work
     from hp.plan.devices import check_nodes, profile, spelled_out
     from hp.plan.report import render, shortfall
     from hp.train import errors
@@ -83,16 +84,20 @@ def _plan(args: argparse.Namespace) -> int:
         check_nodes(devices or config.parallel.world_size, per_node, given_as)
         hf_config = hf_config_of(config.model_name_or_path)
         run = dry_run_config(config, devices, hf_config)
-        memory = untraced = None
+        memory = untraced = step_time = None
         short = shortfall(run, device) if device is not None else None  # model states alone: no step could fit
         if not args.dry_run and short is None:
             try:
-                memory = trace_config(config, hf_config)
+                step = config_step(config, hf_config)
             except ValueError as reason:  # a step hp plan cannot trace yet: the layout's figures still stand
                 untraced = str(reason)
+            else:
+                memory = trace_step(hf_config, *step)
             short = shortfall(run, device, memory) if device is not None else None
+            if memory is not None and device is not None and short is None:  # a step that fits: how long it takes
+                step_time = predict(trace_work(hf_config, *step), device)
         print(render(config.model_name_or_path, run, device=device, memory=memory, untraced=untraced,
-                     as_json=args.json))
+                     step_time=step_time, as_json=args.json))
         if short:
             return errors.report(ConfigError(short), "hp plan")
     except ValueError as error:  # a config, model name or strategy that cannot be planned: bad input

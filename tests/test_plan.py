@@ -176,8 +176,8 @@ def test_hp_plan_prints_rank_0_s_step_and_says_what_it_cannot_trace(capsys):
     assert step["activations"] > 0 and step["optimizer_states"] > 0
     assert main(["plan", QUICKSTART, "--device", "cpu"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-2].startswith("  rank 0's step (traced): peak ") and "activations" in lines[-2]
-    assert "the step's peak" in lines[-1]
+    assert lines[-3].startswith("  rank 0's step (traced): peak ") and "activations" in lines[-3]
+    assert "the step's peak" in lines[-2] and lines[-1].startswith("  rank 0's step on cpu: ")  # tests/test_plan_time.py
     assert main(["plan", QUICKSTART, "model_name_or_path=hp/tiny-qwen3-moe", "parallel.tp=1", "parallel.dp=2",
                  "parallel.ep=2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["untraced"].startswith("hp plan traces no mixture-of-experts step")

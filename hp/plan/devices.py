@@ -32,7 +32,8 @@ class Link:
 
 @dataclass(frozen=True)
 class DeviceProfile:
-    """One device: its memory in bytes, peak FLOP/s per dtype, its links, and how many share a node.
+    """One device: its memory in bytes, peak FLOP/s per dtype, memory bandwidth, its links, how many share a node,
+    and what the host spends per op (`hp.plan.step_time` says how each figure enters a step's time).
 
     >>> PROFILES["h100-80g"].memory_bytes / 1024**3, PROFILES["h100-80g"].peak("bf16") / 1e12
     (79.6474609375, 989.0)
@@ -44,6 +45,14 @@ class DeviceProfile:
     intra_node: Link | None  # None: not measured
     inter_node: Link | None
     devices_per_node: int = 8
+    memory_bandwidth: float = 0.0  # bytes/s; 0: unknown (a kernel's traffic then costs nothing)
+    # measured here (a CPU's caches make it depend on the size, and bf16 is converted): (dtype, bytes a kernel
+    # moves, bytes/s of a plain elementwise kernel, of a transcendental one), by size
+    traffic: tuple[tuple[str, int, float, float], ...] = ()
+    attention: tuple[tuple[str, float], ...] = ()  # FLOP/s of the attention kernels per dtype, where measured
+    op_overhead: float = 5e-6  # the host's seconds per eager op: dispatch, autograd, the launch
+    dtensor_overhead: float = 30e-6  # the host's seconds per op on DTensors: the cached sharding decision, wrapping
+    host_is_device: bool = False  # a CPU: the host's time adds to the arithmetic; an accelerator runs behind its host
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype` ('bf16', 'fp16', 'fp32')."""
@@ -52,19 +61,38 @@ class DeviceProfile:
             raise ValueError(f"device {self.name!r} has no peak FLOP/s for {dtype} (it has {', '.join(rates)})")
         return rates[dtype]
 
+    def attention_rate(self, dtype: str) -> float:
+        """FLOP/s of an attention kernel in `dtype`: measured (a CPU's lag its matmuls), else the peak."""
+        return dict(self.attention).get(dtype) or self.peak(dtype)
 
-# Memory as the driver reports it (nvidia-smi's MiB); links one way per device: NVLink 4 at 900 GB/s both ways,
-# NVLink 3 at 600, HCCS at 392; across nodes one 400 Gb/s (NDR) or 200 Gb/s (HDR, RoCE) NIC per device.
+    def bandwidth(self, moved: int, transcendental: bool = False, dtype: str = "fp32") -> float:
+        """Bytes/s of a kernel in `dtype` that moves `moved` bytes: the measured point of the largest size not above
+        it (fp32's where `dtype` was not measured), or the flat `memory_bandwidth`.
+
+        >>> d = DeviceProfile("d", 1, (), None, None, traffic=(("fp32", 1 << 20, 40e9, 20e9), ("fp32", 1 << 26, 5e9, 3e9)))
+        >>> d.bandwidth(1 << 10), d.bandwidth(1 << 22, transcendental=True), d.bandwidth(1 << 27, dtype="bf16")
+        (40000000000.0, 20000000000.0, 5000000000.0)
+        """
+        points = [p for p in self.traffic if p[0] == dtype] or [p for p in self.traffic if p[0] == "fp32"]
+        if not points:
+            return self.memory_bandwidth or float("inf")
+        below = [p for p in points if p[1] <= moved] or points[:1]
+        return below[-1][3 if transcendental else 2]
+
+
+# Memory as the driver reports it (nvidia-smi's MiB); HBM bandwidth as the vendors publish it (H100 SXM 3.35 TB/s,
+# H200 4.8, A100 80 GB SXM 2.039, the 910B's commonly cited 1.6); links one way per device: NVLink 4 at 900 GB/s
+# both ways, NVLink 3 at 600, HCCS at 392; across nodes one 400 Gb/s (NDR) or 200 Gb/s (HDR, RoCE) NIC per device.
 PROFILES: dict[str, DeviceProfile] = {
     "h100-80g": DeviceProfile("h100-80g", 81559 * MIB, (("bf16", 989e12), ("fp16", 989e12), ("fp32", 67e12)),
-                              Link(450 * GB, 5e-6), Link(50 * GB, 10e-6)),
+                              Link(450 * GB, 5e-6), Link(50 * GB, 10e-6), memory_bandwidth=3350 * GB),
     "h200-141g": DeviceProfile("h200-141g", 143771 * MIB, (("bf16", 989e12), ("fp16", 989e12), ("fp32", 67e12)),
-                               Link(450 * GB, 5e-6), Link(50 * GB, 10e-6)),
+                               Link(450 * GB, 5e-6), Link(50 * GB, 10e-6), memory_bandwidth=4800 * GB),
     "a100-80g": DeviceProfile("a100-80g", 81920 * MIB, (("bf16", 312e12), ("fp16", 312e12), ("fp32", 19.5e12)),
-                              Link(300 * GB, 5e-6), Link(25 * GB, 10e-6)),
+                              Link(300 * GB, 5e-6), Link(25 * GB, 10e-6), memory_bandwidth=2039 * GB),
     # the 910B3's commonly cited 313 TFLOPS at fp16; its fp32 rate is not published alongside
     "910b-64g": DeviceProfile("910b-64g", 65536 * MIB, (("bf16", 313e12), ("fp16", 313e12)),
-                              Link(196 * GB, 10e-6), Link(25 * GB, 15e-6)),
+                              Link(196 * GB, 10e-6), Link(25 * GB, 15e-6), memory_bandwidth=1600 * GB),
 }
 KNOWN = (*PROFILES, "cpu")
 
@@ -116,23 +144,143 @@ def check_nodes(devices: int, per_node: int | None, given_as: str | None = None)
         raise ValueError(f"{given_as}: {devices} devices do not fill whole nodes of {per_node}")
 
 
-def measure_cpu(size: int = 1024) -> DeviceProfile:
-    """This machine as a device: its memory, and the fp32 and bf16 FLOP/s of a `size`-square matmul on torch's
-    threads (the best of three). No fp16 figure (CPU kernels for it are a fallback, seconds per matmul), and its
-    links (gloo over loopback) are not measured yet."""
+def measure_cpu(size: int = 1024, link: Link | None = None) -> DeviceProfile:
+    """This machine as a device, on torch's threads: its memory, the fp32 and bf16 FLOP/s of a linear layer's
+    matmuls on `size` tokens, the bandwidth of elementwise kernels by the bytes they move (`_traffic`), and the
+    host's seconds per op of a training step whose arithmetic is nil and per op on DTensors (the best of a few
+    runs each). No fp16 figure (CPU kernels for it are a
+    fallback, seconds per matmul). `link`: gloo's between two processes here, measured by those processes
+    (`measure_link`); None leaves the links unknown."""
     import torch
 
-    flops = []
+    flops = [(name, _linear_flops(dtype, size)) for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))]
+    return DeviceProfile("cpu", _meminfo_bytes(), tuple(flops), link, link, devices_per_node=os.cpu_count() or 1,
+                         traffic=_traffic(), attention=_attention_flops(), op_overhead=_op_seconds(), dtensor_overhead=_dtensor_op_seconds(),
+                         host_is_device=True)
+
+
+def _linear_flops(dtype, size: int) -> float:
+    """FLOP/s of a linear layer's three matmuls (forward, and the two of backward, with their transposed operands)
+    on `size` tokens of `size // 2` features to `size` (the best of three)."""
+    import torch
+
+    x, w, g = (torch.randn(*shape, dtype=dtype) for shape in ((size, size // 2), (size, size // 2), (size, size)))
+    seconds = _best(lambda: (x @ w.t(), g @ w, g.t() @ x))
+    return 3 * 2 * size * size * (size // 2) / seconds
+
+
+def _attention_flops() -> tuple[tuple[str, float], ...]:
+    """FLOP/s of causal attention's forward and backward kernels together, in fp32 and bf16, on 4 sequences of 128
+    tokens, 8 heads of 32 features (FLOPs as `hp.plan.step_time` counts them)."""
+    import torch
+
+    from hp.plan.step_time import attention_flops
+
+    rates = []
     for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-        a = torch.randn(size, size, dtype=dtype)
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            a @ a
-            best = min(best, time.perf_counter() - start)
-        flops.append((name, 2 * size**3 / best))
-    memory = _meminfo_bytes()
-    return DeviceProfile("cpu", memory, tuple(flops), None, None, devices_per_node=os.cpu_count() or 1)
+        q, k, v = (torch.randn(4, 8, 128, 32, dtype=dtype, requires_grad=True) for _ in range(3))
+
+        def run() -> None:
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+        run()
+        rates.append((name, attention_flops(run) / _best(run)))
+    return tuple(rates)
+
+
+def _traffic() -> tuple[tuple[str, int, float, float], ...]:
+    """(dtype, bytes moved, bytes/s of `x * y`, of `exp(x)`) in fp32 and bf16 for tensors of 64K to 16M elements,
+    the output written anew as a step's activations are. Each rate is the mean of the kernel's time with its inputs
+    in cache (as written by the kernel just before) and evicted (as backward reads what forward saved)."""
+    import torch
+
+    evict = torch.empty(16 << 20)  # 64 MiB, more than the caches hold
+    points = []
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        for n in (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24):
+            x, y = torch.randn(n, dtype=dtype), torch.randn(n, dtype=dtype)
+            kernels = (lambda: x * y, lambda: x.exp())
+            cached = [_best(run, repeat=5) for run in kernels]
+            evicted = [_best(run, repeat=5, sync=lambda: evict.fill_(1.0)) for run in kernels]
+            plain, curved = ((a + b) / 2 for a, b in zip(cached, evicted))
+            points.append((name, 3 * x.nbytes, 3 * x.nbytes / plain, 2 * x.nbytes / curved))
+    return tuple(points)
+
+
+def measure_link(group=None, sizes: tuple[int, int] = (1 << 10, 1 << 22)) -> Link:
+    """The latency and bandwidth of the process group's link (every rank calls it): all-reduces of two sizes, a
+    ring's 2 (p - 1) steps each, the best of five."""
+    import torch
+    import torch.distributed as dist
+
+    p = dist.get_world_size(group)
+    seconds = []
+    for n in sizes:
+        t = torch.ones(n // 4)
+        dist.all_reduce(t, group=group)
+        seconds.append(_best(lambda t=t: dist.all_reduce(t, group=group), repeat=5, sync=lambda: dist.barrier(group)))
+    sent = [2 * (p - 1) / p * n for n in sizes]  # the ring's bytes per rank
+    bandwidth = (sent[1] - sent[0]) / max(seconds[1] - seconds[0], 1e-9)
+    latency = max(seconds[0] - sent[0] / bandwidth, 0.0) / (2 * (p - 1))
+    return Link(bandwidth, latency)
+
+
+def _best(run, repeat: int = 3, sync=None) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        if sync is not None:
+            sync()
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _op_seconds() -> float:
+    """The host's seconds per op of a training step whose arithmetic is nil: a Llama of 16 features on 8 tokens
+    (HF's modeling code, autograd, the loss, AdamW), its ops counted as `hp.plan.step_time` counts a step's."""
+    import torch
+
+    from hp.models import tiny_config
+    from hp.plan.step_time import count_ops
+    from hp.train.model import model_class
+
+    config = tiny_config("llama", layers=2, vocab_size=64, hidden_size=16, intermediate_size=32,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    model = model_class(config).from_config(config)
+    optimizer = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, 64, (1, 8))
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    return _best(step, repeat=10) / count_ops(step)
+
+
+def _dtensor_op_seconds() -> float:
+    """The host's seconds per op on DTensors beyond its kernel: a row-split matmul, its sharding decision cached."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    if dist.is_initialized() and dist.get_backend() != "fake":
+        mesh = DeviceMesh("cpu", list(range(dist.get_world_size())))
+    else:
+        from hp.mesh import mesh as make_mesh
+
+        mesh = make_mesh(x=1, simulate=True)
+    a = distribute_tensor(torch.randn(8 * mesh.size(), 8), mesh, [Shard(0)])
+    b = distribute_tensor(torch.randn(8, 8), mesh, [Replicate()])
+    local_a, local_b = a.to_local(), b.to_local()
+    a @ b
+    ops = 50
+    wrapped = _best(lambda: [a @ b for _ in range(ops)])
+    plain = _best(lambda: [local_a @ local_b for _ in range(ops)])
+    return max(wrapped - plain, 0.0) / ops
 
 
 def _meminfo_bytes() -> int:

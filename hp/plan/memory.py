@@ -9,9 +9,9 @@ by running that step: the model is built on the meta device, laid out by
 processes: plain data parallel where a run takes it), its
 parameters made `FakeTensor`s (shapes, no storage), and one step of
 `hp train` (the loss, backward, the gradients reduced, AdamW's update, the
-gradients dropped) runs under `FakeTensorMode`. The gradients' clipping is
-left out: it reads the norm, a number a fake tensor does not hold (it
-allocates one number per gradient).
+gradients dropped) runs under `FakeTensorMode`. The gradients' clipping
+reads their norm, a number a fake tensor does not hold: it is taken as over
+the limit, so that the clip scales them, as in a run's early steps.
 torch's `MemTracker` counts every storage the step allocates, by kind, and
 keeps the breakdown at the step's peak.
 
@@ -21,8 +21,8 @@ state), so the first step runs untracked and the second is the one every
 later step repeats. Storages are rounded up to 512 bytes, as accelerator
 caching allocators round them (torch's `MemTracker` does).
 
-Two things differ from a plain forward under `FakeTensorMode`, both so
-that it follows the step a real run takes:
+Three things differ from a plain step under `FakeTensorMode`, each so
+that it follows the step a real run takes: the norm above, and
 - attention takes the flash kernel (a fake tensor picks the math one,
   which materialises the score matrix that the CPU and GPU kernels never
   hold), and
@@ -38,11 +38,13 @@ checked against what was allocated.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, is_fake
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -133,16 +135,16 @@ def measure_step(hf_config, strategy: Strategy | Mapping[str, Any], shape: StepS
     return _tracked_step(model, shape, mesh.device_type)
 
 
-def trace_config(config, hf_config) -> StepMemory:
-    """`trace_step` of an `hp train` config (`hp.train.config.TrainConfig`): its strategy and finetuning, and its
-    batch: per-device rows times dp (the strategy splits them), `cutoff_len` tokens each (the longest a batch
-    holds), bf16 as it says. What it cannot trace yet is refused by name (a ValueError).
+def config_step(config, hf_config) -> tuple[Strategy, StepShape, Finetuning]:
+    """The step an `hp train` config runs, as `trace_step` takes it: its strategy, its batch (per-device rows times
+    dp, which the strategy splits; `cutoff_len` tokens each, the longest a batch holds; bf16 as it says) and its
+    finetuning. What hp plan cannot trace yet is refused by name (a ValueError).
 
     >>> from hp.train.config import validate
     >>> from hp.models import tiny_config
     >>> config = validate({"model_name_or_path": "m", "dataset": "d", "output_dir": "o", "cutoff_len": 32,
     ...                    "parallel": {"dp": 2, "fsdp": True}})
-    >>> trace_config(config, tiny_config("llama")).peak > 0
+    >>> trace_step(tiny_config("llama"), *config_step(config, tiny_config("llama"))).peak > 0
     True
     """
     strategy = config.parallel
@@ -155,7 +157,7 @@ def trace_config(config, hf_config) -> StepMemory:
                          f"{hf_config.model_type}")
     shape = StepShape(rows=config.per_device_train_batch_size * strategy.dp, tokens=config.cutoff_len,
                       bf16=config.bf16)
-    return trace_step(hf_config, strategy, shape, config.finetuning)
+    return strategy, shape, config.finetuning
 
 
 def _built(hf_config, finetuning: Finetuning | None):
@@ -171,9 +173,9 @@ def _laid_out(model, strategy: Strategy, mesh):
         return apply_strategy(model, mesh, strategy, plan_for(model.config))
 
 
-def _tracked_step(model, shape: StepShape, device: str, *, fake: bool = False) -> StepMemory:
+def step_inputs(model, shape: StepShape, device: str, *, fake: bool = False) -> tuple[dict, torch.optim.Optimizer]:
+    """A batch of `shape` for `model`'s step, and the AdamW of its trained parameters, as hp train makes it."""
     from hp.train.loop import adamw
-    from hp.train.precision import autocast
 
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (shape.rows, shape.tokens), device=device)
@@ -182,28 +184,34 @@ def _tracked_step(model, shape: StepShape, device: str, *, fake: bool = False) -
         # plain data parallel picks each rank's rows and supervised positions by the labels' values, which a fake
         # tensor lacks; every position is supervised here, which the shifted targets say without values
         inputs["shift_labels"] = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=IGNORE_INDEX)
-    trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = adamw(trained)
+    return inputs, adamw([p for p in model.parameters() if p.requires_grad])
 
-    at_update: dict[str, int] = {}
 
-    def step(tracker: MemTracker | None = None) -> None:
-        with autocast(shape.bf16, device):
-            loss = model(**inputs).loss  # the pt and sft objective (hp.train.objectives.LanguageModeling)
-        loss.backward()
-        reduce_gradients(model)
-        if not fake:  # the clip reads the norm, which a fake tensor does not hold
-            clip_gradients(trained, 1.0)
-        if tracker is not None:
-            at_update.update(next(iter(tracker.get_tracker_snapshot("current").values()), {}))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+def run_step(model, inputs: dict, optimizer, shape: StepShape, device: str, *, fake: bool = False,
+             tracker: MemTracker | None = None, at_update: dict | None = None) -> None:
+    """One step of hp train's pt and sft objective: the loss, backward, the gradients reduced and clipped, AdamW's
+    update; `tracker`'s current figures copied into `at_update` as the update starts."""
+    from hp.train.precision import autocast
 
-    step()  # AdamW makes its states on its first update; a first step also makes what later ones reuse
-    tracker = _StepTracker()
+    with autocast(shape.bf16, device):
+        loss = model(**inputs).loss  # the pt and sft objective (hp.train.objectives.LanguageModeling)
+    loss.backward()
+    reduce_gradients(model)
+    clip_gradients([p for group in optimizer.param_groups for p in group["params"]], 1.0)
+    if tracker is not None and at_update is not None:
+        at_update.update(next(iter(tracker.get_tracker_snapshot("current").values()), {}))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _tracked_step(model, shape: StepShape, device: str, *, fake: bool = False) -> StepMemory:
+    inputs, optimizer = step_inputs(model, shape, device, fake=fake)
+    # AdamW makes its states on its first update; a first step also makes what later ones reuse
+    run_step(model, inputs, optimizer, shape, device, fake=fake)
+    tracker, at_update = _StepTracker(), {}
     tracker.track_external(model, optimizer, *inputs.values())
     with tracker:
-        step(tracker)
+        run_step(model, inputs, optimizer, shape, device, fake=fake, tracker=tracker, at_update=at_update)
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     kinds = {name: snapshot.get(kind, 0) for kind, name in _KINDS.items()}
     states = sum(at_update.get(kind, 0) for kind in ("Parameter", "Gradient", "Optstate"))
@@ -238,10 +246,13 @@ _NO_HOOK = _NoHook()
 
 @contextlib.contextmanager
 def _as_a_real_step() -> Iterator[None]:
-    """Attention's flash kernel, and no search for packed sequences (the module docstring)."""
+    """A fake norm over the clip's limit, attention's flash kernel, and no search for packed sequences (the
+    module docstring)."""
     import logging
 
     import transformers.masking_utils as masking
+
+    from hp.train import clipping
 
     # a meta kernel that refuses shapes is logged before its caller (hp's blockwise ops) takes another road
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
@@ -249,9 +260,12 @@ def _as_a_real_step() -> Iterator[None]:
     fake_log.setLevel(logging.CRITICAL)
     search = masking.find_packed_sequence_indices
     masking.find_packed_sequence_indices = lambda *args, **kwargs: None
+    read = clipping.scalar
+    clipping.scalar = lambda t: math.inf if isinstance(t, FakeTensor) or is_fake(t) else read(t)
     try:
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             yield
     finally:
         masking.find_packed_sequence_indices = search
+        clipping.scalar = read
         fake_log.setLevel(level)

@@ -7,6 +7,7 @@ import json
 from hp.plan.devices import DeviceProfile
 from hp.plan.dry_run import DryRun
 from hp.plan.memory import StepMemory
+from hp.plan.step_time import StepTime
 
 GIB = 1024**3
 
@@ -34,9 +35,9 @@ def shortfall(run: DryRun, device: DeviceProfile, memory: StepMemory | None = No
 
 
 def render(name: str, run: DryRun, *, device: DeviceProfile | None = None, memory: StepMemory | None = None,
-           untraced: str | None = None, as_json: bool = False) -> str:
+           untraced: str | None = None, step_time: StepTime | None = None, as_json: bool = False) -> str:
     """The dry run of model `name` as text, or as JSON with the model's name (and `device`'s memory) added; with
-    rank 0's traced step (`memory`), or why it was not traced (`untraced`).
+    rank 0's traced step (`memory`) and its time on `device` (`step_time`), or why it was not traced (`untraced`).
 
     >>> print(render("m", DryRun(8, "dp=8 fsdp", 8_000_000_000, 1_000_000_000, 1_000_000_000, (), 0.5)))
     hp plan: m, dp=8 fsdp on 8 ranks (laid out in 0.5 s)
@@ -51,6 +52,8 @@ def render(name: str, run: DryRun, *, device: DeviceProfile | None = None, memor
         if device is not None and memory is not None:
             held["peak_share"] = round(memory.peak / device.memory_bytes, 4)
         step = {"step_memory": memory.to_dict()} if memory is not None else {"untraced": untraced} if untraced else {}
+        if step_time is not None:
+            step["step_time"] = step_time.to_dict()
         return json.dumps({"model": name, **run.to_dict(), **held, **step})
     parts = ", ".join(f"{kind.replace('_', ' ')} {size / GIB:.2f} GiB" for kind, size in states.items())
     lines = [f"hp plan: {name}, {run.strategy} on {run.world} ranks (laid out in {run.seconds:.1f} s)",
@@ -72,7 +75,20 @@ def render(name: str, run: DryRun, *, device: DeviceProfile | None = None, memor
         peak = (f", the step's peak {memory.peak / device.memory_bytes:.0%}" if memory is not None
                 else ", before activations, buffers and the transient peak")
         lines.append(f"  on {device.name} ({device.memory_bytes / GIB:.2f} GiB): the model states take {share:.0%}{peak}")
+    if step_time is not None:
+        lines.append(_time_line(step_time, device))
     return "\n".join(lines)
+
+
+def _time_line(step: StepTime, device: DeviceProfile) -> str:
+    untimed = f"; {step.untimed} collectives not timed: {device.name} has no figures for their links" \
+        if step.untimed else ""
+    return (f"  rank 0's step on {device.name}: {_seconds(step.total)} predicted (kernels {_seconds(step.compute)}, "
+            f"the host's dispatch {_seconds(step.host)}, collectives {_seconds(step.communication)}{untimed})")
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.2f} s" if s >= 1 else f"{s * 1e3:.1f} ms"
 
 
 _PEAK_KINDS = ("parameters", "gradients", "optimizer_states", "activations", "temporaries", "buffers", "inputs", "other")

@@ -1,0 +1,113 @@
+"""`hp plan`'s step time: the work a traced step counts, and its seconds on a device's figures.
+
+The prediction's accuracy is measured by benchmarks/plan.py against steps run on 2 gloo processes; here, that the
+work counted is the step's (torch's own FLOP counter on the same step run for real, hp.comm.trace's collectives on
+a simulated one) and that the figures combine as `hp.plan.step_time` says.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from hp.models import tiny_config
+from hp.plan.devices import PROFILES, DeviceProfile, Link
+from hp.plan.memory import StepShape, _built, _laid_out, run_step, step_inputs
+from hp.plan.step_time import Kernel, StepWork, predict, trace_work
+from hp.parallel.apply import strategy_mesh
+from hp.parallel.strategy import Strategy
+from hp.watch import Collective
+
+SHAPE = StepShape(rows=4, tokens=32)
+
+
+def _real_step_flops(config, strategy: dict) -> float:
+    """torch's FLOP counter over the second step of the same model, laid out alike, on real tensors."""
+    strategy = Strategy.of(strategy)
+    mesh = strategy_mesh(strategy, simulate=True)
+    torch.manual_seed(0)
+    model = _laid_out(_built(config, None), strategy, mesh)
+    inputs, optimizer = step_inputs(model, SHAPE, "cpu")
+    run_step(model, inputs, optimizer, SHAPE, "cpu")
+    with FlopCounterMode(display=False) as counter:
+        run_step(model, inputs, optimizer, SHAPE, "cpu")
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_traced_step_counts_the_flops_torch_counts_on_the_real_step(family):
+    config = tiny_config(family, layers=2)
+    work = trace_work(config, {"dp": 1}, SHAPE)
+    # torch counts the accelerators' attention kernels, not the CPU's; hp counts the CPU's as theirs
+    attention = sum(k.flops for k in work.kernels if k.attention)
+    # the real step's head skips each row's last position, which has no target: the labels' values say so, which
+    # fake tensors do not hold (its forward and two backward matmuls, rows x hidden x vocab each)
+    unread = 3 * 2 * SHAPE.rows * config.hidden_size * config.vocab_size
+    assert work.flops - attention - unread == _real_step_flops(config, {"dp": 1}) > 0 and attention > 0
+    assert not work.collectives and work.ops > len(work.kernels) > 0  # views and allocations: ops, no traffic
+
+
+def test_the_traced_collectives_are_those_of_the_simulated_step():
+    """tp=2 with sequence parallel: the same collectives, kind, axis and bytes, as hp.comm.trace counts on the step
+    run on real tensors over a simulated world."""
+    import hp
+
+    config, strategy = tiny_config("llama", layers=2), Strategy.of({"tp": 2, "sp": True})
+    work = trace_work(config, strategy, SHAPE)
+    mesh = strategy_mesh(strategy, simulate=True)
+    torch.manual_seed(0)
+    with hp.simulated(mesh):
+        model = _laid_out(_built(config, None), strategy, mesh)
+        inputs, optimizer = step_inputs(model, SHAPE, "cpu")
+        run_step(model, inputs, optimizer, SHAPE, "cpu")
+        with hp.comm.trace() as seen:
+            run_step(model, inputs, optimizer, SHAPE, "cpu")
+    counted = sorted((c.kind, c.axis, c.bytes) for c, _ in work.collectives)
+    assert counted == sorted((c.kind, c.axis, c.bytes) for c in seen.records) and counted
+    assert work.dtensor_ops > 0
+
+
+def test_a_step_s_seconds_add_on_a_cpu_and_overlap_on_an_accelerator():
+    """Each kernel's roofline, the host's dispatch (added on a CPU, the longer of the two on an accelerator), and
+    alpha-beta per collective, over the inter-node link once its group spans nodes."""
+    link, slow = Link(bandwidth=1e9, latency=1e-3), Link(bandwidth=1e8, latency=1e-2)
+    device = DeviceProfile("d", 1, (("fp32", 1e9),), link, slow, devices_per_node=4, memory_bandwidth=1e9,
+                           op_overhead=1e-3, dtensor_overhead=1e-2)
+    kernels = (Kernel(flops=2e9, bytes=10**8, dtype="fp32"),  # 2 s of arithmetic, 0.1 s of traffic
+               Kernel(flops=0.0, bytes=5 * 10**8, dtype="fp32"))  # 0.5 s of traffic
+    gather = Collective("all_gather", "tp", 2, 2 * 10**6, 10**6, "forward", "")
+    work = StepWork(kernels, ops=10, dtensor_ops=2, collectives=((gather, 1), (gather, 4)))
+    step = predict(work, device)
+    assert step.compute == pytest.approx(2.5) and step.host == pytest.approx(10e-3 + 2e-2)
+    # within a node: one ring step and 1 MB at 1 GB/s; across (stride 4 x 2 ranks > 4 per node): at 100 MB/s
+    assert step.communication == pytest.approx((1e-3 + 1e-3) + (1e-2 + 1e-2))
+    assert step.total == pytest.approx(2.5 + 0.022)  # the host's 0.03 s of launches run ahead of the device
+    on_host = predict(work, DeviceProfile(**{**device.__dict__, "host_is_device": True}))
+    assert on_host.total == pytest.approx(2.5 + 0.03 + 0.022)  # a CPU dispatches and computes in turn
+    busy_host = StepWork(kernels, ops=10_000, dtensor_ops=0, collectives=())
+    assert predict(busy_host, device).total == pytest.approx(10.0)  # the host's 10 s, the device's 2.5 s under it
+    assert predict(busy_host, DeviceProfile(**{**device.__dict__, "host_is_device": True})).total == \
+        pytest.approx(12.5)
+
+
+def test_a_named_device_times_a_planned_step_and_an_unknown_link_is_said(capsys):
+    """`hp plan --device` adds rank 0's step time to the plan; the cpu profile measured without its links times
+    the kernels and says how many collectives it could not."""
+    import json
+
+    from hp.cli import main
+
+    common = ["plan", "examples/quickstart.yaml", "cutoff_len=32", "per_device_train_batch_size=2", "--json"]
+    assert main([*common, "--device", "h100-80g"]) == 0
+    step = json.loads(capsys.readouterr().out)["step_time"]
+    assert step["total_s"] == pytest.approx(max(step["compute_s"], step["host_s"]) + step["communication_s"])
+    assert step["communication_s"] > 0 and step["untimed_collectives"] == 0
+    assert main(["plan", "examples/quickstart.yaml", "cutoff_len=32", "--device", "cpu"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("  rank 0's step on cpu: ") and "collectives not timed: cpu has no figures" in line
+
+
+def test_a_named_profile_has_its_memory_bandwidth():
+    assert {name: p.memory_bandwidth / 1e12 for name, p in PROFILES.items()} == {
+        "h100-80g": 3.35, "h200-141g": 4.8, "a100-80g": 2.039, "910b-64g": 1.6}
