@@ -102,9 +102,9 @@ def _rank(rank: int, port: int, out) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
-    link = measure_link()
+    cpu = measure_cpu(link=measure_link())  # every rank: its DTensor figure is taken on a mesh over the world
     if rank == 0:
-        out.put(measure_cpu(link=link))
+        out.put(cpu)
     for name, strategy, shape, finetuning in REAL:
         measured = measure_step(model(name), strategy, shape, finetuning)
         seconds = measure_seconds(model(name), strategy, shape, finetuning)

@@ -20,9 +20,12 @@ to finish (they may wait in a collective forever), then are killed; so are
 all of them past the job's timeout.
 
 The zygote stays single-threaded and never runs a collective or a compiled
-graph, so what a fork inherits is imports only. Tests of the launcher itself
-(its messages, signals, timeouts, several nodes) still launch for real
-(`gloo_launch.torchrun`, `train_runs.hp_train(..., launcher=True)`).
+graph, so what a fork inherits is imports only. `start` forks plain
+processes that run at once and are not waited for (`Started`, read as a
+`subprocess.Popen`), each in a directory of its own: the `hp train` launches
+whose launcher the tests watch, signal and stop (`train_runs.launch`). A
+launch's timeout under torchrun still starts real processes
+(`gloo_launch.torchrun`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import gc
 import json
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,6 +55,7 @@ class Zygote:
     def __init__(self):
         self.proc: subprocess.Popen | None = None
         self.pending = b""  # what the zygote wrote past the last line read
+        self.in_flight: _Job | None = None  # a job started and not yet ended
 
     def _start(self) -> None:
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve())], stdin=subprocess.PIPE,
@@ -61,8 +66,7 @@ class Zygote:
     def run(self, argv: list[str], world: int, timeout: float = 600) -> subprocess.CompletedProcess:
         """Run `python *argv` on `world` fresh ranks, as `torchrun --nproc-per-node world` would; `world` 0: one
         process as a plain `python` command runs, without a launcher's variables."""
-        if self.proc is None or self.proc.poll() is not None:
-            self._start()
+        self._ready()
         ranks = max(world, 1)
         with tempfile.TemporaryDirectory(prefix="hp-pool-") as outputs:
             job = {"argv": [str(a) for a in argv], "world": world, "ranks": ranks, "port": _free_port(),
@@ -74,6 +78,28 @@ class Zygote:
             err = "".join(Path(f"{outputs}/{r}.err").read_text() for r in reversed(range(ranks)))
         failed = [r for r, code in enumerate(codes) if code != 0]
         return subprocess.CompletedProcess(["python", *argv], codes[failed[0]] if failed else 0, out, err)
+
+    def start(self, argvs: list[list[str]], cwds: list[str]) -> list[Started]:
+        """`python *argv` for each of `argvs` at once, each a plain process in its directory of `cwds`, not waited
+        for: a `Started` each, to poll, signal and read as `subprocess.Popen`'s."""
+        self._ready()
+        job = {"argvs": [[str(a) for a in argv] for argv in argvs], "cwds": [str(c) for c in cwds], "world": 0,
+               "ranks": len(argvs), "port": _free_port(), "out": tempfile.mkdtemp(prefix="hp-pool-")}
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        started = self._line(time.monotonic() + 600)
+        if started is None:
+            raise RuntimeError("the test zygote started no process in 600 s")
+        self.in_flight = _Job(self, [int(p) for p in started.split()], job["out"])
+        return [Started(self.in_flight, rank) for rank in range(len(argvs))]
+
+    def _ready(self) -> None:
+        """A live zygote with no job under way: one left running (a test that failed before it waited) is ended."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+            self.in_flight = None
+        if self.in_flight is not None:
+            self.in_flight.end()
 
     def _wait(self, ranks: int, timeout: float, script) -> list[int]:
         """Each rank's exit code; once one rank fails, the others get `GRACE` seconds to finish."""
@@ -114,6 +140,62 @@ class Zygote:
         return line.decode()
 
 
+class _Job:
+    """A started job's processes and their exit codes, as the zygote reports them."""
+
+    def __init__(self, zygote: Zygote, pids: list[int], out: str):
+        self.zygote, self.pids, self.out = zygote, pids, out
+        self.codes: list[int | None] = [None] * len(pids)
+
+    def collect(self, deadline: float) -> None:
+        """Read the zygote's reports until `deadline` (now: what it has written), or until every process ended."""
+        while None in self.codes:
+            line = self.zygote._line(deadline)
+            if line is None:
+                return
+            rank, code = map(int, line.split())
+            self.codes[rank] = code
+        if self.zygote.in_flight is self:
+            self.zygote.in_flight = None
+
+    def end(self) -> None:
+        _kill([pid for pid, code in zip(self.pids, self.codes) if code is None])
+        self.collect(time.monotonic() + 60)
+        shutil.rmtree(self.out, ignore_errors=True)
+
+
+class Started:
+    """One process of a started job, read as a `subprocess.Popen` with text pipes: pid, poll, wait, communicate,
+    send_signal; its output comes whole once it has ended."""
+
+    def __init__(self, job: _Job, rank: int):
+        self.job, self.rank, self.pid = job, rank, job.pids[rank]
+
+    @property
+    def returncode(self) -> int | None:
+        return self.job.codes[self.rank]
+
+    def poll(self) -> int | None:
+        self.job.collect(time.monotonic())
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = time.monotonic() + (timeout if timeout is not None else 3600)
+        while self.returncode is None:
+            self.job.collect(deadline)
+            if self.returncode is None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"process {self.pid}", timeout)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        return tuple(Path(f"{self.job.out}/{self.rank}.{kind}").read_text() for kind in ("out", "err"))
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+
 def _kill(pids: list[int]) -> None:
     for pid in pids:
         try:
@@ -128,6 +210,12 @@ _ZYGOTE = Zygote()
 def run(script: str, world: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """`script` on `world` fresh ranks forked by this pytest worker's zygote (see the module docstring)."""
     return _ZYGOTE.run([script, *args], world, timeout=timeout)
+
+
+def start(argvs: list[list[str]], cwds: list[str]) -> list[Started]:
+    """`python *argv` for each of `argvs` at once, forked by this pytest worker's zygote, each in its directory of
+    `cwds`; not waited for (`Started`). The next job of the zygote ends any of them still running."""
+    return _ZYGOTE.start(argvs, cwds)
 
 
 def python(*argv: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -201,6 +289,8 @@ def _rank(job: dict, rank: int, zygote: int) -> int:
 
     os.setpgid(0, 0)  # a signal meant for the job (a Ctrl-C in the terminal) is not the zygote's
     die_with(zygote)
+    if job.get("cwds"):
+        os.chdir(job["cwds"][rank])
     os.environ[JOB_DIR_ENV] = job["out"]
     if job["world"]:
         world = str(job["world"])
@@ -213,7 +303,7 @@ def _rank(job: dict, rank: int, zygote: int) -> int:
     os.dup2(err, 2)
     sys.stdin = open(os.devnull)
     try:
-        _main(job["argv"])
+        _main(job["argvs"][rank] if job.get("argvs") else job["argv"])
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)

@@ -16,7 +16,6 @@ import os
 import pickle
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -24,9 +23,8 @@ from pathlib import Path
 
 import pytest
 import rank_pool
-from gloo_launch import clean_env
-from train_runs import (DATA, QUICKSTART, ROOT, assert_stopped_whole, hp_train, local_hf_model, summary,
-                        ranks, worker_of_rank, workers)
+from train_runs import (DATA, QUICKSTART, assert_stopped_whole, hp_train, launch, local_hf_model, summary, ranks,
+                        worker_of_rank, workers)
 
 from hp.train import checkpoint, manifest
 
@@ -481,13 +479,10 @@ def test_two_runs_on_one_machine_both_end_as_alone_one_diverging_at_its_step(tmp
     """Two launches at once, neither given a master_port: they do not collide. One finishes its step; the other
     diverges (learning rate 1e4) and stops at the step whose loss is not finite, keeping the checkpoint of the
     step before, with one message and exit code 1."""
-    command = [sys.executable, "-m", "hp.cli", "train", QUICKSTART, f"dataset_dir={DATA}", "run_name=twin"]
     finishing, diverging = tmp_path / "finishing", tmp_path / "diverging"
-    runs = [subprocess.Popen([*command, *overrides], cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-            for overrides in ([*FAST, "max_steps=1", f"output_dir={finishing}"],
-                              ["max_steps=30", "save_steps=1", "logging_steps=1", "learning_rate=1e4",
-                               f"output_dir={diverging}"])]
+    runs = launch([*FAST, "max_steps=1", "run_name=twin", f"output_dir={finishing}"],
+                  ["max_steps=30", "save_steps=1", "logging_steps=1", "learning_rate=1e4", "run_name=twin",
+                   f"output_dir={diverging}"])
     (out, err), (_, diverged) = (run.communicate(timeout=600) for run in runs)
     assert runs[0].returncode == 0, err[-3000:]
     assert _strict_json(out.strip().splitlines()[-1])["steps"] == 1

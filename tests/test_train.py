@@ -20,8 +20,8 @@ import torch
 from gloo_launch import _free_port
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from train_runs import (DATA, QUICKSTART, WORKERS, assert_stopped_whole, first_batch, hp_train, local_hf_model,
-                        losses, ranks, summary, worker_of_rank, workers)
+from train_runs import (DATA, QUICKSTART, WORKERS, assert_stopped_whole, first_batch, hp_train, launch,
+                        local_hf_model, losses, ranks, summary, worker_of_rank, workers)
 
 # six optimizer steps of 4 accumulated micro-batches: long enough to kill a run between two saves
 SHORT = ["max_steps=6", "save_steps=3", "logging_steps=1", "gradient_accumulation_steps=4",
@@ -254,8 +254,8 @@ def test_a_worker_killed_mid_run_restarts_with_the_uninterrupted_losses(uninterr
     out = tmp_path_factory.mktemp("killed")
     port = f"master_port={_free_port()}"
     per_node = [f"nnodes={nodes}", f"nproc_per_node={2 // nodes}"]
-    launchers = [hp_train(*SHORT, "max_restarts=1", f"output_dir={out}", *per_node, f"node_rank={node}", port,
-                          wait=False) for node in range(nodes)]
+    launchers = launch(*([*SHORT, "max_restarts=1", f"output_dir={out}", *per_node, f"node_rank={node}", port]
+                         for node in range(nodes)))
     deadline = time.time() + 300
     while max([0, *losses(out)] if (out / "metrics.jsonl").exists() else [0]) < after:
         assert all(run.poll() is None for run in launchers) and time.time() < deadline, launchers[0].communicate()

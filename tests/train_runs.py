@@ -4,9 +4,11 @@ A run that a test expects to train runs on gloo ranks forked by the pytest
 worker's zygote (`rank_pool`): the launcher's checks, then each worker's
 code, without starting Python anew. A test of the launcher itself (its exit codes and
 messages, signals, several nodes, a run it watches while it runs) asks for
-the real command (`launcher=True`, or `wait=False`): `python -m hp.cli train`,
-with torch's elastic launcher and gloo workers when the strategy has more
-than one rank.
+the command (`launcher=True`, or `wait=False`, or `launch`): `python -m
+hp.cli train`, with torch's elastic launcher, the command's own zygote and
+its gloo workers when the strategy has more than one rank, run by a
+process the test zygote forks (the interpreter's start and imports are all
+it skips; tests/test_packaging.py runs the command in fresh interpreters).
 """
 
 from __future__ import annotations
@@ -14,12 +16,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import rank_pool
-from gloo_launch import _free_port, clean_env
+from gloo_launch import _free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -30,12 +31,27 @@ DATA = str(ROOT / "examples" / "data")
 def hp_train(*overrides: str, config: str = QUICKSTART, wait: bool = True, launcher: bool = False):
     if wait and not launcher:
         return _in_pool(config, [f"dataset_dir={DATA}", *overrides])
-    command = [sys.executable, "-m", "hp.cli", "train", config, f"dataset_dir={DATA}",
-               f"master_port={_free_port()}", *overrides]
+    run, = launch(list(overrides), config=config)
     if not wait:
-        return subprocess.Popen(command, env=clean_env(), cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
-    return subprocess.run(command, env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+        return run
+    out, err = run.communicate(timeout=600)
+    return subprocess.CompletedProcess(["hp", "train", config, *overrides], run.returncode, out, err)
+
+
+def launch(*runs: list[str], config: str = QUICKSTART) -> list[rank_pool.Started]:
+    """`hp train config dataset_dir=DATA *overrides` for each of `runs` at once, the command itself (its launcher
+    and the workers its zygote forks), not waited for: `python -m hp.cli train` run by a process forked from the
+    test zygote, which has imported what the command imports (what a fresh interpreter adds is
+    tests/test_packaging.py's). Each runs in its output directory (made first), so that `workers` finds its
+    processes by their working directory as well as by their command lines: the forked ones have the zygote's."""
+    argvs, cwds = [], []
+    for overrides in runs:
+        out = next(o.split("=", 1)[1] for o in overrides if o.startswith("output_dir="))
+        os.makedirs(out, exist_ok=True)
+        master = [] if any(o.startswith("master_port=") for o in overrides) else [f"master_port={_free_port()}"]
+        argvs.append(["-m", "hp.cli", "train", config, f"dataset_dir={DATA}", *master, *overrides])
+        cwds.append(out)
+    return rank_pool.start(argvs, cwds)
 
 
 def _in_pool(config: str, overrides: list[str]) -> subprocess.CompletedProcess:
@@ -145,14 +161,17 @@ def local_vl_model(directory: Path, family: str = "qwen3_vl", processor: dict | 
 
 
 def workers(marker: str) -> list[int]:
-    """Live processes (other than this one) whose command line holds `marker` (Linux's /proc)."""
+    """Live processes (other than this one) whose command line or working directory holds `marker` (Linux's
+    /proc): a run's launcher forked from the test zygote, and what it forks, are found by the directory
+    (`launch`), its stand-ins by their command lines too."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
             command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            where = os.readlink(entry / "cwd") if command else ""  # a zombie has neither
         except OSError:
             continue  # not a process, or one that just ended
-        if entry.name.isdigit() and int(entry.name) != os.getpid() and marker in command:
+        if entry.name.isdigit() and int(entry.name) != os.getpid() and (marker in command or marker in where):
             found.append(int(entry.name))
     return found
 

@@ -150,7 +150,8 @@ def measure_cpu(size: int = 1024, link: Link | None = None) -> DeviceProfile:
     host's seconds per op of a training step whose arithmetic is nil and per op on DTensors (the best of a few
     runs each). No fp16 figure (CPU kernels for it are a
     fallback, seconds per matmul). `link`: gloo's between two processes here, measured by those processes
-    (`measure_link`); None leaves the links unknown."""
+    (`measure_link`); None leaves the links unknown. In a process group every rank calls it (its DTensor figure
+    is taken on a mesh over the world)."""
     import torch
 
     flops = [(name, _linear_flops(dtype, size)) for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))]
