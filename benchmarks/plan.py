@@ -12,8 +12,13 @@ real, counted by torch's memory tracker (every tensor storage allocated, not RSS
   dense model does not depend on).
 Each line prints the prediction beside the measurement and their relative error, with the breakdown measured.
 
+Time: for each `REAL` configuration, `hp.plan.step_time` predicts rank 0's step on the `cpu` profile, which the
+gloo ranks measure first (`measure_cpu`, each on its core, one thread; gloo's link between them, `measure_link`),
+beside the median of 5 steps the two ranks run together (`measure_seconds`).
+
 The last line carries the issue's figures: `memory_error_max` and `memory_error_mean` (|predicted - measured| /
-measured peak), `configs_measured`, `dry_run_world_max` and `dry_run_s_max`, and for Qwen2.5-0.5B's shapes at 2
+measured peak), `time_error_median` and `time_error_max` (|predicted - measured| / measured step, over
+`configs_timed`), `configs_measured`, `dry_run_world_max` and `dry_run_s_max`, and for Qwen2.5-0.5B's shapes at 2
 ranks (full fine-tuning, fp32, 2 rows of 256 tokens in all): `fsdp_states_vs_zero_formula` (rank 0's parameters,
 gradients and AdamW states at the update under FSDP, over ZeRO-3's 16 bytes x parameters / 2) and
 `fsdp_peak_vs_tp_peak` (the measured peaks).

@@ -26,11 +26,13 @@ def test_a_local_hf_model_directory_of_every_family_trains(tmp_path):
 
     for family in TRAINED:
         local_hf_model(tmp_path / family, family)
-    cases = {family: [f"model_name_or_path={tmp_path / family}", "max_steps=1", "save_steps=1000",
+    # 64 records: one step draws 8 of them, and every rank tokenizes what it reads for each of the 18 families
+    cases = {family: [f"model_name_or_path={tmp_path / family}", "max_steps=1", "save_steps=1000", "max_samples=64",
                       "per_device_train_batch_size=8", "parallel.tp=2", f"dataset_dir={DATA}"] for family in TRAINED}
     first = {family: got for family, (_, got, _) in run_cases(tmp_path / "out", 2, cases, logits=False).items()}
     for family in TRAINED:
-        ids, labels = first_batch([f"model_name_or_path={tmp_path / family}", "per_device_train_batch_size=8"])
+        ids, labels = first_batch([f"model_name_or_path={tmp_path / family}", "per_device_train_batch_size=8",
+                                   "max_samples=64"])
         model = AutoModelForCausalLM.from_pretrained(tmp_path / family)
         want = model(input_ids=ids, labels=labels).loss.item()
         assert first[family] == pytest.approx(want, rel=1e-5), family

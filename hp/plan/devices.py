@@ -155,9 +155,10 @@ def measure_cpu(size: int = 1024, link: Link | None = None) -> DeviceProfile:
     import torch
 
     flops = [(name, _linear_flops(dtype, size)) for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))]
+    op_seconds = _op_seconds()
     return DeviceProfile("cpu", _meminfo_bytes(), tuple(flops), link, link, devices_per_node=os.cpu_count() or 1,
-                         traffic=_traffic(), attention=_attention_flops(), op_overhead=_op_seconds(), dtensor_overhead=_dtensor_op_seconds(),
-                         host_is_device=True)
+                         traffic=_traffic(), attention=_attention_flops(), op_overhead=op_seconds,
+                         dtensor_overhead=_dtensor_op_seconds(op_seconds, link), host_is_device=True)
 
 
 def _linear_flops(dtype, size: int) -> float:
@@ -175,7 +176,7 @@ def _attention_flops() -> tuple[tuple[str, float], ...]:
     tokens, 8 heads of 32 features (FLOPs as `hp.plan.step_time` counts them)."""
     import torch
 
-    from hp.plan.step_time import attention_flops
+    from hp.plan.step_time import counting
 
     rates = []
     for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
@@ -185,7 +186,9 @@ def _attention_flops() -> tuple[tuple[str, float], ...]:
             torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
         run()
-        rates.append((name, attention_flops(run) / _best(run)))
+        with counting() as counted:
+            run()
+        rates.append((name, sum(k.flops for k in counted.kernels if k.attention) / _best(run)))
     return tuple(rates)
 
 
@@ -243,7 +246,7 @@ def _op_seconds() -> float:
     import torch
 
     from hp.models import tiny_config
-    from hp.plan.step_time import count_ops
+    from hp.plan.step_time import counting
     from hp.train.model import model_class
 
     config = tiny_config("llama", layers=2, vocab_size=64, hidden_size=16, intermediate_size=32,
@@ -258,30 +261,46 @@ def _op_seconds() -> float:
         optimizer.zero_grad(set_to_none=True)
 
     step()
-    return _best(step, repeat=10) / count_ops(step)
+    with counting() as counted:
+        step()
+    return _best(step, repeat=10) / counted.ops
 
 
-def _dtensor_op_seconds() -> float:
-    """The host's seconds per op on DTensors beyond its kernel: a row-split matmul, its sharding decision cached."""
+def _dtensor_op_seconds(op_seconds: float, link: Link | None) -> float:
+    """The host's seconds per op on DTensors beyond its kernels: a Llama of 16 features laid out with tp over two
+    ranks (the process group's, or a fake world's whose collectives move nothing) on 8 tokens, its step's seconds
+    less its ops' (`op_seconds` each) and its collectives' (alpha-beta on `link`), per op on DTensors."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    if dist.is_initialized() and dist.get_backend() != "fake":
-        mesh = DeviceMesh("cpu", list(range(dist.get_world_size())))
-    else:
-        from hp.mesh import mesh as make_mesh
+    import hp
+    from hp.models import tiny_config
+    from hp.plan.memory import StepShape, _built, _laid_out, run_step, step_inputs
+    from hp.plan.step_time import _collective_seconds, counting
+    from hp.parallel.apply import strategy_mesh
+    from hp.parallel.strategy import Strategy
 
-        mesh = make_mesh(x=1, simulate=True)
-    a = distribute_tensor(torch.randn(8 * mesh.size(), 8), mesh, [Shard(0)])
-    b = distribute_tensor(torch.randn(8, 8), mesh, [Replicate()])
-    local_a, local_b = a.to_local(), b.to_local()
-    a @ b
-    ops = 50
-    wrapped = _best(lambda: [a @ b for _ in range(ops)])
-    plain = _best(lambda: [local_a @ local_b for _ in range(ops)])
-    return max(wrapped - plain, 0.0) / ops
+    real = dist.is_initialized() and dist.get_backend() != "fake"
+    tp = dist.get_world_size() if real else 2
+    config = tiny_config("llama", layers=2, vocab_size=64 * tp, hidden_size=8 * tp, intermediate_size=16 * tp,
+                         num_attention_heads=tp, num_key_value_heads=tp, head_dim=8)
+    strategy = Strategy.of({"tp": tp})
+    mesh = strategy_mesh(strategy, simulate=not real)
+    torch.manual_seed(0)
+    model = _laid_out(_built(config, None), strategy, mesh)
+    shape = StepShape(rows=2, tokens=8)
+    inputs, optimizer = step_inputs(model, shape, "cpu")
+
+    def step() -> None:
+        run_step(model, inputs, optimizer, shape, "cpu")
+
+    step()
+    with hp.comm.trace() as seen, counting() as counted:
+        step()
+    profile = DeviceProfile("link", 0, (), link, link, devices_per_node=tp)
+    collectives = sum(_collective_seconds(c, 1, profile) or 0.0 for c in seen.records) if real else 0.0
+    seconds = _best(step, repeat=5, sync=dist.barrier if real else None)
+    return max(seconds - counted.ops * op_seconds - collectives, 0.0) / max(counted.dtensor_ops, 1)
 
 
 def _meminfo_bytes() -> int:

@@ -121,7 +121,7 @@ def trace_work(hf_config, strategy: Strategy | Mapping[str, Any], shape: StepSha
         model.to_empty(device=mesh.device_type)
         inputs, optimizer = step_inputs(model, shape, mesh.device_type, fake=True)
         run_step(model, inputs, optimizer, shape, mesh.device_type, fake=True)  # the first makes AdamW's states
-        with trace() as seen, _Counting() as counted:
+        with trace() as seen, counting() as counted:
             run_step(model, inputs, optimizer, shape, mesh.device_type, fake=True)
     return StepWork(tuple(counted.kernels), counted.ops, counted.dtensor_ops,
                     tuple((c, strides.get(c.axis, 1)) for c in seen.records))
@@ -144,18 +144,10 @@ def predict(work: StepWork, device: DeviceProfile) -> StepTime:
     return StepTime(compute, host, communication, busy + communication, sum(t is None for t in timed))
 
 
-def attention_flops(run) -> float:
-    """The FLOPs of the attention kernels that `run()` dispatches."""
-    with _Counting() as counted:
-        run()
-    return sum(k.flops for k in counted.kernels if k.attention)
-
-
-def count_ops(run) -> int:
-    """The ops on local tensors that `run()` dispatches."""
-    with _Counting() as counted:
-        run()
-    return counted.ops
+def counting() -> _Counting:
+    """A dispatch mode counting the kernels, the ops and the ops on DTensors run while it is entered (`.kernels`,
+    `.ops`, `.dtensor_ops`); enter `hp.comm.trace()` before it, so that it sees DTensors' ops."""
+    return _Counting()
 
 
 def measure_seconds(hf_config, strategy: Strategy | Mapping[str, Any], shape: StepShape,
