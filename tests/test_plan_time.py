@@ -14,7 +14,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from hp.models import tiny_config
 from hp.plan.devices import PROFILES, DeviceProfile, Link
 from hp.plan.memory import StepShape, _built, _laid_out, run_step, step_inputs
-from hp.plan.step_time import Kernel, StepWork, predict, trace_work
+from hp.plan.kernels import Kernel
+from hp.plan.step_time import StepWork, predict, trace_work
 from hp.parallel.apply import strategy_mesh
 from hp.parallel.strategy import Strategy
 from hp.watch import Collective

@@ -24,10 +24,25 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class Link:
-    """A link between two devices: bytes/s one way, and the latency of one message in seconds."""
+    """A link between two devices: bytes/s one way, and the latency of one message in seconds; `kinds` holds the
+    figures measured for particular collectives where they differ (gloo moves an all-gather's bytes slower than an
+    all-reduce's).
+
+    >>> link = Link(1e9, 1e-5, (("all_gather", 4e8, 2e-5),))
+    >>> link.of("all_gather").bandwidth, link.of("all_reduce").bandwidth
+    (400000000.0, 1000000000.0)
+    """
 
     bandwidth: float
     latency: float
+    kinds: tuple[tuple[str, float, float], ...] = ()  # (collective, bandwidth, latency)
+
+    def of(self, kind: str) -> Link:
+        """The link's figures for collective `kind`."""
+        for name, bandwidth, latency in self.kinds:
+            if name == kind:
+                return Link(bandwidth, latency)
+        return self
 
 
 @dataclass(frozen=True)
@@ -60,6 +75,24 @@ class DeviceProfile:
         if dtype not in rates:
             raise ValueError(f"device {self.name!r} has no peak FLOP/s for {dtype} (it has {', '.join(rates)})")
         return rates[dtype]
+
+    def collective_seconds(self, kind: str, group_size: int, sent: int, stride: int = 1) -> float | None:
+        """Alpha-beta for a collective of `kind` over `group_size` ranks `stride` apart, each sending `sent` bytes
+        (`hp.cost.ring_bytes`): its ring steps of latency ((p - 1), twice for an all-reduce; one for a send) and its
+        bytes over the bandwidth, on the inter-node link once the group spans more than a node; None where the
+        profile has no figures for that link.
+
+        >>> PROFILES["h100-80g"].collective_seconds("all_reduce", 8, 450 * 10**9)  # 14 steps of 5 us, then 1 s
+        1.00007
+        """
+        if group_size <= 1:
+            return 0.0
+        link = self.inter_node if stride * group_size > self.devices_per_node else self.intra_node
+        if link is None:
+            return None
+        link = link.of(kind)
+        steps = 1 if kind == "send_recv" else (2 if kind == "all_reduce" else 1) * (group_size - 1)
+        return steps * link.latency + sent / link.bandwidth
 
     def attention_rate(self, dtype: str) -> float:
         """FLOP/s of an attention kernel in `dtype`: measured (a CPU's lag its matmuls), else the peak."""
@@ -176,7 +209,7 @@ def _attention_flops() -> tuple[tuple[str, float], ...]:
     tokens, 8 heads of 32 features (FLOPs as `hp.plan.step_time` counts them)."""
     import torch
 
-    from hp.plan.step_time import counting
+    from hp.plan.kernels import counting
 
     rates = []
     for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
@@ -212,21 +245,41 @@ def _traffic() -> tuple[tuple[str, int, float, float], ...]:
 
 
 def measure_link(group=None, sizes: tuple[int, int] = (1 << 10, 1 << 22)) -> Link:
-    """The latency and bandwidth of the process group's link (every rank calls it): all-reduces of two sizes, a
-    ring's 2 (p - 1) steps each, the best of five."""
+    """The latency and bandwidth of the process group's link (every rank calls it), from collectives of two sizes
+    (the best of five each) read as `hp.plan.step_time` reads them: ring steps of latency, and the bytes a rank
+    sends (`hp.cost.ring_bytes`) over the bandwidth. The all-reduce's figures are the link's; the all-gather's and
+    the all-to-all's (which hp's reduce-scatter is on gloo) its `kinds`."""
     import torch
     import torch.distributed as dist
 
+    from hp.cost import ring_bytes
+
     p = dist.get_world_size(group)
-    seconds = []
-    for n in sizes:
+
+    def all_reduce(n: int):
         t = torch.ones(n // 4)
-        dist.all_reduce(t, group=group)
-        seconds.append(_best(lambda t=t: dist.all_reduce(t, group=group), repeat=5, sync=lambda: dist.barrier(group)))
-    sent = [2 * (p - 1) / p * n for n in sizes]  # the ring's bytes per rank
-    bandwidth = (sent[1] - sent[0]) / max(seconds[1] - seconds[0], 1e-9)
-    latency = max(seconds[0] - sent[0] / bandwidth, 0.0) / (2 * (p - 1))
-    return Link(bandwidth, latency)
+        return n, lambda: dist.all_reduce(t, group=group)
+
+    def all_gather(n: int):
+        t, out = torch.ones(n // 4 // p), torch.empty(n // 4)
+        return n, lambda: dist.all_gather_into_tensor(out, t, group=group)
+
+    def all_to_all(n: int):
+        t, out = torch.ones(n // 4), torch.empty(n // 4)
+        return n, lambda: dist.all_to_all_single(out, t, group=group)
+
+    fitted = []
+    for kind, make, steps in (("all_reduce", all_reduce, 2 * (p - 1)), ("all_gather", all_gather, p - 1),
+                              ("all_to_all", all_to_all, p - 1)):
+        sent, seconds = [], []
+        for n in sizes:
+            payload, run = make(n)
+            run()
+            seconds.append(_best(run, repeat=5, sync=lambda: dist.barrier(group)))
+            sent.append(ring_bytes(kind, payload, p))
+        bandwidth = (sent[1] - sent[0]) / max(seconds[1] - seconds[0], 1e-9)
+        fitted.append((kind, bandwidth, max(seconds[0] - sent[0] / bandwidth, 0.0) / steps))
+    return Link(fitted[0][1], fitted[0][2], tuple(fitted[1:]))
 
 
 def _best(run, repeat: int = 3, sync=None) -> float:
@@ -246,7 +299,7 @@ def _op_seconds() -> float:
     import torch
 
     from hp.models import tiny_config
-    from hp.plan.step_time import counting
+    from hp.plan.kernels import counting
     from hp.train.model import model_class
 
     config = tiny_config("llama", layers=2, vocab_size=64, hidden_size=16, intermediate_size=32,
@@ -276,7 +329,7 @@ def _dtensor_op_seconds(op_seconds: float, link: Link | None) -> float:
     import hp
     from hp.models import tiny_config
     from hp.plan.memory import StepShape, _built, _laid_out, run_step, step_inputs
-    from hp.plan.step_time import _collective_seconds, counting
+    from hp.plan.kernels import counting
     from hp.parallel.apply import strategy_mesh
     from hp.parallel.strategy import Strategy
 
@@ -298,7 +351,8 @@ def _dtensor_op_seconds(op_seconds: float, link: Link | None) -> float:
     with hp.comm.trace() as seen, counting() as counted:
         step()
     profile = DeviceProfile("link", 0, (), link, link, devices_per_node=tp)
-    collectives = sum(_collective_seconds(c, 1, profile) or 0.0 for c in seen.records) if real else 0.0
+    collectives = sum(profile.collective_seconds(c.kind, c.group_size, c.bytes) or 0.0 for c in seen.records) \
+        if real else 0.0
     seconds = _best(step, repeat=5, sync=dist.barrier if real else None)
     return max(seconds - counted.ops * op_seconds - collectives, 0.0) / max(counted.dtensor_ops, 1)
 
