@@ -247,8 +247,8 @@ def _traffic() -> tuple[tuple[str, int, float, float], ...]:
 def measure_link(group=None, sizes: tuple[int, int] = (1 << 10, 1 << 22)) -> Link:
     """The latency and bandwidth of the process group's link (every rank calls it), from collectives of two sizes
     (the best of five each) read as `hp.plan.step_time` reads them: ring steps of latency, and the bytes a rank
-    sends (`hp.cost.ring_bytes`) over the bandwidth. The all-reduce's figures are the link's; the all-gather's and
-    the all-to-all's (which hp's reduce-scatter is on gloo) its `kinds`."""
+    sends (`hp.cost.ring_bytes`) over the bandwidth. The all-reduce's figures are the link's; the all-gather's, the
+    all-to-all's and the reduce-scatter's its `kinds`."""
     import torch
     import torch.distributed as dist
 
@@ -268,9 +268,13 @@ def measure_link(group=None, sizes: tuple[int, int] = (1 << 10, 1 << 22)) -> Lin
         t, out = torch.ones(n // 4), torch.empty(n // 4)
         return n, lambda: dist.all_to_all_single(out, t, group=group)
 
+    def reduce_scatter(n: int):  # as FSDP reduces its gradients
+        t, out = torch.ones(n // 4), torch.empty(n // 4 // p)
+        return n, lambda: dist.reduce_scatter_tensor(out, t, group=group)
+
     fitted = []
     for kind, make, steps in (("all_reduce", all_reduce, 2 * (p - 1)), ("all_gather", all_gather, p - 1),
-                              ("all_to_all", all_to_all, p - 1)):
+                              ("all_to_all", all_to_all, p - 1), ("reduce_scatter", reduce_scatter, p - 1)):
         sent, seconds = [], []
         for n in sizes:
             payload, run = make(n)
