@@ -68,7 +68,8 @@ def _export(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from hp.plan import dry_run_config, hf_config_of
-    from hp.plan.memory import config_step, trace_step
+    from hp.plan.memory import trace_step
+    from hp.plan.step import config_step
     from hp.plan.step_time import predict, trace_work
     from hp.plan.devices import check_nodes, profile, spelled_out
     from hp.plan.report import render, shortfall

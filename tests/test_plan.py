@@ -96,6 +96,8 @@ def test_hp_plan_prints_the_rank_s_model_states_and_the_splits_that_do_not_divid
     (["cluster.device={memory_gib: 96}"], "hp plan: cluster.device has no tflops: a device spelled out needs "
                                           "memory_gib and tflops"),
     (["cluster.device={memory_gib: 96, tflops: {int8: 2000}}"], "hp plan: unknown key 'cluster.device.tflops.int8'"),
+    (["cluster.device={memory_gib: 96, tflops: {bf16: 989}, memory_bandwidth_gb_s: 0}"],
+     "hp plan: cluster.device.memory_bandwidth_gb_s = 0: expected a positive number"),
     (["cluster.device={memory_gib: 96, tflops: {bf16: 989}, inter_node: {bandwidth_gb_s: 50}}"],
      "hp plan: cluster.device.inter_node = {'bandwidth_gb_s': 50}: expected a mapping of bandwidth_gb_s and latency_us"),
 ])
@@ -116,7 +118,8 @@ def test_the_cluster_section_plans_as_its_flags_do_and_a_flag_wins(capsys):
         plans.append({k: plan[k] for k in ("world", "rank_parameters", "state_bytes", "device", "device_memory_bytes")})
     assert plans[0] == plans[1] == plans[2] and plans[0]["world"] == 512 and plans[0]["device"] == "h100-80g"
     # a device spelled out: its memory, as a named profile's
-    figures = "{name: b200, memory_gib: 180, tflops: {bf16: 2250}, intra_node: {bandwidth_gb_s: 900, latency_us: 5}}"
+    figures = ("{name: b200, memory_gib: 180, tflops: {bf16: 2250}, memory_bandwidth_gb_s: 8000, "
+               "intra_node: {bandwidth_gb_s: 900, latency_us: 5}}")
     assert main(["plan", *seventy, f"cluster.device={figures}", "--devices", "512", "--json", "--dry-run"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["device"] == "b200" and plan["device_memory_bytes"] == 180 * 2**30
@@ -159,7 +162,8 @@ def test_the_traced_step_holds_what_the_same_step_allocates_on_real_tensors(stra
     FSDP) the trace supervises every position without reading the labels, which the real step reads: within 0.5%.
     benchmarks/plan.py measures 26 configurations, 17 of them on 2 gloo processes."""
     from hp.models import tiny_config
-    from hp.plan.memory import StepShape, measure_step, trace_step
+    from hp.plan.memory import measure_step, trace_step
+    from hp.plan.step import StepShape
 
     config, shape = tiny_config("llama", layers=2), StepShape(rows=4, tokens=32)
     traced, measured = trace_step(config, strategy, shape), measure_step(config, strategy, shape)

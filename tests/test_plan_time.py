@@ -7,14 +7,15 @@ a simulated one) and that the figures combine as `hp.plan.step_time` says.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
-import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from hp.models import tiny_config
 from hp.plan.devices import PROFILES, DeviceProfile, Link
-from hp.plan.memory import StepShape, _built, _laid_out, run_step, step_inputs
 from hp.plan.kernels import Kernel
+from hp.plan.step import StepShape, real_step
 from hp.plan.step_time import StepWork, predict, trace_work
 from hp.parallel.apply import strategy_mesh
 from hp.parallel.strategy import Strategy
@@ -25,14 +26,9 @@ SHAPE = StepShape(rows=4, tokens=32)
 
 def _real_step_flops(config, strategy: dict) -> float:
     """torch's FLOP counter over the second step of the same model, laid out alike, on real tensors."""
-    strategy = Strategy.of(strategy)
-    mesh = strategy_mesh(strategy, simulate=True)
-    torch.manual_seed(0)
-    model = _laid_out(_built(config, None), strategy, mesh)
-    inputs, optimizer = step_inputs(model, SHAPE, "cpu")
-    run_step(model, inputs, optimizer, SHAPE, "cpu")
+    step = real_step(config, strategy, SHAPE)
     with FlopCounterMode(display=False) as counter:
-        run_step(model, inputs, optimizer, SHAPE, "cpu")
+        step.run()
     return counter.get_total_flops()
 
 
@@ -56,14 +52,10 @@ def test_the_traced_collectives_are_those_of_the_simulated_step():
 
     config, strategy = tiny_config("llama", layers=2), Strategy.of({"tp": 2, "sp": True})
     work = trace_work(config, strategy, SHAPE)
-    mesh = strategy_mesh(strategy, simulate=True)
-    torch.manual_seed(0)
-    with hp.simulated(mesh):
-        model = _laid_out(_built(config, None), strategy, mesh)
-        inputs, optimizer = step_inputs(model, SHAPE, "cpu")
-        run_step(model, inputs, optimizer, SHAPE, "cpu")
+    with hp.simulated(strategy_mesh(strategy, simulate=True)):
+        step = real_step(config, strategy, SHAPE)
         with hp.comm.trace() as seen:
-            run_step(model, inputs, optimizer, SHAPE, "cpu")
+            step.run()
     counted = sorted((c.kind, c.axis, c.bytes) for c, _ in work.collectives)
     assert counted == sorted((c.kind, c.axis, c.bytes) for c in seen.records) and counted
     assert work.dtensor_ops > 0
@@ -84,11 +76,11 @@ def test_a_step_s_seconds_add_on_a_cpu_and_overlap_on_an_accelerator():
     # within a node: one ring step and 1 MB at 1 GB/s; across (stride 4 x 2 ranks > 4 per node): at 100 MB/s
     assert step.communication == pytest.approx((1e-3 + 1e-3) + (1e-2 + 1e-2))
     assert step.total == pytest.approx(2.5 + 0.022)  # the host's 0.03 s of launches run ahead of the device
-    on_host = predict(work, DeviceProfile(**{**device.__dict__, "host_is_device": True}))
+    on_host = predict(work, dataclasses.replace(device, host_is_device=True))
     assert on_host.total == pytest.approx(2.5 + 0.03 + 0.022)  # a CPU dispatches and computes in turn
     busy_host = StepWork(kernels, ops=10_000, dtensor_ops=0, collectives=())
     assert predict(busy_host, device).total == pytest.approx(10.0)  # the host's 10 s, the device's 2.5 s under it
-    assert predict(busy_host, DeviceProfile(**{**device.__dict__, "host_is_device": True})).total == \
+    assert predict(busy_host, dataclasses.replace(device, host_is_device=True)).total == \
         pytest.approx(12.5)
 
 

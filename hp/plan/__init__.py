@@ -5,8 +5,10 @@ model is built on the meta device (no memory), the world is a fake process
 group of N ranks, and `hp.apply_strategy` places every parameter as a
 training run would. `reference_config` names published model shapes
 (`shapes`); `dry_run` reports what rank 0 holds and whether the strategy is
-legal at that size (`dry_run`); `devices` holds the accelerators' profiles
-its memory is compared with.
+legal at that size (`dry_run`); `step` is the training step traced on fake
+tensors (and run on real ones to check it), whose memory `memory` tracks
+and whose time `step_time` predicts from the kernels `kernels` counts;
+`devices` holds the accelerators' profiles both are set against.
 
 May import `hp.train`, `hp.models` and every layer below them; only the CLI
 imports this package.

@@ -149,18 +149,20 @@ def profile(name: str) -> DeviceProfile:
 
 def spelled_out(figures: Mapping[str, Any]) -> DeviceProfile:
     """The profile of a device given by its figures (a config's `cluster.device` mapping, checked there):
-    memory in GiB, peak TFLOP/s per dtype, links in GB/s one way and microseconds.
+    memory in GiB, peak TFLOP/s per dtype, the memory's bandwidth and links in GB/s one way, latencies in
+    microseconds.
 
-    >>> d = spelled_out({"name": "b200", "memory_gib": 180, "tflops": {"bf16": 2250},
+    >>> d = spelled_out({"name": "b200", "memory_gib": 180, "tflops": {"bf16": 2250}, "memory_bandwidth_gb_s": 8000,
     ...                  "intra_node": {"bandwidth_gb_s": 900, "latency_us": 5}})
-    >>> d.memory_bytes / 1024**3, d.peak("bf16") / 1e12, d.intra_node.bandwidth / 1e9, d.inter_node
-    (180.0, 2250.0, 900.0, None)
+    >>> d.memory_bytes / 1024**3, d.peak("bf16") / 1e12, d.memory_bandwidth / 1e9, d.intra_node.bandwidth / 1e9
+    (180.0, 2250.0, 8000.0, 900.0)
     """
     links = {key: Link(value["bandwidth_gb_s"] * GB, value["latency_us"] * 1e-6)
              for key in ("intra_node", "inter_node") if (value := figures.get(key)) is not None}
     return DeviceProfile(figures.get("name", "custom"), round(figures["memory_gib"] * 1024**3),
                          tuple((dtype, tflops * 1e12) for dtype, tflops in figures["tflops"].items()),
-                         links.get("intra_node"), links.get("inter_node"))
+                         links.get("intra_node"), links.get("inter_node"),
+                         memory_bandwidth=figures.get("memory_bandwidth_gb_s", 0.0) * GB)
 
 
 def check_nodes(devices: int, per_node: int | None, given_as: str | None = None) -> None:
@@ -178,20 +180,26 @@ def check_nodes(devices: int, per_node: int | None, given_as: str | None = None)
 
 
 def measure_cpu(size: int = 1024, link: Link | None = None) -> DeviceProfile:
-    """This machine as a device, on torch's threads: its memory, the fp32 and bf16 FLOP/s of a linear layer's
-    matmuls on `size` tokens, the bandwidth of elementwise kernels by the bytes they move (`_traffic`), and the
-    host's seconds per op of a training step whose arithmetic is nil and per op on DTensors (the best of a few
-    runs each). No fp16 figure (CPU kernels for it are a
-    fallback, seconds per matmul). `link`: gloo's between two processes here, measured by those processes
-    (`measure_link`); None leaves the links unknown. In a process group every rank calls it (its DTensor figure
-    is taken on a mesh over the world)."""
-    import torch
-
-    flops = [(name, _linear_flops(dtype, size)) for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))]
+    """This machine as a device, on torch's threads: its memory, the FLOP/s of a linear layer's matmuls on `size`
+    tokens and of attention, the bandwidth of elementwise kernels by the bytes they move (`_traffic`), in fp32
+    and bf16 (`_measured_dtypes`), and the host's seconds per op of a training step whose arithmetic is nil and
+    per op on DTensors (the best of a few runs each). `link`: gloo's between two processes here, measured by
+    those processes (`measure_link`); None leaves the links unknown. In a process group every rank calls it (its
+    DTensor figure is taken on a mesh over the world)."""
+    flops = [(name, _linear_flops(dtype, size)) for dtype, name in _measured_dtypes()]
     op_seconds = _op_seconds()
     return DeviceProfile("cpu", _meminfo_bytes(), tuple(flops), link, link, devices_per_node=os.cpu_count() or 1,
                          traffic=_traffic(), attention=_attention_flops(), op_overhead=op_seconds,
                          dtensor_overhead=_dtensor_op_seconds(op_seconds, link), host_is_device=True)
+
+
+def _measured_dtypes() -> list[tuple[Any, str]]:
+    """The dtypes a CPU is measured in, with their names (fp16's CPU kernels are a fallback, seconds a matmul)."""
+    import torch
+
+    from hp.plan.kernels import DTYPES
+
+    return [(dtype, DTYPES[dtype]) for dtype in (torch.float32, torch.bfloat16)]
 
 
 def _linear_flops(dtype, size: int) -> float:
@@ -212,7 +220,7 @@ def _attention_flops() -> tuple[tuple[str, float], ...]:
     from hp.plan.kernels import counting
 
     rates = []
-    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+    for dtype, name in _measured_dtypes():
         q, k, v = (torch.randn(4, 8, 128, 32, dtype=dtype, requires_grad=True) for _ in range(3))
 
         def run() -> None:
@@ -233,7 +241,7 @@ def _traffic() -> tuple[tuple[str, int, float, float], ...]:
 
     evict = torch.empty(16 << 20)  # 64 MiB, more than the caches hold
     points = []
-    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+    for dtype, name in _measured_dtypes():
         for n in (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24):
             x, y = torch.randn(n, dtype=dtype), torch.randn(n, dtype=dtype)
             kernels = (lambda: x * y, lambda: x.exp())
@@ -327,37 +335,24 @@ def _dtensor_op_seconds(op_seconds: float, link: Link | None) -> float:
     """The host's seconds per op on DTensors beyond its kernels: a Llama of 16 features laid out with tp over two
     ranks (the process group's, or a fake world's whose collectives move nothing) on 8 tokens, its step's seconds
     less its ops' (`op_seconds` each) and its collectives' (alpha-beta on `link`), per op on DTensors."""
-    import torch
     import torch.distributed as dist
 
     import hp
     from hp.models import tiny_config
-    from hp.plan.memory import StepShape, _built, _laid_out, run_step, step_inputs
     from hp.plan.kernels import counting
-    from hp.parallel.apply import strategy_mesh
-    from hp.parallel.strategy import Strategy
+    from hp.plan.step import StepShape, real_step
 
     real = dist.is_initialized() and dist.get_backend() != "fake"
     tp = dist.get_world_size() if real else 2
     config = tiny_config("llama", layers=2, vocab_size=64 * tp, hidden_size=8 * tp, intermediate_size=16 * tp,
                          num_attention_heads=tp, num_key_value_heads=tp, head_dim=8)
-    strategy = Strategy.of({"tp": tp})
-    mesh = strategy_mesh(strategy, simulate=not real)
-    torch.manual_seed(0)
-    model = _laid_out(_built(config, None), strategy, mesh)
-    shape = StepShape(rows=2, tokens=8)
-    inputs, optimizer = step_inputs(model, shape, "cpu")
-
-    def step() -> None:
-        run_step(model, inputs, optimizer, shape, "cpu")
-
-    step()
+    step = real_step(config, {"tp": tp}, StepShape(rows=2, tokens=8))
     with hp.comm.trace() as seen, counting() as counted:
-        step()
+        step.run()
     profile = DeviceProfile("link", 0, (), link, link, devices_per_node=tp)
     collectives = sum(profile.collective_seconds(c.kind, c.group_size, c.bytes) or 0.0 for c in seen.records) \
         if real else 0.0
-    seconds = _best(step, repeat=5, sync=dist.barrier if real else None)
+    seconds = _best(step.run, repeat=5, sync=dist.barrier if real else None)
     return max(seconds - counted.ops * op_seconds - collectives, 0.0) / max(counted.dtensor_ops, 1)
 
 

@@ -6,11 +6,12 @@ model's FLOPs: tp adds collectives and cuts each matmul, recompute runs the
 forward twice, a vocabulary-parallel loss moves logits, and on a small model
 the time goes to launching ops rather than to their arithmetic.
 
-So the step is traced as `hp.plan.memory` traces it (the model on the meta
-device, laid out on a fake world of the target size, one step of hp train on
-fake tensors), and every kernel it would run is counted with its FLOPs and the
-bytes it reads and writes (`hp.plan.kernels`), beside each collective `hp.comm.trace` sees (its kind, its ring bytes per
-rank, its group). The time of that work on a `DeviceProfile`:
+So the step is traced as the memory is (`hp.plan.step.fake_step`: hp
+train's step on fake tensors, the model laid out on a fake world of the
+target size), and every kernel it would run is counted with its FLOPs and
+the bytes it reads and writes (`hp.plan.kernels`), beside each collective
+`hp.comm.trace` sees (its kind, its ring bytes per rank, its group). The
+time of that work on a `DeviceProfile`:
 
 - a kernel takes the longer of its arithmetic (FLOPs over the peak rate of its
   dtype) and its memory traffic (bytes over the memory bandwidth): a roofline;
@@ -20,12 +21,13 @@ rank, its group). The time of that work on a `DeviceProfile`:
   the step takes the longer of the two;
 - a collective takes alpha-beta on its link (`DeviceProfile.collective_seconds`:
   its latency per ring step, its bytes over the bandwidth), over the
-  inter-node link when its group spans nodes. Collectives do not overlap compute here (gloo and DTensor's eager
-  collectives wait; FSDP's prefetch on an accelerator would hide some: the
-  prediction is then an upper bound).
+  inter-node link when its group spans nodes. Collectives do not overlap
+  compute here (gloo and DTensor's eager collectives wait; FSDP's prefetch
+  on an accelerator would hide some: the prediction is then an upper bound).
 
-The `cpu` profile measures each rate on this machine (`hp.plan.devices.measure_cpu`), so that
-`benchmarks/plan.py` can set predictions beside measured steps.
+The `cpu` profile measures each rate on this machine
+(`hp.plan.devices.measure_cpu`), so that `benchmarks/plan.py` can set
+predictions beside measured steps.
 """
 
 from __future__ import annotations
@@ -41,8 +43,7 @@ import torch
 from hp.comm import trace
 from hp.plan.devices import DeviceProfile
 from hp.plan.kernels import Kernel, counting
-from hp.plan.memory import StepShape, _as_a_real_step, _built, _laid_out, run_step, step_inputs
-from hp.parallel.apply import strategy_mesh
+from hp.plan.step import StepShape, fake_step, real_step
 from hp.parallel.strategy import Strategy
 from hp.train.finetuning import Finetuning
 from hp.watch import Collective
@@ -90,20 +91,9 @@ def trace_work(hf_config, strategy: Strategy | Mapping[str, Any], shape: StepSha
     >>> work.dtensor_ops > 0, {c.kind for c, _ in work.collectives} >= {"all_reduce"}
     (True, True)
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    strategy = Strategy.of(strategy)
-    mesh = strategy_mesh(strategy, simulate=True)
-    with torch.device("meta"):
-        model = _built(hf_config, finetuning)
-    _laid_out(model, strategy, mesh)
-    strides = _strides(mesh)
-    with FakeTensorMode(allow_non_fake_inputs=True), _as_a_real_step():
-        model.to_empty(device=mesh.device_type)
-        inputs, optimizer = step_inputs(model, shape, mesh.device_type, fake=True)
-        run_step(model, inputs, optimizer, shape, mesh.device_type, fake=True)  # the first makes AdamW's states
-        with trace() as seen, counting() as counted:
-            run_step(model, inputs, optimizer, shape, mesh.device_type, fake=True)
+    with fake_step(hf_config, strategy, shape, finetuning) as step, trace() as seen, counting() as counted:
+        step.run()
+    strides = _strides(step.mesh)
     return StepWork(tuple(counted.kernels), counted.ops, counted.dtensor_ops,
                     tuple((c, strides.get(c.axis, 1)) for c in seen.records))
 
@@ -127,22 +117,18 @@ def predict(work: StepWork, device: DeviceProfile) -> StepTime:
 
 def measure_seconds(hf_config, strategy: Strategy | Mapping[str, Any], shape: StepShape,
                     finetuning: Finetuning | None = None, *, steps: int = 5, seed: int = 0) -> float:
-    """`trace_work`'s step run for real (as `hp.plan.memory.measure_step` runs it): the median seconds of `steps`
-    steps after two untimed ones, every rank starting each step together."""
-    strategy = Strategy.of(strategy)
-    simulate = not torch.distributed.is_initialized() or torch.distributed.get_backend() == "fake"
-    mesh = strategy_mesh(strategy, simulate=simulate)
-    torch.manual_seed(seed)
-    model = _laid_out(_built(hf_config, finetuning), strategy, mesh).to(mesh.device_type)
-    inputs, optimizer = step_inputs(model, shape, mesh.device_type)
+    """`trace_work`'s step run for real (`hp.plan.step.real_step`): the median seconds of `steps` steps after two
+    untimed ones, every rank starting each step together."""
+    step = real_step(hf_config, strategy, shape, finetuning, seed=seed)
+    step.run()
+    distributed = torch.distributed.is_initialized()
     times = []
-    for step in range(steps + 2):
-        if torch.distributed.is_initialized():
+    for _ in range(steps):
+        if distributed:
             torch.distributed.barrier()
         start = time.perf_counter()
-        run_step(model, inputs, optimizer, shape, mesh.device_type)
-        if step >= 2:
-            times.append(time.perf_counter() - start)
+        step.run()
+        times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 

@@ -23,7 +23,7 @@ KEYS = (*SIZES, "device")
 # A device spelled out (`device: {memory_gib: 96, tflops: {bf16: 800}, ...}`): the figures `hp.plan.devices`
 # builds its profile from; links one way per device, in GB/s (1e9 bytes) and microseconds.
 _FIGURE = Rule("float", lambda v: v > 0, "a positive number")
-DEVICE_KEYS = ("name", "memory_gib", "tflops", "intra_node", "inter_node")
+DEVICE_KEYS = ("name", "memory_gib", "tflops", "memory_bandwidth_gb_s", "intra_node", "inter_node")
 DTYPES = ("bf16", "fp16", "fp32")
 LINK_KEYS = ("bandwidth_gb_s", "latency_us")
 
@@ -52,7 +52,8 @@ def cluster_section(section: Any) -> Cluster | None:
 
 
 def device_figures(given: Mapping) -> dict[str, Any]:
-    """A device's figures checked: `memory_gib` and `tflops` (per dtype) required, links optional.
+    """A device's figures checked: `memory_gib` and `tflops` (per dtype) required; its memory's bandwidth and
+    its links optional.
 
     >>> device_figures({"memory_gib": 96, "tflops": {"bf16": 800}, "intra_node": {"bandwidth_gb_s": 400}})
     Traceback (most recent call last):
@@ -72,6 +73,9 @@ of bandwidth_gb_s and latency_us, both positive numbers
         raise refuse("cluster.device.tflops", tflops, f"a mapping of dtype ({', '.join(DTYPES)}) to peak TFLOP/s")
     check_keys(tflops, DTYPES, "cluster.device.tflops.")
     out["tflops"] = {k: check_value(f"cluster.device.tflops.{k}", v, _FIGURE) for k, v in tflops.items()}
+    if "memory_bandwidth_gb_s" in given:
+        out["memory_bandwidth_gb_s"] = check_value("cluster.device.memory_bandwidth_gb_s",
+                                                   given["memory_bandwidth_gb_s"], _FIGURE)
     for link in ("intra_node", "inter_node"):
         value = given.get(link)
         if value is None:
