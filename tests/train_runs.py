@@ -46,7 +46,8 @@ def launch(*runs: list[str], config: str = QUICKSTART) -> list[rank_pool.Started
     processes by their working directory as well as by their command lines: the forked ones have the zygote's."""
     argvs, cwds = [], []
     for overrides in runs:
-        out = next(o.split("=", 1)[1] for o in overrides if o.startswith("output_dir="))
+        out = next((o.split("=", 1)[1] for o in overrides if o.startswith("output_dir=")), None)
+        assert out, f"launch runs each command in its output directory: give output_dir= in {overrides}"
         os.makedirs(out, exist_ok=True)
         master = [] if any(o.startswith("master_port=") for o in overrides) else [f"master_port={_free_port()}"]
         argvs.append(["-m", "hp.cli", "train", config, f"dataset_dir={DATA}", *master, *overrides])
