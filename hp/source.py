@@ -6,6 +6,7 @@ their model (or of transformers' modelling code) caused a communication.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import sysconfig
@@ -20,8 +21,12 @@ _STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
 _SITE = tuple(os.path.abspath(p) + os.sep for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
 
 
-def _is_internal(path: str) -> bool:
-    if path.startswith("<") or path.startswith(_LIBRARIES):
+@functools.cache  # a code object's file, asked of every frame of every op a diagnostic watches
+def _is_internal(filename: str) -> bool:
+    if filename.startswith("<"):
+        return True
+    path = os.path.abspath(filename)
+    if path.startswith(_LIBRARIES):
         return True
     return path.startswith(_STDLIB) and not path.startswith(_SITE)
 
@@ -31,7 +36,7 @@ def user_line() -> str:
     frame = sys._getframe(1)
     while frame is not None:
         path = frame.f_code.co_filename
-        if not _is_internal(path if path.startswith("<") else os.path.abspath(path)):
+        if not _is_internal(path):
             return f"{os.path.basename(path)}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     return "<unknown>"

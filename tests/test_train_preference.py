@@ -16,6 +16,10 @@ from gloo_launch import assert_finished
 from train_runs import ROOT, WORKERS, hp_train, local_hf_model, losses, summary
 
 QUICKSTART_DPO = str(ROOT / "examples" / "quickstart_dpo.yaml")
+# Weights after a few AdamW steps agree to lr / 50 (the quickstart's lr is 2e-3), not to fp32's 1e-5: AdamW moves
+# each weight by about lr whatever its gradient's size, so an entry whose gradient nearly cancels carries the
+# summation order's rounding into its step at full size (measured: 2.06e-5 apart in a placed KTO run on one machine).
+ADAM_ATOL = 4e-5
 SHORT = ["max_steps=5", "logging_steps=1", "save_steps=5", "parallel.tp=1"]
 
 
@@ -102,8 +106,8 @@ def test_a_placed_reference_has_the_plain_runs_losses_rewards_and_weights_and_re
         load_model_weights(str(tmp_path / name / "checkpoint-4"), model)
         weights[name] = model.state_dict()
     for name in ("pp", "own", "tp"):
-        for key, value in weights["plain"].items():  # AdamW moves a weight by about lr whatever its gradient's
-            assert torch.allclose(weights[name][key], value, rtol=1e-5, atol=2e-5), (name, key)  # size: lr / 100
+        for key, value in weights["plain"].items():
+            assert torch.allclose(weights[name][key], value, rtol=1e-5, atol=ADAM_ATOL), (name, key)
 
 
 def test_a_placed_kto_reference_has_the_plain_runs_losses_rewards_and_weights(tmp_path):
@@ -135,7 +139,10 @@ def test_a_placed_kto_reference_has_the_plain_runs_losses_rewards_and_weights(tm
         plain_model = AutoModelForCausalLM.from_config(model.config)
         load_model_weights(str(tmp_path / "plain" / "checkpoint-4"), plain_model)
         for (key, value), mine in zip(plain_model.state_dict().items(), model.state_dict().values()):
-            assert torch.allclose(mine, value, rtol=1e-5, atol=2e-5), (name, key)
+            off = (mine - value).abs() - 1e-5 * value.abs()
+            worst = int(off.argmax())
+            assert torch.allclose(mine, value, rtol=1e-5, atol=ADAM_ATOL), \
+                (name, key, mine.flatten()[worst].item(), value.flatten()[worst].item())
 
 
 @pytest.mark.parametrize("overrides, words", [
