@@ -97,3 +97,24 @@ def test_metadata_values_and_draws_equal_torchs_own_dispatch(t, chain, in_mode):
     with torch_own():
         own = walk()
     assert fast == own
+
+
+@given(st.integers(1, 4), st.integers(0, 9), st.integers(1, 4))
+def test_dtensor_s_rank_local_helpers_answer_as_torchs_own_run_and_leave_the_draws_alone(world, size, chunks):
+    """A shard's size and offset on each simulated rank (what sharding propagation asks for every strategy it
+    prices), then a random draw: the same with hp's shortcut as with torch's own per-rank run."""
+    from torch.distributed._local_tensor import LocalIntNode
+    from torch.distributed.tensor.placement_types import Shard
+
+    def walk():
+        torch.manual_seed(0)
+        with LocalTensorMode(world):
+            rank = torch.SymInt(LocalIntNode({r: r for r in range(world)}))
+            sizes = plain(Shard.local_shard_size_and_offset(size, chunks, rank))
+            draw = torch.rand(3)
+            return sizes, {r: v.tolist() for r, v in draw._local_tensors.items()}
+
+    fast = walk()
+    with torch_own():
+        own = walk()
+    assert fast == own

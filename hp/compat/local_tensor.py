@@ -22,8 +22,11 @@ not tagged `nondeterministic_seeded`; not in place, not a split) on each
 rank without restoring and saving the rank's RNG state around it: the state
 it would restore is the one it saved, untouched, and it picks each rank's
 arguments by walking their tuples, lists and dicts directly rather than
-through a pytree spec built per op. Every other op takes
-torch's own road. `tests/test_simulated_metadata.py` compares every answer,
+through a pytree spec built per op. DTensor's own rank-local helpers (a
+shard's size and offset, padding) take the same shortcut: sharding
+propagation calls them for every strategy it prices, and under the mode
+each call ran on every rank with the states around it, seven times what
+the helper itself costs on 8 ranks. Every other op takes torch's own road. `tests/test_simulated_metadata.py` compares every answer,
 value and random draw with torch's own dispatch on drawn tensors. Where
 torch lacks what this relies on (`supported()`), nothing is installed.
 """
@@ -47,6 +50,7 @@ _MISS = object()
 ORIGINAL: dict[str, Any] = {}  # torch's own dispatch and per-rank run, kept for comparison
 _SEEDED = torch.Tag.nondeterministic_seeded
 _OWN_RUN = frozenset({_aten.split.Tensor, _aten.hash_tensor.default})  # torch's run pads or special-cases them
+_DTENSOR = "torch.distributed.tensor."
 _RELIED_ON = ("_combine_rank_results", "_for_each_rank_run_func", "_map_to_rank_local_val", "_is_inplace_op",
               "return_and_correct_aliasing")
 
@@ -127,11 +131,19 @@ def _at_rank(value, rank: int):
     return local._map_to_rank_local_val(value, rank)
 
 
+def _draws_nothing(func) -> bool:
+    """Whether `func` is an op that draws no random numbers and torch's run would not special-case, or one of
+    DTensor's rank-local helpers (shard sizes and offsets, padding: `maybe_run_for_local_tensor`, which torch
+    requires to be free of side effects), which sharding propagation calls for every strategy it prices."""
+    if isinstance(func, OpOverload):
+        return func not in _OWN_RUN and _SEEDED not in func.tags and not local._is_inplace_op(func)
+    return getattr(func, "__module__", "").startswith(_DTENSOR)
+
+
 def _run_on_each_rank(func, ranks, args, kwargs, *, alias: bool = True) -> Any:
     """torch's run of `func` on each rank's tensors (`_for_each_rank_run_func`), without the RNG state set and
     saved around each rank's call where `func` draws no random numbers; other ops take torch's own run."""
-    if (not isinstance(func, OpOverload) or func in _OWN_RUN or _SEEDED in func.tags or local._is_inplace_op(func)
-            or not _plain((args, kwargs))):
+    if not _draws_nothing(func) or not _plain((args, kwargs)):
         return ORIGINAL["run"](func, ranks, args, kwargs, alias=alias)
     results = {}
     for rank in sorted(ranks):
