@@ -228,7 +228,8 @@ def python(*argv: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 def _preload() -> None:
-    """What jobs import, paid once: torch, hp and its trainer, transformers' index and the zoo's families."""
+    """What jobs import, paid once: torch and its compiler, hp and its trainer, transformers' index and the zoo's
+    families."""
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
@@ -238,6 +239,11 @@ def _preload() -> None:
     import hp.train.loop  # noqa: F401
     import hp.train.worker  # noqa: F401
     import transformers.optimization  # noqa: F401 - the trainer's schedulers: transformers' trainer utilities, PEFT's
+    # what a job's first torch.compile imports (dynamo's backends, AOTAutograd, inductor's passes): 1.3 s a process,
+    # which the compile workers' ranks and `hp train`'s torch_compile runs paid each
+    import torch._dynamo.backends.common  # noqa: F401
+    import torch._inductor.debug  # noqa: F401
+    import torch._inductor.pattern_matcher  # noqa: F401
     from hp.models import FAMILIES, MOE_FAMILIES, VL_FAMILIES, tiny_config
 
     for family in (*FAMILIES, *MOE_FAMILIES, *VL_FAMILIES):  # each family's modeling module, through its Auto class
