@@ -84,6 +84,8 @@ def _plan(args: argparse.Namespace) -> int:
                     else f"cluster.devices_per_node = {per_node}")
         check_nodes(devices or config.parallel.world_size, per_node, given_as)
         hf_config = hf_config_of(config.model_name_or_path)
+        if args.search:
+            return _search(config, hf_config, devices or config.parallel.world_size, device, args.json)
         run = dry_run_config(config, devices, hf_config)
         memory = untraced = step_time = None
         short = shortfall(run, device) if device is not None else None  # model states alone: no step could fit
@@ -105,6 +107,32 @@ def _plan(args: argparse.Namespace) -> int:
         return errors.report(error if isinstance(error, ConfigError) else ConfigError(str(error)), "hp plan")
     except BaseException as error:  # noqa: BLE001
         return errors.report(error, "hp plan")
+    return 0
+
+
+def _search(config, hf_config, world: int, device, as_json: bool) -> int:
+    """`hp plan --search`: the candidates for `world` ranks, fastest first on `device`."""
+    from hp.plan.report import render_search
+    from hp.plan.search import search
+    from hp.plan.step import config_step
+    from hp.train.config import ConfigError, strategy_labels
+    from hp.train.model import check_fits
+
+    if device is None:
+        raise ConfigError("hp plan --search prices each candidate's step on a device: name one with --device "
+                          "(or cluster.device)")
+    _, shape, finetuning = config_step(config, hf_config)  # what hp plan cannot trace is refused here, by name
+
+    def check(strategy) -> None:  # hp train's refusal of shapes a strategy cannot split, with its message
+        check_fits(hf_config, strategy, name=config.model_name_or_path, labels=strategy_labels(config),
+                   finetuning=config.finetuning)
+
+    ranked = search(hf_config, world, config.per_device_train_batch_size, shape.tokens, device, bf16=shape.bf16,
+                    finetuning=finetuning, check=check)
+    print(render_search(config.model_name_or_path, world, device, ranked, as_json))
+    if not any(c.runs for c in ranked):
+        raise ConfigError(f"no candidate runs on {world} ranks of {device.name}: "
+                          + min((c.refused for c in ranked), key=len))
     return 0
 
 
@@ -136,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--device", help="a device profile (h100-80g, h200-141g, a100-80g, 910b-64g, or cpu, measured "
                       "here): whether rank 0's model states and step fit its memory")
     plan.add_argument("--devices-per-node", type=int, help="devices per node (they must fill whole nodes)")
+    plan.add_argument("--search", action="store_true", help="trace and time every dp, FSDP, tp + sp, cp and recompute "
+                      "split of the world (needs --device), fastest first")
     plan.add_argument("--json", action="store_true", help="print one JSON line")
     plan.set_defaults(run=_plan)
     export = commands.add_parser("export", help="write a training checkpoint as HF safetensors")

@@ -8,6 +8,7 @@ a simulated one) and that the figures combine as `hp.plan.step_time` says.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 from torch.utils.flop_counter import FlopCounterMode
@@ -92,7 +93,7 @@ def test_a_named_device_times_a_planned_step_and_an_unknown_link_is_said(capsys)
     from hp.cli import main
 
     common = ["plan", "examples/quickstart.yaml", "cutoff_len=32", "per_device_train_batch_size=2", "--json"]
-    assert main([*common, "--device", "h100-80g"]) == 0
+    assert main([*common(), "--device", "h100-80g"]) == 0
     step = json.loads(capsys.readouterr().out)["step_time"]
     assert step["total_s"] == pytest.approx(max(step["compute_s"], step["host_s"]) + step["communication_s"])
     assert step["communication_s"] > 0 and step["untimed_collectives"] == 0
@@ -104,3 +105,31 @@ def test_a_named_device_times_a_planned_step_and_an_unknown_link_is_said(capsys)
 def test_a_named_profile_has_its_memory_bandwidth():
     assert {name: p.memory_bandwidth / 1e12 for name, p in PROFILES.items()} == {
         "h100-80g": 3.35, "h200-141g": 4.8, "a100-80g": 2.039, "910b-64g": 1.6}
+
+
+def test_hp_plan_search_ranks_the_world_s_splits_by_each_one_s_traced_step(capsys):
+    """`--search` on one rank (the candidates plain and recomputing, so that the test stays short: every split of
+    2 ranks is ranked by benchmarks/plan.py): each row is its step traced alone, the faster first (the table's
+    layout: `render_search`'s example); without a device, and where nothing fits the device, one message each."""
+    from hp.cli import main
+    from hp.plan.dry_run import hf_config_of
+    from hp.plan.memory import trace_step
+
+    def common(*overrides: str) -> list[str]:
+        return ["plan", "examples/quickstart.yaml", "cutoff_len=32", "per_device_train_batch_size=2", *overrides,
+                "--devices", "1", "--search"]
+
+    assert main([*common(), "--device", "h100-80g", "--json"]) == 0
+    ranked = json.loads(capsys.readouterr().out)["candidates"]
+    assert [c["strategy"] for c in ranked] == [{}, {"recompute": True}]  # recompute runs each block's forward again
+    config, shape = hf_config_of("hp/tiny-llama"), StepShape(rows=2, tokens=32)
+    for candidate in ranked:
+        assert candidate["step_s"] == pytest.approx(
+            predict(trace_work(config, candidate["strategy"], shape), PROFILES["h100-80g"]).total, rel=1e-9)
+        assert candidate["peak_bytes"] == trace_step(config, candidate["strategy"], shape).peak
+        assert candidate["tokens_per_s"] == pytest.approx(64 / candidate["step_s"])
+    assert main(common()) == 2
+    assert capsys.readouterr().err.startswith("hp plan: hp plan --search prices each candidate's step on a device")
+    assert main(common("cluster.device={memory_gib: 0.001, tflops: {fp32: 1}}")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hp plan: no candidate runs on 1 ranks of custom: peaks at") and "over custom's" in err, err

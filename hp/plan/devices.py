@@ -22,6 +22,8 @@ MIB = 1024**2
 GB = 1e9
 
 
+GIB = 1024**3
+
 @dataclass(frozen=True)
 class Link:
     """A link between two devices: bytes/s one way, and the latency of one message in seconds; `kinds` holds the
@@ -159,7 +161,7 @@ def spelled_out(figures: Mapping[str, Any]) -> DeviceProfile:
     """
     links = {key: Link(value["bandwidth_gb_s"] * GB, value["latency_us"] * 1e-6)
              for key in ("intra_node", "inter_node") if (value := figures.get(key)) is not None}
-    return DeviceProfile(figures.get("name", "custom"), round(figures["memory_gib"] * 1024**3),
+    return DeviceProfile(figures.get("name", "custom"), round(figures["memory_gib"] * GIB),
                          tuple((dtype, tflops * 1e12) for dtype, tflops in figures["tflops"].items()),
                          links.get("intra_node"), links.get("inter_node"),
                          memory_bandwidth=figures.get("memory_bandwidth_gb_s", 0.0) * GB)

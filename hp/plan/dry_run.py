@@ -97,7 +97,7 @@ def dry_run(hf_config, strategy: Strategy | Mapping[str, Any], finetuning: Finet
         trainable += local if p.requires_grad else 0
         uneven.update(_uneven(re.sub(r"\.\d+\.", ".*.", name), p))  # one line for a layer's tensor in every layer
     notes = tuple(f"{split} ({n} tensors)" if n > 1 else split for split, n in uneven.items())
-    return DryRun(strategy.world_size, _describe(strategy), whole, held, trainable, notes, time.perf_counter() - start)
+    return DryRun(strategy.world_size, describe(strategy), whole, held, trainable, notes, time.perf_counter() - start)
 
 
 def dry_run_config(config: TrainConfig, devices: int | None = None, hf_config=None) -> DryRun:
@@ -117,7 +117,7 @@ set its degrees to multiply to 256 (hp plan does not search other strategies yet
     """
     strategy = config.parallel
     if devices is not None and devices != strategy.world_size:
-        raise ValueError(f"--devices {devices}: the config's parallel section ({_describe(strategy)}) runs on "
+        raise ValueError(f"--devices {devices}: the config's parallel section ({describe(strategy)}) runs on "
                          f"{strategy.world_size} ranks; set its degrees to multiply to {devices} "
                          "(hp plan does not search other strategies yet)")
     hf_config = hf_config or hf_config_of(config.model_name_or_path)
@@ -149,8 +149,14 @@ def _uneven(name: str, p: torch.Tensor) -> list[str]:
     return [f"{name}: dim {d} of {p.shape[d]} over {k} ranks" for d, k in sorted(ways.items()) if p.shape[d] % k]
 
 
-def _describe(strategy: Strategy) -> str:
-    """The strategy's axes and switches, as a user writes them: 'dp=512 tp=8 fsdp'."""
-    axes = " ".join(f"{axis}={size}" for axis, size in strategy.mesh_axes.items())
+def describe(strategy: Strategy | Mapping[str, Any]) -> str:
+    """The strategy's axes and switches, as a user writes them: 'dp=512 tp=8 fsdp', 'cp=2 ring'.
+
+    >>> describe({"cp": 2, "cp_algorithm": "ring", "recompute": True}), describe({})
+    ('cp=2 ring recompute', 'one rank')
+    """
+    strategy = Strategy.of(strategy)
+    axes = " ".join(f"{axis}={size}" for axis, size in strategy.mesh_axes.items() if size > 1)
     switches = [name for name in ("fsdp", "sp", "recompute") if getattr(strategy, name, False)]
-    return " ".join([axes or "one rank", *switches])
+    algorithm = [strategy.cp_algorithm] if strategy.cp > 1 else []
+    return " ".join([axes or "one rank", *algorithm, *switches])

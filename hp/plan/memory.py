@@ -19,6 +19,8 @@ so that a prediction can be checked against what was allocated.
 
 from __future__ import annotations
 
+import warnings
+
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -65,7 +67,7 @@ def trace_step(hf_config, strategy: Strategy | Mapping[str, Any], shape: StepSha
     True
     """
     with fake_step(hf_config, strategy, shape, finetuning) as step:
-        return _tracked(step)
+        return memory_of(step)
 
 
 def measure_step(hf_config, strategy: Strategy | Mapping[str, Any], shape: StepShape,
@@ -80,18 +82,22 @@ def measure_step(hf_config, strategy: Strategy | Mapping[str, Any], shape: StepS
     >>> measure_step(config, {"tp": 2}, shape) == trace_step(config, {"tp": 2}, shape)
     True
     """
-    return _tracked(real_step(hf_config, strategy, shape, finetuning, seed=seed))
+    return memory_of(real_step(hf_config, strategy, shape, finetuning, seed=seed))
 
 
-def _tracked(step: Step) -> StepMemory:
-    """`step` run once more under the tracker: its peak by kind, and the model states as its update starts."""
+def memory_of(step: Step) -> StepMemory:
+    """`step` (made by `fake_step` or `real_step`) run once more under the tracker: its peak by kind, and the model
+    states as its update starts."""
     tracker, at_update = _StepTracker(), {}
     tracker.track_external(step.model, step.optimizer, *step.inputs.values())
 
     def states_now() -> None:
         at_update.update(next(iter(tracker.get_tracker_snapshot("current").values()), {}))
 
-    with tracker:
+    with tracker, warnings.catch_warnings():
+        # its module tracker warns when recompute runs a block's forward again inside backward; this reads no
+        # per-module figure, only the step's totals
+        warnings.filterwarnings("ignore", message="The module hierarchy tracking maybe be messed up")
         step.run(before_update=states_now)
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     kinds = {name: snapshot.get(kind, 0) for kind, name in _KINDS.items()}

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 
-from hp.plan.devices import DeviceProfile
-from hp.plan.dry_run import DryRun
+from hp.plan.devices import GIB, DeviceProfile
+from hp.plan.dry_run import DryRun, describe
 from hp.plan.memory import StepMemory
+from hp.plan.search import Candidate
 from hp.plan.step_time import StepTime
-
-GIB = 1024**3
 
 
 def shortfall(run: DryRun, device: DeviceProfile, memory: StepMemory | None = None) -> str | None:
@@ -77,6 +76,34 @@ def render(name: str, run: DryRun, *, device: DeviceProfile | None = None, memor
         lines.append(f"  on {device.name} ({device.memory_bytes / GIB:.2f} GiB): the model states take {share:.0%}{peak}")
     if step_time is not None:
         lines.append(_time_line(step_time, device))
+    return "\n".join(lines)
+
+
+def render_search(name: str, world: int, device: DeviceProfile, ranked: list[Candidate], as_json: bool = False) -> str:
+    """`hp plan --search`'s candidates (`hp.plan.search.search`, fastest first) as a table, or as one JSON line.
+
+    >>> from hp.plan.devices import PROFILES
+    >>> ranked = [Candidate({"dp": 2}, StepMemory(1, 0, 1, 2, 3, 0, 0, 0, 7 * GIB, 4),
+    ...                     StepTime(0.5, 0.1, 0.2, 0.8), tokens=4096), Candidate({"tp": 2, "sp": True}, refused="no")]
+    >>> print(render_search("m", 2, PROFILES["h100-80g"], ranked))
+    hp plan --search: m on 2 ranks of h100-80g, 1 of 2 candidates run (fastest first)
+           step  tokens/s  peak GiB  strategy
+       800.0 ms      5120      7.00  dp=2
+              -         -         -  tp=2 sp: no
+    """
+    if as_json:
+        return json.dumps({"model": name, "world": world, "device": device.name,
+                           "candidates": [c.to_dict() for c in ranked]})
+    runs = sum(c.runs for c in ranked)
+    lines = [f"hp plan --search: {name} on {world} ranks of {device.name}, {runs} of {len(ranked)} candidates run "
+             "(fastest first)", f"  {'step':>9}  {'tokens/s':>8}  {'peak GiB':>8}  strategy"]
+    for c in ranked:
+        label = describe(c.strategy)
+        if c.runs:
+            lines.append(f"  {_seconds(c.time.total):>9}  {c.tokens_per_s:>8.0f}  {c.memory.peak / GIB:>8.2f}  {label}")
+        else:
+            peak = f"{c.memory.peak / GIB:.2f}" if c.memory is not None else "-"
+            lines.append(f"  {'-':>9}  {'-':>8}  {peak:>8}  {label}: {c.refused.splitlines()[0]}")
     return "\n".join(lines)
 
 

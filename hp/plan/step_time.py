@@ -43,7 +43,7 @@ import torch
 from hp.comm import trace
 from hp.plan.devices import DeviceProfile
 from hp.plan.kernels import Kernel, counting
-from hp.plan.step import StepShape, fake_step, real_step
+from hp.plan.step import Step, StepShape, fake_step, real_step
 from hp.parallel.strategy import Strategy
 from hp.train.finetuning import Finetuning
 from hp.watch import Collective
@@ -91,7 +91,13 @@ def trace_work(hf_config, strategy: Strategy | Mapping[str, Any], shape: StepSha
     >>> work.dtensor_ops > 0, {c.kind for c, _ in work.collectives} >= {"all_reduce"}
     (True, True)
     """
-    with fake_step(hf_config, strategy, shape, finetuning) as step, trace() as seen, counting() as counted:
+    with fake_step(hf_config, strategy, shape, finetuning) as step:
+        return work_of(step)
+
+
+def work_of(step: Step) -> StepWork:
+    """`step` (made by `fake_step`) run once more, its kernels, ops and collectives counted."""
+    with trace() as seen, counting() as counted:
         step.run()
     strides = _strides(step.mesh)
     return StepWork(tuple(counted.kernels), counted.ops, counted.dtensor_ops,
