@@ -21,8 +21,9 @@ measured peak), `time_error_median` and `time_error_max` (|predicted - measured|
 `configs_timed`), `configs_measured`, `dry_run_world_max` and `dry_run_s_max`, and for Qwen2.5-0.5B's shapes at 2
 ranks (full fine-tuning, fp32, 2 rows of 256 tokens in all): `fsdp_states_vs_zero_formula` (rank 0's parameters,
 gradients and AdamW states at the update under FSDP, over ZeRO-3's 16 bytes x parameters / 2) and
-`fsdp_peak_vs_tp_peak` (the measured peaks); `auto_vs_best_measured` and `published_memory_ratio_worst` are null
-until `parallel: auto` and the published runs' rows are built.
+`fsdp_peak_vs_tp_peak` (the measured peaks); `auto_vs_best_measured`: every candidate `hp plan --search` ranks for
+the Llama on 2 ranks (`SEARCHED`) is timed there too, and the figure is the measured step of the one it ranks first
+over the fastest measured; `published_memory_ratio_worst` is null until the published runs' rows are built.
 
     python benchmarks/plan.py
 """
@@ -41,6 +42,7 @@ from hp.parallel.finetune import Finetuning, Lora
 from hp.plan import dry_run, reference_config
 from hp.plan.devices import DeviceProfile, measure_cpu, measure_link
 from hp.plan.memory import StepMemory, measure_step, trace_step
+from hp.plan.search import search, strategies
 from hp.plan.step import StepShape
 from hp.plan.step_time import measure_seconds, predict, trace_work
 from ranks import free_port
@@ -89,6 +91,9 @@ REAL = [
     ("qwen2.5-0.5b", {"dp": 2, "fsdp": True}, BIG, None),
     ("qwen2.5-0.5b", {"tp": 2}, BIG, None),
 ]
+# `hp plan --search`'s candidates for the Llama above on these 2 ranks; those REAL does not measure are timed too
+SEARCHED = strategies(2)
+SEARCHED_TIMED = [s for s in SEARCHED if ("llama", s, SHAPE, None) not in REAL]
 SIMULATED = [
     ("llama", {"dp": 4, "tp": 2, "sp": True}, StepShape(rows=8, tokens=128), None),
     ("llama", {"dp": 2, "tp": 2, "fsdp": True}, SHAPE, None),
@@ -117,10 +122,14 @@ def _rank(rank: int, port: int, out) -> None:
         seconds = measure_seconds(model(name), strategy, shape, finetuning)
         if rank == 0:
             out.put((measured.to_dict(), seconds))
+    for strategy in SEARCHED_TIMED:
+        seconds = measure_seconds(model("llama"), strategy, SHAPE)
+        if rank == 0:
+            out.put(seconds)
     torch.distributed.destroy_process_group()
 
 
-def _measured_on_gloo() -> tuple[DeviceProfile, list[tuple[StepMemory, float]]]:
+def _measured_on_gloo() -> tuple[DeviceProfile, list[tuple[StepMemory, float]], list[float]]:
     context = mp.get_context("spawn")
     out = context.Queue()
     port = free_port()
@@ -129,10 +138,11 @@ def _measured_on_gloo() -> tuple[DeviceProfile, list[tuple[StepMemory, float]]]:
         process.start()
     cpu = out.get(timeout=600)
     figures = [(StepMemory(**memory), seconds) for memory, seconds in (out.get(timeout=1800) for _ in REAL)]
+    searched = [out.get(timeout=1800) for _ in SEARCHED_TIMED]
     for process in ranks:
         process.join()
         assert process.exitcode == 0, f"a gloo rank ended with {process.exitcode}"
-    return cpu, figures
+    return cpu, figures, searched
 
 
 def _line(name: str, strategy: dict, shape: StepShape, finetuning, where: str, predicted: StepMemory,
@@ -152,7 +162,7 @@ def main() -> None:
         runs.append(run)
         print(json.dumps({"model": name, "strategy": run.strategy, "world": run.world,
                           "rank_parameters": run.rank_parameters, "seconds": round(run.seconds, 2)}), flush=True)
-    cpu, on_gloo = _measured_on_gloo()
+    cpu, on_gloo, searched = _measured_on_gloo()
     rows, times = [], []
     for (name, strategy, shape, finetuning), (measured, seconds) in zip(REAL, on_gloo):
         predicted = trace_step(model(name), strategy, shape, finetuning)
@@ -163,6 +173,7 @@ def main() -> None:
                           "predicted_s": round(step.total, 4), "measured_s": round(seconds, 4),
                           "time_error": round(times[-1], 4), **{k: round(v, 4) for k, v in step.to_dict().items()}}),
               flush=True)
+    auto = _auto_vs_best(cpu, on_gloo, searched)
     for name, strategy, shape, finetuning in SIMULATED:
         predicted = trace_step(model(name), strategy, shape, finetuning)
         measured = measure_step(model(name), strategy, shape, finetuning)
@@ -179,8 +190,25 @@ def main() -> None:
         "dry_run_world_max": max(r.world for r in runs), "dry_run_s_max": round(max(r.seconds for r in runs), 2),
         "fsdp_states_vs_zero_formula": round(fsdp["model_states"] / (16 * params / 2), 3),
         "fsdp_peak_vs_tp_peak": round(fsdp["peak"] / big["tp"]["measured"]["peak"], 3),
-        # not built yet (docs/plan.md, Not yet): parallel: auto, and the published runs' rows
-        "auto_vs_best_measured": None, "published_memory_ratio_worst": None}))
+        "auto_vs_best_measured": auto,
+        # not built yet (docs/plan.md, Not yet): the published runs' rows
+        "published_memory_ratio_worst": None}))
+
+
+def _auto_vs_best(cpu: DeviceProfile, on_gloo: list[tuple[StepMemory, float]], searched: list[float]) -> float:
+    """`hp plan --search`'s first candidate for the Llama on 2 ranks of this machine: its measured step over the
+    fastest measured candidate's. One line per candidate, predicted beside measured."""
+    measured = {json.dumps(s, sort_keys=True): seconds for (name, s, shape, tuning), (_, seconds) in zip(REAL, on_gloo)
+                if name == "llama" and shape == SHAPE and tuning is None}
+    measured.update((json.dumps(s, sort_keys=True), seconds) for s, seconds in zip(SEARCHED_TIMED, searched))
+    ranked = search(model("llama"), 2, SHAPE.rows // 2, SHAPE.tokens, cpu)
+    for place, candidate in enumerate(ranked):
+        print(json.dumps({"search_rank": place, "strategy": candidate.strategy, "refused": candidate.refused,
+                          "predicted_s": round(candidate.time.total, 4) if candidate.time else None,
+                          "measured_s": round(measured[json.dumps(candidate.strategy, sort_keys=True)], 4)}),
+              flush=True)
+    picked = next(c for c in ranked if c.runs)
+    return round(measured[json.dumps(picked.strategy, sort_keys=True)] / min(measured.values()), 3)
 
 
 if __name__ == "__main__":

@@ -88,12 +88,10 @@ def test_a_step_s_seconds_add_on_a_cpu_and_overlap_on_an_accelerator():
 def test_a_named_device_times_a_planned_step_and_an_unknown_link_is_said(capsys):
     """`hp plan --device` adds rank 0's step time to the plan; the cpu profile measured without its links times
     the kernels and says how many collectives it could not."""
-    import json
-
     from hp.cli import main
 
     common = ["plan", "examples/quickstart.yaml", "cutoff_len=32", "per_device_train_batch_size=2", "--json"]
-    assert main([*common(), "--device", "h100-80g"]) == 0
+    assert main([*common, "--device", "h100-80g"]) == 0
     step = json.loads(capsys.readouterr().out)["step_time"]
     assert step["total_s"] == pytest.approx(max(step["compute_s"], step["host_s"]) + step["communication_s"])
     assert step["communication_s"] > 0 and step["untimed_collectives"] == 0

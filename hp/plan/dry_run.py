@@ -113,13 +113,13 @@ def dry_run_config(config: TrainConfig, devices: int | None = None, hf_config=No
     Traceback (most recent call last):
     ...
     ValueError: --devices 256: the config's parallel section (dp=16 tp=8 fsdp recompute) runs on 128 ranks; \
-set its degrees to multiply to 256 (hp plan does not search other strategies yet)
+set its degrees to multiply to 256, or rank every split of 256 ranks with --search
     """
     strategy = config.parallel
     if devices is not None and devices != strategy.world_size:
         raise ValueError(f"--devices {devices}: the config's parallel section ({describe(strategy)}) runs on "
-                         f"{strategy.world_size} ranks; set its degrees to multiply to {devices} "
-                         "(hp plan does not search other strategies yet)")
+                         f"{strategy.world_size} ranks; set its degrees to multiply to {devices}, "
+                         f"or rank every split of {devices} ranks with --search")
     hf_config = hf_config or hf_config_of(config.model_name_or_path)
     # the check hp train's launcher makes, with its message: shapes the strategy cannot split, axes the model lacks
     check_fits(hf_config, strategy, name=config.model_name_or_path, labels=strategy_labels(config),

@@ -21,8 +21,7 @@ mesh of their own choosing (`parallel.tp2d: auto` already picks one).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from hp.parallel.strategy import Strategy
@@ -41,7 +40,7 @@ class Candidate:
     memory: StepMemory | None = None
     time: StepTime | None = None
     refused: str | None = None  # the shapes do not divide, or the step does not fit the device
-    tokens: int = field(default=0, compare=False)  # the global batch's tokens, for tokens per second
+    tokens: int = 0  # the global batch's tokens, for tokens per second
 
     @property
     def runs(self) -> bool:
