@@ -23,7 +23,8 @@ ranks (full fine-tuning, fp32, 2 rows of 256 tokens in all): `fsdp_states_vs_zer
 gradients and AdamW states at the update under FSDP, over ZeRO-3's 16 bytes x parameters / 2) and
 `fsdp_peak_vs_tp_peak` (the measured peaks); `auto_vs_best_measured`: every candidate `hp plan --search` ranks for
 the Llama on 2 ranks (`SEARCHED`) is timed there too, and the figure is the measured step of the one it ranks first
-over the fastest measured; `published_memory_ratio_worst` is null until the published runs' rows are built.
+over the fastest measured; `published_memory_ratio_worst`: torchtitan's published Llama 3.1 8B runs (`PUBLISHED`),
+each traced at its size beside the memory published, the worst of predicted/published and its inverse.
 
     python benchmarks/plan.py
 """
@@ -107,6 +108,34 @@ SIMULATED = [
 ]
 
 
+# torchtitan's published Llama 3.1 8B runs on 8 and 128 H100s (96 GB), bf16 under FSDP2, AdamW (its repository's
+# benchmarks/llama3_h100_202412_torchtitan.md, Tables 1-3): (row, strategy, rows per device, tokens, GiB published)
+BF16_FSDP = {"fsdp": True, "param_dtype": "bfloat16", "reduce_dtype": "float32", "recompute": True}
+PUBLISHED = [
+    ("Table 1: FSDP 8, selective AC", {"dp": 8, **BF16_FSDP}, 2, 8192, 82.4),
+    ("Table 2: FSDP 8, CP 1", {"dp": 8, **BF16_FSDP}, 1, 32768, 83.9),
+    ("Table 2: FSDP 4, CP 2", {"dp": 4, "cp": 2, "cp_algorithm": "ring", **BF16_FSDP}, 1, 65536, 84.2),
+    ("Table 2: FSDP 2, CP 4", {"dp": 2, "cp": 4, "cp_algorithm": "ring", **BF16_FSDP}, 1, 131072, 84.0),
+    ("Table 2: FSDP 1, CP 8", {"cp": 8, "cp_algorithm": "ring", **BF16_FSDP}, 1, 262144, 84.5),
+    ("Table 3: FSDP 128, selective AC", {"dp": 128, **BF16_FSDP}, 2, 8192, 67.0),
+]
+
+
+def _published() -> float:
+    """Each published row's peak predicted by `trace_step` beside the GiB published; the worst of predicted/published
+    and its inverse."""
+    ratios = []
+    for row, strategy, rows, tokens, gib in PUBLISHED:
+        dp = strategy.get("dp", 1)
+        predicted = trace_step(reference_config("llama-3.1-8b"), strategy, StepShape(rows * dp, tokens, bf16=True))
+        ratio = predicted.peak / (gib * 1024**3)
+        ratios.append(max(ratio, 1 / ratio))
+        print(json.dumps({"published": row, "strategy": strategy, "tokens": tokens, "published_gib": gib,
+                          "predicted_gib": round(predicted.peak / 1024**3, 2), "ratio": round(ratio, 3),
+                          "predicted": predicted.to_dict()}), flush=True)
+    return round(max(ratios), 3)
+
+
 def _rank(rank: int, port: int, out) -> None:
     """One of the 2 gloo ranks: every REAL configuration's memory and step time measured, and this machine's profile
     (its link measured by both ranks); rank 0 sends its figures back."""
@@ -178,6 +207,7 @@ def main() -> None:
         predicted = trace_step(model(name), strategy, shape, finetuning)
         measured = measure_step(model(name), strategy, shape, finetuning)
         rows.append(_line(name, strategy, shape, finetuning, "simulated ranks", predicted, measured))
+    published = _published()
     errors = [row["error"] for row in rows]
     big = {("fsdp" if row["strategy"].get("fsdp") else "tp"): row for row in rows if row["model"] == "qwen2.5-0.5b"}
     params = dry_run(model("qwen2.5-0.5b"), {"dp": 2, "fsdp": True}).parameters
@@ -191,8 +221,7 @@ def main() -> None:
         "fsdp_states_vs_zero_formula": round(fsdp["model_states"] / (16 * params / 2), 3),
         "fsdp_peak_vs_tp_peak": round(fsdp["peak"] / big["tp"]["measured"]["peak"], 3),
         "auto_vs_best_measured": auto,
-        # not built yet (docs/plan.md, Not yet): the published runs' rows
-        "published_memory_ratio_worst": None}))
+        "published_memory_ratio_worst": published}))
 
 
 def _auto_vs_best(cpu: DeviceProfile, on_gloo: list[tuple[StepMemory, float]], searched: list[float]) -> float:
