@@ -3,8 +3,9 @@
 Why: the question a user asks before renting a cluster is not "does my
 strategy fit" but "how should I split it". hp answers it the way it answers
 the first question: each candidate is laid out and its step traced by the
-code a run uses (`hp.plan.memory.trace_step`, `hp.plan.step_time.trace_work`),
-then priced on the device's profile. Nothing is ranked by a formula.
+code a run uses (`hp.plan.step.fake_step`, then `hp.plan.memory.memory_of`
+and `hp.plan.step_time.work_of` on the same step), then priced on the
+device's profile. Nothing is ranked by a formula.
 
 The candidates split the world into data parallel (plain, or FSDP over the
 data and context axes), tensor parallel (always with sequence parallel: the
