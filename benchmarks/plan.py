@@ -41,7 +41,8 @@ import torch.multiprocessing as mp
 from hp.models import tiny_config
 from hp.parallel.finetune import Finetuning, Lora
 from hp.plan import dry_run, reference_config
-from hp.plan.devices import DeviceProfile, measure_cpu, measure_link
+from hp.plan.dry_run import describe
+from hp.plan.devices import GIB, DeviceProfile, measure_cpu, measure_link
 from hp.plan.memory import StepMemory, measure_step, trace_step
 from hp.plan.search import search, strategies
 from hp.plan.step import StepShape
@@ -128,10 +129,10 @@ def _published() -> float:
     for row, strategy, rows, tokens, gib in PUBLISHED:
         dp = strategy.get("dp", 1)
         predicted = trace_step(reference_config("llama-3.1-8b"), strategy, StepShape(rows * dp, tokens, bf16=True))
-        ratio = predicted.peak / (gib * 1024**3)
+        ratio = predicted.peak / (gib * GIB)
         ratios.append(max(ratio, 1 / ratio))
         print(json.dumps({"published": row, "strategy": strategy, "tokens": tokens, "published_gib": gib,
-                          "predicted_gib": round(predicted.peak / 1024**3, 2), "ratio": round(ratio, 3),
+                          "predicted_gib": round(predicted.peak / GIB, 2), "ratio": round(ratio, 3),
                           "predicted": predicted.to_dict()}), flush=True)
     return round(max(ratios), 3)
 
@@ -226,18 +227,18 @@ def main() -> None:
 
 def _auto_vs_best(cpu: DeviceProfile, on_gloo: list[tuple[StepMemory, float]], searched: list[float]) -> float:
     """`hp plan --search`'s first candidate for the Llama on 2 ranks of this machine: its measured step over the
-    fastest measured candidate's. One line per candidate, predicted beside measured."""
-    measured = {json.dumps(s, sort_keys=True): seconds for (name, s, shape, tuning), (_, seconds) in zip(REAL, on_gloo)
+    fastest measured candidate's (of `SEARCHED` only). One line per candidate, predicted beside measured."""
+    measured = {describe(s): seconds for (name, s, shape, tuning), (_, seconds) in zip(REAL, on_gloo)
                 if name == "llama" and shape == SHAPE and tuning is None}
-    measured.update((json.dumps(s, sort_keys=True), seconds) for s, seconds in zip(SEARCHED_TIMED, searched))
-    ranked = search(model("llama"), 2, SHAPE.rows // 2, SHAPE.tokens, cpu)
+    measured.update((describe(s), seconds) for s, seconds in zip(SEARCHED_TIMED, searched))
+    ranked = search(model("llama"), 2, SHAPE.rows // 2, SHAPE.tokens, cpu, among=SEARCHED)
     for place, candidate in enumerate(ranked):
         print(json.dumps({"search_rank": place, "strategy": candidate.strategy, "refused": candidate.refused,
                           "predicted_s": round(candidate.time.total, 4) if candidate.time else None,
-                          "measured_s": round(measured[json.dumps(candidate.strategy, sort_keys=True)], 4)}),
-              flush=True)
+                          "measured_s": round(measured[describe(candidate.strategy)], 4)}), flush=True)
     picked = next(c for c in ranked if c.runs)
-    return round(measured[json.dumps(picked.strategy, sort_keys=True)] / min(measured.values()), 3)
+    fastest = min(measured[describe(s)] for s in SEARCHED)
+    return round(measured[describe(picked.strategy)] / fastest, 3)
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _search(config, hf_config, world: int, device, as_json: bool) -> int:
     """`hp plan --search`: the candidates for `world` ranks, fastest first on `device`."""
-    from hp.plan.report import render_search
+    from hp.plan.report import render_search, search_shortfall
     from hp.plan.search import search
     from hp.plan.step import config_step
     from hp.train.config import ConfigError, strategy_labels
@@ -130,9 +130,9 @@ def _search(config, hf_config, world: int, device, as_json: bool) -> int:
     ranked = search(hf_config, world, config.per_device_train_batch_size, shape.tokens, device, bf16=shape.bf16,
                     finetuning=finetuning, check=check)
     print(render_search(config.model_name_or_path, world, device, ranked, as_json))
-    if not any(c.runs for c in ranked):
-        raise ConfigError(f"no candidate runs on {world} ranks of {device.name}: "
-                          + min((c.refused for c in ranked), key=len))
+    short = search_shortfall(world, device, ranked)
+    if short:
+        raise ConfigError(short)
     return 0
 
 

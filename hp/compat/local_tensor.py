@@ -26,8 +26,9 @@ through a pytree spec built per op. DTensor's own rank-local helpers (a
 shard's size and offset, padding) take the same shortcut: sharding
 propagation calls them for every strategy it prices, and under the mode
 each call ran on every rank with the states around it, seven times what
-the helper itself costs on 8 ranks. Every other op takes torch's own road. `tests/test_simulated_metadata.py` compares every answer,
-value and random draw with torch's own dispatch on drawn tensors. Where
+the helper itself costs on 8 ranks. Every other op takes torch's own road.
+`tests/test_simulated_metadata.py` compares every answer, value and random
+draw with torch's own dispatch on drawn tensors. Where
 torch lacks what this relies on (`supported()`), nothing is installed.
 """
 

@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 MIB = 1024**2
+GIB = 1024**3
 GB = 1e9
 
-
-GIB = 1024**3
 
 @dataclass(frozen=True)
 class Link:

@@ -20,7 +20,6 @@ so that a prediction can be checked against what was allocated.
 from __future__ import annotations
 
 import warnings
-
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any

@@ -33,6 +33,28 @@ def shortfall(run: DryRun, device: DeviceProfile, memory: StepMemory | None = No
             "true) or over more ranks, split the model (tp, pp), train LoRA adapters, or offload the optimizer states")
 
 
+def search_shortfall(world: int, device: DeviceProfile, ranked: list[Candidate]) -> str | None:
+    """Why no candidate of `hp plan --search` runs: the smallest peak over the device's memory, and what would make
+    it fit; else the first candidate's reason (every split refused by its shapes). None when one runs.
+
+    >>> from hp.plan.devices import PROFILES
+    >>> big = StepMemory(0, 0, 0, 0, 0, 0, 0, 0, 90 * GIB, 0)
+    >>> print(search_shortfall(8, PROFILES["h100-80g"], [Candidate({"dp": 8}, big, refused="over")]))
+    no candidate runs on 8 ranks of h100-80g: peaks at 90.00 GiB at the least (dp=8), 10.35 GiB over h100-80g's \
+79.65 GiB: plan more devices, lower per_device_train_batch_size or cutoff_len, or offload
+    """
+    if any(c.runs for c in ranked):
+        return None
+    traced = [c for c in ranked if c.memory is not None]
+    if not traced:
+        return f"no candidate runs on {world} ranks of {device.name}: {ranked[0].refused.splitlines()[0]}"
+    least = min(traced, key=lambda c: c.memory.peak)
+    return (f"no candidate runs on {world} ranks of {device.name}: peaks at {least.memory.peak / GIB:.2f} GiB at the "
+            f"least ({describe(least.strategy)}), {(least.memory.peak - device.memory_bytes) / GIB:.2f} GiB over "
+            f"{device.name}'s {device.memory_bytes / GIB:.2f} GiB: plan more devices, lower "
+            "per_device_train_batch_size or cutoff_len, or offload")
+
+
 def render(name: str, run: DryRun, *, device: DeviceProfile | None = None, memory: StepMemory | None = None,
            untraced: str | None = None, step_time: StepTime | None = None, as_json: bool = False) -> str:
     """The dry run of model `name` as text, or as JSON with the model's name (and `device`'s memory) added; with

@@ -107,11 +107,11 @@ def search(hf_config, world: int, rows_per_device: int, tokens: int, device: Dev
 def _traced(hf_config, strategy: dict[str, Any], shape: StepShape, device: DeviceProfile,
             finetuning: Finetuning | None, check) -> Candidate:
     """One candidate: refused by `check` or by its shapes, traced, and priced unless its peak exceeds the device."""
-    tokens = shape.rows * shape.tokens
+    tokens, parsed = shape.rows * shape.tokens, Strategy.of(strategy)
     try:
         if check is not None:
-            check(Strategy.of(strategy))
-        if shape.tokens % Strategy.of(strategy).cp:
+            check(parsed)
+        if shape.tokens % parsed.cp:  # a row the trace could not split evenly
             raise ValueError(f"cp = {strategy['cp']} does not divide the {shape.tokens} tokens of a row")
         with fake_step(hf_config, strategy, shape, finetuning) as step:  # laid out and traced once for both
             memory = memory_of(step)
