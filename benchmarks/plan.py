@@ -4,8 +4,8 @@ Dry runs: one model and strategy laid out on a fake world of its size in this pr
 rank 0's parameters and the seconds it took.
 
 Memory: for each configuration, `hp.plan.memory.trace_step` predicts rank 0's peak over a steady training step
-(traced on fake tensors at the target world, in this process), and `measure_step` measures the same step run for
-real, counted by torch's memory tracker (every tensor storage allocated, not RSS, which holds the runtime):
+(traced on fake tensors at the target world, in this process; on gloo's, with the buffers gloo allocates beside a
+collective, `hp.plan.memory.LIBRARY_BUFFERS`), and `measure_step` measures the same step run for real, counted by torch's memory tracker (every tensor storage allocated, not RSS, which holds the runtime):
 - on 2 gloo processes, each pinned to a core of its own (rank 0's figures), for the `REAL` configurations;
 - on a world of 4 or 8 simulated ranks for the `SIMULATED` ones: real tensors, every op and every collective's
   output allocated as in a run, on a `fake` process group (collectives move no values, which the memory of a
@@ -195,7 +195,7 @@ def main() -> None:
     cpu, on_gloo, searched = _measured_on_gloo()
     rows, times = [], []
     for (name, strategy, shape, finetuning), (measured, seconds) in zip(REAL, on_gloo):
-        predicted = trace_step(model(name), strategy, shape, finetuning)
+        predicted = trace_step(model(name), strategy, shape, finetuning, backend=cpu.backend)
         rows.append(_line(name, strategy, shape, finetuning, "2 gloo processes", predicted, measured))
         step = predict(trace_work(model(name), strategy, shape, finetuning), cpu)
         times.append(abs(step.total - seconds) / seconds)

@@ -95,7 +95,7 @@ def _plan(args: argparse.Namespace) -> int:
             except ValueError as reason:  # a step hp plan cannot trace yet: the layout's figures still stand
                 untraced = str(reason)
             else:
-                memory = trace_step(hf_config, *step)
+                memory = trace_step(hf_config, *step, backend=device.backend if device is not None else None)
             short = shortfall(run, device, memory) if device is not None else None
             if memory is not None and device is not None and short is None:  # a step that fits: how long it takes
                 step_time = predict(trace_work(hf_config, *step), device)

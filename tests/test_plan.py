@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
+import rank_pool
 from hp.cli import main
 from hp.plan import REFERENCES, dry_run, reference_config
 from hp.train.model import model_class
@@ -191,3 +193,9 @@ def test_hp_plan_prints_rank_0_s_step_and_says_what_it_cannot_trace(capsys):
     assert "the step's peak" in captured.out.splitlines()[-1]
     assert captured.err.startswith("hp plan: rank 0's step peaks at ") and "GiB more than h100-80g's 79.65 GiB" in \
         captured.err and "recompute the blocks" in captured.err and len(captured.err.strip().splitlines()) == 1
+
+
+def test_the_traced_step_counts_the_buffers_gloo_allocates_beside_a_collective():
+    run = rank_pool.run(str(Path(__file__).parent / "workers" / "plan_gloo.py"), 2, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "rank 0: traced as measured on gloo" in run.stdout

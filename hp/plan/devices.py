@@ -69,6 +69,7 @@ class DeviceProfile:
     op_overhead: float = 5e-6  # the host's seconds per eager op: dispatch, autograd, the launch
     dtensor_overhead: float = 30e-6  # the host's seconds per op on DTensors: the cached sharding decision, wrapping
     host_is_device: bool = False  # a CPU: the host's time adds to the arithmetic; an accelerator runs behind its host
+    backend: str = "nccl"  # the collectives' library, whose own buffers `hp.plan.memory` adds to a traced step
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype` ('bf16', 'fp16', 'fp32')."""
@@ -126,7 +127,7 @@ PROFILES: dict[str, DeviceProfile] = {
                               Link(300 * GB, 5e-6), Link(25 * GB, 10e-6), memory_bandwidth=2039 * GB),
     # the 910B3's commonly cited 313 TFLOPS at fp16; its fp32 rate is not published alongside
     "910b-64g": DeviceProfile("910b-64g", 65536 * MIB, (("bf16", 313e12), ("fp16", 313e12)),
-                              Link(196 * GB, 10e-6), Link(25 * GB, 15e-6), memory_bandwidth=1600 * GB),
+                              Link(196 * GB, 10e-6), Link(25 * GB, 15e-6), memory_bandwidth=1600 * GB, backend="hccl"),
 }
 KNOWN = (*PROFILES, "cpu")
 
@@ -191,7 +192,7 @@ def measure_cpu(size: int = 1024, link: Link | None = None) -> DeviceProfile:
     op_seconds = _op_seconds()
     return DeviceProfile("cpu", _meminfo_bytes(), tuple(flops), link, link, devices_per_node=os.cpu_count() or 1,
                          traffic=_traffic(), attention=_attention_flops(), op_overhead=op_seconds,
-                         dtensor_overhead=_dtensor_op_seconds(op_seconds, link), host_is_device=True)
+                         dtensor_overhead=_dtensor_op_seconds(op_seconds, link), host_is_device=True, backend="gloo")
 
 
 def _measured_dtypes() -> list[tuple[Any, str]]:

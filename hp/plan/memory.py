@@ -13,24 +13,38 @@ AdamW's states and what later steps reuse). Storages are rounded up to 512
 bytes, as accelerator caching allocators round them (torch's `MemTracker`
 does).
 
+A collective library may allocate beside the tensors it is handed, and a
+fake process group allocates nothing: `LIBRARY_BUFFERS` says, per backend,
+which collectives hold a buffer the size of their input while they run, and
+the trace allocates it there (a device profile names its backend).
+
 `measure_step` tracks the same step on real tensors (`hp.plan.step.real_step`),
 so that a prediction can be checked against what was allocated.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hp.parallel.strategy import Strategy
 from hp.plan.step import Step, StepShape, fake_step, real_step
 from hp.train.finetuning import Finetuning
 
 # MemTracker's kinds, as hp plan names them
+# Per backend, the c10d ops whose library copies their whole input while they run (measured on 2 processes here, a
+# 4 MiB input: gloo's `reduce_scatter_single`, FSDP's reduce-scatter, peaks 4 MiB above its input and output; its
+# list form, all-gather, all-reduce and the functional collectives DTensor issues allocate nothing of their own).
+# NCCL and HCCL reduce in the buffers they are given: their staging lies outside the framework's allocator.
+LIBRARY_BUFFERS: dict[str, frozenset[str]] = {"gloo": frozenset({"_reduce_scatter_base_"}), "nccl": frozenset(),
+                                              "hccl": frozenset()}
 _KINDS = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients", "Optstate": "optimizer_states",
           "Activation": "activations", "Temp": "temporaries", "Input": "inputs", "Other": "other"}
 
@@ -55,8 +69,9 @@ class StepMemory:
 
 
 def trace_step(hf_config, strategy: Strategy | Mapping[str, Any], shape: StepShape,
-               finetuning: Finetuning | None = None) -> StepMemory:
-    """Rank 0's memory over one training step of `hf_config`'s model under `strategy`, traced on fake tensors.
+               finetuning: Finetuning | None = None, *, backend: str | None = None) -> StepMemory:
+    """Rank 0's memory over one training step of `hf_config`'s model under `strategy`, traced on fake tensors,
+    with `backend`'s own buffers (`LIBRARY_BUFFERS`; None: none).
 
     >>> from hp.models import tiny_config
     >>> memory = trace_step(tiny_config("llama", layers=2), {"tp": 2}, StepShape(rows=4, tokens=32))
@@ -66,7 +81,7 @@ def trace_step(hf_config, strategy: Strategy | Mapping[str, Any], shape: StepSha
     True
     """
     with fake_step(hf_config, strategy, shape, finetuning) as step:
-        return memory_of(step)
+        return memory_of(step, backend)
 
 
 def measure_step(hf_config, strategy: Strategy | Mapping[str, Any], shape: StepShape,
@@ -84,16 +99,26 @@ def measure_step(hf_config, strategy: Strategy | Mapping[str, Any], shape: StepS
     return memory_of(real_step(hf_config, strategy, shape, finetuning, seed=seed))
 
 
-def memory_of(step: Step) -> StepMemory:
+def memory_of(step: Step, backend: str | None = None) -> StepMemory:
     """`step` (made by `fake_step` or `real_step`) run once more under the tracker: its peak by kind, and the model
-    states as its update starts."""
+    states as its update starts; with `backend`, the buffers its library allocates that the step's process group
+    does not (a fake one's).
+
+    >>> memory_of(None, "mpi")
+    Traceback (most recent call last):
+    ...
+    ValueError: backend 'mpi' is not one hp plan knows the buffers of (gloo, nccl, hccl)
+    """
+    if backend is not None and backend not in LIBRARY_BUFFERS:
+        raise ValueError(f"backend {backend!r} is not one hp plan knows the buffers of ({', '.join(LIBRARY_BUFFERS)})")
     tracker, at_update = _StepTracker(), {}
     tracker.track_external(step.model, step.optimizer, *step.inputs.values())
 
     def states_now() -> None:
         at_update.update(next(iter(tracker.get_tracker_snapshot("current").values()), {}))
 
-    with tracker, warnings.catch_warnings():
+    library = _LibraryBuffers(LIBRARY_BUFFERS[backend]) if backend else contextlib.nullcontext()
+    with tracker, library, warnings.catch_warnings():
         # its module tracker warns when recompute runs a block's forward again inside backward; this reads no
         # per-module figure, only the step's totals
         warnings.filterwarnings("ignore", message="The module hierarchy tracking maybe be messed up")
@@ -120,6 +145,24 @@ class _StepTracker(MemTracker):
             if self._peak_mem.get(device, 0) < snapshot["Total"]:
                 self._peak_mem[device] = snapshot["Total"]
                 self._peak_mem_snap[device] = dict(snapshot)
+
+
+class _LibraryBuffers(TorchDispatchMode):
+    """Each collective in `ops` (c10d's in-place ones: output, then input) holds a buffer of its input's size while
+    it runs, as its library does on a real process group. Entered inside the tracker, which counts the buffer."""
+
+    def __init__(self, ops: frozenset[str]) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name.partition("::")[2] not in self.ops:
+            return func(*args, **(kwargs or {}))
+        staged = torch.empty_like(args[1])
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            del staged
 
 
 class _NoHook:

@@ -114,7 +114,7 @@ def _traced(hf_config, strategy: dict[str, Any], shape: StepShape, device: Devic
         if shape.tokens % parsed.cp:  # a row the trace could not split evenly
             raise ValueError(f"cp = {strategy['cp']} does not divide the {shape.tokens} tokens of a row")
         with fake_step(hf_config, strategy, shape, finetuning) as step:  # laid out and traced once for both
-            memory = memory_of(step)
+            memory = memory_of(step, device.backend)
             work = work_of(step) if memory.peak <= device.memory_bytes else None
     except ValueError as refused:
         return Candidate(strategy, refused=str(refused), tokens=tokens)
