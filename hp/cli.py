@@ -39,6 +39,7 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from hp.plan.auto import resolve
     from hp.train import errors
     from hp.train.launch import launch
 
@@ -46,7 +47,7 @@ def _train(args: argparse.Namespace) -> int:
         os.environ[errors.DEBUG_ENV] = "1"  # the workers inherit it
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops a run as Ctrl-C does
     try:
-        return launch(args.config, args.overrides)
+        return launch(args.config, resolve(args.config, args.overrides))
     except BaseException as error:  # noqa: BLE001 - every way a run ends gets its exit code and one message
         return errors.report(error)
 
@@ -84,7 +85,7 @@ def _plan(args: argparse.Namespace) -> int:
                     else f"cluster.devices_per_node = {per_node}")
         check_nodes(devices or config.parallel.world_size, per_node, given_as)
         hf_config = hf_config_of(config.model_name_or_path)
-        if args.search:
+        if args.search or config.parallel_auto:  # parallel: auto is the search's first candidate that fits
             return _search(config, hf_config, devices or config.parallel.world_size, device, args.json)
         run = dry_run_config(config, devices, hf_config)
         memory = untraced = step_time = None
@@ -113,22 +114,13 @@ def _plan(args: argparse.Namespace) -> int:
 def _search(config, hf_config, world: int, device, as_json: bool) -> int:
     """`hp plan --search`: the candidates for `world` ranks, fastest first on `device`."""
     from hp.plan.report import render_search, search_shortfall
-    from hp.plan.search import search
-    from hp.plan.step import config_step
-    from hp.train.config import ConfigError, strategy_labels
-    from hp.train.model import check_fits
+    from hp.plan.search import search_config
+    from hp.train.config import ConfigError
 
     if device is None:
         raise ConfigError("hp plan --search prices each candidate's step on a device: name one with --device "
                           "(or cluster.device)")
-    _, shape, finetuning = config_step(config, hf_config)  # what hp plan cannot trace is refused here, by name
-
-    def check(strategy) -> None:  # hp train's refusal of shapes a strategy cannot split, with its message
-        check_fits(hf_config, strategy, name=config.model_name_or_path, labels=strategy_labels(config),
-                   finetuning=config.finetuning)
-
-    ranked = search(hf_config, world, config.per_device_train_batch_size, shape.tokens, device, bf16=shape.bf16,
-                    finetuning=finetuning, check=check)
+    ranked = search_config(config, hf_config, world, device)
     print(render_search(config.model_name_or_path, world, device, ranked, as_json))
     short = search_shortfall(world, device, ranked)
     if short:

@@ -105,17 +105,24 @@ def test_a_named_profile_has_its_memory_bandwidth():
         "h100-80g": 3.35, "h200-141g": 4.8, "a100-80g": 2.039, "910b-64g": 1.6}
 
 
-def test_hp_plan_search_ranks_the_world_s_splits_by_each_one_s_traced_step(capsys):
+def test_hp_plan_search_ranks_the_world_s_splits_and_parallel_auto_trains_the_fastest(capsys, tmp_path):
     """`--search` on one rank (the candidates plain and recomputing, so that the test stays short: every split of
     2 ranks is ranked by benchmarks/plan.py): each row is its step traced alone, the faster first (the table's
-    layout: `render_search`'s example); without a device, and where nothing fits the device, one message each."""
+    layout: `render_search`'s example). `parallel: auto` on the same config takes the first, says why, and hands it
+    to the launch as one override, with which the run trains (on a CPU, `hp.plan.devices.local_profile` measures
+    the device as the benchmark does). Without a device, without ranks to split, beside another sharding key, and
+    where nothing fits the device, one message each, before any worker starts."""
     from hp.cli import main
+    from hp.plan.auto import resolve
     from hp.plan.dry_run import hf_config_of
     from hp.plan.memory import trace_step
+    from hp.train.config import load_config
+    from train_runs import DATA, QUICKSTART, hp_train, summary
+
+    given = ["cutoff_len=32", "per_device_train_batch_size=2", "disable_gradient_checkpointing=false"]
 
     def common(*overrides: str) -> list[str]:
-        return ["plan", "examples/quickstart.yaml", "cutoff_len=32", "per_device_train_batch_size=2", *overrides,
-                "--devices", "1", "--search"]
+        return ["plan", "examples/quickstart.yaml", *given, *overrides, "--devices", "1", "--search"]
 
     assert main([*common(), "--device", "h100-80g", "--json"]) == 0
     ranked = json.loads(capsys.readouterr().out)["candidates"]
@@ -126,8 +133,26 @@ def test_hp_plan_search_ranks_the_world_s_splits_by_each_one_s_traced_step(capsy
             predict(trace_work(config, candidate["strategy"], shape), PROFILES["h100-80g"]).total, rel=1e-9)
         assert candidate["peak_bytes"] == trace_step(config, candidate["strategy"], shape).peak
         assert candidate["tokens_per_s"] == pytest.approx(64 / candidate["step_s"])
+    auto = [*given, "parallel=auto", "nproc_per_node=1", "cluster.device=h100-80g", f"dataset_dir={DATA}"]
+    overrides = resolve(QUICKSTART, auto)
+    assert overrides == [*auto, 'parallel={"recompute": false}'], overrides
+    assert capsys.readouterr().err == (
+        "hp train: parallel: auto takes one rank on 1 ranks of h100-80g: the fastest of the 2 of 2 candidates that fit "
+        f"(hp plan --search), its step {ranked[0]['step_s'] * 1e3:.1f} ms predicted, {ranked[0]['tokens_per_s']:.0f} "
+        f"tokens/s, peak {ranked[0]['peak_bytes'] / 2**30:.2f} of 79.65 GiB; next, one rank recompute, "
+        f"{ranked[1]['step_s'] / ranked[0]['step_s']:.2f}x its step\n")
+    result = summary(hp_train(*overrides, "max_steps=2", f"output_dir={tmp_path}"))
+    assert result["steps"] == 2 and not load_config(QUICKSTART, overrides).parallel.recompute
     assert main(common()) == 2
     assert capsys.readouterr().err.startswith("hp plan: hp plan --search prices each candidate's step on a device")
-    assert main(common("cluster.device={memory_gib: 0.001, tflops: {fp32: 1}}")) == 2
+    tiny = "cluster.device={memory_gib: 0.001, tflops: {fp32: 1}}"
+    assert main(common(tiny)) == 2
     err = capsys.readouterr().err
     assert err.startswith("hp plan: no candidate runs on 1 ranks of custom: peaks at") and "over custom's" in err, err
+    assert main(["train", QUICKSTART, *auto[:-2], tiny]) == 2  # hp train's parallel: auto says the same
+    assert capsys.readouterr().err == "hp train" + err[len("hp plan"):]
+    assert main(["train", QUICKSTART, "parallel=auto"]) == 2
+    assert capsys.readouterr().err.startswith("hp train: parallel = 'auto' splits the ranks hp train launches: set "
+                                              "nproc_per_node")
+    assert main(["train", QUICKSTART, "parallel=auto", "nproc_per_node=2", "fsdp=full_shard"]) == 2
+    assert "parallel = 'auto' chooses every degree itself: leave fsdp out" in capsys.readouterr().err

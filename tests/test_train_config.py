@@ -583,8 +583,11 @@ def test_the_config_and_its_strategy_import_no_torch():
 
 
 def test_train_config_fields_match_to_dict():
-    fields = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in ("no_effect", "notes")]
+    # parallel_auto is written as the YAML writes it: parallel: auto
+    fields = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in ("no_effect", "notes", "parallel_auto")]
     assert list(to_dict(validate(MINIMAL))) == fields
+    auto = validate({**MINIMAL, "parallel": "auto", "nproc_per_node": 2})
+    assert to_dict(auto)["parallel"] == "auto" and validate(to_dict(auto)) == auto
 
 
 def test_llamafactory_keys_without_effect_are_kept_and_round_trip():

@@ -149,6 +149,83 @@ def profile(name: str) -> DeviceProfile:
     return PROFILES[name]
 
 
+# The accelerators a machine may hold, by a piece of the name their driver reports, and their profiles.
+_BY_NAME = (("H100", "h100-80g"), ("H200", "h200-141g"), ("A100-SXM4-80GB", "a100-80g"), ("A100 80GB", "a100-80g"),
+            ("910B", "910b-64g"))
+
+
+def local_profile(kind: str, ranks: int) -> DeviceProfile:
+    """The device this machine trains on (`kind`: cuda, npu or cpu, as `hp.device.available` says): an
+    accelerator's named profile, matched by the name its driver reports (`driver_named`); a CPU measured
+    (`measure_cpu`) on `ranks` gloo processes forked here (at most one per core), each on a core of its own with
+    one thread as hp train's workers run, the link between them measured by them: about 10 s.
+
+    >>> # what hp train's parallel: auto does on this machine, with 2 workers:
+    >>> # local_profile(hp.device.available(), 2).name  ->  'cpu' here, 'h100-80g' on an H100
+    """
+    if kind == "cpu":
+        return _measured_on_processes(max(1, min(ranks, os.cpu_count() or 1)))
+    import torch
+
+    return driver_named(getattr(torch, kind).get_device_name(0))
+
+
+def driver_named(name: str) -> DeviceProfile:
+    """The profile of the accelerator whose driver reports `name`.
+
+    >>> driver_named("NVIDIA H100 80GB HBM3").name
+    'h100-80g'
+    >>> driver_named("Tesla V100-SXM2-32GB")
+    Traceback (most recent call last):
+    ...
+    ValueError: this machine's device 'Tesla V100-SXM2-32GB' has no profile in hp (it knows h100-80g, h200-141g, a100-80g, 910b-64g): give its figures as cluster.device
+    """
+    for piece, profile_name in _BY_NAME:
+        if piece in name:
+            return PROFILES[profile_name]
+    raise ValueError(f"this machine's device {name!r} has no profile in hp (it knows {', '.join(PROFILES)}): "
+                     "give its figures as cluster.device")
+
+
+def _measured_on_processes(ranks: int) -> DeviceProfile:
+    """`measure_cpu` on `ranks` processes forked here, over gloo (the link's figures need two): rank 0's profile.
+    Forked, so that pinning a core and a thread count leaves this process as it was."""
+    import multiprocessing
+    import tempfile
+
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    with tempfile.TemporaryDirectory(prefix="hp-measure-") as store:
+        processes = [context.Process(target=_measure_rank, args=(rank, ranks, os.path.join(store, "rendezvous"), out))
+                     for rank in range(ranks)]
+        for process in processes:
+            process.start()
+        profile = out.get(timeout=600)
+        for process in processes:
+            process.join()
+    return profile
+
+
+def _measure_rank(rank: int, ranks: int, store: str, out) -> None:
+    """One measuring process: pinned to core `rank` with one thread, `measure_cpu` with the link to its peers."""
+    import torch
+    import torch.distributed as dist
+
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
+    torch.set_num_threads(1)
+    if ranks == 1:
+        out.put(measure_cpu())
+        return
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ranks)
+    try:
+        profile = measure_cpu(link=measure_link())
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        out.put(profile)
+
+
 def spelled_out(figures: Mapping[str, Any]) -> DeviceProfile:
     """The profile of a device given by its figures (a config's `cluster.device` mapping, checked there):
     memory in GiB, peak TFLOP/s per dtype, the memory's bandwidth and links in GB/s one way, latencies in
@@ -265,6 +342,9 @@ def measure_link(group=None, sizes: tuple[int, int] = (1 << 10, 1 << 22)) -> Lin
     from hp.cost import ring_bytes
 
     p = dist.get_world_size(group)
+    # torch 2.13's names (FSDP's reduce-scatter is the second), else the older ones
+    all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
     def all_reduce(n: int):
         t = torch.ones(n // 4)
@@ -272,7 +352,7 @@ def measure_link(group=None, sizes: tuple[int, int] = (1 << 10, 1 << 22)) -> Lin
 
     def all_gather(n: int):
         t, out = torch.ones(n // 4 // p), torch.empty(n // 4)
-        return n, lambda: dist.all_gather_into_tensor(out, t, group=group)
+        return n, lambda: all_gather_single(out, t, group=group)
 
     def all_to_all(n: int):
         t, out = torch.ones(n // 4), torch.empty(n // 4)
@@ -280,7 +360,7 @@ def measure_link(group=None, sizes: tuple[int, int] = (1 << 10, 1 << 22)) -> Lin
 
     def reduce_scatter(n: int):  # as FSDP reduces its gradients
         t, out = torch.ones(n // 4), torch.empty(n // 4 // p)
-        return n, lambda: dist.reduce_scatter_tensor(out, t, group=group)
+        return n, lambda: reduce_scatter_single(out, t, group=group)
 
     fitted = []
     for kind, make, steps in (("all_reduce", all_reduce, 2 * (p - 1)), ("all_gather", all_gather, p - 1),

@@ -104,6 +104,34 @@ def search(hf_config, world: int, rows_per_device: int, tokens: int, device: Dev
     return sorted(found, key=lambda c: (not c.runs, c.time.total if c.time else 0.0, c.memory.peak if c.memory else 0))
 
 
+def search_config(config, hf_config, world: int, device: DeviceProfile, among: list[dict[str, Any]] | None = None
+                  ) -> list[Candidate]:
+    """`search` for an `hp train` config (`hp.train.config.TrainConfig`) on `world` ranks of `device` (among
+    `among`, else every split): its model, rows per device, tokens, bf16 and finetuning, each candidate refused as
+    `hp train` would refuse it. What `hp plan` cannot trace yet is refused by name (a ValueError:
+    `hp.plan.step.config_step`).
+
+    >>> from hp.train.config import validate
+    >>> from hp.models import tiny_config
+    >>> from hp.plan.devices import PROFILES
+    >>> config = validate({"model_name_or_path": "hp/tiny-llama", "dataset": "d", "output_dir": "o", "cutoff_len": 16})
+    >>> len(search_config(config, tiny_config("llama", layers=1), 2, PROFILES["h100-80g"]))
+    14
+    """
+    from hp.plan.step import config_step
+    from hp.train.config import strategy_labels
+    from hp.train.model import check_fits
+
+    _, shape, finetuning = config_step(config, hf_config)
+
+    def check(strategy) -> None:  # hp train's refusal of shapes a strategy cannot split, with its message
+        check_fits(hf_config, strategy, name=config.model_name_or_path, labels=strategy_labels(config),
+                   finetuning=config.finetuning)
+
+    return search(hf_config, world, config.per_device_train_batch_size, shape.tokens, device, bf16=shape.bf16,
+                  finetuning=finetuning, check=check, among=among)
+
+
 def _traced(hf_config, strategy: dict[str, Any], shape: StepShape, device: DeviceProfile,
             finetuning: Finetuning | None, check) -> Candidate:
     """One candidate: refused by `check` or by its shapes, traced, and priced unless its peak exceeds the device."""

@@ -41,7 +41,7 @@ from collections.abc import Iterator, Sequence
 
 from hp.device import available
 from hp.train import errors, post_mortem, preflight, restarts, zygote
-from hp.train.config import DEFAULT_MASTER_PORT, TrainConfig, load_config
+from hp.train.config import DEFAULT_MASTER_PORT, ConfigError, TrainConfig, load_config
 
 
 def launch(config_path: str, overrides: Sequence[str] = ()) -> int:
@@ -54,6 +54,9 @@ def launch(config_path: str, overrides: Sequence[str] = ()) -> int:
     from hp.train.data.splits import hand_over
 
     config = load_config(config_path, overrides)
+    if config.parallel_auto:  # the search sits above the trainer: the command resolves it first
+        raise ConfigError("parallel = 'auto' is chosen by the hp train command before the launch "
+                          "(hp.plan.auto.resolve gives the overrides to launch with)")
     argv = [str(config_path), *overrides]
     with tempfile.TemporaryDirectory(prefix="hp-launch-") as private, _forked_zygote(config, private, argv) as early:
         splits = _checked(config)

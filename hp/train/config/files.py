@@ -92,6 +92,10 @@ def to_dict(config: TrainConfig) -> dict[str, Any]:
             continue
         if f.name == "notes":
             continue
+        if f.name == "parallel_auto":  # written as the YAML writes it: parallel: auto
+            if value:
+                out["parallel"] = "auto"
+            continue
         if isinstance(value, Strategy):
             value = value.as_dict()
             place = value.pop("mpmd_place")  # written as the YAML writes it: mpmd: {place: {...}}

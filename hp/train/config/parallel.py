@@ -52,12 +52,33 @@ _ACTIVATION_FIELDS = {"none": {}, "recompute": {"recompute": True}, "swap": {"of
 ELSEWHERE_KEYS = ("deepspeed", "fsdp", "fsdp_config", "fsdp_transformer_layer_cls_to_wrap")
 
 
+AUTO = "auto"  # `parallel: auto`: every degree chosen by hp plan's search for the launched ranks (hp.plan.auto)
+
+
+def check_auto(raw: Mapping[str, Any], hyper: Any, elsewhere: Any) -> None:
+    """`parallel: auto` needs the ranks it splits, and no other key that shards the model.
+
+    >>> check_auto({"nproc_per_node": 2}, None, [])
+    >>> check_auto({}, None, [])
+    Traceback (most recent call last):
+    ...
+    hp.train.config.schema.ConfigError: parallel = 'auto' splits the ranks hp train launches: set nproc_per_node (and nnodes over several machines)
+    """
+    if launched_ranks(raw) is None:
+        raise ConfigError(f"parallel = {AUTO!r} splits the ranks hp train launches: set nproc_per_node (and nnodes "
+                          "over several machines)")
+    if hyper is not None or elsewhere:
+        given = "hyper_parallel_args" if hyper is not None else ("deepspeed" if raw.get("deepspeed") else "fsdp")
+        raise ConfigError(f"parallel = {AUTO!r} chooses every degree itself: leave {given} out, or write the degrees "
+                          "in parallel:")
+
+
 def parallel_section(section: Any) -> dict[str, Any]:
     """The keys given in the `parallel:` section, checked (absent keys stay absent)."""
     if section is None:
         return {}
     if not isinstance(section, Mapping):
-        raise refuse("parallel", section, "a mapping such as {dp: 2, tp: 2}")
+        raise refuse("parallel", section, f"a mapping such as {{dp: 2, tp: 2}}, or {AUTO!r}")
     check_keys(section, tuple(PARALLEL_RULES), "parallel.")
     if isinstance(section.get("offload"), Mapping):
         section = {**section, **_offload_mapping(section["offload"], "offload_budget" in section)}

@@ -162,6 +162,9 @@ class TrainConfig:
     torch_compile: bool = False  # LlamaFactory's name for parallel.compile: blocks and loss under torch.compile
     # parallel
     parallel: Strategy = field(default_factory=Strategy)
+    # `parallel: auto`: the hp command picks `parallel` by hp plan's search before the launch (hp.plan.auto); until
+    # then `parallel` is plain data parallel over the launched ranks
+    parallel_auto: bool = False
     use_hyper_parallel: bool = False
     hyper_parallel_args: Mapping[str, Any] | None = None
     hyper_parallel_cp_size: int | None = None  # LlamaFactory's override of hyper_parallel_args' cp_size

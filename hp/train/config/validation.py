@@ -22,14 +22,16 @@ from hp.train.config.cluster import cluster_section
 from hp.train.config.hyper_parallel import checked_hyper_args
 from hp.train.config.llamafactory_keys import verdict
 from hp.train.config.parallel import (
-    ELSEWHERE_KEYS, check_agreement, fold_strategy, parallel_section, sharding_elsewhere, with_recompute,
+    AUTO, ELSEWHERE_KEYS, check_agreement, check_auto, fold_strategy, parallel_section, sharding_elsewhere,
+    with_recompute,
 )
 from hp.train.config.rules import RULES, check_value, one_of, unknown_key
 from hp.parallel.strategy import Strategy
 from hp.train.config.schema import PREFERENCE_STAGES, ConfigError, TrainConfig
 
 _REQUIRED = ("model_name_or_path", "dataset", "output_dir")
-_TOP_KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not in ("no_effect", "notes"))
+_TOP_KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig)
+                  if f.name not in ("no_effect", "notes", "parallel_auto"))
 
 
 def validate(raw: Mapping[str, Any] | None, *, base_dir: str | os.PathLike | None = None) -> TrainConfig:
@@ -63,9 +65,12 @@ def validate(raw: Mapping[str, Any] | None, *, base_dir: str | os.PathLike | Non
     values = {key: _noting(problems, check_value, key, raw[key], rule) for key, rule in RULES.items() if key in raw}
     if values.get("dataset"):
         values["dataset"] = ",".join(name.strip() for name in values["dataset"].split(","))
-    given = _noting(problems, parallel_section, raw.get("parallel"))
+    auto = raw.get("parallel") == AUTO
+    given = _noting(problems, parallel_section, None if auto else raw.get("parallel"))
     hyper = _noting(problems, checked_hyper_args, raw, values.get("use_hyper_parallel", False), base_dir)
     elsewhere = _noting(problems, sharding_elsewhere, raw, base_dir)
+    if auto:
+        _noting(problems, check_auto, raw, hyper, elsewhere)
     trackers = _noting(problems, _report_to, raw.get("report_to"))
     values["cluster"] = _noting(problems, cluster_section, raw.get("cluster"))
     if problems:
@@ -74,6 +79,7 @@ def validate(raw: Mapping[str, Any] | None, *, base_dir: str | os.PathLike | Non
     values["parallel"] = with_recompute(strategy, given, hyper, elsewhere,
                                         values.get("disable_gradient_checkpointing", False))
     values["hyper_parallel_args"] = None if hyper is None else MappingProxyType(hyper)
+    values["parallel_auto"] = auto
     said = tuple(found.message for found in foreign.values() if found and found.accepted and found.message)
     values["report_to"], values["notes"] = trackers[0], said + notes + trackers[1] + _unset_notes(raw) + _cluster_notes(raw)
     values.update({key: MappingProxyType(dict(raw[key])) if isinstance(raw[key], Mapping) else raw[key]
@@ -104,6 +110,9 @@ def _together(problems: list[ConfigError]) -> ConfigError:
 def _cluster_notes(raw: Mapping[str, Any]) -> tuple[str, ...]:
     if raw.get("cluster") is None:
         return ()
+    if raw.get("parallel") == AUTO:
+        return ("cluster: hp train reads its device for parallel: auto only, and launches nproc_per_node workers on "
+                "each of nnodes",)
     return ("cluster: read by hp plan only; hp train launches on the world its parallel degrees and nnodes give",)
 
 

@@ -1,0 +1,120 @@
+"""`parallel: auto`: hp train takes the fastest split `hp plan --search` finds for the ranks it launches.
+
+Why here: the choice needs the search (`hp.plan.search`), which traces each
+candidate's step by the code a run uses, and the search sits above the
+trainer; so the `hp train` command resolves `parallel: auto` before the
+launch, and hands the launcher (and through it every worker, and every
+restart) the chosen strategy as one override, `parallel={...}`: the workers
+never search, and all of them run the same split.
+
+The device the candidates are priced on is `cluster.device` when the config
+names one (a profile or its figures), else this machine's
+(`hp.plan.devices.local_profile`: an accelerator's profile by the name its
+driver reports; a CPU measured on two forked gloo processes, about 10 s).
+The world is `nproc_per_node` times `nnodes`. Candidates are the search's:
+dp (plain or FSDP), tp with sp, cp ring and Ulysses, each with recompute on
+and off (off only, under `disable_gradient_checkpointing: true`). The
+choice, and why, is printed before the launch; when nothing fits, one
+message names the smallest shortfall.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+
+from hp.plan.devices import GIB, DeviceProfile, local_profile, profile, spelled_out
+from hp.plan.dry_run import describe, hf_config_of
+from hp.plan.report import search_shortfall
+from hp.plan.search import Candidate, search_config, strategies
+
+
+def resolve(config_path: str, overrides: Sequence[str] = ()) -> list[str]:
+    """`overrides`, with the strategy `parallel: auto` chooses appended as `parallel={...}` when the config says
+    so (and why printed to stderr); unchanged otherwise.
+
+    >>> resolve("examples/quickstart.yaml", ["max_steps=1"])  # its parallel section names the degrees
+    ['max_steps=1']
+    """
+    from hp.device import available
+    from hp.train.config import ConfigError, load_config
+
+    config = load_config(config_path, overrides)
+    if not config.parallel_auto:
+        return list(overrides)
+    kind = available() if config.device == "auto" else config.device
+    chosen, why = _in_a_child(config, kind)
+    if chosen is None:
+        raise ConfigError(why)
+    print(why, file=sys.stderr, flush=True)
+    return [*overrides, f"parallel={json.dumps(chosen)}"]
+
+
+def _in_a_child(config, kind: str) -> tuple[dict | None, str]:
+    """`choose` on this machine's device, in a process forked for it: the search lays models out on a fake world,
+    which must not outlive it here (the launcher forks its workers' zygote from this process on a CPU), and an
+    accelerator's driver is asked in the child only."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    child = context.Process(target=_choose_into, args=(config, kind, out))
+    child.start()
+    found = out.get(timeout=1800)
+    child.join()
+    if isinstance(found, BaseException):
+        raise found
+    return found
+
+
+def _choose_into(config, kind: str, out) -> None:
+    try:
+        device = _device(config.cluster.device if config.cluster else None, kind, config.nproc_per_node)
+        out.put(choose(config, device))
+    except Exception as error:  # noqa: BLE001 - the parent raises it, with its message
+        out.put(error)
+
+
+def choose(config, device: DeviceProfile) -> tuple[dict | None, str]:
+    """The strategy `parallel: auto` takes for `config` (a `TrainConfig`) on its launched ranks of `device`, and the
+    line saying why; None and the smallest shortfall when no candidate fits.
+
+    >>> from hp.train.config import validate
+    >>> from hp.plan.devices import PROFILES
+    >>> config = validate({"model_name_or_path": "hp/tiny-llama", "dataset": "d", "output_dir": "o", "cutoff_len": 16,
+    ...                    "parallel": "auto", "nproc_per_node": 2})
+    >>> chosen, why = choose(config, PROFILES["h100-80g"])
+    >>> sorted(chosen) == ["dp", "recompute"] or "tp" in chosen or "cp" in chosen, why.startswith("hp train: parallel")
+    (True, True)
+    """
+    world = config.world_size
+    among = [s for s in strategies(world) if not (config.disable_gradient_checkpointing and s.get("recompute"))]
+    ranked = search_config(config, hf_config_of(config.model_name_or_path), world, device, among=among)
+    runs = [c for c in ranked if c.runs]
+    if not runs:
+        return None, search_shortfall(world, device, ranked)
+    best = runs[0]
+    return {**best.strategy, "recompute": bool(best.strategy.get("recompute"))}, _why(best, runs, ranked, world,
+                                                                                      device)
+
+
+def _why(best: Candidate, runs: list[Candidate], ranked: list[Candidate], world: int, device: DeviceProfile) -> str:
+    """One line: the choice, its predicted step and peak, and how far ahead of the next candidate it is."""
+    line = (f"hp train: parallel: auto takes {describe(best.strategy)} on {world} ranks of {device.name}: the fastest "
+            f"of the {len(runs)} of {len(ranked)} candidates that fit (hp plan --search), its step "
+            f"{best.time.total * 1e3:.1f} ms predicted, {best.tokens_per_s:.0f} tokens/s, peak "
+            f"{best.memory.peak / GIB:.2f} of {device.memory_bytes / GIB:.2f} GiB")
+    if len(runs) > 1:
+        line += f"; next, {describe(runs[1].strategy)}, {runs[1].time.total / best.time.total:.2f}x its step"
+    return line
+
+
+def _device(named, kind: str, ranks: int) -> DeviceProfile:
+    """`cluster.device` (a profile's name or its figures) when given, else this machine's device (`cpu` measured as
+    the workers run: on processes of their own)."""
+    if named is None or named == "cpu":
+        return local_profile("cpu" if named else kind, ranks)
+    if isinstance(named, str):
+        return profile(named)
+    return spelled_out(named)
