@@ -69,9 +69,9 @@ def _export(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from hp.plan import dry_run_config, hf_config_of
-    from hp.plan.memory import trace_step
-    from hp.plan.step import config_step
-    from hp.plan.step_time import predict, trace_work
+    from hp.plan.memory import memory_of
+    from hp.plan.step import config_step, fake_step
+    from hp.plan.step_time import WorkCount, predict
     from hp.plan.devices import check_nodes, profile, spelled_out
     from hp.plan.report import render, shortfall
     from hp.train import errors
@@ -96,10 +96,12 @@ def _plan(args: argparse.Namespace) -> int:
             except ValueError as reason:  # a step hp plan cannot trace yet: the layout's figures still stand
                 untraced = str(reason)
             else:
-                memory = trace_step(hf_config, *step, backend=device.backend if device is not None else None)
+                with fake_step(hf_config, *step) as traced:  # laid out and run once for its memory and its work
+                    counted = WorkCount(traced)
+                    memory = memory_of(traced, device.backend if device is not None else None, inside=counted)
             short = shortfall(run, device, memory) if device is not None else None
             if memory is not None and device is not None and short is None:  # a step that fits: how long it takes
-                step_time = predict(trace_work(hf_config, *step), device)
+                step_time = predict(counted.work, device)
         print(render(config.model_name_or_path, run, device=device, memory=memory, untraced=untraced,
                      step_time=step_time, as_json=args.json))
         if short:

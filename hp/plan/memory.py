@@ -99,10 +99,12 @@ def measure_step(hf_config, strategy: Strategy | Mapping[str, Any], shape: StepS
     return memory_of(real_step(hf_config, strategy, shape, finetuning, seed=seed))
 
 
-def memory_of(step: Step, backend: str | None = None) -> StepMemory:
+def memory_of(step: Step, backend: str | None = None, *,
+              inside: contextlib.AbstractContextManager = contextlib.nullcontext()) -> StepMemory:
     """`step` (made by `fake_step` or `real_step`) run once more under the tracker: its peak by kind, and the model
     states as its update starts; with `backend`, the buffers its library allocates that the step's process group
-    does not (a fake one's).
+    does not (a fake one's). `inside` is entered within the tracker around the run (another count of the same run,
+    allocating nothing: `hp.plan.step_time.WorkCount`).
 
     >>> memory_of(None, "mpi")
     Traceback (most recent call last):
@@ -118,7 +120,7 @@ def memory_of(step: Step, backend: str | None = None) -> StepMemory:
         at_update.update(next(iter(tracker.get_tracker_snapshot("current").values()), {}))
 
     library = _LibraryBuffers(LIBRARY_BUFFERS[backend]) if backend else contextlib.nullcontext()
-    with tracker, library, warnings.catch_warnings():
+    with tracker, library, inside, warnings.catch_warnings():
         # its module tracker warns when recompute runs a block's forward again inside backward; this reads no
         # per-module figure, only the step's totals
         warnings.filterwarnings("ignore", message="The module hierarchy tracking maybe be messed up")

@@ -4,7 +4,7 @@ Why: the question a user asks before renting a cluster is not "does my
 strategy fit" but "how should I split it". hp answers it the way it answers
 the first question: each candidate is laid out and its step traced by the
 code a run uses (`hp.plan.step.fake_step`, then `hp.plan.memory.memory_of`
-and `hp.plan.step_time.work_of` on the same step), then priced on the
+counting `hp.plan.step_time.work_of`'s work in the same run), then priced on the
 device's profile. Nothing is ranked by a formula.
 
 The candidates split the world into data parallel (plain, or FSDP over the
@@ -29,7 +29,7 @@ from hp.parallel.strategy import Strategy
 from hp.plan.devices import GIB, DeviceProfile
 from hp.plan.memory import StepMemory, memory_of
 from hp.plan.step import StepShape, fake_step
-from hp.plan.step_time import StepTime, predict, work_of
+from hp.plan.step_time import StepTime, WorkCount, predict
 from hp.train.finetuning import Finetuning
 
 
@@ -115,8 +115,8 @@ def search_config(config, hf_config, world: int, device: DeviceProfile, among: l
     >>> from hp.models import tiny_config
     >>> from hp.plan.devices import PROFILES
     >>> config = validate({"model_name_or_path": "hp/tiny-llama", "dataset": "d", "output_dir": "o", "cutoff_len": 16})
-    >>> len(search_config(config, tiny_config("llama", layers=1), 2, PROFILES["h100-80g"]))
-    14
+    >>> [c.strategy for c in search_config(config, tiny_config("llama", layers=1), 1, PROFILES["h100-80g"])]
+    [{}, {'recompute': True}]
     """
     from hp.plan.step import config_step
     from hp.train.config import strategy_labels
@@ -141,9 +141,10 @@ def _traced(hf_config, strategy: dict[str, Any], shape: StepShape, device: Devic
             check(parsed)
         if shape.tokens % parsed.cp:  # a row the trace could not split evenly
             raise ValueError(f"cp = {strategy['cp']} does not divide the {shape.tokens} tokens of a row")
-        with fake_step(hf_config, strategy, shape, finetuning) as step:  # laid out and traced once for both
-            memory = memory_of(step, device.backend)
-            work = work_of(step) if memory.peak <= device.memory_bytes else None
+        with fake_step(hf_config, strategy, shape, finetuning) as step:  # laid out and run once for both
+            counted = WorkCount(step)
+            memory = memory_of(step, device.backend, inside=counted)
+            work = counted.work if memory.peak <= device.memory_bytes else None
     except ValueError as refused:
         return Candidate(strategy, refused=str(refused), tokens=tokens)
     if work is None:

@@ -32,6 +32,7 @@ predictions beside measured steps.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Mapping
@@ -97,11 +98,29 @@ def trace_work(hf_config, strategy: Strategy | Mapping[str, Any], shape: StepSha
 
 def work_of(step: Step) -> StepWork:
     """`step` (made by `fake_step`) run once more, its kernels, ops and collectives counted."""
-    with trace() as seen, counting() as counted:
+    with WorkCount(step) as counted:
         step.run()
-    strides = _strides(step.mesh)
-    return StepWork(tuple(counted.kernels), counted.ops, counted.dtensor_ops,
-                    tuple((c, strides.get(c.axis, 1)) for c in seen.records))
+    return counted.work
+
+
+class WorkCount(contextlib.AbstractContextManager):
+    """Whatever runs `step` inside it, counted as `work_of` counts it; `work` holds the count once it has exited (so
+    that one run serves `hp.plan.memory.memory_of` too: `memory_of(step, inside=WorkCount(step))`)."""
+
+    def __init__(self, step: Step) -> None:
+        self.step, self.work = step, None
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> WorkCount:
+        self._seen = self._stack.enter_context(trace())
+        self._counted = self._stack.enter_context(counting())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+        strides = _strides(self.step.mesh)
+        self.work = StepWork(tuple(self._counted.kernels), self._counted.ops, self._counted.dtensor_ops,
+                             tuple((c, strides.get(c.axis, 1)) for c in self._seen.records))
 
 
 def predict(work: StepWork, device: DeviceProfile) -> StepTime:
