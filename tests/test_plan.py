@@ -133,7 +133,7 @@ def test_the_cluster_section_plans_as_its_flags_do_and_a_flag_wins(capsys):
 def test_a_device_s_memory_against_rank_0_s_model_states(capsys):
     """On a named profile: the share the model states take; where they alone exceed the device, the plan is
     printed, then one message with the shortfall and what would make it fit (exit code 2)."""
-    from hp.plan.devices import PROFILES, measure_cpu
+    from hp.plan.devices import PROFILES
 
     seventy = [QUICKSTART, "model_name_or_path=llama-3.1-70b", "parallel.tp=8"]
     assert main(["plan", *seventy, "parallel.dp=16", "parallel.fsdp=true", "--device", "h100-80g",
@@ -152,8 +152,7 @@ def test_a_device_s_memory_against_rank_0_s_model_states(capsys):
                        f"{(need - 81559 * 2**20) / 2**30:.2f} GiB more than h100-80g's 79.65 GiB: shard them with "
                        "FSDP (parallel.fsdp: true) or over more ranks, split the model (tp, pp), train LoRA adapters, "
                        "or offload the optimizer states")
-    cpu = measure_cpu(size=256)
-    assert cpu.memory_bytes > 2**30 and cpu.peak("fp32") > 1e8 and cpu.intra_node is None
+    # the cpu profile's figures: tests/test_plan_time.py, where hp plan measures it
 
 
 @pytest.mark.parametrize("strategy", [{"tp": 2, "sp": True, "recompute": True}, {"cp": 2, "cp_algorithm": "ring"},
@@ -180,10 +179,7 @@ def test_hp_plan_prints_rank_0_s_step_and_says_what_it_cannot_trace(capsys):
     step = json.loads(capsys.readouterr().out)["step_memory"]
     assert step["peak"] == sum(v for k, v in step.items() if k not in ("peak", "model_states"))
     assert step["activations"] > 0 and step["optimizer_states"] > 0
-    assert main(["plan", QUICKSTART, "--device", "cpu"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[-3].startswith("  rank 0's step (traced): peak ") and "activations" in lines[-3]
-    assert "the step's peak" in lines[-2] and lines[-1].startswith("  rank 0's step on cpu: ")  # tests/test_plan_time.py
+    # with a device, the step's peak against its memory and its time: tests/test_plan_time.py (on cpu, measured)
     assert main(["plan", QUICKSTART, "model_name_or_path=hp/tiny-qwen3-moe", "parallel.tp=1", "parallel.dp=2",
                  "parallel.ep=2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["untraced"].startswith("hp plan traces no mixture-of-experts step")

@@ -87,8 +87,10 @@ def test_a_step_s_seconds_add_on_a_cpu_and_overlap_on_an_accelerator():
 
 def test_a_named_device_times_a_planned_step_and_an_unknown_link_is_said(capsys):
     """`hp plan --device` adds rank 0's step time to the plan; the cpu profile measured without its links times
-    the kernels and says how many collectives it could not."""
+    the kernels and says how many collectives it could not, and holds this machine's figures (measured once a
+    process: hp plan's and `profile("cpu")`'s are one)."""
     from hp.cli import main
+    from hp.plan.devices import profile
 
     common = ["plan", "examples/quickstart.yaml", "cutoff_len=32", "per_device_train_batch_size=2", "--json"]
     assert main([*common, "--device", "h100-80g"]) == 0
@@ -96,8 +98,13 @@ def test_a_named_device_times_a_planned_step_and_an_unknown_link_is_said(capsys)
     assert step["total_s"] == pytest.approx(max(step["compute_s"], step["host_s"]) + step["communication_s"])
     assert step["communication_s"] > 0 and step["untimed_collectives"] == 0
     assert main(["plan", "examples/quickstart.yaml", "cutoff_len=32", "--device", "cpu"]) == 0
-    line = capsys.readouterr().out.splitlines()[-1]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-3].startswith("  rank 0's step (traced): peak ") and "activations" in lines[-3]
+    assert lines[-2].startswith("  on cpu (") and "the step's peak" in lines[-2]
+    line = lines[-1]
     assert line.startswith("  rank 0's step on cpu: ") and "collectives not timed: cpu has no figures" in line
+    cpu = profile("cpu")
+    assert cpu.memory_bytes > 2**30 and cpu.peak("fp32") > 1e8 and cpu.intra_node is None and cpu.backend == "gloo"
 
 
 def test_a_named_profile_has_its_memory_bandwidth():

@@ -12,6 +12,7 @@ config's `cluster.device` (`spelled_out`).
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Mapping
@@ -143,7 +144,7 @@ def profile(name: str) -> DeviceProfile:
     ValueError: device 'v100' has no profile: expected one of h100-80g, h200-141g, a100-80g, 910b-64g, cpu
     """
     if name == "cpu":
-        return measure_cpu()
+        return _this_cpu()
     if name not in PROFILES:
         raise ValueError(f"device {name!r} has no profile: expected one of {', '.join(KNOWN)}")
     return PROFILES[name]
@@ -168,6 +169,12 @@ def local_profile(kind: str, ranks: int) -> DeviceProfile:
     import torch
 
     return driver_named(getattr(torch, kind).get_device_name(0))
+
+
+@functools.cache
+def _this_cpu() -> DeviceProfile:
+    """This machine, measured once a process (`measure_cpu`): every plan it makes prices on the same figures."""
+    return measure_cpu()
 
 
 def driver_named(name: str) -> DeviceProfile:
