@@ -123,7 +123,8 @@ def test_hp_plan_search_ranks_the_world_s_splits_and_parallel_auto_trains_the_fa
     from hp.plan.auto import resolve
     from hp.plan.dry_run import hf_config_of
     from hp.plan.memory import trace_step
-    from hp.train.config import load_config
+    from hp.train.config import ConfigError, load_config
+    from hp.train.launch import checked
     from train_runs import DATA, QUICKSTART, hp_train, summary
 
     given = ["cutoff_len=32", "per_device_train_batch_size=2", "disable_gradient_checkpointing=false"]
@@ -141,6 +142,8 @@ def test_hp_plan_search_ranks_the_world_s_splits_and_parallel_auto_trains_the_fa
         assert candidate["peak_bytes"] == trace_step(config, candidate["strategy"], shape).peak
         assert candidate["tokens_per_s"] == pytest.approx(64 / candidate["step_s"])
     auto = [*given, "parallel=auto", "nproc_per_node=1", "cluster.device=h100-80g", f"dataset_dir={DATA}"]
+    with pytest.raises(ConfigError, match="parallel = 'auto' is chosen by the hp train command before the launch"):
+        checked(QUICKSTART, auto)  # the trainer itself does not search
     overrides = resolve(QUICKSTART, auto)
     assert overrides == [*auto, 'parallel={"recompute": false}'], overrides
     assert capsys.readouterr().err == (

@@ -338,11 +338,12 @@ def _traffic() -> tuple[tuple[str, int, float, float], ...]:
     return tuple(points)
 
 
-def measure_link(group=None, sizes: tuple[int, int] = (1 << 10, 1 << 22)) -> Link:
+def measure_link(group=None, sizes: tuple[int, int] = (1 << 10, 1 << 25)) -> Link:
     """The latency and bandwidth of the process group's link (every rank calls it), from collectives of two sizes
     (the best of five each) read as `hp.plan.step_time` reads them: ring steps of latency, and the bytes a rank
     sends (`hp.cost.ring_bytes`) over the bandwidth. The all-reduce's figures are the link's; the all-gather's, the
-    all-to-all's and the reduce-scatter's its `kinds`."""
+    all-to-all's and the reduce-scatter's its `kinds`. The larger size is FSDP's scale (a block's gradients, tens
+    of MB): gloo moves such a message 2-3 times slower per byte than one of 4 MB."""
     import torch
     import torch.distributed as dist
 

@@ -53,10 +53,7 @@ def launch(config_path: str, overrides: Sequence[str] = ()) -> int:
     """
     from hp.train.data.splits import hand_over
 
-    config = load_config(config_path, overrides)
-    if config.parallel_auto:  # the search sits above the trainer: the command resolves it first
-        raise ConfigError("parallel = 'auto' is chosen by the hp train command before the launch "
-                          "(hp.plan.auto.resolve gives the overrides to launch with)")
+    config = _resolved(load_config(config_path, overrides))
     argv = [str(config_path), *overrides]
     with tempfile.TemporaryDirectory(prefix="hp-launch-") as private, _forked_zygote(config, private, argv) as early:
         splits = _checked(config)
@@ -91,8 +88,17 @@ def _one_process(config: TrainConfig) -> bool:
 def checked(config_path: str, overrides: Sequence[str] = ()) -> tuple[TrainConfig, tuple]:
     """The config and its data's splits (tokenized), checked as the launcher checks them before any worker
     starts, its notes printed; `hp.train.data.splits.hand_over` gives the splits to the workers."""
-    config = load_config(config_path, overrides)
+    config = _resolved(load_config(config_path, overrides))
     return config, _checked(config)
+
+
+def _resolved(config: TrainConfig) -> TrainConfig:
+    """`config`, unless its `parallel: auto` is still to be chosen: the search sits above the trainer, so the hp
+    train command resolves it before the launch (`hp.plan.auto.resolve` gives the overrides to launch with)."""
+    if config.parallel_auto:
+        raise ConfigError("parallel = 'auto' is chosen by the hp train command before the launch "
+                          "(hp.plan.auto.resolve gives the overrides to launch with)")
+    return config
 
 
 def _checked(config: TrainConfig) -> tuple:
