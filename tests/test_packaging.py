@@ -136,3 +136,13 @@ def test_hp_train_from_the_repository_root_over_a_regular_install(install, tmp_p
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 1 and summary["comm_bytes_per_step"]["tp"] > 0
+
+
+def test_every_package_of_the_tree_is_one_the_install_lists():
+    """pyproject.toml lists hp's packages by name: a subpackage left out is missing from a regular install (its
+    commands fail there with ModuleNotFoundError), while the checkout's own imports still find it."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    tree = {".".join(path.parent.relative_to(ROOT).parts) for path in (ROOT / "hp").rglob("__init__.py")}
+    assert tree <= listed, f"packages missing from pyproject.toml: {sorted(tree - listed)}"
