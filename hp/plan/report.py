@@ -112,6 +112,9 @@ def render_search(name: str, world: int, device: DeviceProfile, ranked: list[Can
            step  tokens/s  peak GiB  strategy
        800.0 ms      5120      7.00  dp=2
               -         -         -  tp=2 sp: no
+    >>> untimed = Candidate({"dp": 2}, ranked[0].memory, StepTime(0.5, 0.1, 0.0, 0.6, untimed=4), tokens=4096)
+    >>> print(render_search("m", 2, PROFILES["h100-80g"], [untimed]).splitlines()[-1])
+      h100-80g has no figures for its links: these steps leave their collectives out (parallel: auto measures a CPU's link between two processes)
     """
     if as_json:
         return json.dumps({"model": name, "world": world, "device": device.name,
@@ -126,6 +129,9 @@ def render_search(name: str, world: int, device: DeviceProfile, ranked: list[Can
         else:
             peak = f"{c.memory.peak / GIB:.2f}" if c.memory is not None else "-"
             lines.append(f"  {'-':>9}  {'-':>8}  {peak:>8}  {label}: {c.refused.splitlines()[0]}")
+    if any(c.time is not None and c.time.untimed for c in ranked):
+        lines.append(f"  {device.name} has no figures for its links: these steps leave their collectives out "
+                     "(parallel: auto measures a CPU's link between two processes)")
     return "\n".join(lines)
 
 
