@@ -5,7 +5,8 @@ rank 0's parameters and the seconds it took.
 
 Memory: for each configuration, `hp.plan.memory.trace_step` predicts rank 0's peak over a steady training step
 (traced on fake tensors at the target world, in this process; on gloo's, with the buffers gloo allocates beside a
-collective, `hp.plan.memory.LIBRARY_BUFFERS`), and `measure_step` measures the same step run for real, counted by torch's memory tracker (every tensor storage allocated, not RSS, which holds the runtime):
+collective, `hp.plan.memory.LIBRARY_BUFFERS`), and `measure_step` measures the same step run for real, counted by
+torch's memory tracker (every tensor storage allocated, not RSS, which holds the runtime):
 - on 2 gloo processes, each pinned to a core of its own (rank 0's figures), for the `REAL` configurations;
 - on a world of 4 or 8 simulated ranks for the `SIMULATED` ones: real tensors, every op and every collective's
   output allocated as in a run, on a `fake` process group (collectives move no values, which the memory of a

@@ -72,7 +72,7 @@ def _plan(args: argparse.Namespace) -> int:
     from hp.plan.memory import memory_of
     from hp.plan.step import config_step, fake_step
     from hp.plan.step_time import WorkCount, predict
-    from hp.plan.devices import check_nodes, profile, spelled_out
+    from hp.plan.devices import check_nodes, device_of
     from hp.plan.report import render, shortfall
     from hp.train import errors
     from hp.train.config import ConfigError, load_config
@@ -80,7 +80,7 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, args.overrides)
         devices, per_node, device = _cluster(args, config)
-        device = None if not device else profile(device) if isinstance(device, str) else spelled_out(device)
+        device = device_of(device) if device else None
         given_as = (f"--devices-per-node {per_node}" if args.devices_per_node is not None
                     else f"cluster.devices_per_node = {per_node}")
         check_nodes(devices or config.parallel.world_size, per_node, given_as)

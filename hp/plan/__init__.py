@@ -9,7 +9,8 @@ legal at that size (`dry_run`); `step` is the training step traced on fake
 tensors (and run on real ones to check it), whose memory `memory` tracks
 and whose time `step_time` predicts from the kernels `kernels` counts;
 `devices` holds the accelerators' profiles both are set against; `search`
-ranks every split of a world by its traced step on one of them, and
+ranks every split of a world by its traced step on one of them, `auto`
+takes its first for `parallel: auto` (in processes `forked` for it), and
 `report` prints what the CLI shows.
 
 May import `hp.train`, `hp.models` and every layer below them; only the CLI

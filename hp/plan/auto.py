@@ -24,8 +24,9 @@ import json
 import sys
 from collections.abc import Sequence
 
-from hp.plan.devices import GIB, DeviceProfile, local_profile, profile, spelled_out
+from hp.plan.devices import GIB, DeviceProfile, device_of, local_profile
 from hp.plan.dry_run import describe, hf_config_of
+from hp.plan.forked import forked
 from hp.plan.report import search_shortfall
 from hp.plan.search import Candidate, search_config, strategies
 
@@ -58,33 +59,12 @@ def _in_a_child(config, kind: str) -> tuple[dict | None, str]:
     """`choose` on this machine's device, in a process forked for it: the search lays models out on a fake world,
     which must not outlive it here (the launcher forks its workers' zygote from this process on a CPU), and an
     accelerator's driver is asked in the child only."""
-    import multiprocessing
-    import queue
-
-    context = multiprocessing.get_context("fork")
-    out = context.Queue()
-    child = context.Process(target=_choose_into, args=(config, kind, out))
-    child.start()
-    while True:
-        try:
-            found = out.get(timeout=1)
-            break
-        except queue.Empty:
-            if not child.is_alive():
-                raise RuntimeError(f"parallel: auto's search ended with exit code {child.exitcode} before it "
-                                   "chose") from None
-    child.join()
-    if isinstance(found, BaseException):
-        raise found
-    return found
+    return forked(_choose_on, config, kind, what="parallel: auto's search")
 
 
-def _choose_into(config, kind: str, out) -> None:
-    try:
-        device = _device(config.cluster.device if config.cluster else None, kind, config.nproc_per_node)
-        out.put(choose(config, device))
-    except Exception as error:  # noqa: BLE001 - the parent raises it, with its message
-        out.put(error)
+def _choose_on(rank: int, ranks: int, config, kind: str) -> tuple[dict | None, str]:
+    device = _device(config.cluster.device if config.cluster else None, kind, config.nproc_per_node)
+    return choose(config, device)
 
 
 def choose(config, device: DeviceProfile) -> tuple[dict | None, str]:
@@ -125,6 +105,4 @@ def _device(named, kind: str, ranks: int) -> DeviceProfile:
     the workers run: on processes of their own)."""
     if named is None or named == "cpu":
         return local_profile("cpu" if named else kind, ranks)
-    if isinstance(named, str):
-        return profile(named)
-    return spelled_out(named)
+    return device_of(named)

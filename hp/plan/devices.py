@@ -197,23 +197,15 @@ def driver_named(name: str) -> DeviceProfile:
 def _measured_on_processes(ranks: int) -> DeviceProfile:
     """`measure_cpu` on `ranks` processes forked here, over gloo (the link's figures need two): rank 0's profile.
     Forked, so that pinning a core and a thread count leaves this process as it was."""
-    import multiprocessing
     import tempfile
 
-    context = multiprocessing.get_context("fork")
-    out = context.Queue()
+    from hp.plan.forked import forked
+
     with tempfile.TemporaryDirectory(prefix="hp-measure-") as store:
-        processes = [context.Process(target=_measure_rank, args=(rank, ranks, os.path.join(store, "rendezvous"), out))
-                     for rank in range(ranks)]
-        for process in processes:
-            process.start()
-        profile = out.get(timeout=600)
-        for process in processes:
-            process.join()
-    return profile
+        return forked(_measure_rank, os.path.join(store, "rendezvous"), ranks=ranks, what="measuring this CPU")
 
 
-def _measure_rank(rank: int, ranks: int, store: str, out) -> None:
+def _measure_rank(rank: int, ranks: int, store: str) -> DeviceProfile:
     """One measuring process: pinned to core `rank` with one thread, `measure_cpu` with the link to its peers."""
     import torch
     import torch.distributed as dist
@@ -222,15 +214,21 @@ def _measure_rank(rank: int, ranks: int, store: str, out) -> None:
         os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
     torch.set_num_threads(1)
     if ranks == 1:
-        out.put(measure_cpu())
-        return
+        return measure_cpu()
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ranks)
     try:
-        profile = measure_cpu(link=measure_link())
+        return measure_cpu(link=measure_link())
     finally:
         dist.destroy_process_group()
-    if rank == 0:
-        out.put(profile)
+
+
+def device_of(value: str | Mapping[str, Any]) -> DeviceProfile:
+    """A config's `cluster.device` or `--device`: a profile's name (`profile`), or its figures (`spelled_out`).
+
+    >>> device_of("h100-80g").name, device_of({"memory_gib": 1, "tflops": {"fp32": 1}}).name
+    ('h100-80g', 'custom')
+    """
+    return profile(value) if isinstance(value, str) else spelled_out(value)
 
 
 def spelled_out(figures: Mapping[str, Any]) -> DeviceProfile:

@@ -38,13 +38,13 @@ from hp.parallel.strategy import Strategy
 from hp.plan.step import Step, StepShape, fake_step, real_step
 from hp.train.finetuning import Finetuning
 
-# MemTracker's kinds, as hp plan names them
 # Per backend, the c10d ops whose library copies their whole input while they run (measured on 2 processes here, a
 # 4 MiB input: gloo's `reduce_scatter_single`, FSDP's reduce-scatter, peaks 4 MiB above its input and output; its
 # list form, all-gather, all-reduce and the functional collectives DTensor issues allocate nothing of their own).
 # NCCL and HCCL reduce in the buffers they are given: their staging lies outside the framework's allocator.
 LIBRARY_BUFFERS: dict[str, frozenset[str]] = {"gloo": frozenset({"_reduce_scatter_base_"}), "nccl": frozenset(),
                                               "hccl": frozenset()}
+# MemTracker's kinds, as hp plan names them
 _KINDS = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients", "Optstate": "optimizer_states",
           "Activation": "activations", "Temp": "temporaries", "Input": "inputs", "Other": "other"}
 
